@@ -1,0 +1,162 @@
+"""The engine of one DP rank: model, KV cache, scheduler and model runner, stepped in DP lockstep.
+
+All DP ranks call ``step`` together: the model runner's DP vote is a collective, and the expert
+all-to-all inside the model is one too. The loop ends on every rank at the same step, the first
+one at which no DP rank has work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dbo import TimelineRecorder, set_timeline_recorder
+from launch.args import EngineArgs
+from launch.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
+from launch.kv_cache_manager import KVCacheManager
+from launch.model_runner import ModelRunner
+from launch.request import Request
+from launch.scheduler import Scheduler
+from moe import MoEModelConfig, build_model, check_checkpoint, init_random_weights, load_checkpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedModel:
+    """The model to serve, resolved and checked before any process group exists."""
+
+    config: MoEModelConfig
+    checkpoint_dir: str | None  # None: the embedded default with seeded random weights
+    max_model_len: int
+    seed: int
+
+    def synthetic_prompts(self) -> list[list[int]]:
+        return synthetic_prompts(seed=self.seed, vocab_size=self.config.vocab_size)
+
+
+def resolve_model(args: EngineArgs) -> ResolvedModel:
+    """Read and check ``--model`` (config.json and safetensors headers) or take the embedded default.
+
+    Raises:
+        ValueError: unsupported architecture (naming the supported ones), a malformed config, or
+            ``--max-model-len`` beyond the model's ``max_position_embeddings``.
+        OSError: a missing or unreadable checkpoint directory or file.
+    """
+    if args.model is None:
+        config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
+    else:
+        config_path = Path(args.model) / "config.json"
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
+        try:
+            hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+        config = MoEModelConfig.from_hf_config(hf_config)
+        check_checkpoint(args.model)
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    return ResolvedModel(
+        config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
+    )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
+    num_ubatched_steps: int = 0
+    num_dummy_steps: int = 0
+    step_tokens: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
+
+    def __init__(self, *, engine_args: EngineArgs, model: ResolvedModel, groups) -> None:
+        self.args = engine_args
+        self.groups = groups
+        self.stats = EngineStats()
+        self.timeline = None
+        if engine_args.timeline_dir:
+            self.timeline = TimelineRecorder(rank=groups.rank)
+            set_timeline_recorder(self.timeline)
+        dtype = getattr(torch, engine_args.dtype)
+        config = model.config
+        self.model = build_model(
+            config,
+            ep_rank=groups.ep_rank,
+            ep_size=groups.ep_size,
+            ep_group=groups.ep_group,
+            all2all_backend=engine_args.all2all_backend,
+            timeout_s=engine_args.distributed_timeout_s,
+            dtype=dtype,
+        )
+        if model.checkpoint_dir is None:
+            init_random_weights(self.model, seed=engine_args.seed)
+        else:
+            load_checkpoint(self.model, model.checkpoint_dir)
+        block_size = engine_args.block_size
+        self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
+        num_blocks = engine_args.max_num_seqs * self.max_num_blocks_per_req
+        self.model.allocate_kv_caches(num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+        self.scheduler = Scheduler(
+            kv_cache_manager=self.kv_cache_manager,
+            max_num_seqs=engine_args.max_num_seqs,
+            max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            max_model_len=model.max_model_len,
+            eos_token_ids=config.eos_token_ids,
+        )
+        self.model_runner = ModelRunner(
+            model=self.model,
+            kv_cache_manager=self.kv_cache_manager,
+            engine_args=engine_args,
+            groups=groups,
+            max_num_blocks_per_req=self.max_num_blocks_per_req,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def step(self) -> tuple[list[Request], bool]:
+        """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
+        scheduler_output = self.scheduler.schedule()
+        out = self.model_runner.execute_model(scheduler_output)
+        if not any(out.has_work_across_dp):
+            return [], False
+        if out.ran_model:
+            self.stats.num_steps += 1
+            self.stats.num_ubatched_steps += out.is_ubatched
+            self.stats.num_dummy_steps += out.num_tokens == 0
+            self.stats.step_tokens.append(out.num_tokens)
+        finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        for request in finished:
+            self.model_runner.release(request.request_id)
+        return finished, True
+
+    def run_until_done(self) -> list[Request]:
+        """Step until no DP rank has work; return this rank's finished requests."""
+        finished: list[Request] = []
+        while True:
+            done_now, any_work = self.step()
+            finished += done_now
+            if not any_work:
+                return finished
+
+    def write_timeline(self) -> str | None:
+        """Write this rank's Chrome trace to ``--timeline-dir``; return its path (None if off)."""
+        if self.timeline is None:
+            return None
+        os.makedirs(self.args.timeline_dir, exist_ok=True)
+        path = os.path.join(self.args.timeline_dir, f"rank{self.groups.rank}.json")
+        self.timeline.write_chrome_trace(path)
+        set_timeline_recorder(None)
+        return path

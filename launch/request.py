@@ -1,0 +1,65 @@
+"""A generation request and its sampling parameters, as the scheduler tracks them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token.
+
+    Raises:
+        ValueError: if ``max_tokens`` < 1 or ``temperature`` < 0.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    seed: int | None = None  # per-request generator seed when sampling
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, kw_only=True)
+class Request:
+    """One prompt being generated on this DP rank.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the tokens from there to
+    ``num_tokens`` are what the next steps must compute (a prompt chunk, or the last sampled token).
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "length" or "stop" once finished
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        offset = len(prompt)
+        return prompt[start:] + self.output_token_ids[max(start - offset, 0) : stop - offset]
