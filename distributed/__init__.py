@@ -1,1 +1,40 @@
-"""distributed package."""
+"""distributed: process groups from the torchrun environment and the expert all-to-all backends.
+
+Imports only torch (and the standard library). Nothing happens at import time.
+"""
+
+from distributed.all2all import (
+    BACKENDS,
+    All2AllBackend,
+    AllGatherDispatchMetadata,
+    AllGatherReduceScatterBackend,
+    AllToAllBackend,
+    AllToAllDispatchMetadata,
+    CommHandle,
+    DispatchMetadata,
+    DispatchResult,
+    make_all2all_backend,
+)
+from distributed.parallel_state import (
+    ParallelGroups,
+    TorchrunEnv,
+    destroy_distributed,
+    init_distributed,
+)
+
+__all__ = [
+    "BACKENDS",
+    "All2AllBackend",
+    "AllGatherDispatchMetadata",
+    "AllGatherReduceScatterBackend",
+    "AllToAllBackend",
+    "AllToAllDispatchMetadata",
+    "CommHandle",
+    "DispatchMetadata",
+    "DispatchResult",
+    "ParallelGroups",
+    "TorchrunEnv",
+    "destroy_distributed",
+    "init_distributed",
+    "make_all2all_backend",
+]

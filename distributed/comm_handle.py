@@ -1,0 +1,163 @@
+"""One return shape for asynchronous communication: ``CommHandle[T]``.
+
+A handle wraps the ``Work`` of one in-flight collective and a ``finalize`` step that turns the
+received buffer into the caller's value (unpacking rows, scattering back to token order). The
+handle, not the backend, owns everything that changes after issue, so a backend object holds no
+per-call state and two ubatch threads can share it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+T = TypeVar("T")
+
+
+def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:
+    """The exception to raise for a failed collective: TimeoutError for timeouts, else RuntimeError."""
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
+        return TimeoutError(
+            f"{op} on rank {rank} did not complete within {timeout.total_seconds():g} s "
+            f"(a peer rank is stuck, dead or issued a different collective): {exc}"
+        )
+    return RuntimeError(f"{op} failed on rank {rank}: {exc}")
+
+
+def wait_work(work: Work | None, *, op: str, rank: int, timeout: datetime.timedelta) -> None:
+    """Block until ``work`` completes (None: nothing in flight).
+
+    Raises:
+        TimeoutError: if it does not complete within ``timeout``.
+        RuntimeError: if the collective failed (e.g. a peer died).
+    """
+    if work is None:
+        return
+    try:
+        # blocking wait (timeout: the group timeout) on one collective
+        work.wait(timeout=timeout)
+    except Exception as exc:
+        raise comm_error(op, rank, timeout, exc) from exc
+
+
+class CommHandle(Generic[T]):
+    """Handle of one asynchronous collective whose result is a ``T``.
+
+    Attributes:
+        issued_at_ns: ``time.perf_counter_ns()`` when the collective was issued.
+        completed_at_ns: ``perf_counter_ns()`` when the data had arrived: stamped by a callback on
+            the ``Work``'s future (real completion, from the communication thread), or at
+            ``wait()`` when the backend offers no future. None until known.
+        num_bytes: payload bytes this rank sends to other ranks in this collective.
+
+    ``wait()`` is idempotent and thread-safe: the first call blocks (with the group timeout) and
+    runs the finalize step once; every later call, from any thread, returns the same object (or
+    raises the same error).
+    """
+
+    __slots__ = (
+        "_op",
+        "_rank",
+        "_timeout",
+        "_work",
+        "_finalize",
+        "_lock",
+        "_done",
+        "_result",
+        "_error",
+        "_completed_at_ns",
+        "issued_at_ns",
+        "num_bytes",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        *,
+        op: str,
+        rank: int,
+        timeout: datetime.timedelta,
+        work: Work | None,
+        finalize: Callable[[], T],
+        issued_at_ns: int,
+        num_bytes: int,
+    ) -> None:
+        self._op = op
+        self._rank = rank
+        self._timeout = timeout
+        self._work = work
+        self._finalize: Callable[[], T] | None = finalize
+        self._lock = threading.Lock()
+        self._done = False
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._completed_at_ns: int | None = None
+        self.issued_at_ns = issued_at_ns
+        self.num_bytes = num_bytes
+        if work is not None:
+            self._stamp_on_completion(work)
+
+    def _stamp_on_completion(self, work: Work) -> None:
+        try:
+            future = work.get_future()
+        except (RuntimeError, NotImplementedError):
+            return  # no future for this backend/op: wait() stamps instead
+        future.then(self._on_complete)
+
+    def _on_complete(self, _future) -> None:
+        # Runs on the communication thread; only stamps the time (never reads the value, which
+        # would raise here if the collective failed; wait() reports failures).
+        if self._completed_at_ns is None:
+            self._completed_at_ns = time.perf_counter_ns()
+
+    @property
+    def completed_at_ns(self) -> int | None:
+        return self._completed_at_ns
+
+    def is_completed(self) -> bool:
+        """Whether the data has arrived (does not run finalize, never blocks)."""
+        if self._done:
+            return True
+        work = self._work
+        return work is None or work.is_completed()
+
+    def wait(self) -> T:
+        """Block until the collective completes and return its value (same object every call).
+
+        Raises:
+            TimeoutError: if the collective (or another thread's wait on it) exceeds the timeout.
+            RuntimeError: if the collective failed.
+        """
+        # blocking wait (timeout: group timeout + slack) for another thread already in wait()
+        if not self._lock.acquire(timeout=self._timeout.total_seconds() + 5.0):
+            raise TimeoutError(
+                f"{self._op} on rank {self._rank}: another thread's wait() did not finish within "
+                f"{self._timeout.total_seconds():g} s"
+            )
+        try:
+            if not self._done:
+                self._complete()
+            if self._error is not None:
+                raise self._error
+            return self._result  # type: ignore[return-value]
+        finally:
+            self._lock.release()
+
+    def _complete(self) -> None:
+        try:
+            wait_work(self._work, op=self._op, rank=self._rank, timeout=self._timeout)
+            if self._completed_at_ns is None:
+                self._completed_at_ns = time.perf_counter_ns()
+            self._result = self._finalize()  # type: ignore[misc]
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._done = True
+            self._work = None
+            self._finalize = None  # drop the buffers it closes over

@@ -1,0 +1,208 @@
+"""Process groups of one engine process, built from the torchrun environment.
+
+Layout (tensor parallel = 1): every rank is one data-parallel (DP) attention rank; with expert
+parallelism the expert-parallel (EP) group spans the same ranks, so ``ep_rank == dp_rank`` and
+``ep_size == dp_size``. Without it each rank holds every expert and there is no EP group.
+
+The DP group and the EP group are two separate ``new_group`` communicators, so the DP-wide
+microbatching vote and the expert all-to-all never share a tag sequence (nor a NCCL stream).
+Nothing here runs at import time; groups are returned, never stashed in module globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_REQUIRED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorchrunEnv:
+    """The rank layout torchrun hands to each process.
+
+    Raises:
+        ValueError: if ``world_size < 1``, ``rank`` is outside ``[0, world_size)`` or
+            ``local_rank < 0``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"WORLD_SIZE must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+        """Parse ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and check ``MASTER_ADDR``/``MASTER_PORT``).
+
+        Args:
+            environ: the variables to read; ``os.environ`` (read now, at call time) when None.
+
+        Raises:
+            ValueError: naming every missing variable (run under ``torchrun``), or the variable
+                whose value is not an integer / not a valid port / out of range.
+        """
+        environ = os.environ if environ is None else environ
+        missing = [key for key in _REQUIRED_KEYS if not environ.get(key)]
+        if missing:
+            raise ValueError(
+                f"missing torchrun environment variables {missing}; launch with torchrun "
+                f"(required: {list(_REQUIRED_KEYS)})"
+            )
+        values = {key: _parse_int(environ, key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        port = _parse_int(environ, "MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT must be in [1, 65535], got {port}")
+        return cls(
+            rank=values["RANK"], world_size=values["WORLD_SIZE"], local_rank=values["LOCAL_RANK"]
+        )
+
+
+def _parse_int(environ: Mapping[str, str], key: str) -> int:
+    raw = environ[key]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelGroups:
+    """Ranks and process groups of this process (TP = 1, DP attention, optional EP).
+
+    ``ep_group`` is None exactly when ``ep_size == 1``. ``timeout`` is the limit applied to every
+    collective and every blocking wait on these groups.
+    """
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    dp_group: ProcessGroup
+    ep_rank: int
+    ep_size: int
+    ep_group: ProcessGroup | None
+    device: torch.device
+    timeout: datetime.timedelta
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank must be in [0, {self.ep_size}), got {self.ep_rank}")
+        if (self.ep_group is None) != (self.ep_size == 1):
+            raise ValueError(
+                f"ep_group must be None exactly when ep_size == 1, got ep_size={self.ep_size}, "
+                f"ep_group={self.ep_group!r}"
+            )
+        if self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
+
+
+def init_distributed(
+    *,
+    data_parallel_size: int,
+    enable_expert_parallel: bool,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    env: TorchrunEnv | None = None,
+) -> ParallelGroups:
+    """Initialise the default process group (if needed) and build the DP and EP groups.
+
+    Collective: every rank must call it with the same arguments (``new_group`` is collective).
+
+    Args:
+        data_parallel_size: number of DP attention ranks; must equal the world size (TP = 1).
+        enable_expert_parallel: shard experts over all DP ranks (``ep_size = dp_size``); otherwise
+            every rank holds every expert (``ep_size = 1``, ``ep_group = None``).
+        timeout_s: limit in seconds for every collective on these groups.
+        backend: ``"gloo"`` or ``"nccl"``; default nccl when CUDA is available, else gloo.
+        env: the rank layout; parsed from ``os.environ`` when None.
+
+    Returns:
+        ParallelGroups; ``device`` is ``cuda:{local_rank}`` for nccl, else cpu.
+
+    Raises:
+        ValueError: if ``data_parallel_size != world_size``, ``timeout_s <= 0``, the backend is
+            unknown or nccl is asked for without CUDA, or the torchrun environment is bad.
+        RuntimeError: if a default group already exists with a different rank / world size.
+    """
+    env = TorchrunEnv.from_environ() if env is None else env
+    if data_parallel_size != env.world_size:
+        raise ValueError(
+            f"data_parallel_size ({data_parallel_size}) must equal the world size "
+            f"({env.world_size}): one DP attention rank per process (tensor parallel = 1)"
+        )
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    backend = _pick_backend(backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            raise RuntimeError(
+                f"a default process group already exists as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
+                f"{env.world_size}; call destroy_distributed() first"
+            )
+    else:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    all_ranks = list(range(env.world_size))
+    # Two separate communicators: DP-wide votes and expert all-to-alls never interleave on one tag
+    # sequence, even when two ubatch threads issue them.
+    dp_group = dist.new_group(all_ranks, timeout=timeout, backend=backend)
+    ep_size = env.world_size if enable_expert_parallel else 1
+    ep_group = None
+    if ep_size > 1:
+        ep_group = dist.new_group(all_ranks, timeout=timeout, backend=backend)
+    return ParallelGroups(
+        rank=env.rank,
+        world_size=env.world_size,
+        dp_rank=env.rank,
+        dp_size=env.world_size,
+        dp_group=dp_group,
+        ep_rank=env.rank if ep_size > 1 else 0,
+        ep_size=ep_size,
+        ep_group=ep_group,
+        device=device,
+        timeout=timeout,
+    )
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+    return backend
+
+
+def destroy_distributed() -> None:
+    """Destroy every process group of this process (no-op when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
