@@ -1,1 +1,56 @@
-"""dbo package."""
+"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision, the ping-pong protocol
+between ubatch threads, the wrapper that runs a model on ubatches, and a timeline recorder."""
+
+from dbo.attention_metadata import CommonAttentionMetadata
+from dbo.dp_coordination import (
+    DPMicrobatchDecision,
+    coordinate_batch_across_dp,
+    decide_from_gathered,
+    should_ubatch_locally,
+)
+from dbo.timeline import (
+    TimelineRecorder,
+    TimelineSpan,
+    get_timeline_recorder,
+    record_comm_span,
+    set_timeline_recorder,
+    timeline_span,
+)
+from dbo.ubatch_context import (
+    UBatchAborted,
+    UBatchContext,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_yield,
+    make_ubatch_contexts,
+)
+from dbo.ubatch_slicing import UBatchSlice, make_ubatch_slices, split_attn_metadata
+from dbo.ubatch_wrapper import UBatchWrapper
+
+__all__ = [
+    "CommonAttentionMetadata",
+    "DPMicrobatchDecision",
+    "TimelineRecorder",
+    "TimelineSpan",
+    "UBatchAborted",
+    "UBatchContext",
+    "UBatchSlice",
+    "UBatchWrapper",
+    "coordinate_batch_across_dp",
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "dbo_yield",
+    "decide_from_gathered",
+    "get_timeline_recorder",
+    "make_ubatch_contexts",
+    "make_ubatch_slices",
+    "record_comm_span",
+    "set_timeline_recorder",
+    "should_ubatch_locally",
+    "split_attn_metadata",
+    "timeline_span",
+]

@@ -1,0 +1,149 @@
+"""The DP-wide decision whether this step microbatches (vLLM's ``coordinate_batch_across_dp``).
+
+Every DP rank votes; the ranks microbatch only if all vote yes, because the expert all-to-all is a
+collective over all EP ranks and every rank must hit the same yield points. Then all ranks pad to
+the largest token count, and if that padding would leave some rank's second ubatch without a real
+token, nobody microbatches (vLLM's ``is_second_ubatch_empty``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+# columns of the gathered [dp_size, 4] int64 table
+_NUM_TOKENS, _PADDED_NUM_TOKENS, _VOTE, _HAS_WORK = range(4)
+_NUM_COLUMNS = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DPMicrobatchDecision:
+    """What every DP rank agreed on for one step.
+
+    Fields:
+        should_ubatch: all ranks microbatch this step (identical on every rank).
+        num_tokens_across_dp: ``[dp_size]`` each DP rank's real token count.
+        num_tokens_padded: if ``should_ubatch``, the max padded token count over DP (every rank
+            pads to it); else this rank's own padded count.
+        has_work_across_dp: ``[dp_size]`` whether each rank has any scheduled request.
+    """
+
+    should_ubatch: bool
+    num_tokens_across_dp: list[int]
+    num_tokens_padded: int
+    has_work_across_dp: list[bool]
+
+    def __post_init__(self) -> None:
+        if len(self.num_tokens_across_dp) != len(self.has_work_across_dp):
+            raise ValueError(
+                f"num_tokens_across_dp ({len(self.num_tokens_across_dp)} ranks) and "
+                f"has_work_across_dp ({len(self.has_work_across_dp)} ranks) must have one entry "
+                f"per DP rank"
+            )
+        if self.num_tokens_padded < 0:
+            raise ValueError(f"num_tokens_padded must be >= 0, got {self.num_tokens_padded}")
+
+
+def should_ubatch_locally(
+    *,
+    num_tokens: int,
+    is_decode_only: bool,
+    decode_token_threshold: int,
+    prefill_token_threshold: int,
+) -> bool:
+    """This rank's vote: a decode-only batch needs ``num_tokens >= decode_token_threshold``, a batch
+    with any prefill ``num_tokens >= prefill_token_threshold`` (vLLM's ``--dbo-*-token-threshold``).
+
+    Raises:
+        ValueError: if a count or threshold is negative.
+    """
+    for name, value in (
+        ("num_tokens", num_tokens),
+        ("decode_token_threshold", decode_token_threshold),
+        ("prefill_token_threshold", prefill_token_threshold),
+    ):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    threshold = decode_token_threshold if is_decode_only else prefill_token_threshold
+    return num_tokens >= threshold
+
+
+def decide_from_gathered(rows: Tensor, dp_rank: int) -> DPMicrobatchDecision:
+    """Turn the gathered per-rank table into this rank's decision (pure; no communication).
+
+    Args:
+        rows: ``[dp_size, 4]`` int64 (any integer dtype, any device), one row per DP rank:
+            ``(num_tokens, padded_num_tokens, vote, has_work)`` with vote/has_work 0 or 1.
+        dp_rank: this rank's row, in ``[0, dp_size)``.
+
+    Raises:
+        ValueError: on a wrong shape or an out-of-range ``dp_rank``.
+    """
+    if rows.dim() != 2 or rows.shape[1] != _NUM_COLUMNS or rows.shape[0] < 1:
+        raise ValueError(f"rows must be [dp_size >= 1, 4], got shape {tuple(rows.shape)}")
+    dp_size = rows.shape[0]
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
+    num_tokens = [int(r[_NUM_TOKENS]) for r in table]
+    padded = [int(r[_PADDED_NUM_TOKENS]) for r in table]
+    has_work = [bool(r[_HAS_WORK]) for r in table]
+    should_ubatch = all(bool(r[_VOTE]) for r in table)
+    max_padded = max(padded)
+    # with every rank padded to max_padded, the split point is max_padded // 2; a rank whose real
+    # tokens all lie before it would run an empty second ubatch
+    if should_ubatch and max_padded // 2 >= min(num_tokens):
+        should_ubatch = False
+    return DPMicrobatchDecision(
+        should_ubatch=should_ubatch,
+        num_tokens_across_dp=num_tokens,
+        num_tokens_padded=max_padded if should_ubatch else padded[dp_rank],
+        has_work_across_dp=has_work,
+    )
+
+
+def _collective_device(dp_group: ProcessGroup) -> torch.device:
+    if dist.get_backend(dp_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def coordinate_batch_across_dp(
+    *,
+    num_tokens: int,
+    has_work: bool,
+    vote: bool,
+    dp_group: ProcessGroup | None,
+    dp_rank: int,
+    dp_size: int,
+) -> DPMicrobatchDecision:
+    """Exchange every DP rank's ``(num_tokens, num_tokens, vote, has_work)`` and decide.
+
+    One ``all_reduce`` of a ``[dp_size, 4]`` int64 table over ``dp_group`` (each rank fills its own
+    row; on an NCCL group the table lives on the current CUDA device). ``dp_size == 1`` skips
+    communication. Every rank gets the same ``should_ubatch``.
+
+    Raises:
+        ValueError: on an out-of-range ``dp_rank``, a missing ``dp_group`` with ``dp_size > 1`` or a
+            group whose size is not ``dp_size``.
+        RuntimeError/TimeoutError: from the collective (the group's timeout applies).
+    """
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need dp_size >= 1 and 0 <= dp_rank < dp_size, got {dp_rank}/{dp_size}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    rows = torch.zeros(dp_size, _NUM_COLUMNS, dtype=torch.int64)
+    rows[dp_rank] = torch.tensor([num_tokens, num_tokens, int(vote), int(has_work)])
+    if dp_size > 1:
+        if dp_group is None:
+            raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")
+        group_size = dist.get_world_size(dp_group)
+        if group_size != dp_size:
+            raise ValueError(f"dp_group has {group_size} ranks, expected dp_size={dp_size}")
+        rows = rows.to(_collective_device(dp_group))
+        dist.all_reduce(rows, group=dp_group)  # blocking wait (timeout: the group's timeout)
+    return decide_from_gathered(rows, dp_rank)

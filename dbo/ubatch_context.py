@@ -1,0 +1,268 @@
+"""The ping-pong protocol between ubatch threads (vLLM's ``UBatchContext`` and ``dbo_*`` functions).
+
+Each ubatch thread runs the model inside its ``UBatchContext``. Exactly one of them runs at a time:
+it holds the *baton* and hands it on, in a ring 0 -> 1 -> 0 ..., at every ``dbo_yield()``. While
+one ubatch computes, the other's all-to-all is in flight; the *recv hook* a ubatch registers (the
+``wait()`` of its collective) is run by the other ubatch at its next ``dbo_maybe_run_recv_hook()``.
+
+The current context is thread-local. Every blocking wait has a timeout (``TimeoutError`` naming
+the wait). A failure in one ubatch marks the group aborted and wakes the others, which raise
+``UBatchAborted`` at their next wait; ``UBatchWrapper`` re-raises the original error once.
+All ``dbo_*`` functions are no-ops (or 0/False) when no context is current (DBO off).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = [
+    "UBatchAborted",
+    "UBatchContext",
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "dbo_yield",
+    "make_ubatch_contexts",
+]
+
+
+class UBatchAborted(RuntimeError):
+    """Raised in a ubatch thread because another ubatch failed (the cause is chained)."""
+
+
+class _UBatchGroup:
+    """State shared by the contexts of one step.
+
+    ``lock`` guards the state. The baton itself is a permit: ``wake[i]`` is a plain lock used as a
+    binary semaphore (released = ubatch ``i`` may run), the cheapest cross-thread handoff Python
+    has (a Condition allocates a lock per wait and notifies through a waiter list). Invariant:
+    outside an abort there is exactly one permit in the ring, owned by ``owner``; a ubatch consumes
+    its permit when it starts running and gives the next one a permit when it hands on.
+    """
+
+    def __init__(self, num_ubatches: int, timeout_s: float) -> None:
+        self.num_ubatches = num_ubatches
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.wake = [threading.Lock() for _ in range(num_ubatches)]
+        for wake in self.wake[1:]:
+            wake.acquire()  # no permit yet; ubatch 0 holds the baton first
+        self.owner = 0
+        self.finished = [False] * num_ubatches
+        self.hooks: list[list[Callable[[], None]]] = [[] for _ in range(num_ubatches)]
+        self.error: BaseException | None = None
+        self.last_progress_ns = time.perf_counter_ns()
+
+    # next_unfinished, hand_on, raise_if_aborted and abort are called with self.lock held
+
+    def next_unfinished(self, ubatch_id: int) -> int:
+        """The next ubatch in the ring after ``ubatch_id`` that has not finished (maybe itself)."""
+        for step in range(1, self.num_ubatches + 1):
+            candidate = (ubatch_id + step) % self.num_ubatches
+            if not self.finished[candidate]:
+                return candidate
+        return ubatch_id
+
+    def hand_on(self, ubatch_id: int) -> int:
+        """Give the baton to the next unfinished ubatch; return it (``ubatch_id`` if none)."""
+        self.owner = self.next_unfinished(ubatch_id)
+        self.last_progress_ns = time.perf_counter_ns()
+        if self.owner != ubatch_id and self.wake[self.owner].locked():
+            self.wake[self.owner].release()
+        return self.owner
+
+    def raise_if_aborted(self, ubatch_id: int) -> None:
+        if self.error is not None:
+            raise UBatchAborted(
+                f"ubatch {ubatch_id} stopped because another ubatch failed: {self.error!r}"
+            ) from self.error
+
+    def abort(self, error: BaseException) -> None:
+        """Record the first error and give every ubatch a permit, so that all waits return."""
+        if self.error is None:
+            self.error = error
+        self.last_progress_ns = time.perf_counter_ns()
+        for wake in self.wake:
+            if wake.locked():
+                wake.release()
+
+    def wait_for_baton(self, ubatch_id: int, what: str) -> None:
+        """Block until ``ubatch_id`` holds the baton (called WITHOUT self.lock held)."""
+        # blocking wait (timeout self.timeout_s): for the baton, or for an abort
+        has_permit = self.wake[ubatch_id].acquire(timeout=self.timeout_s)
+        with self.lock:
+            self.raise_if_aborted(ubatch_id)
+            if not has_permit:
+                raise TimeoutError(
+                    f"ubatch {ubatch_id} waited {self.timeout_s:g} s for the baton {what}; ubatch "
+                    f"{self.owner} holds it and never yielded or finished"
+                )
+            if self.owner != ubatch_id:  # cannot happen while the invariant holds
+                raise RuntimeError(
+                    f"ubatch {ubatch_id} woke up but ubatch {self.owner} holds the baton"
+                )
+
+
+class UBatchContext:
+    """One ubatch's handle on the shared protocol state; make them with ``make_ubatch_contexts``.
+
+    As a context manager: ``__enter__`` makes it the thread-local current context and waits for
+    the baton (ubatch 0 holds it first); ``__exit__`` runs this ubatch's pending recv hooks, marks
+    it finished and hands the baton on (a finished ubatch is skipped by later passes, so the last
+    one's yields return at once). Leaving with an exception aborts the group instead.
+    """
+
+    __slots__ = ("id", "_group")
+
+    def __init__(self, ubatch_id: int, group: _UBatchGroup) -> None:
+        self.id = ubatch_id
+        self._group = group
+
+    def __repr__(self) -> str:
+        return f"UBatchContext(id={self.id}, num_ubatches={self._group.num_ubatches})"
+
+    @property
+    def timeout_s(self) -> float:
+        return self._group.timeout_s
+
+    @property
+    def last_progress_ns(self) -> int:
+        """``perf_counter_ns()`` of the group's last baton pass (for watchdogs)."""
+        return self._group.last_progress_ns
+
+    def __enter__(self) -> UBatchContext:
+        if getattr(_local, "context", None) is not None:
+            error = RuntimeError(f"{self!r} entered in a thread already in a ubatch context")
+            self._finish_after_error(error)
+            raise error
+        _local.context = self
+        try:
+            self._group.wait_for_baton(self.id, "to start")
+        except BaseException as error:
+            _local.context = None
+            self._finish_after_error(error)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc is None:
+                self.maybe_run_recv_hook()
+        except BaseException as error:
+            exc = error
+            raise
+        finally:
+            _local.context = None
+            if exc is None:
+                with self._group.lock:
+                    self._group.finished[self.id] = True
+                    self._group.hand_on(self.id)
+            else:
+                self._finish_after_error(exc)
+        return False
+
+    def _finish_after_error(self, error: BaseException) -> None:
+        with self._group.lock:
+            self._group.finished[self.id] = True
+            # an UBatchAborted only echoes the error that already aborted the group
+            if not isinstance(error, UBatchAborted):
+                self._group.abort(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Mark the whole group failed with ``error`` and wake every waiting ubatch (idempotent;
+        the first error wins). For failures outside a context, e.g. in a thread's setup."""
+        with self._group.lock:
+            self._group.abort(error)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first error that aborted the group, if any."""
+        return self._group.error
+
+    def yield_(self) -> None:
+        """Hand the baton to the next unfinished ubatch and wait until it comes back."""
+        group = self._group
+        with group.lock:
+            group.raise_if_aborted(self.id)
+            if group.hand_on(self.id) == self.id:
+                return  # every other ubatch has finished: nobody to wait for
+        group.wait_for_baton(self.id, "at a dbo_yield")
+
+    def register_recv_hook(self, hook: Callable[[], None]) -> None:
+        """Give ``hook`` to the next ubatch in the ring (this one if all others have finished)."""
+        group = self._group
+        with group.lock:
+            group.hooks[group.next_unfinished(self.id)].append(hook)
+
+    def maybe_run_recv_hook(self) -> None:
+        """Run and clear this ubatch's pending hooks, oldest first (outside the lock)."""
+        group = self._group
+        with group.lock:
+            hooks = group.hooks[self.id]
+            if not hooks:
+                return
+            group.hooks[self.id] = []
+        for hook in hooks:
+            hook()
+
+
+def make_ubatch_contexts(num_ubatches: int = 2, *, timeout_s: float) -> list[UBatchContext]:
+    """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
+
+    Raises:
+        ValueError: if ``num_ubatches < 1`` or ``timeout_s <= 0``.
+    """
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    group = _UBatchGroup(num_ubatches, float(timeout_s))
+    return [UBatchContext(i, group) for i in range(num_ubatches)]
+
+
+_local = threading.local()
+
+
+def _current() -> UBatchContext | None:
+    return getattr(_local, "context", None)
+
+
+def dbo_enabled() -> bool:
+    """Whether a ubatch context is current in this thread."""
+    return _current() is not None
+
+
+def dbo_current_ubatch_id() -> int:
+    """The current ubatch's id; 0 when DBO is off."""
+    ctx = _current()
+    return 0 if ctx is None else ctx.id
+
+
+def dbo_yield() -> None:
+    """Pass the baton to the next ubatch and wait to get it back (no-op when DBO is off).
+
+    Raises:
+        TimeoutError: if the baton does not come back within the contexts' timeout.
+        UBatchAborted: if another ubatch failed.
+    """
+    ctx = _current()
+    if ctx is not None:
+        ctx.yield_()
+
+
+def dbo_register_recv_hook(hook: Callable[[], None]) -> None:
+    """Give ``hook`` (typically a collective's ``wait``) to the OTHER ubatch, which runs it at its
+    next ``dbo_maybe_run_recv_hook()`` or when it leaves its context (no-op when DBO is off)."""
+    ctx = _current()
+    if ctx is not None:
+        ctx.register_recv_hook(hook)
+
+
+def dbo_maybe_run_recv_hook() -> None:
+    """Run and clear the CURRENT ubatch's pending recv hooks, if any (no-op when DBO is off)."""
+    ctx = _current()
+    if ctx is not None:
+        ctx.maybe_run_recv_hook()

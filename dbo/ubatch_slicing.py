@@ -1,0 +1,184 @@
+"""Cut one step's flat batch into ubatches and slice its attention metadata accordingly.
+
+Follows vLLM's ``ubatch_utils`` / ``ubatch_splitting``: the token range is cut at
+``num_tokens_padded // 2``, a prefill request may be cut in the middle (its first part runs in
+ubatch 0), and padding rows go to the last ubatch. A cut request is correct because ubatch 0 always
+runs layer L's attention (and KV write) before ubatch 1 does (the baton order), so the continuation
+in ubatch 1 can attend to the first part through the KV cache with the request's full ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dbo.attention_metadata import CommonAttentionMetadata
+
+
+def _check_slice(name: str, value: slice) -> None:
+    if not isinstance(value, slice) or value.step not in (None, 1):
+        raise ValueError(f"{name} must be a slice with step 1, got {value!r}")
+    if not (isinstance(value.start, int) and isinstance(value.stop, int)):
+        raise ValueError(f"{name} must have int start and stop, got {value!r}")
+    if not 0 <= value.start <= value.stop:
+        raise ValueError(f"{name} needs 0 <= start <= stop, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UBatchSlice:
+    """The part of a flat batch that one ubatch runs.
+
+    Fields:
+        request_slice: requests with at least one real token in this ubatch (indices into the
+            step's requests, i.e. rows of ``seq_lens`` / ``block_table``).
+        token_slice: ``[start, stop)`` token rows of this ubatch, padding rows included.
+    """
+
+    request_slice: slice
+    token_slice: slice
+
+    def __post_init__(self) -> None:
+        _check_slice("request_slice", self.request_slice)
+        _check_slice("token_slice", self.token_slice)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows in this ubatch, padding included."""
+        return self.token_slice.stop - self.token_slice.start
+
+    @property
+    def num_reqs(self) -> int:
+        return self.request_slice.stop - self.request_slice.start
+
+
+def _as_int_list(query_start_loc: Sequence[int] | Tensor) -> list[int]:
+    if isinstance(query_start_loc, Tensor):
+        # host-device sync when query_start_loc lives on a GPU (callers normally pass a CPU copy)
+        return [int(x) for x in query_start_loc.tolist()]
+    return [int(x) for x in query_start_loc]
+
+
+def make_ubatch_slices(
+    query_start_loc: Sequence[int] | Tensor, num_tokens_padded: int, num_ubatches: int = 2
+) -> list[UBatchSlice]:
+    """Cut ``num_tokens_padded`` token rows into ``num_ubatches`` contiguous ubatches.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` cumulative query lengths (ints or an int tensor),
+            starting at 0; its last entry is the number of real tokens.
+        num_tokens_padded: rows after padding (``>= query_start_loc[-1]``); rows past the real
+            tokens are padding and go to the last ubatch.
+        num_ubatches: ``>= 1``; ubatch ``k`` starts at row ``k * num_tokens_padded // num_ubatches``
+            (for two ubatches the split point is ``num_tokens_padded // 2``, as in vLLM).
+
+    Returns:
+        One ``UBatchSlice`` per ubatch, in order; a request cut by a split point appears in both.
+
+    Raises:
+        ValueError: on a malformed ``query_start_loc``, ``num_tokens_padded`` below the real token
+            count, ``num_ubatches < 1``, or if a ubatch would have no real token.
+    """
+    qsl = _as_int_list(query_start_loc)
+    if not qsl or qsl[0] != 0 or any(b < a for a, b in zip(qsl[:-1], qsl[1:], strict=True)):
+        raise ValueError(f"query_start_loc must start at 0 and be non-decreasing, got {qsl}")
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    num_actual_tokens = qsl[-1]
+    if num_tokens_padded < num_actual_tokens:
+        raise ValueError(
+            f"num_tokens_padded={num_tokens_padded} must be >= the real token count "
+            f"{num_actual_tokens}"
+        )
+    bounds = [k * num_tokens_padded // num_ubatches for k in range(num_ubatches)]
+    bounds.append(num_tokens_padded)
+    slices = []
+    for k in range(num_ubatches):
+        start, stop = bounds[k], bounds[k + 1]
+        real_stop = min(stop, num_actual_tokens)
+        if real_stop <= start:
+            raise ValueError(
+                f"ubatch {k} of {num_ubatches} (token rows [{start}, {stop})) would have no real "
+                f"token: {num_actual_tokens} real tokens padded to {num_tokens_padded}"
+            )
+        # bisect_right - 1: the request r with qsl[r] <= token < qsl[r + 1] (skips empty requests)
+        first_req = bisect.bisect_right(qsl, start) - 1
+        last_req = bisect.bisect_right(qsl, real_stop - 1) - 1
+        slices.append(
+            UBatchSlice(
+                request_slice=slice(first_req, last_req + 1), token_slice=slice(start, stop)
+            )
+        )
+    return slices
+
+
+def _slice_metadata(
+    ubatch_slice: UBatchSlice, common: CommonAttentionMetadata, qsl: list[int], seq_lens: list[int]
+) -> CommonAttentionMetadata:
+    req, tok = ubatch_slice.request_slice, ubatch_slice.token_slice
+    # a request's rows clamped to the ubatch's rows: a cut first request starts at 0, a cut last
+    # request ends at the ubatch's last real row
+    new_qsl = [min(max(x, tok.start), tok.stop) - tok.start for x in qsl[req.start : req.stop + 1]]
+    new_seq_lens = seq_lens[req]
+    if new_seq_lens and qsl[req.stop] > tok.stop:
+        # the last request continues in a later ubatch: its first part sees only its own tokens
+        new_seq_lens[-1] -= qsl[req.stop] - tok.stop
+    query_lens = [b - a for a, b in zip(new_qsl[:-1], new_qsl[1:], strict=True)]
+    device = common.query_start_loc.device
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(new_seq_lens, dtype=torch.int32, device=common.seq_lens.device),
+        block_table=common.block_table[req],
+        slot_mapping=common.slot_mapping[tok],
+        num_reqs=len(new_seq_lens),
+        num_actual_tokens=new_qsl[-1],
+        num_tokens=ubatch_slice.num_tokens,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(new_seq_lens, default=0),
+    )
+
+
+def split_attn_metadata(
+    ubatch_slices: Sequence[UBatchSlice], common: CommonAttentionMetadata
+) -> list[CommonAttentionMetadata]:
+    """Slice ``common`` into one ``CommonAttentionMetadata`` per ubatch.
+
+    ``query_start_loc`` is rebased to 0 in each slice; ``seq_lens`` and ``block_table`` rows are
+    taken by ``request_slice``, ``slot_mapping`` by ``token_slice`` (``block_table`` and
+    ``slot_mapping`` are views, not copies). A request cut between ubatches keeps its full
+    ``seq_len`` in the ubatch that holds its last tokens; in an earlier ubatch its ``seq_len`` is
+    reduced by the tokens that moved on, so its query positions stay the same.
+
+    Raises:
+        ValueError: if a slice's rows lie outside ``common`` or its ``request_slice`` does not
+            match the requests of its ``token_slice``.
+    """
+    # host-device sync when the metadata lives on a GPU (once per step, before the ubatch threads)
+    qsl = [int(x) for x in common.query_start_loc.tolist()]
+    seq_lens = [int(x) for x in common.seq_lens.tolist()]
+    result = []
+    for k, ubatch_slice in enumerate(ubatch_slices):
+        req, tok = ubatch_slice.request_slice, ubatch_slice.token_slice
+        if tok.stop > common.num_tokens or req.stop > common.num_reqs:
+            raise ValueError(
+                f"ubatch {k} slice {ubatch_slice} exceeds the batch ({common.num_reqs} requests, "
+                f"{common.num_tokens} token rows)"
+            )
+        real_start, real_stop = tok.start, min(tok.stop, common.num_actual_tokens)
+        if req.start == req.stop:
+            covers = real_stop <= real_start
+        else:
+            covers = (
+                qsl[req.start] <= real_start < qsl[req.start + 1]
+                and qsl[req.stop - 1] < real_stop <= qsl[req.stop]
+            )
+        if not covers:
+            raise ValueError(
+                f"ubatch {k}: request_slice {req} does not cover exactly the requests of "
+                f"token_slice {tok} (query_start_loc={qsl})"
+            )
+        result.append(_slice_metadata(ubatch_slice, common, qsl, seq_lens))
+    return result
