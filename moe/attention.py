@@ -1,0 +1,153 @@
+"""Paged KV-cache attention (plain torch reference, CPU and GPU).
+
+Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K,
+1 = V). A token's K/V live at flat slot ``block_id * block_size + offset`` (``slot_mapping``); a
+request's context is the blocks listed in its ``block_table`` row, in order.
+
+Per request i the query rows are ``query_start_loc[i]:query_start_loc[i+1]`` and sit at positions
+``seq_lens[i] - q_len .. seq_lens[i] - 1``; each attends causally to context positions
+``0 .. its own position`` (GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``).
+Rows at or past ``num_actual_tokens`` are padding: no cache write, zero output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from dbo.attention_metadata import CommonAttentionMetadata
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at ``slot_mapping`` [num_tokens]
+    (int64, -1 = padding, skipped) into ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    # slot = block_id * block_size + offset is exactly the row index of the flattened cache
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, hd]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    if slots.numel() == 0:
+        return
+    flat[0, slots] = key[valid].to(kv_cache.dtype)
+    flat[1, slots] = value[valid].to(kv_cache.dtype)
+
+
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    scale: float,
+) -> Tensor:
+    """Write this step's K/V into the cache, then attend over each request's cached context.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim]
+        key, value: [num_tokens, num_kv_heads, head_dim] (already rotated)
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: query_start_loc / seq_lens / block_table / slot_mapping of this (u)batch.
+        scale: softmax scale (head_dim ** -0.5).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; padding rows are zero.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[3:] != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_actual = attn_metadata.num_actual_tokens
+    write_kv_cache(
+        key[:num_actual], value[:num_actual], kv_cache, attn_metadata.slot_mapping[:num_actual]
+    )
+    out = torch.zeros_like(query)
+    block_size = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # blocking host sync: request boundaries drive the per-request loop
+    query_start_loc = attn_metadata.query_start_loc.tolist()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    for i in range(attn_metadata.num_reqs):
+        q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
+        q_len, seq_len = q_end - q_start, seq_lens[i]
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = attn_metadata.block_table[i, :num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len], True = attend
+        o = F.scaled_dot_product_attention(
+            query[q_start:q_end].transpose(0, 1),  # [num_heads, q_len, head_dim]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+class PagedAttention(nn.Module):
+    """Attention core of one layer; its cache is attached by ``bind_kv_cache``."""
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: Tensor | None = None  # not a buffer: the engine owns and sizes it
+
+    def bind_kv_cache(self, kv_cache: Tensor) -> None:
+        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError on other shapes."""
+        if (
+            kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2
+            or tuple(kv_cache.shape[3:])
+            != (
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        ):
+            raise ValueError(
+                f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        self.kv_cache = kv_cache
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        """query [T, num_heads*head_dim], key/value [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
+        num_tokens = query.shape[0]
+        out = paged_attention(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            attn_metadata,
+            scale=self.scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
