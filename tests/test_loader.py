@@ -1,0 +1,228 @@
+"""Checkpoint loading (sharded / single file, EP layouts, errors) and random initialisation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moe import (
+    FusedMoEPrepareAndFinalize,
+    MoEModelConfig,
+    build_model,
+    init_random_weights,
+    load_checkpoint,
+    load_config,
+)
+
+transformers = pytest.importorskip("transformers")
+
+HF_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+
+
+class _EPStub(FusedMoEPrepareAndFinalize):
+    """Serves num_local_experts for construction; loading never communicates."""
+
+    def __init__(self, num_local_experts: int):
+        self._n = num_local_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._n
+
+    def prepare(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def finalize(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+def _build(config, ep_rank=0, ep_size=1):
+    if ep_size == 1:
+        return build_model(config)
+    stub = _EPStub(config.num_experts // ep_size)
+    return build_model(config, ep_rank=ep_rank, ep_size=ep_size, prepare_finalize=stub)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**HF_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, hf_model):
+    path = tmp_path_factory.mktemp("sharded")
+    hf_model.save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, hf_model):
+    path = tmp_path_factory.mktemp("single")
+    hf_model.save_pretrained(path)
+    assert (path / "model.safetensors").is_file()
+    return path
+
+
+def _expected(path):
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    files = (
+        set(json.loads(index.read_text())["weight_map"].values())
+        if index.exists()
+        else {"model.safetensors"}
+    )
+    tensors = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    return tensors
+
+
+def test_config_from_checkpoint(sharded):
+    config = load_config(sharded)
+    assert config.head_dim == 8 and config.num_experts == 4 and config.rope_theta == 1e6
+    assert config.eos_token_ids == (2,) and not config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("which", ["sharded", "single"])
+def test_loads_every_tensor(which, request):
+    path = request.getfixturevalue(which)
+    tensors = _expected(path)
+    model = _build(load_config(path))
+    stats = load_checkpoint(model, path)
+    assert set(stats.tensor_names) == set(tensors)
+    params = dict(model.named_parameters())
+    for name, tensor in tensors.items():
+        if ".experts." in name:
+            prefix, e, w = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+            torch.testing.assert_close(params[f"{prefix}.{w}"][e], tensor, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(params[name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_ep2_reads_only_owned_experts(sharded, ep_rank):
+    tensors = _expected(sharded)
+    model = _build(load_config(sharded), ep_rank=ep_rank, ep_size=2)
+    stats = load_checkpoint(model, sharded)
+    experts = model.model.layers[0].block_sparse_moe.experts
+    assert experts.w1.shape == (2, 48, 32) and experts.w2.shape == (2, 32, 48)
+    expert_names = {n for n in stats.tensor_names if ".experts." in n}
+    owned = {2 * ep_rank, 2 * ep_rank + 1}
+    assert {int(n.split(".")[-3]) for n in expert_names} == owned
+    assert len(expert_names) == 2 * 3 * 2  # layers x (w1, w2, w3) x owned experts
+    assert stats.num_tensors_read == len(tensors) - 2 * 3 * 2
+    for local, e in enumerate(sorted(owned)):
+        torch.testing.assert_close(
+            experts.w3[local], tensors[f"model.layers.0.block_sparse_moe.experts.{e}.w3.weight"]
+        )
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint directory .*nope.* does not exist"):
+        load_config(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path, sharded):
+    model = _build(load_config(sharded))
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found in .*"):
+        load_checkpoint(model, tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    with pytest.raises(ValueError, match=r"supported architectures: \['MixtralForCausalLM'\]"):
+        load_config(tmp_path)
+
+
+def test_corrupt_safetensors(tmp_path, single):
+    path = tmp_path / "ckpt"
+    shutil.copytree(single, path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match=r"cannot read safetensors file .*model\.safetensors"):
+        load_checkpoint(_build(load_config(path)), path)
+
+
+def test_missing_shard(tmp_path, sharded):
+    path = tmp_path / "ckpt"
+    shutil.copytree(sharded, path)
+    (path / "model-00003-of-00010.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00003-of-00010\.safetensors.* is missing"):
+        load_checkpoint(_build(load_config(path)), path)
+
+
+def test_missing_tensor(tmp_path, single):
+    path = tmp_path / "ckpt"
+    shutil.copytree(single, path)
+    tensors = _expected(single)
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight' is missing",
+    ):
+        load_checkpoint(_build(load_config(path)), path)
+
+
+def test_shape_mismatch(tmp_path, single):
+    path = tmp_path / "ckpt"
+    shutil.copytree(single, path)
+    tensors = _expected(single)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' .* has shape \[8, 32\], expected \[16, 32\]",
+    ):
+        load_checkpoint(_build(load_config(path)), path)
+
+
+def test_config_mismatch(single):
+    config = load_config(single)
+    other = MoEModelConfig(
+        **{f: getattr(config, f) for f in config.__dataclass_fields__} | {"rope_theta": 1e4}
+    )
+    with pytest.raises(ValueError, match=r"rope_theta: model=10000\.0 checkpoint=1000000\.0"):
+        load_checkpoint(_build(other), single)
+
+
+def test_random_init_is_identical_across_ep_layouts(single):
+    config = load_config(single)
+    full = _build(config)
+    init_random_weights(full, seed=7)
+    again = _build(config)
+    init_random_weights(again, seed=7)
+    for (name, a), (_, b) in zip(full.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    full_params = dict(full.named_parameters())
+    for ep_rank in range(2):
+        part = _build(config, ep_rank=ep_rank, ep_size=2)
+        init_random_weights(part, seed=7)
+        for name, p in part.named_parameters():
+            if ".experts." in name:
+                assert torch.equal(p, full_params[name][2 * ep_rank : 2 * ep_rank + 2]), name
+            else:
+                assert torch.equal(p, full_params[name]), name
+    other = _build(config)
+    init_random_weights(other, seed=8)
+    assert not torch.equal(other.lm_head.weight, full.lm_head.weight)
+    assert torch.equal(full.model.norm.weight, torch.ones(32))
