@@ -195,3 +195,17 @@ def test_contexts_validate_arguments():
         make_ubatch_contexts(0, timeout_s=1)
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         make_ubatch_contexts(2, timeout_s=0)
+
+
+def test_failing_hook_run_at_exit_aborts_the_peer():
+    def failing_hook():
+        raise ConnectionError("combine failed")
+
+    def body(ctx):
+        if ctx.id == 1:
+            dbo_register_recv_hook(failing_hook)
+        dbo_yield()  # ubatch 0 leaves after this: its __exit__ runs the failing hook
+
+    errors = run_threads(make_ubatch_contexts(2, timeout_s=TIMEOUT_S), body)
+    assert isinstance(errors[0], ConnectionError)
+    assert isinstance(errors[1], UBatchAborted)

@@ -1,0 +1,41 @@
+"""Measure the cost of one baton pass between two ubatch threads.
+
+Run ``python -m dbo.bench_baton [num_yields]`` (pin to one core with ``taskset -c 0`` to see the
+same-core cost). Prints microseconds per pass (one ``dbo_yield`` hands the baton over once).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from dbo.ubatch_context import dbo_yield, make_ubatch_contexts
+
+
+def measure_pass_us(num_yields: int, *, timeout_s: float = 30.0) -> float:
+    """Two threads each yield ``num_yields`` times; return the mean microseconds per pass."""
+    contexts = make_ubatch_contexts(2, timeout_s=timeout_s)
+
+    def run(ctx) -> None:
+        with ctx:
+            for _ in range(num_yields):
+                dbo_yield()
+
+    threads = [threading.Thread(target=run, args=(ctx,)) for ctx in contexts]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return (time.perf_counter() - start) / (2 * num_yields) * 1e6
+
+
+def main(argv: list[str]) -> None:
+    num_yields = int(argv[0]) if argv else 20_000
+    for _ in range(3):
+        print(f"baton pass: {measure_pass_us(num_yields):.1f} us ({2 * num_yields} passes)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
