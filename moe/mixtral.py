@@ -161,7 +161,10 @@ class MixtralForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: with DBO a combine started here may be completed by a recv hook
+    # that runs after this call returns (outside inference mode), and in-place ops on inference
+    # tensors are illegal there.
+    @torch.no_grad()
     def forward(
         self, input_ids: Tensor, positions: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
@@ -180,7 +183,7 @@ class MixtralForCausalLM(nn.Module):
             )
         return self.model(input_ids, positions, attn_metadata)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden_states [num_tokens, hidden_size] -> logits [num_tokens, vocab_size] float32."""
         return self.lm_head(hidden_states).float()
