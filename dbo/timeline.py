@@ -154,9 +154,12 @@ def timeline_span(name: str, cat: str = "compute") -> Iterator[None]:
         rec.add_span(name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track)
 
 
-def record_comm_span(name: str, *, start_ns: int, end_ns: int) -> None:
+def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
     """Record a communication span (e.g. a dispatch from issue to completion) on this thread's
-    comm track (``ubatch{i} comm`` / ``main comm``); a no-op without a recorder."""
+    comm track (``ubatch{i} comm`` / ``main comm``); a no-op without a recorder. ``args`` (e.g.
+    ``{"num_bytes": ...}``) is shown in the trace viewer."""
     rec = _recorder
     if rec is not None:
-        rec.add_span(name, cat="comm", start_ns=start_ns, end_ns=end_ns, track=_track("comm"))
+        rec.add_span(
+            name, cat="comm", start_ns=start_ns, end_ns=end_ns, track=_track("comm"), args=args
+        )

@@ -10,6 +10,7 @@ in ubatch 1 can attend to the first part through the KV cache with the request's
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,13 +20,17 @@ from torch import Tensor
 from dbo.attention_metadata import CommonAttentionMetadata
 
 
-def _check_slice(name: str, value: slice) -> None:
+def _check_slice(name: str, value: slice) -> slice:
+    """Validate ``value``; return it with plain-int bounds (numpy/tensor ints are accepted)."""
     if not isinstance(value, slice) or value.step not in (None, 1):
         raise ValueError(f"{name} must be a slice with step 1, got {value!r}")
-    if not (isinstance(value.start, int) and isinstance(value.stop, int)):
-        raise ValueError(f"{name} must have int start and stop, got {value!r}")
-    if not 0 <= value.start <= value.stop:
+    try:
+        start, stop = operator.index(value.start), operator.index(value.stop)
+    except TypeError:
+        raise ValueError(f"{name} must have integer start and stop, got {value!r}") from None
+    if not 0 <= start <= stop:
         raise ValueError(f"{name} needs 0 <= start <= stop, got {value!r}")
+    return slice(start, stop)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,8 +47,9 @@ class UBatchSlice:
     token_slice: slice
 
     def __post_init__(self) -> None:
-        _check_slice("request_slice", self.request_slice)
-        _check_slice("token_slice", self.token_slice)
+        # frozen: normalise through object.__setattr__ so equality and arithmetic see plain ints
+        object.__setattr__(self, "request_slice", _check_slice("request_slice", self.request_slice))
+        object.__setattr__(self, "token_slice", _check_slice("token_slice", self.token_slice))
 
     @property
     def num_tokens(self) -> int:

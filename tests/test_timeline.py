@@ -43,7 +43,7 @@ def test_spans_outside_dbo_go_to_the_main_tracks(recorder):
     assert get_timeline_recorder() is recorder
     with timeline_span("router"):
         time.sleep(0.001)
-    record_comm_span("dispatch", start_ns=1_000, end_ns=5_500)
+    record_comm_span("dispatch", start_ns=1_000, end_ns=5_500, args={"num_bytes": 8})
     with pytest.raises(KeyError), timeline_span("experts", cat="moe"):
         raise KeyError("still recorded")
     spans = recorder.spans()
@@ -53,7 +53,7 @@ def test_spans_outside_dbo_go_to_the_main_tracks(recorder):
         ("experts", "moe", "main compute"),
     ]
     assert spans[0].duration_ns >= 1_000_000
-    assert spans[1].duration_ns == 4_500
+    assert spans[1].duration_ns == 4_500 and spans[1].args == {"num_bytes": 8}
 
 
 def test_spans_of_ubatch_threads_go_to_their_tracks(recorder):

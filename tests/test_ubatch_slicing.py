@@ -140,6 +140,10 @@ def test_errors():
         make_ubatch_slices([0, 4], 4, num_ubatches=0)
     with pytest.raises(ValueError, match="token_slice"):
         UBatchSlice(request_slice=slice(0, 1), token_slice=slice(3, 1))
+    with pytest.raises(ValueError, match="request_slice must have integer start"):
+        UBatchSlice(request_slice=slice(None, 1), token_slice=slice(0, 1))
+    normalised = UBatchSlice(request_slice=slice(0, 1), token_slice=slice(0, torch.tensor(4)))
+    assert normalised.token_slice == slice(0, 4) and type(normalised.num_tokens) is int
     md = make_metadata([2, 2], [2, 2])
     bad = [UBatchSlice(request_slice=slice(0, 2), token_slice=slice(0, 2))]
     with pytest.raises(ValueError, match="does not cover exactly"):
