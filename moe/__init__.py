@@ -8,6 +8,7 @@ from moe.fused_moe import FusedMoE
 from moe.layers import RMSNorm, RotaryEmbedding, rotate_half, swiglu
 from moe.loader import (
     LoadStats,
+    check_checkpoint,
     checkpoint_targets,
     init_random_weights,
     load_checkpoint,
@@ -41,6 +42,7 @@ __all__ = [
     "RoutingResult",
     "TorchExperts",
     "build_model",
+    "check_checkpoint",
     "checkpoint_targets",
     "init_random_weights",
     "load_checkpoint",

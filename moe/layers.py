@@ -17,9 +17,16 @@ class RMSNorm(nn.Module):
     x: [..., hidden_size], any float dtype; the result has x's dtype (times weight's dtype).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
@@ -42,7 +49,9 @@ class RotaryEmbedding(nn.Module):
     inv_freq[i] = 1 / theta ** (2i / head_dim); angle = position * inv_freq, duplicated to head_dim.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float):
+    def __init__(
+        self, head_dim: int, rope_theta: float, *, device: torch.device | str | None = None
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim must be even, got {head_dim}")

@@ -119,6 +119,29 @@ def _check_config(model: nn.Module, config: MoEModelConfig, directory: Path) -> 
     raise ValueError(f"model config does not match {str(directory / 'config.json')!r}: {diffs}")
 
 
+def _plan(model: nn.Module, directory: Path) -> dict[Path, list[tuple[str, Tensor]]]:
+    """Group (checkpoint name, destination) pairs by the file holding the tensor."""
+    _check_config(model, load_config(directory), directory)
+    weight_map = _weight_map(directory)
+    by_file: dict[Path, list[tuple[str, Tensor]]] = {}
+    for name, target in checkpoint_targets(model):
+        if name not in weight_map:
+            raise ValueError(f"tensor {name!r} is missing from checkpoint {str(directory)!r}")
+        by_file.setdefault(weight_map[name], []).append((name, target))
+    return by_file
+
+
+def _check_entry(f, file: Path, keys: set[str], name: str, target: Tensor) -> None:
+    if name not in keys:
+        raise ValueError(f"tensor {name!r} is missing from {str(file)!r}")
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != tuple(target.shape):
+        raise ValueError(
+            f"tensor {name!r} in {str(file)!r} has shape {list(shape)}, "
+            f"expected {list(target.shape)}"
+        )
+
+
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
     """Copy a HF safetensors checkpoint into ``model`` (built for any ep_rank / ep_size).
@@ -136,27 +159,13 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
             mismatch, or a config.json that disagrees with ``model.config`` (messages name the
             file or tensor).
     """
-    directory = Path(path)
-    _check_config(model, load_config(directory), directory)
-    weight_map = _weight_map(directory)
-    by_file: dict[Path, list[tuple[str, Tensor]]] = {}
-    for name, target in checkpoint_targets(model):
-        if name not in weight_map:
-            raise ValueError(f"tensor {name!r} is missing from checkpoint {str(directory)!r}")
-        by_file.setdefault(weight_map[name], []).append((name, target))
+    by_file = _plan(model, Path(path))
     names_read: list[str] = []
     for file, entries in by_file.items():
         with _open(file) as f:
             keys = set(f.keys())
             for name, target in entries:
-                if name not in keys:
-                    raise ValueError(f"tensor {name!r} is missing from {str(file)!r}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    raise ValueError(
-                        f"tensor {name!r} in {str(file)!r} has shape {list(shape)}, "
-                        f"expected {list(target.shape)}"
-                    )
+                _check_entry(f, file, keys, name, target)
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
@@ -164,6 +173,30 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
                 target.copy_(tensor)
                 names_read.append(name)
     return LoadStats(tensor_names=tuple(names_read), files=tuple(str(f) for f in by_file))
+
+
+def check_checkpoint(path: str | os.PathLike) -> MoEModelConfig:
+    """Validate a checkpoint without reading tensor data: config.json, the index, every file's
+    header, and that every tensor the full model (all experts) needs is present with its shape.
+
+    Returns:
+        The parsed config.
+
+    Raises:
+        Same as ``load_checkpoint`` (FileNotFoundError / ValueError naming the path or tensor).
+    """
+    from moe.build import build_model  # local: build imports the models, which import nothing here
+
+    directory = Path(path)
+    config = load_config(directory)
+    # meta device: parameter shapes without memory
+    model = build_model(config, device="meta")
+    for file, entries in _plan(model, directory).items():
+        with _open(file) as f:
+            keys = set(f.keys())
+            for name, target in entries:
+                _check_entry(f, file, keys, name, target)
+    return config
 
 
 def _seed_for(seed: int, name: str) -> int:

@@ -38,7 +38,7 @@ class MixtralAttention(nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, **kw)
         self.v_proj = nn.Linear(h, nkv * hd, **kw)
         self.o_proj = nn.Linear(nh * hd, h, **kw)
-        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, device=device)
         self.attn = PagedAttention(num_heads=nh, num_kv_heads=nkv, head_dim=hd, scale=hd**-0.5)
 
     def forward(
@@ -77,10 +77,9 @@ class MixtralDecoderLayer(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype
-        )
+        norm_kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
 
     def forward(
         self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
@@ -106,7 +105,7 @@ class MixtralModel(nn.Module):
         self.layers = nn.ModuleList(
             MixtralDecoderLayer(config, **layer_kw) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, attn_metadata: CommonAttentionMetadata
@@ -205,7 +204,9 @@ class MixtralForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> list[Tensor]:
-        """Zeroed caches, one per layer (dtype defaults to the model's, device to its params').
+        """Allocate zeroed caches, one per layer, AND bind them (``bind_kv_caches``); returns them.
+
+        dtype defaults to the model's, device to the parameters'.
 
         Raises:
             ValueError: num_blocks or block_size < 1.
@@ -217,10 +218,12 @@ class MixtralForCausalLM(nn.Module):
         if device is None:
             device = self.lm_head.weight.device
         shape = self.kv_cache_shape(num_blocks, block_size)
-        return [
+        kv_caches = [
             torch.zeros(shape, dtype=dtype or self.dtype, device=device)
             for _ in range(self.config.num_hidden_layers)
         ]
+        self.bind_kv_caches(kv_caches)
+        return kv_caches
 
     def bind_kv_caches(self, kv_caches: list[Tensor]) -> None:
         """Attach one cache per layer (in layer order); ValueError on a wrong count or shape."""

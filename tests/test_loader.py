@@ -13,6 +13,7 @@ from moe import (
     FusedMoEPrepareAndFinalize,
     MoEModelConfig,
     build_model,
+    check_checkpoint,
     init_random_weights,
     load_checkpoint,
     load_config,
@@ -226,3 +227,14 @@ def test_random_init_is_identical_across_ep_layouts(single):
     init_random_weights(other, seed=8)
     assert not torch.equal(other.lm_head.weight, full.lm_head.weight)
     assert torch.equal(full.model.norm.weight, torch.ones(32))
+
+
+def test_check_checkpoint_reads_headers_only(sharded, tmp_path):
+    assert check_checkpoint(sharded) == load_config(sharded)
+    path = tmp_path / "ckpt"
+    shutil.copytree(sharded, path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.block_sparse_moe.experts.0.w1.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight' is missing from checkpoint"):
+        check_checkpoint(path)

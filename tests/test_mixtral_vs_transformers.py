@@ -74,7 +74,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint):
     path, ref = checkpoint
     model = build_model(load_config(path), dtype=torch.float32)
     load_checkpoint(model, path)
-    model.bind_kv_caches(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)  # also binds them
 
     gen = torch.Generator().manual_seed(1)
     prompt_lens, num_decode = [7, 3], 4
