@@ -25,7 +25,9 @@ Pending = tuple["Work | None", "Callable[[], None] | None"]
 
 def _is_unsupported(exc: BaseException) -> bool:
     message = str(exc).lower()
-    return any(s in message for s in ("not support", "unsupported", "not implemented"))
+    return any(
+        s in message for s in ("not support", "no support", "unsupported", "not implemented")
+    )
 
 
 def all_to_all_single(
