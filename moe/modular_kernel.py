@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+import torch
 from torch import Tensor
 
 from dbo.timeline import record_comm_span, timeline_span
@@ -155,6 +156,22 @@ class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return self.backend.combine(expert_output, metadata, async_op=async_op)
 
 
+def _recv_hook(handle: CommHandle) -> Callable[[], None]:
+    """``handle.wait`` as a recv hook that completes under the grad mode the transfer was issued in.
+
+    The other ubatch may run the hook at its ``__exit__``, i.e. outside the ``torch.inference_mode``
+    a caller wrapped the model in; finalizing (in-place ops on buffers made at issue time) outside
+    it would raise "Inplace update to inference tensor outside InferenceMode".
+    """
+    is_inference = torch.is_inference_mode_enabled()
+
+    def hook() -> None:
+        with torch.inference_mode(is_inference):
+            handle.wait()
+
+    return hook
+
+
 def _record_comm(name: str, handle: CommHandle) -> None:
     end_ns = handle.completed_at_ns or time.perf_counter_ns()
     record_comm_span(name, start_ns=handle.issued_at_ns, end_ns=end_ns)
@@ -198,7 +215,7 @@ class FusedMoEModularKernel:
             hidden_states, topk_ids, topk_weights, async_op=is_async
         )
         if is_async:
-            dbo_register_recv_hook(dispatch.wait)
+            dbo_register_recv_hook(_recv_hook(dispatch))
             dbo_yield()
         result = dispatch.wait()  # blocking wait (group timeout); a no-op if the hook already ran
         _record_comm("dispatch", dispatch)
@@ -216,7 +233,7 @@ class FusedMoEModularKernel:
             with timeline_span("shared_experts"):
                 shared_output = shared_experts(hidden_states)
         if is_async:
-            dbo_register_recv_hook(combine.wait)
+            dbo_register_recv_hook(_recv_hook(combine))
             dbo_yield()
         output = combine.wait()  # blocking wait (group timeout); a no-op if the hook already ran
         _record_comm("combine", combine)
