@@ -1,8 +1,9 @@
 """The embedded default: a small Mixtral-like model with seeded random weights, and synthetic prompts.
 
 It lets the main command run with no checkpoint download, and it is sized so that with 2 DP ranks
-both the prefill step (~1000 tokens per rank, above the 512-token prefill threshold) and the decode
-steps (32 requests per rank, at the 32-token decode threshold) are microbatched by DBO.
+both the prefill step (~1300 tokens per rank, above the 512-token prefill threshold) and the decode
+steps (40 requests per rank, above the 32-token decode threshold even when a few stop early at
+the eos token) are microbatched by DBO.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ EMBEDDED_MODEL_CONFIG: dict = {
     "tie_word_embeddings": False,
 }
 
-NUM_SYNTHETIC_PROMPTS = 64
+NUM_SYNTHETIC_PROMPTS = 80
 
 
 def synthetic_prompts(

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dbo import TimelineRecorder, set_timeline_recorder
+from distributed import make_all2all_backend
 from launch.args import EngineArgs
 from launch.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.kv_cache_manager import KVCacheManager
@@ -90,13 +91,21 @@ class LLMEngine:
             set_timeline_recorder(self.timeline)
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
+        backend = None
+        if groups.ep_size > 1:
+            backend = make_all2all_backend(
+                engine_args.all2all_backend,
+                ep_group=groups.ep_group,
+                ep_rank=groups.ep_rank,
+                ep_size=groups.ep_size,
+                num_experts=config.num_experts,
+                timeout=groups.timeout,
+            )
         self.model = build_model(
             config,
             ep_rank=groups.ep_rank,
             ep_size=groups.ep_size,
-            ep_group=groups.ep_group,
-            all2all_backend=engine_args.all2all_backend,
-            timeout_s=engine_args.distributed_timeout_s,
+            all2all_backend=backend,
             dtype=dtype,
         )
         if model.checkpoint_dir is None:

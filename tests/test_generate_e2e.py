@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -140,7 +141,7 @@ def test_bad_input_fails_every_rank_with_one_line(tmp_path, tiny_mixtral_dir, ti
     nproc, args, pattern = _bad_input_cases(tmp_path, tiny_mixtral_dir, tiny_prompts_file)[case]
     proc = torchrun(nproc, *args, timeout=60)
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("launch.generate")]
+    errors = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
     assert len(errors) == nproc, proc.stderr[-3000:]  # one line from every rank
     for line in errors:
         assert re.search(pattern, line), line
