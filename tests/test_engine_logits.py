@@ -77,7 +77,9 @@ def _rank_fn(rank, world_size, model_dir, prompts, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world_size", "backend"), [(2, "all_to_all"), (4, "allgather_reducescatter")])
+@pytest.mark.parametrize(
+    ("world_size", "backend"), [(2, "all_to_all"), (4, "allgather_reducescatter")]
+)
 def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size, backend):
     from transformers import MixtralForCausalLM
 
@@ -92,7 +94,9 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         assert on_tokens == off_tokens
         for index, logits in on_logits.items():
             logits = torch.from_numpy(logits)
-            torch.testing.assert_close(logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5
+            )
             full = tiny_prompts[index] + on_tokens[index]
             with torch.no_grad():
                 ref = reference(torch.tensor([full])).logits[0]

@@ -51,7 +51,12 @@ DBO_FLAGS = (
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nproc", "backend"),
-    [(2, "all_to_all"), (2, "allgather_reducescatter"), (4, "all_to_all"), (4, "allgather_reducescatter")],
+    [
+        (2, "all_to_all"),
+        (2, "allgather_reducescatter"),
+        (4, "all_to_all"),
+        (4, "allgather_reducescatter"),
+    ],
 )
 def test_greedy_dbo_generation_equals_transformers(
     tmp_path, tiny_mixtral_dir, tiny_prompts, tiny_prompts_file, transformers_greedy, nproc, backend
@@ -109,12 +114,32 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     dp2 = ("--data-parallel-size=2",)
     return {
-        "dbo_one_rank": (1, ("--enable-dbo", "--enable-expert-parallel"), r"--enable-dbo needs --data-parallel-size >= 2"),
-        "dbo_without_ep": (2, (*dp2, "--enable-dbo"), r"--enable-dbo needs --enable-expert-parallel"),
-        "dp_mismatch": (2, ("--data-parallel-size=4",), r"--data-parallel-size 4 does not match the 2 rank"),
-        "missing_checkpoint": (2, (*dp2, f"--model={tmp_path / 'nope'}"), r"no such checkpoint directory"),
+        "dbo_one_rank": (
+            1,
+            ("--enable-dbo", "--enable-expert-parallel"),
+            r"--enable-dbo needs --data-parallel-size >= 2",
+        ),
+        "dbo_without_ep": (
+            2,
+            (*dp2, "--enable-dbo"),
+            r"--enable-dbo needs --enable-expert-parallel",
+        ),
+        "dp_mismatch": (
+            2,
+            ("--data-parallel-size=4",),
+            r"--data-parallel-size 4 does not match the 2 rank",
+        ),
+        "missing_checkpoint": (
+            2,
+            (*dp2, f"--model={tmp_path / 'nope'}"),
+            r"no such checkpoint directory",
+        ),
         "corrupt_checkpoint": (2, (*dp2, f"--model={corrupt}"), r"model.safetensors"),
-        "unsupported_arch": (2, (*dp2, f"--model={unsupported}"), r"supported architectures: \['MixtralForCausalLM'\]"),
+        "unsupported_arch": (
+            2,
+            (*dp2, f"--model={unsupported}"),
+            r"supported architectures: \['MixtralForCausalLM'\]",
+        ),
         "prompt_too_long": (
             2,
             (*dp2, f"--model={model_dir}", f"--prompts={long_prompt}", "--max-model-len=32"),
@@ -137,7 +162,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_fails_every_rank_with_one_line(tmp_path, tiny_mixtral_dir, tiny_prompts_file, case):
+def test_bad_input_fails_every_rank_with_one_line(
+    tmp_path, tiny_mixtral_dir, tiny_prompts_file, case
+):
     nproc, args, pattern = _bad_input_cases(tmp_path, tiny_mixtral_dir, tiny_prompts_file)[case]
     proc = torchrun(nproc, *args, timeout=60)
     assert proc.returncode != 0
