@@ -1,7 +1,7 @@
 """A per-rank timeline of compute and communication spans, written as a Chrome trace.
 
 Open the file in ``chrome://tracing`` or https://ui.perfetto.dev: one process per rank, one track
-(``tid``) per ubatch and kind, e.g. ``ubatch0 compute`` / ``ubatch0 comm``, so the overlap of one
+(a numbered ``tid`` with a ``thread_name``) per ubatch and kind, e.g. ``ubatch0 compute`` / ``ubatch0 comm``, so the overlap of one
 ubatch's communication with the other's compute is visible. Times come from
 ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux, so ranks on one host share the origin).
 """
@@ -80,7 +80,9 @@ class TimelineRecorder:
 
     def chrome_trace(self) -> dict[str, Any]:
         """``{"traceEvents": [...]}``: complete events (``ph "X"``, ``ts``/``dur`` in µs,
-        ``pid`` = rank, ``tid`` = track name) after process/thread name metadata events."""
+        ``pid`` = rank, ``tid`` = the track's number, named by a ``thread_name`` metadata event)
+        after the process/thread name metadata events. Track numbers are integers because
+        Perfetto's JSON importer expects numeric thread ids."""
         spans = self.spans()
         events: list[dict[str, Any]] = [
             {
@@ -90,13 +92,14 @@ class TimelineRecorder:
                 "args": {"name": f"rank {self.rank}"},
             }
         ]
-        for track in sorted({span.track for span in spans}):
+        tids = {track: i for i, track in enumerate(sorted({span.track for span in spans}), 1)}
+        for track, tid in tids.items():
             events.append(
                 {
                     "name": "thread_name",
                     "ph": "M",
                     "pid": self.rank,
-                    "tid": track,
+                    "tid": tid,
                     "args": {"name": track},
                 }
             )
@@ -109,7 +112,7 @@ class TimelineRecorder:
                     "ts": span.start_ns / 1000.0,
                     "dur": span.duration_ns / 1000.0,
                     "pid": self.rank,
-                    "tid": span.track,
+                    "tid": tids[span.track],
                     "args": span.args,
                 }
             )
