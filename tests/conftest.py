@@ -20,16 +20,29 @@ TINY_MIXTRAL = dict(
 )
 
 
-@pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory) -> str:
-    """A sharded float32 Mixtral checkpoint written by transformers' ``save_pretrained`` (offline)."""
+def make_tiny_mixtral(*, seed: int, **overrides):
+    """transformers' MixtralForCausalLM on ``TINY_MIXTRAL`` (with ``overrides``), built offline.
+
+    HF's init (std 0.02) makes every logit ~0, so matrices are redrawn with std 0.3 (embeddings
+    1.0): logits of a few units make a 1e-5 comparison and greedy ties meaningful.
+    """
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(1234)
-    model = MixtralForCausalLM(MixtralConfig(**TINY_MIXTRAL)).eval()
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**{**TINY_MIXTRAL, **overrides})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 1.0 if "embed" in name else 0.3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    """A sharded float32 Mixtral checkpoint written by transformers' ``save_pretrained`` (offline)."""
     path = tmp_path_factory.mktemp("tiny_mixtral")
-    model.save_pretrained(path, max_shard_size="40KB")
+    make_tiny_mixtral(seed=1234).save_pretrained(path, max_shard_size="40KB")
     return str(path)
 
 

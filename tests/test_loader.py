@@ -21,17 +21,7 @@ from moe import (
 
 transformers = pytest.importorskip("transformers")
 
-HF_CONFIG = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-)
+from tests.conftest import make_tiny_mixtral  # noqa: E402
 
 
 class _EPStub(FusedMoEPrepareAndFinalize):
@@ -60,8 +50,7 @@ def _build(config, ep_rank=0, ep_size=1):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**HF_CONFIG))
+    return make_tiny_mixtral(seed=0, num_local_experts=4, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

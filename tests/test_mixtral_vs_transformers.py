@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from dbo.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe import build_model, load_checkpoint, load_config  # noqa: E402
+from tests.conftest import make_tiny_mixtral  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -22,24 +23,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = transformers.MixtralConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    ref = transformers.MixtralForCausalLM(cfg).eval()
-    # HF's init (std 0.02) makes every logit ~0; larger weights make the comparison meaningful.
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3 if "embed" not in name else 1.0)
+    ref = make_tiny_mixtral(seed=0, num_local_experts=4, max_position_embeddings=256)
     path = tmp_path_factory.mktemp("mixtral") / "ckpt"
     ref.save_pretrained(path, max_shard_size="20KB")
     return path, ref
