@@ -40,6 +40,7 @@ class EngineArgs:
     all2all_backend: str = "all_to_all"
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
+    emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,11 +71,20 @@ class EngineArgs:
                 "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
                 f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
             )
+        self.link_spec()  # raises ValueError on a malformed --emulate-link
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
                 "no all-to-all to overlap"
             )
+
+    def link_spec(self):
+        """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
+        if self.emulate_link is None:
+            return None
+        from distributed.link_emulation import LinkSpec  # torch-free module, but keep it lazy
+
+        return LinkSpec.parse(self.emulate_link)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the launcher started exactly ``--data-parallel-size`` ranks."""
@@ -133,6 +143,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds any collective or ubatch wait may block before the run fails",
     )
     add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")
+    add(
+        "--emulate-link",
+        default=None,
+        metavar="latency_us=…,gbps=…",
+        help="emulate a slower link for the expert all-to-all: bytes move through the backend, "
+        "and each collective completes no earlier than issue + latency + bytes / bandwidth",
+    )
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

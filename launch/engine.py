@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from dbo import TimelineRecorder, set_timeline_recorder
-from distributed import make_all2all_backend
+from dbo.timeline import timeline_step
+from distributed import EmulatedLink, make_all2all_backend
 from launch.args import EngineArgs
 from launch.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.kv_cache_manager import KVCacheManager
@@ -85,10 +86,10 @@ class LLMEngine:
         self.args = engine_args
         self.groups = groups
         self.stats = EngineStats()
-        self.timeline = None
+        self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
-            self.timeline = TimelineRecorder(rank=groups.rank)
-            set_timeline_recorder(self.timeline)
+            self.start_timeline()
+        link_spec = engine_args.link_spec()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
         backend = None
@@ -100,6 +101,7 @@ class LLMEngine:
                 ep_size=groups.ep_size,
                 num_experts=config.num_experts,
                 timeout=groups.timeout,
+                link=None if link_spec is None else EmulatedLink(link_spec),
             )
         self.model = build_model(
             config,
@@ -137,8 +139,15 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Request], bool]:
         """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
-        scheduler_output = self.scheduler.schedule()
-        out = self.model_runner.execute_model(scheduler_output)
+        with timeline_step(self.stats.num_steps) as step_args:
+            scheduler_output = self.scheduler.schedule()
+            out = self.model_runner.execute_model(scheduler_output)
+            step_args.update(
+                num_tokens=out.num_tokens,
+                num_tokens_padded=out.num_tokens_padded,
+                is_ubatched=out.is_ubatched,
+                ran_model=out.ran_model,
+            )
         if not any(out.has_work_across_dp):
             return [], False
         if out.ran_model:
@@ -159,6 +168,14 @@ class LLMEngine:
             finished += done_now
             if not any_work:
                 return finished
+
+    def start_timeline(self) -> TimelineRecorder:
+        """Record a timeline from now on (spans of every step, for ``write_timeline`` or for
+        in-process metrics); idempotent. Entry points other than generate (serve, bench) use it."""
+        if self.timeline is None:
+            self.timeline = TimelineRecorder(rank=self.groups.rank)
+            set_timeline_recorder(self.timeline)
+        return self.timeline
 
     def write_timeline(self) -> str | None:
         """Write this rank's Chrome trace to ``--timeline-dir``; return its path (None if off)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from dbo.timeline import timeline_span
+from dbo.timeline import set_timeline_layer, timeline_span
 from moe.attention import PagedAttention
 from moe.config import MoEModelConfig
 from moe.fused_moe import FusedMoE
@@ -111,8 +111,10 @@ class MixtralModel(nn.Module):
         self, input_ids: Tensor, positions: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer_idx, layer in enumerate(self.layers):
+            set_timeline_layer(layer_idx)  # names this thread's spans layer{i}.attention, ...
             hidden_states = layer(positions, hidden_states, attn_metadata)
+        set_timeline_layer(None)
         return self.norm(hidden_states)
 
 
