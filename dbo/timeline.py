@@ -72,9 +72,10 @@ class TimelineRecorder:
             raise ValueError(f"span {name!r}: end_ns={end_ns} is before start_ns={start_ns}")
         self._raw.append((name, cat, start_ns, end_ns, track, args))
 
-    def spans(self) -> list[TimelineSpan]:
-        """A snapshot of the recorded spans, in recording order."""
-        raw = list(self._raw)
+    def spans(self, start: int = 0) -> list[TimelineSpan]:
+        """A snapshot of the recorded spans from the ``start``-th on (see ``len``), in recording
+        order."""
+        raw = self._raw[start:]
         return [
             TimelineSpan(
                 name=name, cat=cat, start_ns=start, end_ns=end, track=track, args=dict(args or {})

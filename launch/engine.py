@@ -179,7 +179,7 @@ class LLMEngine:
 
     def write_timeline(self) -> str | None:
         """Write this rank's Chrome trace to ``--timeline-dir``; return its path (None if off)."""
-        if self.timeline is None:
+        if self.timeline is None or not self.args.timeline_dir:
             return None
         os.makedirs(self.args.timeline_dir, exist_ok=True)
         path = os.path.join(self.args.timeline_dir, f"rank{self.groups.rank}.json")

@@ -15,6 +15,7 @@ because the expert all-to-all is a collective over all EP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,14 @@ class ModelRunner:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
         self._generators: dict[int, torch.Generator] = {}
+
+    def set_enable_dbo(self, enable_dbo: bool) -> None:
+        """Switch DBO on or off for the following steps (the benchmark interleaves both).
+
+        Raises:
+            ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
+        """
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo)
 
     def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         # inference_mode is thread-local: each ubatch thread must enter it itself.

@@ -203,8 +203,9 @@ def summarize(steps: Sequence[StepMetrics]) -> SummaryMetrics:
     )
 
 
-def spans_from_recorder(recorder) -> list[Span]:
-    """``Span`` s of a live ``dbo.TimelineRecorder`` (for in-process metrics, e.g. the benchmark)."""
+def spans_from_recorder(recorder, start: int = 0) -> list[Span]:
+    """``Span`` s of a live ``dbo.TimelineRecorder`` from its ``start``-th span on (for in-process
+    metrics, e.g. the benchmark)."""
     return [
         Span(
             rank=recorder.rank,
@@ -215,7 +216,7 @@ def spans_from_recorder(recorder) -> list[Span]:
             end_ns=s.end_ns,
             args=s.args,
         )
-        for s in recorder.spans()
+        for s in recorder.spans(start)
     ]
 
 
