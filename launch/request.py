@@ -46,7 +46,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "length" or "stop" once finished
+    finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+    num_preemptions: int = 0  # times its KV was freed to be recomputed later
 
     @property
     def num_prompt_tokens(self) -> int:
