@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
     seed: int | None = None  # per-request generator seed when sampling
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

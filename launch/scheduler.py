@@ -200,7 +200,9 @@ class Scheduler:
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling_params
-        if token in self.eos_token_ids or token in params.stop_token_ids:
+        if token in params.stop_token_ids or (
+            token in self.eos_token_ids and not params.ignore_eos
+        ):
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"
