@@ -38,8 +38,8 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(nproc: int, *args: str, log_path: Path, timeout: float = 120) -> ServerProcess:
-    """Launch the server on a free loopback port (``--port 0``) and wait until it serves."""
+def launch_server(nproc: int, *args: str, log_path: Path) -> subprocess.Popen:
+    """Start ``torchrun -m launch.serve`` on a free loopback port (``--port 0``); don't wait."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
@@ -55,7 +55,13 @@ def start_server(nproc: int, *args: str, log_path: Path, timeout: float = 120) -
         *args,
     ]
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it until it exits
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_until_serving(
+    proc: subprocess.Popen, log_path: Path, timeout: float = 120
+) -> ServerProcess:
+    """Wait for the server's "serving ... on http://127.0.0.1:PORT" line."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = SERVING_LINE.search(log_path.read_text(errors="replace"))
@@ -66,6 +72,12 @@ def start_server(nproc: int, *args: str, log_path: Path, timeout: float = 120) -
         time.sleep(0.2)
     proc.kill()
     raise TimeoutError(f"server did not start in {timeout} s:\n{log_path.read_text()}")
+
+
+def start_server(nproc: int, *args: str, log_path: Path, timeout: float = 120) -> ServerProcess:
+    """Launch the server and wait until it serves."""
+    proc = launch_server(nproc, *args, log_path=log_path)
+    return wait_until_serving(proc, log_path, timeout)
 
 
 def post(base_url: str, path: str, body, *, timeout: float = 120) -> tuple[int, dict]:

@@ -16,12 +16,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.serve_harness import REPO, get, post, start_server, stream
+from tests.serve_harness import (
+    REPO,
+    get,
+    launch_server,
+    post,
+    start_server,
+    stream,
+    wait_until_serving,
+)
 
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 64
@@ -62,10 +71,8 @@ def model_dir(tmp_path_factory, tiny_mixtral_dir) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def offline_outputs(tmp_path_factory, model_dir) -> list[list[int]]:
+def _run_offline_generate(tmp: Path, model_dir: str) -> list[list[int]]:
     """``launch.generate`` (2 ranks, same flags) on the 32 prompts, greedy."""
-    tmp = tmp_path_factory.mktemp("offline")
     prompts_file, out = tmp / "prompts.jsonl", tmp / "out.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in _prompts()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -86,11 +93,29 @@ def offline_outputs(tmp_path_factory, model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(2, f"--model={model_dir}", *ENGINE_FLAGS, *SERVER_FLAGS, log_path=log)
-    yield srv
+def served(tmp_path_factory, model_dir):
+    """(server, offline outputs): the server starts while the offline reference runs."""
+    tmp = tmp_path_factory.mktemp("serve")
+    log = tmp / "server.log"
+    proc = launch_server(2, f"--model={model_dir}", *ENGINE_FLAGS, *SERVER_FLAGS, log_path=log)
+    try:
+        offline = _run_offline_generate(tmp, model_dir)
+        srv = wait_until_serving(proc, log)
+    except BaseException:
+        proc.kill()
+        raise
+    yield srv, offline
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def offline_outputs(served):
+    return served[1]
 
 
 def _complete(base_url: str, prompt, **extra) -> tuple[int, dict]:
@@ -223,3 +248,31 @@ def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):
     assert elapsed < 30, log
     with pytest.raises(OSError):
         get(server.base_url, "/health", timeout=5)
+
+
+def test_a_rank_that_dies_ends_every_rank_with_an_error(tmp_path, tiny_mixtral_dir):
+    """SIGKILL rank 1 while a request streams: the stream ends with an explicit error event and
+    rank 0 exits with an error line within seconds (no hang)."""
+    srv = start_server(
+        2, f"--model={tiny_mixtral_dir}", *ENGINE_FLAGS[:-2], log_path=tmp_path / "log"
+    )
+    body = {"prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(
+        srv.base_url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            first = response.readline()
+            assert first.startswith(b"data: {"), first
+            children = subprocess.run(
+                ["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True, check=True
+            ).stdout.split()
+            os.kill(sorted(map(int, children))[1], 9)  # rank 1 (started second)
+            events = [line.decode().strip() for line in response if line.strip()]
+        assert srv.proc.wait(timeout=60) != 0
+    finally:
+        srv.stop()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert "the engine failed" in error["message"] and error["code"] == 500, error
+    assert re.search(r"launch\.serve \[rank 0\]: error: ", srv.log()), srv.log()
