@@ -223,6 +223,22 @@ def test_models_and_health(server, model_dir):
     assert json.loads(body)["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
 
+def test_bench_serving_against_the_running_server(server):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
+        + ["--num-prompts=6", "--input-len=5", "--output-len=4", "--request-rate=50"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"requests ok / failed\s+6 / 0", proc.stdout), proc.stdout
+    for label in ("output throughput", "TTFT median", "TTFT p99", "ITL median", "ITL p99"):
+        assert re.search(rf"{label} \S+\s+\d+\.\d", proc.stdout), proc.stdout
+
+
 def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):
     """Last in this module: it stops the shared server."""
     results = {}
