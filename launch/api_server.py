@@ -41,6 +41,7 @@ class ServerConfig:
     vocab_size: int
     tokenizer: object | None  # launch.tokenizer.Tokenizer, or None: token-id prompts only
     metrics: ServerMetrics
+    kv_capacity_tokens: int | None = None  # KV cache slots per DP rank: the most one request holds
     output_timeout_s: float = OUTPUT_TIMEOUT_S
 
 
@@ -71,6 +72,13 @@ class CompletionsHandler:
                 vocab_size=config.vocab_size,
                 max_model_len=config.max_model_len,
             )
+            num_tokens = len(prompt_ids) + request.max_tokens
+            if config.kv_capacity_tokens is not None and num_tokens > config.kv_capacity_tokens:
+                raise ProtocolError(
+                    f"prompt + max_tokens = {num_tokens} tokens exceed the KV cache of a DP rank "
+                    f"({config.kv_capacity_tokens} tokens)",
+                    param="max_tokens",
+                )
             request_id, outputs = self.bridge.submit(prompt_ids, request.sampling_params())
         except ProtocolError as e:
             config.metrics.requests_rejected.inc()

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if rank == 0:
-            http, metrics = _start_http(ns, args, model, tokenizer, groups.dp_size)
+            http, metrics = _start_http(ns, model, tokenizer, engine)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = f"[rank {rank}] {type(e).__name__}: {e}"
     errors: list = [None] * groups.world_size
@@ -149,17 +149,19 @@ def _model_name(ns: argparse.Namespace) -> str:
     return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
 
 
-def _start_http(ns, args, model, tokenizer, dp_size: int):
+def _start_http(ns, model, tokenizer, engine: LLMEngine):
     from launch.api_server import HTTPServerThread, ServerConfig
     from launch.serve_metrics import ServerMetrics
 
-    metrics = ServerMetrics(dp_size=dp_size)
+    metrics = ServerMetrics(dp_size=engine.groups.dp_size)
+    kv = engine.kv_cache_manager
     config = ServerConfig(
         model_name=_model_name(ns),
         max_model_len=model.max_model_len,
         vocab_size=model.config.vocab_size,
         tokenizer=tokenizer,
         metrics=metrics,
+        kv_capacity_tokens=kv.num_blocks * kv.block_size,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()
