@@ -32,6 +32,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # KV cache blocks per rank (default: no preemption)
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -60,6 +61,10 @@ class EngineArgs:
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.distributed_timeout_s <= 0:
@@ -119,6 +124,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="max tokens per step per rank (prefill is chunked to fit)",
     )
     add("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    add(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV cache blocks per rank (default: max-num-seqs full-length requests); fewer "
+        "blocks make the scheduler preempt and recompute requests",
+    )
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
     add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
@@ -162,5 +174,8 @@ def fail(prog: str, rank: int | None, message: str, status: int = 2) -> NoReturn
     """Print ``message`` as one line on stderr, prefixed with the program and rank, and exit."""
     where = f" [rank {rank}]" if rank is not None else ""
     one_line = " ".join(str(message).split())
-    print(f"{prog}{where}: error: {one_line}", file=sys.stderr, flush=True)
+    # One write of the whole line: ranks share torchrun's stderr, and print()'s separate write of
+    # the newline lets another rank's line land in between when stderr is unbuffered.
+    sys.stderr.write(f"{prog}{where}: error: {one_line}\n")
+    sys.stderr.flush()
     raise SystemExit(status)

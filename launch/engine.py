@@ -76,6 +76,7 @@ class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
     num_dummy_steps: int = 0
+    num_preemptions: int = 0
     step_tokens: list[int] = field(default_factory=list)
 
 
@@ -116,7 +117,10 @@ class LLMEngine:
             load_checkpoint(self.model, model.checkpoint_dir)
         block_size = engine_args.block_size
         self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
-        num_blocks = engine_args.max_num_seqs * self.max_num_blocks_per_req
+        num_blocks = (
+            engine_args.num_gpu_blocks_override
+            or engine_args.max_num_seqs * self.max_num_blocks_per_req
+        )
         self.model.allocate_kv_caches(num_blocks=num_blocks, block_size=block_size, dtype=dtype)
         self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
         self.scheduler = Scheduler(
@@ -137,6 +141,11 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def abort_request(self, request_id: int) -> Request | None:
+        """Drop a request of this rank (its blocks and sampling state); None if not here."""
+        self.model_runner.release(request_id)
+        return self.scheduler.abort_request(request_id)
+
     def step(self) -> tuple[list[Request], bool]:
         """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
         with timeline_step(self.stats.num_steps) as step_args:
@@ -155,6 +164,7 @@ class LLMEngine:
             self.stats.num_ubatched_steps += out.is_ubatched
             self.stats.num_dummy_steps += out.num_tokens == 0
             self.stats.step_tokens.append(out.num_tokens)
+        self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
         for request in finished:
             self.model_runner.release(request.request_id)
