@@ -170,12 +170,17 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(ns, name) for name in fields if hasattr(ns, name)})
 
 
-def fail(prog: str, rank: int | None, message: str, status: int = 2) -> NoReturn:
-    """Print ``message`` as one line on stderr, prefixed with the program and rank, and exit."""
+def print_error(prog: str, rank: int | None, message: object) -> None:
+    """Write ``message`` as one line on stderr, prefixed with the program and rank."""
     where = f" [rank {rank}]" if rank is not None else ""
     one_line = " ".join(str(message).split())
     # One write of the whole line: ranks share torchrun's stderr, and print()'s separate write of
     # the newline lets another rank's line land in between when stderr is unbuffered.
     sys.stderr.write(f"{prog}{where}: error: {one_line}\n")
     sys.stderr.flush()
+
+
+def fail(prog: str, rank: int | None, message: object, status: int = 2) -> NoReturn:
+    """``print_error`` the message, then exit with ``status``."""
+    print_error(prog, rank, message)
     raise SystemExit(status)

@@ -18,7 +18,13 @@ import signal
 import sys
 import threading
 
-from launch.args import OneLineErrorParser, add_engine_args, engine_args_from_namespace, fail
+from launch.args import (
+    OneLineErrorParser,
+    add_engine_args,
+    engine_args_from_namespace,
+    fail,
+    print_error,
+)
 from launch.engine import LLMEngine, resolve_model
 
 PROG = "launch.serve"
@@ -56,7 +62,7 @@ def _install_stop_handlers() -> threading.Event:
 
 def _die(rank: int, message: str) -> None:
     """One error line, then exit at once: with a dead peer, orderly teardown could block."""
-    print(f"{PROG} [rank {rank}]: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    print_error(PROG, rank, message)
     os._exit(1)
 
 
