@@ -47,6 +47,8 @@ class UBatchWrapper:
         positions: Tensor,
         attn_metadata: CommonAttentionMetadata,
         ubatch_slices: Sequence[UBatchSlice] | None = None,
+        *,
+        num_tokens_across_dp: Sequence[Sequence[int]] | None = None,
     ) -> Tensor:
         """Run the model, on ubatch threads when ``ubatch_slices`` is given.
 
@@ -55,6 +57,8 @@ class UBatchWrapper:
             positions: ``[num_tokens]`` int64.
             attn_metadata: metadata of the whole batch; sliced per ubatch here.
             ubatch_slices: from ``make_ubatch_slices``; ``None`` or empty runs without DBO.
+            num_tokens_across_dp: per ubatch, every DP rank's row count of it (known after the DP
+                ranks agreed to pad to the same size); exposed as ``dbo_num_tokens_across_dp()``.
 
         Returns:
             ``model_fn``'s outputs of all ubatches concatenated along dim 0, in ubatch order.
@@ -66,7 +70,9 @@ class UBatchWrapper:
         if not ubatch_slices:
             return self.model_fn(input_ids, positions, attn_metadata)
         metadata = split_attn_metadata(ubatch_slices, attn_metadata)
-        contexts = make_ubatch_contexts(len(ubatch_slices), timeout_s=self.timeout_s)
+        contexts = make_ubatch_contexts(
+            len(ubatch_slices), timeout_s=self.timeout_s, num_tokens_across_dp=num_tokens_across_dp
+        )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)
         threads = []

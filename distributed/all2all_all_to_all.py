@@ -13,6 +13,7 @@ as DeepEP combines in bf16), then an fp32 ``index_add`` into token order.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,11 @@ class AllToAllBackend(All2AllBackend):
         topk_weights: Tensor,
         *,
         async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
+        # The per-destination row counts depend on the routing, so the count exchange stays even
+        # when the token counts are known; they are only checked.
+        self._check_num_tokens_across_ep(num_tokens_across_ep, hidden_states.shape[0])
         layout = self._row_layout(hidden_states, topk_ids, topk_weights)
         device = hidden_states.device
         mask = token_rank_mask(

@@ -1,7 +1,7 @@
 """``allgather_reducescatter`` backend: simple and robust (only even-sized collectives).
 
-Dispatch: all-gather every rank's token count (blocking, small), pad each rank's packed rows to the
-max count across EP, all-gather the padded ``[ep_size * max_tokens, row_bytes]`` uint8 buffer in ONE
+Dispatch: all-gather every rank's token count (blocking, small; skipped when the caller passes
+``num_tokens_across_ep``, as under DBO), pad each rank's packed rows to the max count across EP, all-gather the padded ``[ep_size * max_tokens, row_bytes]`` uint8 buffer in ONE
 collective, and keep the rows with at least one expert on this rank (DeepEP high-throughput
 semantics: a token reaches each rank holding one of its experts once, ids made local).
 Combine: scatter the expert outputs into a zeroed float32 ``[ep_size * max_tokens, hidden_size]``
@@ -11,6 +11,7 @@ buffer and reduce-scatter it (sum over ranks in float32), keeping this rank's ``
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,24 +49,15 @@ class AllGatherReduceScatterBackend(All2AllBackend):
         topk_weights: Tensor,
         *,
         async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
         layout = self._row_layout(hidden_states, topk_ids, topk_weights)
         device = hidden_states.device
         num_tokens = hidden_states.shape[0]
-        header = torch.tensor([num_tokens, *layout.signature()], dtype=torch.int64, device=device)
-        headers = torch.empty(self.ep_size, header.numel(), dtype=torch.int64, device=device)
-        notify_start_ns = time.perf_counter_ns()
-        pending = all_gather_into(headers, header.unsqueeze(0), group=self.ep_group)
-        # blocking wait (timeout: self.timeout): the padded size must be known on the host
-        notify_ns = self._notify(
-            pending,
-            "allgather dispatch count exchange",
-            issued_at_ns=notify_start_ns,
-            num_bytes=(self.ep_size - 1) * header.numel() * 8,
-        )
-        headers = headers.cpu()
-        self._check_signatures(headers[:, 1:].tolist(), layout, "allgather dispatch")
-        counts = headers[:, 0].tolist()
+        counts = self._check_num_tokens_across_ep(num_tokens_across_ep, num_tokens)
+        notify_ns = None
+        if counts is None:
+            counts, notify_ns = self._exchange_counts(num_tokens, layout, device)
         max_tokens = max(counts)
 
         packed = pack_rows(
@@ -112,6 +104,25 @@ class AllGatherReduceScatterBackend(All2AllBackend):
             async_op=async_op,
             notify_ns=notify_ns,
         )
+
+    def _exchange_counts(
+        self, num_tokens: int, layout, device
+    ) -> tuple[list[int], tuple[int, int]]:
+        """All-gather every rank's token count (and row format, checked equal); blocking."""
+        header = torch.tensor([num_tokens, *layout.signature()], dtype=torch.int64, device=device)
+        headers = torch.empty(self.ep_size, header.numel(), dtype=torch.int64, device=device)
+        notify_start_ns = time.perf_counter_ns()
+        pending = all_gather_into(headers, header.unsqueeze(0), group=self.ep_group)
+        # blocking wait (timeout: self.timeout): the padded size must be known on the host
+        notify_ns = self._notify(
+            pending,
+            "allgather dispatch count exchange",
+            issued_at_ns=notify_start_ns,
+            num_bytes=(self.ep_size - 1) * header.numel() * 8,
+        )
+        headers = headers.cpu()
+        self._check_signatures(headers[:, 1:].tolist(), layout, "allgather dispatch")
+        return headers[:, 0].tolist(), notify_ns
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False

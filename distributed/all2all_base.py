@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -129,6 +130,7 @@ class All2AllBackend(ABC):
         topk_weights: Tensor,
         *,
         async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
         """Send each token to the EP ranks holding its experts.
 
@@ -140,6 +142,10 @@ class All2AllBackend(ABC):
             topk_weights: ``[num_tokens, num_topk]`` float (used as float32).
             async_op: False: the returned handle is complete. True: the payload collective is in
                 flight (the small count exchange before it blocks, like DeepEP's notify).
+            num_tokens_across_ep: every EP rank's ``num_tokens`` in this dispatch, when the caller
+                already knows them (under DBO the DP ranks agreed on padded ubatch sizes). A
+                backend whose count exchange only learns these counts skips it, so the dispatch
+                issues without blocking (vLLM's naive dispatcher uses the DP metadata the same way).
 
         Raises:
             ValueError / TypeError: bad shapes, dtypes, expert ids, or a row format that differs
@@ -211,6 +217,21 @@ class All2AllBackend(ABC):
                 f"expert_output must be floating {list(expected)} (num_recv_tokens, hidden_size), "
                 f"got {list(expert_output.shape)} {expert_output.dtype}"
             )
+
+    def _check_num_tokens_across_ep(
+        self, num_tokens_across_ep: Sequence[int] | None, num_tokens: int
+    ) -> list[int] | None:
+        """``num_tokens_across_ep`` as a list, checked against this rank; ValueError if it does not
+        have ``ep_size`` entries or disagrees with this rank's own ``num_tokens``."""
+        if num_tokens_across_ep is None:
+            return None
+        counts = [int(n) for n in num_tokens_across_ep]
+        if len(counts) != self.ep_size or counts[self.ep_rank] != num_tokens or min(counts) < 0:
+            raise ValueError(
+                f"num_tokens_across_ep={counts} must list {self.ep_size} counts >= 0 with "
+                f"entry {self.ep_rank} equal to this rank's num_tokens={num_tokens}"
+            )
+        return counts
 
     def _check_signatures(self, signatures: list[list[int]], layout: RowLayout, op: str) -> None:
         """Raise on every rank (before the payload) if EP ranks disagree on the row format."""

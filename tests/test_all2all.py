@@ -150,6 +150,15 @@ def _run_case(backend, case, ep_rank) -> dict:
     for h in (h_a, h_b, c_a, c_b):
         assert h.completed_at_ns is not None and h.completed_at_ns >= h.issued_at_ns
         assert h.num_bytes >= 0
+
+    # token counts known to the caller (as under DBO): same rows; allgather skips its count exchange
+    h_known = backend.dispatch(x, ids, w, async_op=True, num_tokens_across_ep=case["counts"])
+    _assert_same_result(h_known.wait(), result)
+    assert (h_known.notify_ns is None) == (backend.name == "allgather_reducescatter")
+    wrong = list(case["counts"])
+    wrong[ep_rank] += 1
+    with pytest.raises(ValueError, match=r"num_tokens_across_ep=.* entry \d+ equal to this rank"):
+        backend.dispatch(x, ids, w, num_tokens_across_ep=wrong)
     return {"num_recv_tokens": result.metadata.num_recv_tokens}
 
 

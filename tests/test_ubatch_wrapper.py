@@ -14,6 +14,7 @@ from dbo import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
+    dbo_num_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
     make_ubatch_slices,
@@ -102,6 +103,25 @@ def test_without_slices_calls_the_model_directly():
     out = UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions, md)
     assert torch.equal(out, input_ids * 2)
     assert seen == [(True, False)]
+
+
+def test_each_ubatch_sees_its_num_tokens_across_dp():
+    seen = {}
+
+    def model_fn(input_ids, positions, md):
+        seen[dbo_current_ubatch_id()] = dbo_num_tokens_across_dp()
+        return input_ids
+
+    input_ids, positions, md, _ = make_batch()
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    counts = [(s.num_tokens, s.num_tokens) for s in slices]
+    UBatchWrapper(model_fn, timeout_s=5)(
+        input_ids, positions, md, slices, num_tokens_across_dp=counts
+    )
+    assert seen == {0: counts[0], 1: counts[1]}
+    assert dbo_num_tokens_across_dp() is None  # outside a ubatch
+    UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions, md, slices)
+    assert seen == {0: None, 1: None}
 
 
 def test_dbo_on_equals_dbo_off():
