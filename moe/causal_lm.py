@@ -163,34 +163,31 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
     routed_experts: ``TorchExperts`` (this rank's share only); shared_experts: the shared MLP and
     its gate; router: the MoE gates; dense: dense-layer MLPs; attention: everything under
-    ``self_attn`` except norms; norm: every RMSNorm outside attention; embedding: embeddings and
+    ``self_attn`` (its q/k/latent norms included); norm: the other RMSNorms; embedding: embeddings and
     lm_head.
     """
     owner: dict[int, str] = {}
+    # named_modules visits parents first, so the first claim (setdefault) is the outermost one
     for module_name, module in model.named_modules():
         if isinstance(module, FusedMoE) and module.shared_expert_name:
             shared = [getattr(module, module.shared_expert_name), module.shared_expert_gate]
             for sub in shared:
                 for p in () if sub is None else sub.parameters():
-                    owner[id(p)] = "shared_experts"
-        category = None
+                    owner.setdefault(id(p), "shared_experts")
         if isinstance(module, TorchExperts):
-            category = "routed_experts"
+            claim = ("routed_experts", True)
         elif isinstance(module, Router):
-            category = "router"
-        elif isinstance(module, DenseMLP) and "self_attn" not in module_name:
-            category = "dense"
-        for p in module.parameters(recurse=False):
-            if category is None:
-                if "self_attn" in module_name:
-                    category_p = "attention"
-                elif module_name.endswith("norm"):
-                    category_p = "norm"
-                else:
-                    category_p = "embedding"
-            else:
-                category_p = category
-            owner.setdefault(id(p), category_p)
+            claim = ("router", True)
+        elif isinstance(module, DenseMLP):
+            claim = ("dense", True)
+        elif module_name.endswith("self_attn"):
+            claim = ("attention", True)
+        elif module_name.endswith("norm"):
+            claim = ("norm", False)
+        else:
+            claim = ("embedding", False)
+        for p in module.parameters(recurse=claim[1]):
+            owner.setdefault(id(p), claim[0])
     totals = dict.fromkeys(PARAM_CATEGORIES, 0)
     seen: set[int] = set()
     for p in model.parameters():  # deduplicates tied parameters

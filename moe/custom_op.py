@@ -122,8 +122,11 @@ class CustomOp(nn.Module):
     def dispatch_forward(self) -> Callable[..., Any]:
         if not self.enabled():
             return self.forward_native
-        key = current_platform().dispatch_key
-        return getattr(self, f"forward_{key}", self.forward_native)
+        method = f"forward_{current_platform().dispatch_key}"
+        # an op that does not override the platform method runs forward_native directly
+        if getattr(type(self), method, None) in (None, getattr(CustomOp, method, None)):
+            return self.forward_native
+        return getattr(self, method)
 
     @property
     def forward_path(self) -> str:

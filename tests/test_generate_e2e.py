@@ -41,6 +41,7 @@ def read_outputs(path: Path) -> list[dict]:
 
 
 DBO_FLAGS = (
+    "--dtype=float32",
     "--enable-expert-parallel",
     "--enable-dbo",
     "--dbo-decode-token-threshold=2",
