@@ -235,7 +235,11 @@ class FusedMoEModularKernel:
         if is_async:
             dbo_register_recv_hook(_recv_hook(combine))
             dbo_yield()
-        output = combine.wait()  # blocking wait (group timeout); a no-op if the hook already ran
+        # The ubatch takes the combined result here: [combine issue, this span's end] is the window
+        # the shared experts overlap (the comm span below ends at data arrival, which on one host
+        # can come before the shared experts finish).
+        with timeline_span("combine_wait"):
+            output = combine.wait()  # blocking wait (group timeout); no-op if the hook already ran
         _record_comm("combine", combine)
         if shared_output is not None:
             output = output + shared_output
