@@ -13,11 +13,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled
+import torch
+
+from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled, set_baton_observer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,14 +45,17 @@ class TimelineSpan:
 
 
 class TimelineRecorder:
-    """Collects spans from any thread of one rank (appends are locked)."""
+    """Collects spans from any thread of one rank.
+
+    Recording is cheap: a span is one tuple appended to a list (``list.append`` is atomic under
+    the GIL, so no lock is taken); ``TimelineSpan`` objects are built only when read.
+    """
 
     def __init__(self, *, rank: int) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
-        self._lock = threading.Lock()
-        self._spans: list[TimelineSpan] = []
+        self._raw: list[tuple] = []
 
     def add_span(
         self,
@@ -63,20 +68,26 @@ class TimelineRecorder:
         args: dict | None = None,
     ) -> None:
         """Record ``[start_ns, end_ns]`` on ``track``. Raises ValueError if ``end_ns < start_ns``."""
-        span = TimelineSpan(
-            name=name, cat=cat, start_ns=start_ns, end_ns=end_ns, track=track, args=dict(args or {})
-        )
-        with self._lock:
-            self._spans.append(span)
+        if end_ns < start_ns:
+            raise ValueError(f"span {name!r}: end_ns={end_ns} is before start_ns={start_ns}")
+        self._raw.append((name, cat, start_ns, end_ns, track, args))
 
-    def spans(self) -> list[TimelineSpan]:
-        """A snapshot of the recorded spans, in recording order."""
-        with self._lock:
-            return list(self._spans)
+    def spans(self, start: int = 0) -> list[TimelineSpan]:
+        """A snapshot of the recorded spans from the ``start``-th on (see ``len``), in recording
+        order."""
+        raw = self._raw[start:]
+        return [
+            TimelineSpan(
+                name=name, cat=cat, start_ns=start, end_ns=end, track=track, args=dict(args or {})
+            )
+            for name, cat, start, end, track, args in raw
+        ]
+
+    def __len__(self) -> int:
+        return len(self._raw)
 
     def clear(self) -> None:
-        with self._lock:
-            self._spans.clear()
+        self._raw = []
 
     def chrome_trace(self) -> dict[str, Any]:
         """``{"traceEvents": [...]}``: complete events (``ph "X"``, ``ts``/``dur`` in µs,
@@ -124,13 +135,28 @@ class TimelineRecorder:
             json.dump(self.chrome_trace(), f)
 
 
+# Span categories. Metrics count ``compute`` as compute and ``comm`` as communication; ``wait``
+# (a ubatch blocked on its data), ``baton`` (a baton pass) and ``step`` (one engine step, the
+# window of per-step metrics) are neither.
+CAT_COMPUTE = "compute"
+CAT_COMM = "comm"
+CAT_WAIT = "wait"
+CAT_BATON = "baton"
+CAT_STEP = "step"
+STEP_TRACK = "engine step"
+
 _recorder: TimelineRecorder | None = None
+_local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
 
 
 def set_timeline_recorder(rec: TimelineRecorder | None) -> None:
-    """Install (or with ``None`` remove) the process-wide recorder; ``launch/`` does this."""
+    """Install (or with ``None`` remove) the process-wide recorder; ``launch/`` does this.
+
+    While a recorder is installed, every baton pass between ubatch threads is recorded too.
+    """
     global _recorder
     _recorder = rec
+    set_baton_observer(_record_baton_pass if rec is not None else None)
 
 
 def get_timeline_recorder() -> TimelineRecorder | None:
@@ -141,20 +167,63 @@ def _track(kind: str) -> str:
     return f"ubatch{dbo_current_ubatch_id()} {kind}" if dbo_enabled() else f"main {kind}"
 
 
+def _profiler_on() -> bool:
+    # a module-level flag torch sets while a profiler is active: costs one attribute read
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def set_timeline_layer(layer_idx: int | None) -> None:
+    """Name this thread's following spans after decoder layer ``layer_idx`` (``layer3.experts``);
+    ``None`` ends the layer. Thread-local, so each ubatch thread tracks its own layer."""
+    _local.layer = layer_idx
+
+
+def span_name(name: str) -> str:
+    """``name`` prefixed with this thread's current layer, e.g. ``layer3.attention``."""
+    layer = getattr(_local, "layer", None)
+    return name if layer is None else f"layer{layer}.{name}"
+
+
 @contextmanager
-def timeline_span(name: str, cat: str = "compute") -> Iterator[None]:
-    """Record the enclosed block as a span on this thread's compute track (``ubatch{i} compute``
-    with DBO on, else ``main compute``); a no-op without a recorder. Recorded even if it raises."""
+def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -> Iterator[None]:
+    """Record the enclosed block as a span named ``layer{L}.{name}`` (inside a layer) on this
+    thread's ``kind`` track (``ubatch{i} compute`` with DBO on, else ``main compute``), and open a
+    ``torch.profiler.record_function`` range of the same name while a torch profiler runs.
+    A no-op without recorder and profiler. Recorded even if the block raises."""
     rec = _recorder
-    if rec is None:
+    if rec is None and not _profiler_on():
         yield
         return
-    track = _track("compute")
+    full_name = span_name(name)
+    track = _track(kind)
+    profiled = torch.profiler.record_function(full_name) if _profiler_on() else nullcontext()
     start_ns = time.perf_counter_ns()
     try:
-        yield
+        with profiled:
+            yield
     finally:
-        rec.add_span(name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track)
+        if rec is not None:
+            rec.add_span(
+                full_name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track
+            )
+
+
+def blocking_comm_span(name: str) -> AbstractContextManager[None]:
+    """A blocking collective (e.g. the DP vote) as a ``comm`` span on this thread's comm track."""
+    return timeline_span(name, CAT_COMM, kind="comm")
+
+
+def record_span(
+    name: str, *, cat: str, start_ns: int, end_ns: int, kind: str, args: dict | None = None
+) -> None:
+    """Record an already-measured span (named after the current layer) on this thread's ``kind``
+    track; a no-op without a recorder. Zero-length spans are dropped."""
+    rec = _recorder
+    if rec is not None and end_ns > start_ns:
+        rec.add_span(
+            span_name(name), cat=cat, start_ns=start_ns, end_ns=end_ns, track=_track(kind),
+            args=args,
+        )  # fmt: skip
 
 
 def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
@@ -164,5 +233,39 @@ def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None
     rec = _recorder
     if rec is not None:
         rec.add_span(
-            name, cat="comm", start_ns=start_ns, end_ns=end_ns, track=_track("comm"), args=args
-        )
+            span_name(name), cat=CAT_COMM, start_ns=start_ns, end_ns=end_ns,
+            track=_track("comm"), args=args,
+        )  # fmt: skip
+
+
+def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> None:
+    # called by the receiving ubatch thread right after it got the baton
+    rec = _recorder
+    if rec is not None:
+        rec.add_span(
+            "baton pass", cat=CAT_BATON, start_ns=handed_at_ns, end_ns=woke_at_ns,
+            track=f"ubatch{ubatch_id} compute",
+        )  # fmt: skip
+
+
+@contextmanager
+def timeline_step(step_index: int, **args: Any) -> Iterator[dict[str, Any]]:
+    """Record one engine step on the ``engine step`` track (the window of per-step metrics) and as
+    a ``torch.profiler.record_function`` range ``step``. Yields the span's args dict (holding
+    ``step`` and ``args``), which the caller may fill in (e.g. ``num_tokens``) before leaving."""
+    step_args = {"step": step_index, **args}
+    rec = _recorder
+    if rec is None and not _profiler_on():
+        yield step_args
+        return
+    profiled = torch.profiler.record_function("step") if _profiler_on() else nullcontext()
+    start_ns = time.perf_counter_ns()
+    try:
+        with profiled:
+            yield step_args
+    finally:
+        if rec is not None:
+            rec.add_span(
+                "step", cat=CAT_STEP, start_ns=start_ns, end_ns=time.perf_counter_ns(),
+                track=STEP_TRACK, args=step_args,
+            )  # fmt: skip

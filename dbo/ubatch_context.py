@@ -26,7 +26,18 @@ __all__ = [
     "dbo_register_recv_hook",
     "dbo_yield",
     "make_ubatch_contexts",
+    "set_baton_observer",
 ]
+
+# Called as observer(ubatch_id, handed_at_ns, woke_at_ns) by a ubatch thread that just received the
+# baton from another one (the timeline records baton passes through it); None: nobody listens.
+_baton_observer: Callable[[int, int, int], None] | None = None
+
+
+def set_baton_observer(observer: Callable[[int, int, int], None] | None) -> None:
+    """Install (None: remove) the process-wide baton-pass observer (``dbo.timeline`` does)."""
+    global _baton_observer
+    _baton_observer = observer
 
 
 class UBatchAborted(RuntimeError):
@@ -55,6 +66,7 @@ class _UBatchGroup:
         self.hooks: list[list[Callable[[], None]]] = [[] for _ in range(num_ubatches)]
         self.error: BaseException | None = None
         self.last_progress_ns = time.perf_counter_ns()
+        self.handed_at_ns: int | None = None  # when the baton last went to another ubatch
 
     # next_unfinished, hand_on, raise_if_aborted and abort are called with self.lock held
 
@@ -69,9 +81,11 @@ class _UBatchGroup:
     def hand_on(self, ubatch_id: int) -> int:
         """Give the baton to the next unfinished ubatch; return it (``ubatch_id`` if none)."""
         self.owner = self.next_unfinished(ubatch_id)
-        self.last_progress_ns = time.perf_counter_ns()
-        if self.owner != ubatch_id and self.wake[self.owner].locked():
-            self.wake[self.owner].release()
+        self.last_progress_ns = now_ns = time.perf_counter_ns()
+        if self.owner != ubatch_id:
+            self.handed_at_ns = now_ns
+            if self.wake[self.owner].locked():
+                self.wake[self.owner].release()
         return self.owner
 
     def raise_if_aborted(self, ubatch_id: int) -> None:
@@ -93,7 +107,9 @@ class _UBatchGroup:
         """Block until ``ubatch_id`` holds the baton (called WITHOUT self.lock held)."""
         # blocking wait (timeout self.timeout_s): for the baton, or for an abort
         has_permit = self.wake[ubatch_id].acquire(timeout=self.timeout_s)
+        woke_at_ns = time.perf_counter_ns()
         with self.lock:
+            handed_at_ns = self.handed_at_ns
             self.raise_if_aborted(ubatch_id)
             if not has_permit:
                 raise TimeoutError(
@@ -104,6 +120,9 @@ class _UBatchGroup:
                 raise RuntimeError(
                     f"ubatch {ubatch_id} woke up but ubatch {self.owner} holds the baton"
                 )
+        observer = _baton_observer
+        if observer is not None and handed_at_ns is not None:
+            observer(ubatch_id, handed_at_ns, woke_at_ns)
 
 
 class UBatchContext:

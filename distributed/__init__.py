@@ -15,6 +15,7 @@ from distributed.all2all import (
     DispatchResult,
     make_all2all_backend,
 )
+from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
     TorchrunEnv,
@@ -32,6 +33,8 @@ __all__ = [
     "CommHandle",
     "DispatchMetadata",
     "DispatchResult",
+    "EmulatedLink",
+    "LinkSpec",
     "ParallelGroups",
     "TorchrunEnv",
     "destroy_distributed",

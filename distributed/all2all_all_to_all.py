@@ -70,11 +70,15 @@ class AllToAllBackend(All2AllBackend):
         header = header.to(device)
         recv_header = torch.empty_like(header)
         op = "all_to_all dispatch count exchange"
+        notify_start_ns = time.perf_counter_ns()
         pending = all_to_all_single(
             recv_header, header, output_split_sizes=None, input_split_sizes=None,
             group=self.ep_group,
         )  # fmt: skip
-        self._wait(pending, op)  # blocking wait (timeout: self.timeout), DeepEP's notify step
+        # blocking wait (timeout: self.timeout), DeepEP's notify step
+        notify_ns = self._notify(
+            pending, op, issued_at_ns=notify_start_ns, num_bytes=header[0].numel() * 8
+        )
         recv_header = recv_header.cpu()
         self._check_signatures(recv_header[:, 1:].tolist(), layout, "all_to_all dispatch")
         send_counts = header[:, 0].tolist()
@@ -115,6 +119,7 @@ class AllToAllBackend(All2AllBackend):
             )
 
         num_bytes = (len(send_token_idx) - send_counts[self.ep_rank]) * layout.row_bytes
+        num_recv_bytes = (recv.shape[0] - recv_counts[self.ep_rank]) * layout.row_bytes
         return self._handle(
             op="all_to_all dispatch",
             pending=pending,
@@ -122,6 +127,8 @@ class AllToAllBackend(All2AllBackend):
             issued_at_ns=issued_at_ns,
             num_bytes=num_bytes,
             async_op=async_op,
+            num_recv_bytes=num_recv_bytes,
+            notify_ns=notify_ns,
         )
 
     def combine(
@@ -149,6 +156,7 @@ class AllToAllBackend(All2AllBackend):
 
         row_bytes = send.shape[1]
         num_bytes = (send.shape[0] - metadata.recv_counts[self.ep_rank]) * row_bytes
+        num_recv_bytes = (num_back - metadata.send_counts[self.ep_rank]) * row_bytes
         return self._handle(
             op="all_to_all combine",
             pending=pending,
@@ -156,4 +164,5 @@ class AllToAllBackend(All2AllBackend):
             issued_at_ns=issued_at_ns,
             num_bytes=num_bytes,
             async_op=async_op,
+            num_recv_bytes=num_recv_bytes,
         )

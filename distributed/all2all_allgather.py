@@ -54,9 +54,15 @@ class AllGatherReduceScatterBackend(All2AllBackend):
         num_tokens = hidden_states.shape[0]
         header = torch.tensor([num_tokens, *layout.signature()], dtype=torch.int64, device=device)
         headers = torch.empty(self.ep_size, header.numel(), dtype=torch.int64, device=device)
+        notify_start_ns = time.perf_counter_ns()
         pending = all_gather_into(headers, header.unsqueeze(0), group=self.ep_group)
         # blocking wait (timeout: self.timeout): the padded size must be known on the host
-        self._wait(pending, "allgather dispatch count exchange")
+        notify_ns = self._notify(
+            pending,
+            "allgather dispatch count exchange",
+            issued_at_ns=notify_start_ns,
+            num_bytes=(self.ep_size - 1) * header.numel() * 8,
+        )
         headers = headers.cpu()
         self._check_signatures(headers[:, 1:].tolist(), layout, "allgather dispatch")
         counts = headers[:, 0].tolist()
@@ -104,6 +110,7 @@ class AllGatherReduceScatterBackend(All2AllBackend):
             issued_at_ns=issued_at_ns,
             num_bytes=(self.ep_size - 1) * packed.numel(),
             async_op=async_op,
+            notify_ns=notify_ns,
         )
 
     def combine(

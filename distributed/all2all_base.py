@@ -11,6 +11,7 @@ combine needs travels in the frozen ``DispatchMetadata``.
 from __future__ import annotations
 
 import datetime
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,6 +21,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.comm_handle import CommHandle, wait_work
+from distributed.link_emulation import EmulatedLink, sleep_until
 from distributed.token_packing import RowLayout
 
 
@@ -81,6 +83,8 @@ class All2AllBackend(ABC):
         ep_rank, ep_size: this rank and the number of EP ranks.
         num_experts: global experts; rank ``r`` holds ``[r * num_local_experts, (r+1) * ...)``.
         timeout: limit of every blocking wait.
+        link: an emulated slower link (``distributed.link_emulation``) that delays the completion
+            of every collective of this backend, the count exchange included; None: real link.
 
     Raises:
         ValueError: if ``num_experts % ep_size != 0``, ``ep_rank`` is outside ``[0, ep_size)``,
@@ -97,6 +101,7 @@ class All2AllBackend(ABC):
         ep_size: int,
         num_experts: int,
         timeout: datetime.timedelta,
+        link: EmulatedLink | None = None,
     ) -> None:
         if ep_size < 1 or not 0 <= ep_rank < ep_size:
             raise ValueError(f"need ep_size >= 1 and ep_rank in [0, {ep_size}), got {ep_rank}")
@@ -114,6 +119,7 @@ class All2AllBackend(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
+        self.link = link
 
     @abstractmethod
     def dispatch(
@@ -216,14 +222,29 @@ class All2AllBackend(ABC):
                 f"and dtype"
             )
 
-    def _wait(self, pending, op: str) -> None:
+    def _notify(self, pending, op: str, *, issued_at_ns: int, num_bytes: int) -> tuple[int, int]:
+        """Complete the small blocking count exchange ``pending`` (issued at ``issued_at_ns``,
+        ``num_bytes`` each way) under the emulated link if any; return its ``(start, end)`` ns."""
         work, after = pending
         wait_work(work, op=op, rank=self.ep_rank, timeout=self.timeout)
+        if self.link is not None:
+            # blocking wait, bounded by the emulated link's deadline
+            sleep_until(self.link.deadline_ns(issued_at_ns, num_bytes))
         if after is not None:
             after()
+        return issued_at_ns, time.perf_counter_ns()
 
     def _handle(
-        self, *, op: str, pending, finalize, issued_at_ns: int, num_bytes: int, async_op: bool
+        self,
+        *,
+        op: str,
+        pending,
+        finalize,
+        issued_at_ns: int,
+        num_bytes: int,
+        async_op: bool,
+        num_recv_bytes: int | None = None,
+        notify_ns: tuple[int, int] | None = None,
     ):
         work, after = pending
 
@@ -232,6 +253,10 @@ class All2AllBackend(ABC):
                 after()
             return finalize()
 
+        link_deadline_ns = None
+        if self.link is not None:
+            link_bytes = max(num_bytes, num_bytes if num_recv_bytes is None else num_recv_bytes)
+            link_deadline_ns = self.link.deadline_ns(issued_at_ns, link_bytes)
         handle: CommHandle = CommHandle(
             op=op,
             rank=self.ep_rank,
@@ -240,6 +265,8 @@ class All2AllBackend(ABC):
             finalize=run_finalize,
             issued_at_ns=issued_at_ns,
             num_bytes=num_bytes,
+            notify_ns=notify_ns,
+            link_deadline_ns=link_deadline_ns,
         )
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait

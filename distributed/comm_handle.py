@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from distributed.link_emulation import sleep_until
+
 if TYPE_CHECKING:
     from torch.distributed import Work
 
@@ -55,6 +57,11 @@ class CommHandle(Generic[T]):
             the ``Work``'s future (real completion, from the communication thread), or at
             ``wait()`` when the backend offers no future. None until known.
         num_bytes: payload bytes this rank sends to other ranks in this collective.
+        notify_ns: ``(start, end)`` ``perf_counter_ns`` of the blocking count exchange the backend
+            ran before issuing the payload (DeepEP's notify step), or None if there was none.
+        link_deadline_ns: with an emulated link (``distributed.link_emulation``), the earliest
+            ``perf_counter_ns`` at which the collective may complete; ``wait()`` sleeps until then
+            and ``completed_at_ns`` is never earlier. None: a real link only.
 
     ``wait()`` is idempotent and thread-safe: the first call blocks (with the group timeout) and
     runs the finalize step once; every later call, from any thread, returns the same object (or
@@ -74,6 +81,8 @@ class CommHandle(Generic[T]):
         "_completed_at_ns",
         "issued_at_ns",
         "num_bytes",
+        "notify_ns",
+        "link_deadline_ns",
         "__weakref__",
     )
 
@@ -87,6 +96,8 @@ class CommHandle(Generic[T]):
         finalize: Callable[[], T],
         issued_at_ns: int,
         num_bytes: int,
+        notify_ns: tuple[int, int] | None = None,
+        link_deadline_ns: int | None = None,
     ) -> None:
         self._op = op
         self._rank = rank
@@ -100,6 +111,8 @@ class CommHandle(Generic[T]):
         self._completed_at_ns: int | None = None
         self.issued_at_ns = issued_at_ns
         self.num_bytes = num_bytes
+        self.notify_ns = notify_ns
+        self.link_deadline_ns = link_deadline_ns
         if work is not None:
             self._stamp_on_completion(work)
 
@@ -118,12 +131,18 @@ class CommHandle(Generic[T]):
 
     @property
     def completed_at_ns(self) -> int | None:
-        return self._completed_at_ns
+        stamp, deadline = self._completed_at_ns, self.link_deadline_ns
+        if stamp is None or deadline is None:
+            return stamp
+        return max(stamp, deadline)
 
     def is_completed(self) -> bool:
         """Whether the data has arrived (does not run finalize, never blocks)."""
         if self._done:
             return True
+        deadline = self.link_deadline_ns
+        if deadline is not None and time.perf_counter_ns() < deadline:
+            return False
         work = self._work
         return work is None or work.is_completed()
 
@@ -152,6 +171,7 @@ class CommHandle(Generic[T]):
     def _complete(self) -> None:
         try:
             wait_work(self._work, op=self._op, rank=self._rank, timeout=self._timeout)
+            sleep_until(self.link_deadline_ns)  # blocking wait, bounded by the emulated deadline
             if self._completed_at_ns is None:
                 self._completed_at_ns = time.perf_counter_ns()
             self._result = self._finalize()  # type: ignore[misc]

@@ -33,6 +33,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # KV cache blocks per rank (default: no preemption)
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -41,6 +42,7 @@ class EngineArgs:
     all2all_backend: str = "all_to_all"
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
+    emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +65,10 @@ class EngineArgs:
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.distributed_timeout_s <= 0:
@@ -74,11 +80,20 @@ class EngineArgs:
                 "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
                 f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
             )
+        self.link_spec()  # raises ValueError on a malformed --emulate-link
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
                 "no all-to-all to overlap"
             )
+
+    def link_spec(self):
+        """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
+        if self.emulate_link is None:
+            return None
+        from distributed.link_emulation import LinkSpec  # torch-free module, but keep it lazy
+
+        return LinkSpec.parse(self.emulate_link)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the launcher started exactly ``--data-parallel-size`` ranks."""
@@ -124,6 +139,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="max tokens per step per rank (prefill is chunked to fit)",
     )
     add("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    add(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV cache blocks per rank (default: max-num-seqs full-length requests); fewer "
+        "blocks make the scheduler preempt and recompute requests",
+    )
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
     add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
@@ -148,6 +170,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds any collective or ubatch wait may block before the run fails",
     )
     add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")
+    add(
+        "--emulate-link",
+        default=None,
+        metavar="latency_us=…,gbps=…",
+        help="emulate a slower link for the expert all-to-all: bytes move through the backend, "
+        "and each collective completes no earlier than issue + latency + bytes / bandwidth",
+    )
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
@@ -156,9 +185,17 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(ns, name) for name in fields if hasattr(ns, name)})
 
 
-def fail(prog: str, rank: int | None, message: str, status: int = 2) -> NoReturn:
-    """Print ``message`` as one line on stderr, prefixed with the program and rank, and exit."""
+def print_error(prog: str, rank: int | None, message: object) -> None:
+    """Write ``message`` as one line on stderr, prefixed with the program and rank."""
     where = f" [rank {rank}]" if rank is not None else ""
     one_line = " ".join(str(message).split())
-    print(f"{prog}{where}: error: {one_line}", file=sys.stderr, flush=True)
+    # One write of the whole line: ranks share torchrun's stderr, and print()'s separate write of
+    # the newline lets another rank's line land in between when stderr is unbuffered.
+    sys.stderr.write(f"{prog}{where}: error: {one_line}\n")
+    sys.stderr.flush()
+
+
+def fail(prog: str, rank: int | None, message: object, status: int = 2) -> NoReturn:
+    """``print_error`` the message, then exit with ``status``."""
+    print_error(prog, rank, message)
     raise SystemExit(status)

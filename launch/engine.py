@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from dbo import TimelineRecorder, set_timeline_recorder
-from distributed import make_all2all_backend
+from dbo.timeline import timeline_step
+from distributed import EmulatedLink, make_all2all_backend
 from launch.args import EngineArgs
 from launch.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.kv_cache_manager import KVCacheManager
@@ -84,6 +85,7 @@ class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
     num_dummy_steps: int = 0
+    num_preemptions: int = 0
     step_tokens: list[int] = field(default_factory=list)
 
 
@@ -115,10 +117,10 @@ class LLMEngine:
         self.args = engine_args
         self.groups = groups
         self.stats = EngineStats()
-        self.timeline = None
+        self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
-            self.timeline = TimelineRecorder(rank=groups.rank)
-            set_timeline_recorder(self.timeline)
+            self.start_timeline()
+        link_spec = engine_args.link_spec()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
         backend = None
@@ -130,6 +132,7 @@ class LLMEngine:
                 ep_size=groups.ep_size,
                 num_experts=config.num_experts,
                 timeout=groups.timeout,
+                link=None if link_spec is None else EmulatedLink(link_spec),
             )
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
@@ -147,7 +150,10 @@ class LLMEngine:
             load_checkpoint(self.model, model.checkpoint_dir)
         block_size = engine_args.block_size
         self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
-        num_blocks = engine_args.max_num_seqs * self.max_num_blocks_per_req
+        num_blocks = (
+            engine_args.num_gpu_blocks_override
+            or engine_args.max_num_seqs * self.max_num_blocks_per_req
+        )
         kv_caches = self.model.allocate_kv_caches(
             num_blocks=num_blocks, block_size=block_size, dtype=dtype
         )
@@ -176,10 +182,22 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def abort_request(self, request_id: int) -> Request | None:
+        """Drop a request of this rank (its blocks and sampling state); None if not here."""
+        self.model_runner.release(request_id)
+        return self.scheduler.abort_request(request_id)
+
     def step(self) -> tuple[list[Request], bool]:
         """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
-        scheduler_output = self.scheduler.schedule()
-        out = self.model_runner.execute_model(scheduler_output)
+        with timeline_step(self.stats.num_steps) as step_args:
+            scheduler_output = self.scheduler.schedule()
+            out = self.model_runner.execute_model(scheduler_output)
+            step_args.update(
+                num_tokens=out.num_tokens,
+                num_tokens_padded=out.num_tokens_padded,
+                is_ubatched=out.is_ubatched,
+                ran_model=out.ran_model,
+            )
         if not any(out.has_work_across_dp):
             return [], False
         if out.ran_model:
@@ -187,6 +205,7 @@ class LLMEngine:
             self.stats.num_ubatched_steps += out.is_ubatched
             self.stats.num_dummy_steps += out.num_tokens == 0
             self.stats.step_tokens.append(out.num_tokens)
+        self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
         for request in finished:
             self.model_runner.release(request.request_id)
@@ -201,9 +220,17 @@ class LLMEngine:
             if not any_work:
                 return finished
 
+    def start_timeline(self) -> TimelineRecorder:
+        """Record a timeline from now on (spans of every step, for ``write_timeline`` or for
+        in-process metrics); idempotent. Entry points other than generate (serve, bench) use it."""
+        if self.timeline is None:
+            self.timeline = TimelineRecorder(rank=self.groups.rank)
+            set_timeline_recorder(self.timeline)
+        return self.timeline
+
     def write_timeline(self) -> str | None:
         """Write this rank's Chrome trace to ``--timeline-dir``; return its path (None if off)."""
-        if self.timeline is None:
+        if self.timeline is None or not self.args.timeline_dir:
             return None
         os.makedirs(self.args.timeline_dir, exist_ok=True)
         path = os.path.join(self.args.timeline_dir, f"rank{self.groups.rank}.json")

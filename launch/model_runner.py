@@ -15,6 +15,7 @@ because the expert all-to-all is a collective over all EP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from dbo import (
     make_ubatch_slices,
     should_ubatch_locally,
 )
+from dbo.timeline import blocking_comm_span, timeline_span
 from launch.args import EngineArgs
 from launch.kv_cache_manager import KVCacheManager
 from launch.scheduler import SchedulerOutput
@@ -145,6 +147,14 @@ class ModelRunner:
         self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
         self._generators: dict[int, torch.Generator] = {}
 
+    def set_enable_dbo(self, enable_dbo: bool) -> None:
+        """Switch DBO on or off for the following steps (the benchmark interleaves both).
+
+        Raises:
+            ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
+        """
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo)
+
     def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         # inference_mode is thread-local: each ubatch thread must enter it itself.
         with torch.inference_mode():
@@ -186,14 +196,15 @@ class ModelRunner:
             )
         )
         g = self.groups
-        decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
-            num_tokens=num_tokens,
-            has_work=has_work,
-            vote=vote,
-            dp_group=g.dp_group,
-            dp_rank=g.dp_rank,
-            dp_size=g.dp_size,
-        )
+        with blocking_comm_span("dp_vote"):
+            decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
+                num_tokens=num_tokens,
+                has_work=has_work,
+                vote=vote,
+                dp_group=g.dp_group,
+                dp_rank=g.dp_rank,
+                dp_size=g.dp_size,
+            )
         has_work_across_dp = tuple(decision.has_work_across_dp)
         # Without EP there is no collective inside the model: an idle rank need not run a dummy.
         needs_dummy = any(has_work_across_dp) and g.ep_size > 1
@@ -229,7 +240,7 @@ class ModelRunner:
     def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
         if not inputs.sampled_request_ids:
             return {}
-        with torch.inference_mode():
+        with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         params = {
             s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled

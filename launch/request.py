@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
     seed: int | None = None  # per-request generator seed when sampling
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,7 +47,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "length" or "stop" once finished
+    finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+    num_preemptions: int = 0  # times its KV was freed to be recomputed later
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,9 +3,15 @@
 Running requests go first (a decode computes one token, an unfinished prompt its next chunk), then
 waiting requests are admitted while ``max_num_seqs`` and the token budget
 ``max_num_batched_tokens`` allow; a prompt longer than the remaining budget is chunked (chunked
-prefill, as vLLM's scheduler does). A request is admitted only when the KV cache can hold its whole
-prompt plus ``max_tokens`` (capped at ``max_model_len``), so a running request never runs out of
-blocks and nothing is preempted.
+prefill, as vLLM's scheduler does).
+
+KV blocks are allocated as tokens are scheduled, not reserved up front. When a running request
+needs a block and none is free, the most recently admitted running request is preempted: its
+blocks are freed, its computed-token count is reset, and it goes back to the front of the waiting
+queue, to be recomputed (prompt + the tokens generated so far) when blocks free up. This is vLLM's
+recompute preemption policy (vLLM v1 ``Scheduler.schedule``; Kwon et al., SOSP 2023, section 4.5).
+A request is accepted only if its prompt plus ``max_tokens`` (capped at ``max_model_len``) fits the
+whole cache, so a request running alone can always finish.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class ScheduledRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[Request, ...] = ()  # running requests sent back to waiting in this step
 
     @property
     def num_tokens(self) -> int:
@@ -33,9 +40,11 @@ class SchedulerOutput:
 
     @property
     def is_decode_only(self) -> bool:
-        """True if every scheduled request is past its prompt (vLLM's decode-only batch)."""
+        """True if every scheduled request computes one token past its prompt (vLLM's decode-only
+        batch); a preempted request recomputing its generated tokens counts as a prefill."""
         return all(
-            s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in self.scheduled
+            s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
+            for s in self.scheduled
         )
 
 
@@ -92,23 +101,77 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        for request in self.running:
-            if budget == 0:
-                break
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, num_new, preempted):
+                break  # ``request`` itself was preempted: every later one already was
             scheduled.append(ScheduledRequest(request=request, num_new_tokens=num_new))
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            index += 1
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
+        ):
             request = self.waiting[0]
-            if not self.kv_cache_manager.allocate(request.request_id, self._max_len(request)):
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate(request, num_new):
                 break  # wait until a running request frees its blocks
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             scheduled.append(ScheduledRequest(request=request, num_new_tokens=num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled=tuple(scheduled))
+        return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(preempted))
+
+    def _make_room(self, request: Request, num_new_tokens: int, preempted: list[Request]) -> bool:
+        """Allocate ``request``'s blocks for this step, preempting the most recently admitted
+        running requests (the tail of ``running``, not yet scheduled) until they fit.
+
+        Returns False if ``request`` had to be preempted itself (it was the tail).
+        """
+        while not self._allocate(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow ``request``'s blocks to hold its tokens through this step; False if short."""
+        return self.kv_cache_manager.allocate(
+            request.request_id, request.num_computed_tokens + num_new_tokens
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and queue it first for recomputation (vLLM's recompute)."""
+        self.kv_cache_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def abort_request(self, request_id: int) -> Request | None:
+        """Drop a waiting or running request and free its blocks; the request, or None if unknown."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.kv_cache_manager.free(request_id)
+                    request.status = RequestStatus.FINISHED
+                    request.finish_reason = "abort"
+                    return request
+        return None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]
@@ -137,7 +200,9 @@ class Scheduler:
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling_params
-        if token in self.eos_token_ids or token in params.stop_token_ids:
+        if token in params.stop_token_ids or (
+            token in self.eos_token_ids and not params.ignore_eos
+        ):
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"

@@ -15,7 +15,12 @@ from moe.experts import TorchExperts
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
 # like (64 experts, top-6, per-rank half) at small and decode-sized batches
-SHAPES = ((256, 8, 256, 512, 2), (64, 8, 256, 512, 2), (512, 32, 512, 256, 6), (32, 32, 512, 256, 6))
+SHAPES = (
+    (256, 8, 256, 512, 2),
+    (64, 8, 256, 512, 2),
+    (512, 32, 512, 256, 6),
+    (32, 32, 512, 256, 6),
+)
 
 
 def _time(fn, repeats: int) -> float:
@@ -50,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
             ids = ids.clamp(min=-1)
             weights = torch.rand(num_tokens, top_k, generator=gen)
             with torch.no_grad():
-                loop = _time(lambda: experts.forward_native(x, ids, weights), args.repeats)
-                grouped = _time(lambda: experts.forward_cpu(x, ids, weights), args.repeats)
+                call = (x, ids, weights)
+                loop = _time(lambda f=experts.forward_native, a=call: f(*a), args.repeats)
+                grouped = _time(lambda f=experts.forward_cpu, a=call: f(*a), args.repeats)
             print(
                 f"{str(dtype)[6:]:9} {num_tokens:6} {num_experts:7} {hidden:6} {inter:5} {top_k:4} "
                 f"{loop * 1e3:9.2f} {grouped * 1e3:11.2f} {loop / grouped:13.2f}"

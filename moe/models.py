@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from dbo.timeline import timeline_span
+from dbo.timeline import set_timeline_layer, timeline_span
 from moe.attention import PagedAttention
 from moe.config import MoEModelConfig
 from moe.experts import GATE_UP_DOWN_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES
@@ -179,6 +179,8 @@ class MoEModel(nn.Module):
         self, input_ids: Tensor, positions: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer_idx, layer in enumerate(self.layers):
+            set_timeline_layer(layer_idx)  # names this thread's spans layer{i}.attention, ...
             hidden_states = layer(positions, hidden_states, attn_metadata)
+        set_timeline_layer(None)
         return self.norm(hidden_states)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from dbo.timeline import record_comm_span, timeline_span
+from dbo.timeline import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, timeline_span
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
@@ -156,25 +156,58 @@ class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return self.backend.combine(expert_output, metadata, async_op=async_op)
 
 
-def _recv_hook(handle: CommHandle) -> Callable[[], None]:
+def _recv_hook(handle: CommHandle, op: str) -> Callable[[], None]:
     """``handle.wait`` as a recv hook that completes under the grad mode the transfer was issued in.
 
     The other ubatch may run the hook at its ``__exit__``, i.e. outside the ``torch.inference_mode``
     a caller wrapped the model in; finalizing (in-place ops on buffers made at issue time) outside
-    it would raise "Inplace update to inference tensor outside InferenceMode".
+    it would raise "Inplace update to inference tensor outside InferenceMode". The time the running
+    ubatch blocks in it is recorded as a ``wait`` span.
     """
     is_inference = torch.is_inference_mode_enabled()
 
     def hook() -> None:
-        with torch.inference_mode(is_inference):
+        with torch.inference_mode(is_inference), timeline_span(f"wait_{op}", CAT_WAIT):
             handle.wait()
 
     return hook
 
 
-def _record_comm(name: str, handle: CommHandle) -> None:
+def _wait(handle: CommHandle[T], op: str) -> T:
+    """``handle.wait()``, recorded as a ``wait`` span unless the data had already arrived (e.g. a
+    recv hook completed it)."""
+    if handle.is_completed():
+        return handle.wait()  # does not block: at most runs the finalize step
+    with timeline_span(f"wait_{op}", CAT_WAIT):
+        return handle.wait()  # blocking wait (group timeout) inside CommHandle.wait
+
+
+def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
+    """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
+    blocking count exchange if the backend made one (``{op}_notify``, comm)."""
+    notify = getattr(handle, "notify_ns", None)
+    issued_at_ns = max(handle.issued_at_ns, start_ns)
+    if notify is None:
+        record_span(
+            f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=issued_at_ns, kind="compute"
+        )
+        return
+    notify_start, notify_end = notify
+    record_span(
+        f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=notify_start, kind="compute"
+    )
+    record_span(f"{op}_notify", cat=CAT_COMM, start_ns=notify_start, end_ns=notify_end, kind="comm")
+    record_span(
+        f"{op}_prep", cat=CAT_COMPUTE, start_ns=notify_end, end_ns=issued_at_ns, kind="compute"
+    )
+
+
+def _record_comm(op: str, handle: CommHandle) -> None:
     end_ns = handle.completed_at_ns or time.perf_counter_ns()
-    record_comm_span(name, start_ns=handle.issued_at_ns, end_ns=end_ns)
+    record_span(
+        op, cat=CAT_COMM, start_ns=handle.issued_at_ns, end_ns=end_ns, kind="comm",
+        args={"num_bytes": handle.num_bytes},
+    )  # fmt: skip
 
 
 class FusedMoEModularKernel:
@@ -211,13 +244,15 @@ class FusedMoEModularKernel:
         is_async = dbo_enabled()
         # Complete the other ubatch's in-flight transfer before issuing ours (vLLM order).
         dbo_maybe_run_recv_hook()
+        issue_ns = time.perf_counter_ns()
         dispatch = self.prepare_finalize.prepare(
             hidden_states, topk_ids, topk_weights, async_op=is_async
         )
+        _record_issue("dispatch", issue_ns, dispatch)
         if is_async:
-            dbo_register_recv_hook(_recv_hook(dispatch))
+            dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
             dbo_yield()
-        result = dispatch.wait()  # blocking wait (group timeout); a no-op if the hook already ran
+        result = _wait(dispatch, "dispatch")
         _record_comm("dispatch", dispatch)
 
         with timeline_span("experts"):
@@ -226,21 +261,26 @@ class FusedMoEModularKernel:
             )
 
         dbo_maybe_run_recv_hook()
+        issue_ns = time.perf_counter_ns()
         combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
+        _record_issue("combine", issue_ns, combine)
         shared_output = None
         if shared_experts is not None:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
             with timeline_span("shared_experts"):
                 shared_output = shared_experts(hidden_states)
         if is_async:
-            dbo_register_recv_hook(_recv_hook(combine))
+            dbo_register_recv_hook(_recv_hook(combine, "combine"))
             dbo_yield()
-        # The ubatch takes the combined result here: [combine issue, this span's end] is the window
-        # the shared experts overlap (the comm span below ends at data arrival, which on one host
-        # can come before the shared experts finish).
-        with timeline_span("combine_wait"):
-            output = combine.wait()  # blocking wait (group timeout); no-op if the hook already ran
+        output = _wait(combine, "combine")
         _record_comm("combine", combine)
+        # The combine as this ubatch sees it, from issue to taking the result: the window the
+        # shared experts overlap (the ``combine`` span ends at data arrival, which on one host can
+        # come before the shared experts finish).
+        record_span(
+            "combine_window", cat=CAT_COMM, start_ns=combine.issued_at_ns,
+            end_ns=time.perf_counter_ns(), kind="comm",
+        )  # fmt: skip
         if shared_output is not None:
             output = output + shared_output
         return output

@@ -5,7 +5,7 @@ rank builds a DBO engine (thresholds lowered so every step is microbatched) and 
 runs the prefill of its prompts and two greedy decode steps teacher-forced, and returns every logit
 row. Float32 logits must equal transformers' (1e-5, as on one rank) and DBO on must equal DBO off.
 The DBO engine records a timeline: each shared-experts span must lie inside the window between its
-ubatch issuing the combine and taking its result (the end of ``combine_wait``).
+ubatch issuing the combine and taking its result (its ``combine_window`` span).
 
 The end-to-end case runs ``torchrun -m launch.generate`` per architecture (DP=2, EP, DBO, float32)
 and compares the greedy tokens with transformers' ``generate``.
@@ -27,17 +27,19 @@ ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
 
 
 def _shared_in_combine(spans) -> list[tuple[int, int, int, int]]:
-    """(combine issued, shared start, shared end, combine taken) per shared-experts span: the
-    combine comm span and the ``combine_wait`` span recorded next by the same ubatch."""
+    """(combine issued, shared start, shared end, combine taken) per shared-experts span, from the
+    ``combine_window`` span its ubatch records next (issue to taking the result)."""
     pairs = []
     for i, span in enumerate(spans):
-        if span.name != "shared_experts":
+        if not span.name.endswith("shared_experts"):
             continue
         ubatch = span.track.split()[0]
-        later = spans[i + 1 :]
-        combine = next(s for s in later if s.name == "combine" and s.track == f"{ubatch} comm")
-        taken = next(s for s in later if s.name == "combine_wait" and s.track == span.track)
-        pairs.append((combine.start_ns, span.start_ns, span.end_ns, taken.end_ns))
+        window = next(
+            s
+            for s in spans[i + 1 :]
+            if s.name.endswith("combine_window") and s.track == f"{ubatch} comm"
+        )
+        pairs.append((window.start_ns, span.start_ns, span.end_ns, window.end_ns))
     return pairs
 
 

@@ -48,13 +48,15 @@ def test_admission_is_bounded_by_max_num_seqs_and_kv_blocks():
         sched.add_request(req(i, 5))
     assert [s.request.request_id for s in sched.schedule().scheduled] == [0, 1]
 
-    # 9 tokens (5 + 4) need 3 blocks of 4: a 5-block cache admits one request at a time
+    # blocks are taken as tokens are scheduled: 5-token prompts take 2 blocks of 4 each, so a
+    # 5-block cache admits two of them and leaves the third waiting
     small = make_scheduler(num_blocks=5, budget=100)
-    for i in range(2):
+    for i in range(3):
         small.add_request(req(i, 5))
     out = small.schedule()
-    assert [s.request.request_id for s in out.scheduled] == [0]
-    assert small.kv_cache_manager.num_free_blocks == 2
+    assert [s.request.request_id for s in out.scheduled] == [0, 1]
+    assert small.kv_cache_manager.num_free_blocks == 1
+    assert [r.request_id for r in small.waiting] == [2]
 
 
 def test_stop_on_eos_and_max_tokens_frees_blocks():

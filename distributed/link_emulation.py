@@ -1,0 +1,104 @@
+"""A software model of a slower network link, applied where a collective's handle completes.
+
+This is an EMULATION, not a network: the bytes of every collective really move through the
+process-group backend (gloo over loopback on CPU), and the collective's ``CommHandle`` then
+completes no earlier than::
+
+    start + latency + num_bytes / bandwidth,   start = max(issue time, when the link is free)
+
+where ``num_bytes`` is the larger of what this rank sends to and receives from other ranks (a
+full-duplex link) and transfers of one rank share its link one after the other (a transfer issued
+while another is on the wire starts when that one ends). It lets a 2-core machine show the overlap
+DBO gives when the link, not the CPU, is the bottleneck, as between nodes. For a real kernel-shaped
+link see ``launch.netns`` (veth pairs with a ``tbf`` rate limit).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """One-way latency and bandwidth of the emulated link.
+
+    Raises:
+        ValueError: if ``latency_us < 0`` or ``gbps <= 0``.
+    """
+
+    latency_us: float
+    gbps: float
+
+    def __post_init__(self) -> None:
+        if not self.latency_us >= 0:
+            raise ValueError(f"latency_us must be >= 0, got {self.latency_us}")
+        if not self.gbps > 0:
+            raise ValueError(f"gbps must be > 0 (gigabits per second), got {self.gbps}")
+
+    @classmethod
+    def parse(cls, spec: str) -> LinkSpec:
+        """Parse ``"latency_us=50,gbps=2"`` (both keys required, any order).
+
+        Raises:
+            ValueError: naming the malformed part, an unknown or missing key, or a bad value.
+        """
+        values: dict[str, float] = {}
+        for part in spec.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or key not in ("latency_us", "gbps"):
+                raise ValueError(
+                    f"--emulate-link {spec!r}: expected 'latency_us=<float>,gbps=<float>', "
+                    f"got part {part!r}"
+                )
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"--emulate-link {spec!r}: {key}={value!r} is not a number"
+                ) from None
+        missing = {"latency_us", "gbps"} - values.keys()
+        if missing:
+            raise ValueError(f"--emulate-link {spec!r}: missing {sorted(missing)}")
+        return cls(**values)
+
+    def transfer_ns(self, num_bytes: int) -> int:
+        """Nanoseconds ``num_bytes`` occupy the link (without the latency)."""
+        return int(num_bytes * 8 / self.gbps)  # bits / (gbps * 1e9 bit/s) * 1e9 ns/s
+
+    @property
+    def latency_ns(self) -> int:
+        return int(self.latency_us * 1000)
+
+
+class EmulatedLink:
+    """One rank's emulated link, shared by every collective this rank issues (thread-safe)."""
+
+    def __init__(self, spec: LinkSpec) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._free_at_ns = 0
+
+    def deadline_ns(self, issued_at_ns: int, num_bytes: int) -> int:
+        """Book a transfer of ``num_bytes`` issued at ``issued_at_ns`` (``perf_counter_ns``) on the
+        link; return the earliest ``perf_counter_ns`` at which it may complete."""
+        with self._lock:
+            start_ns = max(issued_at_ns, self._free_at_ns)
+            self._free_at_ns = start_ns + self.spec.transfer_ns(num_bytes)
+            return self._free_at_ns + self.spec.latency_ns
+
+
+def sleep_until(deadline_ns: int | None) -> None:
+    """Block until ``perf_counter_ns() >= deadline_ns`` (None: return at once).
+
+    Blocking wait bounded by the deadline itself (the link model's transfer time). ``time.sleep``
+    releases the GIL, so the other ubatch thread computes meanwhile.
+    """
+    if deadline_ns is None:
+        return
+    while True:
+        remaining_ns = deadline_ns - time.perf_counter_ns()
+        if remaining_ns <= 0:
+            return
+        time.sleep(remaining_ns / 1e9)

@@ -1,0 +1,230 @@
+"""DBO benchmark on the engine's own path: ``torchrun --nproc-per-node N -m launch.bench``.
+
+For each batch shape (``--batches decode:16,prefill:1024``: tokens per rank per step) it warms up,
+then runs ``--reps`` steps with DBO off and ``--reps`` with DBO on, INTERLEAVED (off, on, on, off,
+...) through ``LLMEngine.step`` (scheduler, model runner, DP vote, UBatchWrapper), recording the
+timeline of every step. A step's time is the slowest rank's (ranks run in lockstep). Rank 0 prints
+a table (medians, with min-max) and writes ``--output`` (JSON list of records). Metrics follow
+``launch.timeline_metrics``: C and M from DBO-off steps, exposed communication from both, the
+overlap ratio from DBO-on steps.
+
+Links: ``--network loopback`` (default: gloo over whatever the ranks share), ``--emulate-link
+latency_us=…,gbps=…`` (a software link model on each collective's completion, see
+``distributed.link_emulation``), or run under ``python -m launch.netns`` (ranks in network
+namespaces joined by a ``tbf``-shaped veth link; it passes ``--network netns``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from launch.args import OneLineErrorParser, add_engine_args, engine_args_from_namespace, fail
+from launch.bench_report import format_table, make_record, write_records
+from launch.bench_workload import BatchSpec, Workload, parse_batches
+
+PROG = "launch.bench"
+NETWORKS = ("loopback", "netns")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--batches", default="decode:16,decode:64,prefill:256,prefill:1024",
+        help="batch shapes: decode:T / prefill:T, T = tokens per rank per step")  # fmt: skip
+    add("--warmup", type=int, default=2, help="unmeasured steps per mode and shape")
+    add("--reps", type=int, default=5, help="measured steps per mode and shape")
+    add("--output", default=None, help="JSON file for the records (rank 0)")
+    add("--network", default="loopback", choices=NETWORKS, help="label of the link in use")
+    add("--hidden-size", type=int, default=None, help="override the embedded model's hidden size")
+    add("--intermediate-size", type=int, default=None, help="override the expert MLP width")
+    add("--num-experts", type=int, default=None, help="override the number of experts")
+    add("--num-layers", type=int, default=None, help="override the number of decoder layers")
+    add("--num-threads", type=int, default=None, help="torch intra-op threads per rank")
+    add_engine_args(parser)
+    return parser
+
+
+def model_overrides(ns) -> dict:
+    """HF config keys to override in the embedded model (only where a flag was given)."""
+    pairs = {
+        "hidden_size": ns.hidden_size,
+        "intermediate_size": ns.intermediate_size,
+        "num_local_experts": ns.num_experts,
+        "num_hidden_layers": ns.num_layers,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def resolve_bench_model(args, overrides: dict):
+    """The embedded model with ``overrides`` (random weights), or ``--model`` (no overrides).
+
+    Raises:
+        ValueError: overrides together with ``--model``, or an invalid resulting config.
+    """
+    from launch.embedded import EMBEDDED_MODEL_CONFIG
+    from launch.engine import ResolvedModel, resolve_model
+    from moe import MoEModelConfig
+
+    if args.model is not None:
+        if overrides:
+            raise ValueError(f"--model cannot be combined with shape overrides {overrides}")
+        return resolve_model(args)
+    hf = {**EMBEDDED_MODEL_CONFIG, **overrides}
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_model_len or 0)
+    return ResolvedModel(
+        config=MoEModelConfig.from_hf_config(hf),
+        checkpoint_dir=None,
+        max_model_len=args.max_model_len or hf["max_position_embeddings"],
+        seed=args.seed,
+    )
+
+
+def span_cost_ns(num_spans: int = 20_000) -> float:
+    """Nanoseconds one ``timeline_span`` costs with a recorder installed, minus the bare loop."""
+    from dbo import TimelineRecorder, get_timeline_recorder, set_timeline_recorder, timeline_span
+
+    previous = get_timeline_recorder()
+    set_timeline_recorder(TimelineRecorder(rank=0))
+    try:
+        start = time.perf_counter_ns()
+        for _ in range(num_spans):
+            with timeline_span("x"):
+                pass
+        recorded = time.perf_counter_ns() - start
+    finally:
+        set_timeline_recorder(previous)
+    start = time.perf_counter_ns()
+    for _ in range(num_spans):
+        pass
+    return max(recorded - (time.perf_counter_ns() - start), 0) / num_spans
+
+
+def measure_step(engine, workload: Workload, enable_dbo: bool) -> dict:
+    """Run one engine step with DBO on or off; return this rank's metrics of it (a dict)."""
+    from launch.timeline_metrics import spans_from_recorder, step_metrics
+
+    engine.model_runner.set_enable_dbo(enable_dbo)
+    workload.before_step()
+    first = len(engine.timeline)
+    engine.step()
+    spans = spans_from_recorder(engine.timeline, first)
+    (metrics,) = step_metrics(spans)
+    return {**metrics.as_dict(), "dbo": enable_dbo, "num_spans": len(spans)}
+
+
+def run_batch(engine, spec: BatchSpec, ns, vocab_size: int, progress) -> list[dict]:
+    """Warm-up and interleaved measured steps of one batch shape; this rank's step dicts."""
+    num_steps = 2 * (ns.warmup + ns.reps)
+    workload = Workload(engine, spec, num_steps=num_steps, vocab_size=vocab_size, seed=ns.seed)
+    workload.prepare()
+    measured = []
+    for i in range(ns.warmup + ns.reps):
+        # ABBA order (off, on, on, off, ...) so slow drift (growing KV) weighs on both modes alike
+        for enable_dbo in (False, True) if i % 2 == 0 else (True, False):
+            step = measure_step(engine, workload, enable_dbo)
+            if i >= ns.warmup:
+                measured.append(step)
+            progress.update(1)
+    workload.drain()
+    return measured
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        specs = parse_batches(ns.batches)
+        if ns.warmup < 0 or ns.reps < 1:
+            raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
+        limits = Workload.limits(specs, 2 * (ns.warmup + ns.reps))
+        ns.enable_dbo = True  # the benchmark switches DBO per step
+        ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])
+        ns.max_num_batched_tokens = max(ns.max_num_batched_tokens, limits["max_num_batched_tokens"])
+        ns.max_model_len = ns.max_model_len or limits["max_model_len"]
+        args = engine_args_from_namespace(ns)
+        args.check_world_size(world_size)
+        model = resolve_bench_model(args, model_overrides(ns))
+    except (ValueError, OSError) as e:
+        fail(PROG, rank, e)
+
+    import torch
+    import torch.distributed as dist
+
+    from distributed import destroy_distributed, init_distributed
+    from launch.engine import LLMEngine
+
+    if ns.num_threads:
+        torch.set_num_threads(ns.num_threads)
+    groups = init_distributed(
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+    )
+    try:
+        cost_ns = span_cost_ns()
+        engine = LLMEngine(engine_args=args, model=model, groups=groups)
+        engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
+        engine.start_timeline()
+        from tqdm import tqdm
+
+        total = len(specs) * 2 * (ns.warmup + ns.reps)
+        with tqdm(total=total, desc=PROG, disable=groups.rank != 0, file=sys.stderr) as progress:
+            per_spec = []
+            for spec in specs:
+                progress.set_postfix_str(spec.label)
+                per_spec.append(run_batch(engine, spec, ns, model.config.vocab_size, progress))
+        engine.write_timeline()
+        everyone: list = [None] * groups.world_size
+        dist.all_gather_object(everyone, (per_spec, cost_ns))  # blocking collective (timeout)
+        if groups.rank == 0:
+            records = [
+                make_record(
+                    spec,
+                    [steps[i] for steps, _ in everyone],
+                    span_cost_ns=statistics.median(c for _, c in everyone),
+                    meta=run_meta(ns, args, model),
+                )
+                for i, spec in enumerate(specs)
+            ]
+            print(format_table(records), flush=True)
+            if ns.output:
+                write_records(records, ns.output)
+                print(f"{PROG}: wrote {ns.output}", flush=True)
+        if args.timeline_dir:
+            dist.barrier(group=groups.dp_group)  # every rank's file is written before merging
+            if groups.rank == 0:
+                from launch.timeline import main as timeline_main
+
+                timeline_main([args.timeline_dir])
+    except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
+        fail(PROG, rank, f"{type(e).__name__}: {e}", status=1)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def run_meta(ns, args, model) -> dict:
+    """What was measured, stored in every record."""
+    config = model.config
+    return {
+        "network": ns.network,
+        "emulate_link": args.emulate_link,
+        "all2all_backend": args.all2all_backend,
+        "dtype": args.dtype,
+        "dp_size": args.data_parallel_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_experts": config.num_experts,
+        "num_layers": config.num_hidden_layers,
+        "reps": ns.reps,
+        "warmup": ns.warmup,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""OpenAI-compatible server over DP ranks: ``torchrun --nproc-per-node N -m launch.serve``.
+
+Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.api_server``) and routes
+each new request to the least-loaded DP rank; all ranks then run ``launch.serve_loop.ServeLoop`` in
+lockstep. Input errors are reported as one line on every rank before any process group exists;
+a failure while starting (a port in use, a bad checkpoint) is shared so that every rank exits with
+it; a rank that dies later ends the others through their next collective (an error, or the
+``--distributed-timeout``), never a hang. SIGTERM (or Ctrl-C) stops accepting requests, lets
+in-flight ones finish for up to ``--shutdown-timeout`` seconds, fails the rest with an explicit
+error, and exits every rank with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from launch.args import (
+    OneLineErrorParser,
+    add_engine_args,
+    engine_args_from_namespace,
+    fail,
+    print_error,
+)
+from launch.engine import LLMEngine, resolve_model
+
+PROG = "launch.serve"
+EMBEDDED_MODEL_NAME = "moe-dbo-embedded"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: --model)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
+        help="seconds in-flight requests may take to finish after SIGTERM before they fail "
+        "(keep it below torchrun's 30 s grace before it kills the workers)",
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def _install_stop_handlers() -> threading.Event:
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _die(rank: int, message: str) -> None:
+    """One error line, then exit at once: with a dead peer, orderly teardown could block."""
+    print_error(PROG, rank, message)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args = engine_args_from_namespace(ns)
+        args.check_world_size(world_size)
+        if not 0 <= ns.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+        if ns.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
+        model = resolve_model(args)
+        from launch.detokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as e:
+        fail(PROG, rank, e)
+    stop = _install_stop_handlers()
+
+    import torch.distributed as dist
+
+    from distributed import destroy_distributed, init_distributed
+
+    groups = init_distributed(
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+    )
+    # control traffic (requests, outputs, shutdown) on a gloo group of its own
+    control_group = dist.new_group(
+        list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
+    )
+    http = metrics = None
+    error = None
+    try:
+        engine = LLMEngine(engine_args=args, model=model, groups=groups)
+        if rank == 0:
+            http, metrics = _start_http(ns, model, tokenizer, engine)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = f"[rank {rank}] {type(e).__name__}: {e}"
+    errors: list = [None] * groups.world_size
+    # blocking collective over the control group (timeout: the group's timeout)
+    dist.all_gather_object(errors, error, group=control_group)
+    startup_error = next((e for e in errors if e is not None), None)
+    if startup_error is not None:
+        if http is not None:
+            http.stop()
+        _die(rank, f"could not start: {startup_error}")
+    if rank == 0:
+        print(
+            f"{PROG}: serving {_model_name(ns)} on http://{ns.host}:{http.port} with "
+            f"{groups.dp_size} DP rank(s)" + (", DBO on" if args.enable_dbo else ""),
+            flush=True,
+        )
+    from launch.serve_loop import ServeLoop
+
+    loop = ServeLoop(
+        engine=engine,
+        control_group=control_group,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        stop_requested=stop.is_set,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        bridge=None if http is None else http.bridge,
+        metrics=metrics,
+    )
+    try:
+        num_failed = loop.run()
+    except Exception as e:  # noqa: BLE001 - a dead peer, a failed step: end with one clear line
+        message = f"{type(e).__name__}: {e}"
+        if http is not None:
+            http.bridge.fail_all(f"the engine failed: {message}")
+            http.stop(timeout_s=5.0)
+        _die(rank, message)
+    if http is not None:
+        http.stop()
+        print(
+            f"{PROG}: shut down; {num_failed} in-flight request(s) failed with an error",
+            flush=True,
+        )
+    destroy_distributed()
+    print(f"{PROG} [rank {rank}]: stopped", flush=True)
+    return 0
+
+
+def _model_name(ns: argparse.Namespace) -> str:
+    return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
+
+
+def _start_http(ns, model, tokenizer, engine: LLMEngine):
+    from launch.api_server import HTTPServerThread, ServerConfig
+    from launch.serve_metrics import ServerMetrics
+
+    metrics = ServerMetrics(dp_size=engine.groups.dp_size)
+    kv = engine.kv_cache_manager
+    config = ServerConfig(
+        model_name=_model_name(ns),
+        max_model_len=model.max_model_len,
+        vocab_size=model.config.vocab_size,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        kv_capacity_tokens=kv.num_blocks * kv.block_size,
+    )
+    http = HTTPServerThread(config, host=ns.host, port=ns.port)
+    http.start()
+    return http, metrics
+
+
+if __name__ == "__main__":
+    sys.exit(main())
