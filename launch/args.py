@@ -26,7 +26,8 @@ class EngineArgs:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
+    custom_ops: str = "all"
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -46,6 +47,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {DTYPES}")
+        from moe.custom_op import parse_custom_ops  # syntax only; op names are checked at build
+
+        parse_custom_ops(self.custom_ops)
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(
                 f"--all2all-backend {self.all2all_backend!r} is not supported; "
@@ -113,7 +117,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     add = parser.add_argument
     add("--model", default=None, help="Hugging Face checkpoint directory (default: embedded model)")
-    add("--dtype", default=d.dtype, choices=DTYPES, help="weights and activations dtype")
+    add(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="weights and activations dtype (float32 for exact comparisons)",
+    )
+    add(
+        "--custom-ops",
+        default=d.custom_ops,
+        help="which ops use their platform path: 'all', 'none', '+name', '-name', comma-separated "
+        "(e.g. 'none,+experts'); the others run forward_native",
+    )
     add("--seed", type=int, default=d.seed, help="seed for random weights and sampling")
     add("--max-model-len", type=int, default=None, help="max prompt + output tokens per request")
     add("--max-num-seqs", type=int, default=d.max_num_seqs, help="max requests per step per rank")

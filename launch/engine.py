@@ -24,7 +24,16 @@ from launch.kv_cache_manager import KVCacheManager
 from launch.model_runner import ModelRunner
 from launch.request import Request
 from launch.scheduler import Scheduler
-from moe import MoEModelConfig, build_model, check_checkpoint, init_random_weights, load_checkpoint
+from moe import (
+    MoEModelConfig,
+    build_model,
+    check_checkpoint,
+    init_random_weights,
+    load_checkpoint,
+    parameter_bytes,
+    set_custom_ops,
+)
+from moe.platforms import load_general_plugins
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +89,27 @@ class EngineStats:
     step_tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryStats:
+    """This rank's memory: parameter bytes per category (``moe.PARAM_CATEGORIES``), the KV cache
+    it allocated, and the KV bytes one token takes over all layers."""
+
+    parameter_bytes: dict[str, int]
+    kv_cache_bytes: int
+    kv_bytes_per_token: int
+    num_kv_slots: int
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        p = self.parameter_bytes
+        parts = ", ".join(f"{k} {v / mib:.2f}" for k, v in p.items() if v)
+        return (
+            f"params {sum(p.values()) / mib:.2f} MiB per rank ({parts}); "
+            f"KV cache {self.kv_cache_bytes / mib:.2f} MiB for {self.num_kv_slots} tokens, "
+            f"{self.kv_bytes_per_token} B/token"
+        )
+
+
 class LLMEngine:
     """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
 
@@ -104,6 +134,9 @@ class LLMEngine:
                 timeout=groups.timeout,
                 link=None if link_spec is None else EmulatedLink(link_spec),
             )
+        # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
+        load_general_plugins()
+        set_custom_ops(engine_args.custom_ops)
         self.model = build_model(
             config,
             ep_rank=groups.ep_rank,
@@ -121,7 +154,15 @@ class LLMEngine:
             engine_args.num_gpu_blocks_override
             or engine_args.max_num_seqs * self.max_num_blocks_per_req
         )
-        self.model.allocate_kv_caches(num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        kv_caches = self.model.allocate_kv_caches(
+            num_blocks=num_blocks, block_size=block_size, dtype=dtype
+        )
+        self.memory = MemoryStats(
+            parameter_bytes=parameter_bytes(self.model),
+            kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
+            kv_bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
+            num_kv_slots=num_blocks * block_size,
+        )
         self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,

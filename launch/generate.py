@@ -159,6 +159,7 @@ def report(results, engine: LLMEngine, elapsed: float, output: str | None) -> No
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )
+    print(f"{PROG}: rank 0 memory: {engine.memory.summary()}", flush=True)
 
 
 if __name__ == "__main__":

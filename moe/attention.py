@@ -118,6 +118,14 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.kv_cache: Tensor | None = None  # not a buffer: the engine owns and sizes it
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V of every token)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
         """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError on other shapes."""
         if (

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from moe.config import MoEModelConfig
-from moe.mixtral import MixtralForCausalLM
+from moe.mixtral import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+)
 from moe.modular_kernel import (
     All2AllPrepareAndFinalize,
     FusedMoEPrepareAndFinalize,
@@ -18,7 +24,16 @@ from moe.modular_kernel import (
 if TYPE_CHECKING:
     from distributed import All2AllBackend
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {"MixtralForCausalLM": MixtralForCausalLM}
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    cls.__name__: cls
+    for cls in (
+        MixtralForCausalLM,
+        DeepseekV2ForCausalLM,
+        DeepseekV3ForCausalLM,
+        Qwen2MoeForCausalLM,
+        OlmoeForCausalLM,
+    )
+}
 
 
 def make_prepare_finalize(

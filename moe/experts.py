@@ -1,23 +1,39 @@
-"""Plain-torch expert computation (the "Permute-Experts-Unpermute" stage of the modular kernel).
+"""The experts' computation (the "Permute-Experts-Unpermute" stage of the modular kernel).
 
 Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_experts,
-H = hidden_size, F = intermediate_size.
+H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
+
+``forward_native`` loops over the local experts (one gather + three GEMMs each);
+``forward_cpu`` sorts the pairs by expert once and runs each projection as ONE grouped GEMM over
+the per-expert row groups (``torch._grouped_mm``, which torch >= 2.8 provides on CPU); where torch
+lacks it, it is the reference loop. ``python -m moe.bench_experts`` measures both.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.custom_op import CustomOp
 from moe.layers import swiglu
 
+# Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
+# OLMoE name them gate_proj / down_proj / up_proj.
+MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
+GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
-class TorchExperts(nn.Module):
+
+def _has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+@CustomOp.register("experts")
+class TorchExperts(CustomOp):
     """The experts one EP rank owns, stacked on dim 0: local id l holds global expert
     ``global_expert_offset + l`` (= ``ep_rank * E + l``).
 
-    Parameters (Mixtral names): w1 (gate) and w3 (up) ``[E, F, H]``, w2 (down) ``[E, H, F]``.
+    Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, w2 (down) ``[E, H, F]``; ``checkpoint_names``
+    maps them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
     """
 
     def __init__(
@@ -27,6 +43,7 @@ class TorchExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         global_expert_offset: int = 0,
+        checkpoint_names: dict[str, str] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -38,6 +55,7 @@ class TorchExperts(nn.Module):
         self.global_expert_offset = global_expert_offset
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.checkpoint_names = dict(checkpoint_names or MIXTRAL_EXPERT_NAMES)
         kw = {"dtype": dtype, "device": device}
         self.w1 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
@@ -69,6 +87,9 @@ class TorchExperts(nn.Module):
             return nn.Module.apply(self, hidden_states)
         if topk_ids is None or topk_weights is None:
             raise TypeError("TorchExperts.apply needs hidden_states, topk_ids and topk_weights")
+        return self.forward(hidden_states, topk_ids, topk_weights)
+
+    def _check(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be [num_tokens, {self.hidden_size}], got {tuple(hidden_states.shape)}"
@@ -78,19 +99,29 @@ class TorchExperts(nn.Module):
                 f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
                 f"[{hidden_states.shape[0]}, num_topk]"
             )
-        out = torch.zeros_like(hidden_states)
-        if topk_ids.numel() == 0:
-            return out
+
+    def _sorted_pairs(self, topk_ids: Tensor) -> tuple[Tensor, list[int]]:
+        """(pair indices sorted by local expert, counts [-1 first, then expert 0..E-1])."""
         flat_ids = topk_ids.reshape(-1)
-        # Sort (token, slot) pairs by expert so each expert sees one contiguous group.
         order = torch.argsort(flat_ids, stable=True)
-        # blocking host sync: group sizes decide the Python loop below
+        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
         counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
         if len(counts) > self.num_local_experts + 1:
             raise ValueError(
                 f"topk_ids holds local expert id {int(flat_ids.max())} >= "
                 f"num_local_experts={self.num_local_experts}"
             )
+        return order, counts
+
+    def forward_native(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> Tensor:
+        """The reference: one gather and three GEMMs per local expert."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out
+        order, counts = self._sorted_pairs(topk_ids)
         num_topk = topk_ids.shape[1]
         flat_weights = topk_weights.reshape(-1)
         start = counts[0]  # entries with id -1 come first after sorting; skip them
@@ -101,11 +132,30 @@ class TorchExperts(nn.Module):
             start += count
             token_idx = pairs // num_topk
             x = hidden_states[token_idx]
-            h = swiglu(F.linear(x, self.w1[expert]), F.linear(x, self.w3[expert]))
-            y = F.linear(h, self.w2[expert])
+            h = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t())
+            y = h @ self.w2[expert].t()
             y = y * flat_weights[pairs, None].to(y.dtype)
             out.index_add_(0, token_idx, y)
         return out
 
-    def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        return self.apply(hidden_states, topk_ids, topk_weights)
+    def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
+        if not _has_grouped_mm():
+            return self.forward_native(hidden_states, topk_ids, topk_weights)
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out
+        order, counts = self._sorted_pairs(topk_ids)
+        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
+        if pairs.numel() == 0:
+            return out
+        token_idx = pairs // topk_ids.shape[1]
+        offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        x = hidden_states[token_idx]  # [P, H], grouped by expert
+        gate = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offsets)
+        up = torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
+        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
+        out.index_add_(0, token_idx, y)
+        return out

@@ -1,20 +1,32 @@
-"""Small building blocks shared by the model definitions: RMSNorm, rotary embedding, SwiGLU.
+"""Small building blocks shared by the model definitions, as ``CustomOp`` s: RMSNorm, SwiGLU, RoPE.
 
-Numerics follow HF Mixtral exactly (float32 variance in RMSNorm, ``rotate_half`` RoPE with
-``cat(freqs, freqs)``), so our logits can be compared with transformers' to ~1e-6 in float32.
+Numerics follow transformers exactly (float32 variance in RMSNorm, cos/sin from float32 angles), so
+our float32 logits match transformers' to ~1e-6. RoPE comes in both layouts: ``is_neox_style``
+rotates the two halves of the head (``rotate_half``, Mixtral/Qwen/OLMoE) and the interleaved style
+rotates adjacent pairs (DeepSeek, ``rope_interleave``); YaRN scaling follows transformers'
+``_compute_yarn_parameters`` (Peng et al., 2023, "YaRN: Efficient Context Window Extension").
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
+
+@CustomOp.register("rms_norm")
+class RMSNorm(CustomOp):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32.
 
     x: [..., hidden_size], any float dtype; the result has x's dtype (times weight's dtype).
+    No forward_cpu: torch's fused ``F.rms_norm`` measured no faster on CPU (and rounds differently
+    in bfloat16), so every platform uses the reference.
     """
 
     def __init__(
@@ -29,7 +41,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward_native(self, x: Tensor) -> Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -43,37 +55,169 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding ("default" rope_type) applied per token at its absolute position.
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    inv_freq[i] = 1 / theta ** (2i / head_dim); angle = position * inv_freq, duplicated to head_dim.
+
+def rope_inv_freq(
+    rotary_dim: int,
+    rope_theta: float,
+    scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int,
+) -> tuple[Tensor, float]:
+    """(inv_freq [rotary_dim // 2] float32, attention_factor applied to cos/sin).
+
+    ``scaling``: None for plain RoPE, else the yarn parameters of config.json (``factor``,
+    ``original_max_position_embeddings``, optional ``beta_fast``/``beta_slow``/``mscale``/
+    ``mscale_all_dim``/``attention_factor``/``truncate``), as transformers reads them.
+    """
+    pos_freqs = rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(rope_theta)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a division by zero
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_scale(scaling: Mapping[str, Any] | None, scale: float) -> float:
+    """DeepSeek's softmax-scale correction under yarn: scale * mscale(factor, mscale_all_dim)^2."""
+    if scaling and scaling.get("mscale_all_dim"):
+        mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        return scale * mscale * mscale
+    return scale
+
+
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
+    """Rotary position embedding applied per token at its absolute position.
+
+    angle[p, i] = p * inv_freq[i]; cos/sin are multiplied by the yarn attention factor (1 without
+    scaling). ``forward_native`` computes cos/sin for the given positions on every call;
+    ``forward_cpu`` looks them up in a table built once for ``max_position_embeddings`` positions
+    (same float32 arithmetic, so bit-identical results).
     """
 
     def __init__(
-        self, head_dim: int, rope_theta: float, *, device: torch.device | str | None = None
+        self,
+        rotary_dim: int,
+        rope_theta: float,
+        *,
+        is_neox_style: bool = True,
+        scaling: Mapping[str, Any] | None = None,
+        max_position_embeddings: int = 4096,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even, got {head_dim}")
-        self.head_dim = head_dim
-        inv_freq = 1.0 / (
-            rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+        self.head_dim = rotary_dim
+        self.is_neox_style = is_neox_style
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = rope_inv_freq(
+            rotary_dim, rope_theta, scaling, max_position_embeddings
         )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._cos_sin_cache: Tensor | None = None  # [max_positions, rotary_dim], built lazily
+
+    def _cos_sin_f32(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, head_dim] in ``dtype``."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, rotary_dim // 2]."""
+        cos, sin = self._cos_sin_f32(positions)
+        return cos.to(dtype), sin.to(dtype)
 
-    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim]."""
-        cos, sin = self.cos_sin(positions, query.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        if self.is_neox_style:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            return x * cos + rotate_half(x) * sin
+        # interleaved pairs (x0, x1), (x2, x3), ...: the output keeps the pair layout
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    def forward_native(
+        self, positions: Tensor, query: Tensor, key: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate query [num_tokens, num_heads, rotary_dim] and key [num_tokens, num_kv_heads,
+        rotary_dim] (any float dtype; returned in their dtypes)."""
+        cos, sin = self._cos_sin_f32(positions)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def forward_cpu(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        cache = self._cos_sin_cache
+        if cache is None or cache.device != positions.device:
+            table = torch.arange(self.max_position_embeddings, device=positions.device)
+            cache = torch.cat(self._cos_sin_f32(table), dim=-1)
+            self._cos_sin_cache = cache
+        if positions.numel() and int(positions.max()) >= cache.shape[0]:  # host sync: bound check
+            return self.forward_native(positions, query, key)
+        cos, sin = cache[positions].chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+@CustomOp.register("silu_and_mul")
+class SiluAndMul(CustomOp):
+    """SwiGLU activation: silu(gate) * up, gate/up [..., F] -> [..., F] (``hidden_act="silu"``)."""
+
+    def forward_native(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """SwiGLU activation: silu(gate) * up (Mixtral ``hidden_act="silu"``)."""
+    """SwiGLU activation: silu(gate) * up (plain function, the reference of ``SiluAndMul``)."""
     return F.silu(gate) * up
+
+
+class DenseMLP(nn.Module):
+    """gate_proj / up_proj / down_proj SwiGLU MLP (dense layers and shared experts).
+
+    x: [num_tokens, hidden_size] -> [num_tokens, hidden_size].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))

@@ -43,7 +43,9 @@ def checkpoint_targets(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Yield (checkpoint tensor name, destination tensor) for every parameter of ``model``.
 
     Stacked expert weights expand to one entry per GLOBAL expert this rank holds:
-    ``...experts.w1[l]`` <- ``...experts.{offset + l}.w1.weight``. Tied parameters appear once.
+    ``...experts.w1[l]`` <- ``...experts.{offset + l}.w1.weight`` (Mixtral) or
+    ``...experts.{offset + l}.gate_proj.weight`` (others; ``TorchExperts.checkpoint_names``).
+    Tied parameters appear once.
     """
     expert_modules = {name: m for name, m in model.named_modules() if isinstance(m, TorchExperts)}
     for name, param in model.named_parameters():
@@ -54,7 +56,8 @@ def checkpoint_targets(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             continue
         for local_id in range(experts.num_local_experts):
             global_id = experts.global_expert_offset + local_id
-            yield f"{match['prefix']}.{global_id}.{match['w']}.weight", param[local_id]
+            ckpt_name = experts.checkpoint_names[match["w"]]
+            yield f"{match['prefix']}.{global_id}.{ckpt_name}.weight", param[local_id]
 
 
 def load_config(path: str | os.PathLike) -> MoEModelConfig:

@@ -274,6 +274,14 @@ class FusedMoEModularKernel:
             dbo_yield()
         output = _wait(combine, "combine")
         _record_comm("combine", combine)
+        # The combine as this ubatch sees it, from issue to taking the result: the window the
+        # shared experts overlap (the ``combine`` span ends at data arrival, which on one host can
+        # come before the shared experts finish). Category "window": neither compute nor
+        # communication in the overlap metrics, only drawn on the comm track.
+        record_span(
+            "combine_window", cat="window", start_ns=combine.issued_at_ns,
+            end_ns=time.perf_counter_ns(), kind="comm",
+        )  # fmt: skip
         if shared_output is not None:
             output = output + shared_output
         return output

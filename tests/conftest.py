@@ -38,6 +38,118 @@ def make_tiny_mixtral(*, seed: int, **overrides):
     return model
 
 
+# Tiny configs of the other architectures (transformers' config classes, built offline). Small
+# enough for a fast suite, but each exercises its architecture's features: DeepSeek-V2 MLA without
+# q_lora and group-limited routing, DeepSeek-V3 MLA with q_lora, yarn RoPE and noaux_tc routing,
+# Qwen2-MoE's gated shared expert with a dense layer, OLMoE's q/k norms. All have one dense or one
+# sparse layer at least, 8 experts (divisible by EP 2 and 4), and eos ids outside the prompts.
+_TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    num_experts_per_tok=2,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+_MLA = dict(
+    num_key_value_heads=4,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_group=4,
+    topk_group=2,
+)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "deepseek_v2": (
+        "DeepseekV2",
+        dict(
+            _TINY_COMMON,
+            **_MLA,
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3",
+        dict(
+            _TINY_COMMON,
+            **_MLA,
+            q_lora_rank=12,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                beta_fast=32,
+                beta_slow=1,
+            ),
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        dict(
+            _TINY_COMMON,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+    ),
+    "olmoe": (
+        "Olmoe",
+        dict(_TINY_COMMON, num_key_value_heads=2, intermediate_size=16, num_experts=8),
+    ),
+}
+
+
+def make_tiny_model(model_type: str, *, seed: int, **overrides):
+    """transformers' ``<Arch>ForCausalLM`` on ``TINY_CONFIGS[model_type]``, weights spread as in
+    ``make_tiny_mixtral`` (DeepSeek-V3's correction bias drawn too, so it changes the routing)."""
+    import torch
+    import transformers
+
+    prefix, kwargs = TINY_CONFIGS[model_type]
+    config = getattr(transformers, f"{prefix}Config")(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 1.0 if "embed" in name else 0.3)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_arch_dirs(tmp_path_factory) -> dict[str, str]:
+    """model_type -> directory of a float32 checkpoint saved by transformers (offline)."""
+    dirs = {}
+    for model_type in TINY_CONFIGS:
+        path = tmp_path_factory.mktemp(model_type)
+        make_tiny_model(model_type, seed=4321).save_pretrained(path, max_shard_size="40KB")
+        dirs[model_type] = str(path)
+    return dirs
+
+
 @pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> str:
     """A sharded float32 Mixtral checkpoint written by transformers' ``save_pretrained`` (offline)."""

@@ -58,6 +58,7 @@ def _rank_fn(rank, world_size, model_dir, prompts, backend):
     for enable_dbo in (True, False):
         args = EngineArgs(
             model=model_dir,
+            dtype="float32",
             data_parallel_size=world_size,
             enable_expert_parallel=True,
             enable_dbo=enable_dbo,

@@ -41,6 +41,7 @@ def read_outputs(path: Path) -> list[dict]:
 
 
 DBO_FLAGS = (
+    "--dtype=float32",
     "--enable-expert-parallel",
     "--enable-dbo",
     "--dbo-decode-token-threshold=2",
@@ -138,7 +139,8 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
         "unsupported_arch": (
             2,
             (*dp2, f"--model={unsupported}"),
-            r"supported architectures: \['MixtralForCausalLM'\]",
+            r"supported architectures: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
+            r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM'\]",
         ),
         "prompt_too_long": (
             2,

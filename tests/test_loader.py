@@ -140,7 +140,11 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
     )
-    with pytest.raises(ValueError, match=r"supported architectures: \['MixtralForCausalLM'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"supported architectures: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
+        r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM'\]",
+    ):
         load_config(tmp_path)
 
 

@@ -190,7 +190,7 @@ def _engine(model_dir, **overrides):
     from launch.args import EngineArgs
     from launch.engine import LLMEngine, resolve_model
 
-    args = EngineArgs(model=model_dir, max_model_len=64, block_size=4, **overrides)
+    args = EngineArgs(model=model_dir, dtype="float32", max_model_len=64, block_size=4, **overrides)
     return LLMEngine(engine_args=args, model=resolve_model(args), groups=_single_rank_groups())
 
 

@@ -35,6 +35,7 @@ from tests.serve_harness import (
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 64
 ENGINE_FLAGS = (
+    "--dtype=float32",
     "--enable-expert-parallel",
     "--enable-dbo",
     "--dbo-decode-token-threshold=2",
