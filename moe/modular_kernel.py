@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from dbo.timeline import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, timeline_
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
+    dbo_num_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
 )
@@ -72,7 +73,13 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     @abstractmethod
     def prepare(
-        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, *, async_op: bool
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
         """Dispatch tokens to their experts' ranks.
 
@@ -81,6 +88,8 @@ class FusedMoEPrepareAndFinalize(ABC):
             topk_ids: [num_tokens, num_topk] int64 GLOBAL expert ids.
             topk_weights: [num_tokens, num_topk] float32.
             async_op: leave the payload in flight; ``wait()`` completes it.
+            num_tokens_across_ep: every EP rank's num_tokens, when already agreed (under DBO); a
+                backend may then skip its blocking count exchange.
 
         Returns:
             A handle whose ``wait()`` gives the rows this rank must compute, with LOCAL expert ids
@@ -111,7 +120,13 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return self._num_experts
 
     def prepare(
-        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, *, async_op: bool
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
         num_tokens, hidden_size = hidden_states.shape
         result = DispatchResult(
@@ -146,9 +161,21 @@ class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return self.backend.num_local_experts
 
     def prepare(
-        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, *, async_op: bool
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
-        return self.backend.dispatch(hidden_states, topk_ids, topk_weights, async_op=async_op)
+        return self.backend.dispatch(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            async_op=async_op,
+            num_tokens_across_ep=num_tokens_across_ep,
+        )
 
     def finalize(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
@@ -246,7 +273,12 @@ class FusedMoEModularKernel:
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
         dispatch = self.prepare_finalize.prepare(
-            hidden_states, topk_ids, topk_weights, async_op=is_async
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            async_op=is_async,
+            # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
+            num_tokens_across_ep=dbo_num_tokens_across_dp(),
         )
         _record_issue("dispatch", issue_ns, dispatch)
         if is_async:

@@ -117,7 +117,9 @@ class _RecordingPrepareFinalize(FusedMoEPrepareAndFinalize):
     def num_local_experts(self):
         return E
 
-    def prepare(self, hidden_states, topk_ids, topk_weights, *, async_op):
+    def prepare(
+        self, hidden_states, topk_ids, topk_weights, *, async_op, num_tokens_across_ep=None
+    ):
         ub = dbo_current_ubatch_id()
         self.log.append(("issue", f"D{ub}", ub, async_op))
         result = self.inner.prepare(hidden_states, topk_ids, topk_weights, async_op=async_op)
