@@ -13,9 +13,28 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node nproc -m module args…`` as this interpreter runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def find_free_port() -> int:

@@ -6,14 +6,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.distributed_harness import REPO, TORCHRUN_ENV, torchrun_command
+
 SERVING_LINE = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
@@ -40,20 +40,15 @@ class ServerProcess:
 
 def launch_server(nproc: int, *args: str, log_path: Path) -> subprocess.Popen:
     """Start ``torchrun -m launch.serve`` on a free loopback port (``--port 0``); don't wait."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
+    env = {**os.environ, **TORCHRUN_ENV}
+    cmd = torchrun_command(
+        nproc,
         "launch.serve",
         "--host=127.0.0.1",
         "--port=0",
         f"--data-parallel-size={nproc}",
         *args,
-    ]
+    )
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it until it exits
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

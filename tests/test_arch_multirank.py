@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_distributed
-from tests.test_engine_logits import _run_engine_steps
+from tests.test_engine_logits import _run_engine_steps, assert_dbo_on_equals_off_equals_reference
 from tests.test_generate_e2e import DBO_FLAGS, read_outputs, torchrun
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
@@ -89,26 +89,14 @@ def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
         reference = transformers.AutoModelForCausalLM.from_pretrained(
             tiny_arch_dirs[model_type], dtype=torch.float32
         ).eval()
+        assert_dbo_on_equals_off_equals_reference(
+            [r[model_type, True] for r in per_rank],
+            [r[model_type, False] for r in per_rank],
+            reference,
+            tiny_prompts,
+            label=model_type,
+        )
         for rank_result in per_rank:
-            on_logits, on_tokens, on_ubatched = rank_result[model_type, True]
-            off_logits, off_tokens, off_ubatched = rank_result[model_type, False]
-            assert all(on_ubatched) and not any(off_ubatched)
-            assert on_tokens == off_tokens
-            for index, logits in on_logits.items():
-                logits = torch.from_numpy(logits)
-                torch.testing.assert_close(
-                    logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5
-                )
-                full = tiny_prompts[index] + on_tokens[index]
-                with torch.no_grad():
-                    ref = reference(torch.tensor([full])).logits[0]
-                torch.testing.assert_close(
-                    logits,
-                    ref[: len(full)],
-                    rtol=0,
-                    atol=1e-5,
-                    msg=lambda m, t=model_type: f"{t}: {m}",
-                )
             pairs = rank_result[model_type, "timeline"]
             if model_type != "olmoe":  # OLMoE has no shared experts
                 # one per sparse layer (1) per ubatch (2) per step (3)

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from launch.bench_workload import BatchSpec, parse_batches
+from tests.distributed_harness import REPO, TORCHRUN_ENV, torchrun_command
 
-REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {
     "num_tokens_per_rank", "step_ms_off", "step_ms_on", "speedup", "compute_ms", "comm_ms",
     "exposed_comm_ms_off", "exposed_comm_ms_on", "overlap_ratio",
@@ -32,16 +30,15 @@ def test_parse_batches():
 @pytest.mark.slow
 def test_short_bench_run_writes_json_and_png(tmp_path):
     out, timeline = tmp_path / "results.json", tmp_path / "tl"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "launch.bench", "--data-parallel-size", "2", "--enable-expert-parallel",
+    cmd = torchrun_command(
+        2, "launch.bench", "--data-parallel-size", "2", "--enable-expert-parallel",
         "--batches", "decode:2,prefill:8", "--warmup", "0", "--reps", "2",
         "--hidden-size", "64", "--intermediate-size", "64", "--num-layers", "1",
         "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
         "--emulate-link", "latency_us=200,gbps=1", "--output", str(out),
         "--timeline-dir", str(timeline),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    )  # fmt: skip
+    env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())

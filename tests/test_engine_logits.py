@@ -88,18 +88,33 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         _rank_fn, world_size, tiny_mixtral_dir, tiny_prompts, backend, timeout_s=240
     )
     reference = MixtralForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
-    for rank_result in per_rank:
-        on_logits, on_tokens, on_ubatched = rank_result[True]
-        off_logits, off_tokens, off_ubatched = rank_result[False]
-        assert all(on_ubatched) and not any(off_ubatched)
-        assert on_tokens == off_tokens
+    assert_dbo_on_equals_off_equals_reference(
+        [r[True] for r in per_rank], [r[False] for r in per_rank], reference, tiny_prompts
+    )
+
+
+def assert_dbo_on_equals_off_equals_reference(
+    on_per_rank, off_per_rank, reference, prompts, label: str = ""
+):
+    """Each rank's DBO-on steps were all microbatched, DBO-off none; both gave the same tokens and
+    logits (atol 1e-5), equal to ``reference``'s logits on prompt + generated tokens. ``label``
+    prefixes the failure messages."""
+
+    def msg(m: str) -> str:
+        return f"{label}: {m}" if label else m
+
+    for (on_logits, on_tokens, on_ubatched), (off_logits, off_tokens, off_ubatched) in zip(
+        on_per_rank, off_per_rank, strict=True
+    ):
+        assert all(on_ubatched) and not any(off_ubatched), label
+        assert on_tokens == off_tokens, label
         for index, logits in on_logits.items():
             logits = torch.from_numpy(logits)
             torch.testing.assert_close(
-                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5
+                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5, msg=msg
             )
-            full = tiny_prompts[index] + on_tokens[index]
+            full = prompts[index] + on_tokens[index]
             with torch.no_grad():
                 ref = reference(torch.tensor([full])).logits[0]
             # rows: every prompt position, then one row per decode step (positions P, P+1)
-            torch.testing.assert_close(logits, ref[: len(full)], rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits, ref[: len(full)], rtol=0, atol=1e-5, msg=msg)

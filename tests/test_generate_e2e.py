@@ -10,29 +10,24 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.distributed_harness import REPO, TORCHRUN_ENV, torchrun_command
+
 ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "launch.generate",
-        *args,
-    ]
     return subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        torchrun_command(nproc, "launch.generate", *args),
+        cwd=REPO,
+        env={**os.environ, **TORCHRUN_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
