@@ -172,6 +172,26 @@ def tiny_prompts_file(tmp_path_factory, tiny_prompts) -> str:
     return str(path)
 
 
+def hf_greedy(model, prompts, *, max_new_tokens: int = 8, **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one by one (no padding), stopping at eos."""
+    import torch
+
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **generate_kwargs,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
 @pytest.fixture(scope="session")
 def transformers_greedy(tiny_mixtral_dir, tiny_prompts) -> list[list[int]]:
     """transformers' greedy continuation (8 new tokens, stops at eos) of each prompt, one by one."""
@@ -179,16 +199,4 @@ def transformers_greedy(tiny_mixtral_dir, tiny_prompts) -> list[list[int]]:
     from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in tiny_prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model, tiny_prompts)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import hf_greedy
 from tests.distributed_harness import run_distributed
 from tests.test_engine_logits import _run_engine_steps, assert_dbo_on_equals_off_equals_reference
 from tests.test_generate_e2e import DBO_FLAGS, read_outputs, torchrun
@@ -131,17 +132,5 @@ def test_generate_dp2_ep_dbo_greedy_equals_transformers(
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tiny_arch_dirs[model_type], dtype=torch.float32
     ).eval()
-    expected = []
-    with torch.no_grad():
-        for prompt in tiny_prompts:
-            ids = torch.tensor([prompt])
-            gen = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=config["eos_token_id"],
-            )
-            expected.append(gen[0, len(prompt) :].tolist())
+    expected = hf_greedy(reference, tiny_prompts, eos_token_id=config["eos_token_id"])
     assert [r["output_token_ids"] for r in read_outputs(out)] == expected
