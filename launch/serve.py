@@ -146,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROG}: shut down; {num_failed} in-flight request(s) failed with an error",
             flush=True,
         )
+    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
     destroy_distributed()
-    print(f"{PROG} [rank {rank}]: stopped", flush=True)
+    print(
+        f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
+        flush=True,
+    )
     return 0
 
 

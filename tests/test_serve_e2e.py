@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed_harness import TORCHRUN_ENV, torchrun_command
 from tests.serve_harness import (
     REPO,
     get,
@@ -76,14 +77,19 @@ def _run_offline_generate(tmp: Path, model_dir: str) -> list[list[int]]:
     """``launch.generate`` (2 ranks, same flags) on the 32 prompts, greedy."""
     prompts_file, out = tmp / "prompts.jsonl", tmp / "out.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in _prompts()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        + ["-m", "launch.generate", f"--model={model_dir}", f"--prompts={prompts_file}"]
-        + [f"--output={out}", f"--max-tokens={MAX_TOKENS}", "--data-parallel-size=2"]
-        + list(ENGINE_FLAGS),
+        torchrun_command(
+            2,
+            "launch.generate",
+            f"--model={model_dir}",
+            f"--prompts={prompts_file}",
+            f"--output={out}",
+            f"--max-tokens={MAX_TOKENS}",
+            "--data-parallel-size=2",
+            *ENGINE_FLAGS,
+        ),
         cwd=REPO,
-        env=env,
+        env={**os.environ, **TORCHRUN_ENV},
         capture_output=True,
         text=True,
         timeout=180,
@@ -98,7 +104,14 @@ def served(tmp_path_factory, model_dir):
     """(server, offline outputs): the server starts while the offline reference runs."""
     tmp = tmp_path_factory.mktemp("serve")
     log = tmp / "server.log"
-    proc = launch_server(2, f"--model={model_dir}", *ENGINE_FLAGS, *SERVER_FLAGS, log_path=log)
+    proc = launch_server(
+        2,
+        f"--model={model_dir}",
+        f"--timeline-dir={tmp / 'timeline'}",
+        *ENGINE_FLAGS,
+        *SERVER_FLAGS,
+        log_path=log,
+    )
     try:
         offline = _run_offline_generate(tmp, model_dir)
         srv = wait_until_serving(proc, log)
@@ -262,6 +275,9 @@ def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):
     log = server.log()
     assert "launch.serve [rank 0]: stopped" in log and "launch.serve [rank 1]: stopped" in log, log
     assert "0 in-flight request(s) failed" in log
+    for rank in (0, 1):  # --timeline-dir: each rank wrote the steps it served
+        trace = json.loads((server.log_path.parent / "timeline" / f"rank{rank}.json").read_text())
+        assert any(e.get("name") == "step" for e in trace["traceEvents"]), rank
     assert elapsed < 30, log
     with pytest.raises(OSError):
         get(server.base_url, "/health", timeout=5)
