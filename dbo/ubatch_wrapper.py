@@ -23,6 +23,9 @@ ModelFn = Callable[[Tensor, Tensor, CommonAttentionMetadata], Tensor]
 
 # how often the caller's thread checks that the ubatch threads still make progress
 _WATCHDOG_POLL_S = 0.1
+# The watchdog is a backstop for a ubatch stuck outside any wait (e.g. in model code). It fires
+# this much after timeout_s, so a stuck baton wait reports its own, more specific TimeoutError.
+_WATCHDOG_GRACE_S = 1.0
 
 
 class UBatchWrapper:
@@ -31,8 +34,8 @@ class UBatchWrapper:
     Args:
         model_fn: the model's forward; with DBO it calls the ``dbo_*`` functions at its yield
             points. Its output's dim 0 must be the token dim (``attn_metadata.num_tokens`` rows).
-        timeout_s: bound on every baton wait and on how long a ubatch thread may run without
-            handing on the baton before the step fails with ``TimeoutError``.
+        timeout_s: bound on every baton wait; a ubatch thread that runs without handing on the
+            baton for longer (plus a grace of up to 1 s) fails the step with ``TimeoutError``.
     """
 
     def __init__(self, model_fn: ModelFn, *, timeout_s: float = 300.0) -> None:
@@ -65,7 +68,7 @@ class UBatchWrapper:
 
         Raises:
             The first exception raised in a ubatch thread (its original type, once);
-            ``TimeoutError`` if a ubatch thread makes no progress for ``timeout_s``.
+            ``TimeoutError`` if a ubatch thread makes no progress for ``timeout_s`` plus the grace.
         """
         if not ubatch_slices:
             return self.model_fn(input_ids, positions, attn_metadata)
@@ -121,7 +124,7 @@ class UBatchWrapper:
 
     def _join(self, threads: list[threading.Thread], contexts: list[UBatchContext]) -> None:
         """Wait for the threads; give up on ones that make no progress for ``timeout_s``."""
-        timeout_ns = int(self.timeout_s * 1e9)
+        timeout_ns = int((self.timeout_s + min(self.timeout_s, _WATCHDOG_GRACE_S)) * 1e9)
         poll_s = min(_WATCHDOG_POLL_S, self.timeout_s)
         while True:
             alive = [thread for thread in threads if thread.is_alive()]
@@ -134,7 +137,7 @@ class UBatchWrapper:
                     contexts[0].abort(
                         TimeoutError(
                             f"ubatch threads {stuck} made no progress (no baton pass) for "
-                            f"{self.timeout_s:g} s"
+                            f"{timeout_ns / 1e9:g} s"
                         )
                     )
                     return
