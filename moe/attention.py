@@ -12,6 +12,8 @@ Rows at or past ``num_actual_tokens`` are padding: no cache write, zero output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +35,40 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
         return
     flat[0, slots] = key[valid].to(kv_cache.dtype)
     flat[1, slots] = value[valid].to(kv_cache.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpan:
+    """One request's share of a step, as the per-request attention loops need it."""
+
+    q_start: int  # first query row of the request in the flat batch
+    q_end: int  # one past its last query row
+    seq_len: int  # context length including this step's query tokens
+    blocks: Tensor  # [ceil(seq_len / block_size)] int64 KV cache block ids, in order
+    causal_mask: Tensor  # [q_end - q_start, seq_len] bool, True = attend
+
+
+def iter_request_spans(
+    attn_metadata: CommonAttentionMetadata, block_size: int, device: torch.device
+) -> Iterator[RequestSpan]:
+    """The requests of ``attn_metadata`` that have query rows, with their blocks and causal mask
+    (query positions are ``seq_len - q_len .. seq_len - 1``)."""
+    # blocking host sync: request boundaries drive the per-request loop
+    query_start_loc = attn_metadata.query_start_loc.tolist()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    for i in range(attn_metadata.num_reqs):
+        q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
+        q_len, seq_len = q_end - q_start, seq_lens[i]
+        if q_len == 0:
+            continue
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        yield RequestSpan(
+            q_start=q_start,
+            q_end=q_end,
+            seq_len=seq_len,
+            blocks=attn_metadata.block_table[i, : -(-seq_len // block_size)].long(),
+            causal_mask=torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None],
+        )
 
 
 def paged_attention(
@@ -74,32 +110,21 @@ def paged_attention(
     out = torch.zeros_like(query)
     block_size = kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    # blocking host sync: request boundaries drive the per-request loop
-    query_start_loc = attn_metadata.query_start_loc.tolist()
-    seq_lens = attn_metadata.seq_lens.tolist()
-    for i in range(attn_metadata.num_reqs):
-        q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
-        q_len, seq_len = q_end - q_start, seq_lens[i]
-        if q_len == 0:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = attn_metadata.block_table[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+    for span in iter_request_spans(attn_metadata, block_size, query.device):
+        seq_len = span.seq_len
+        k = kv_cache[0, span.blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        v = kv_cache[1, span.blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len], True = attend
         o = F.scaled_dot_product_attention(
-            query[q_start:q_end].transpose(0, 1),  # [num_heads, q_len, head_dim]
+            query[span.q_start : span.q_end].transpose(0, 1),  # [num_heads, q_len, head_dim]
             k.transpose(0, 1),
             v.transpose(0, 1),
-            attn_mask=mask,
+            attn_mask=span.causal_mask,
             scale=scale,
         )
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[span.q_start : span.q_end] = o.transpose(0, 1)
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.attention import iter_request_spans
 from moe.config import MoEModelConfig
 from moe.layers import RMSNorm, RotaryEmbedding, yarn_softmax_scale
 
@@ -153,18 +154,10 @@ class MLAAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, nope, r], [H, v, r]
         block_size = self.attn.kv_cache.shape[1]
-        # blocking host sync: request boundaries drive the per-request loop
-        query_start_loc = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for i in range(attn_metadata.num_reqs):
-            q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
-            q_len, seq_len = q_end - q_start, seq_lens[i]
-            if q_len == 0:
-                continue
-            blocks = attn_metadata.block_table[i, : -(-seq_len // block_size)].long()
-            kv_c, k_pe = self.attn.read(blocks, seq_len, q_nope.dtype)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q_nope.device)
-            mask = torch.arange(seq_len, device=q_nope.device)[None, :] <= q_pos[:, None]
+        for span in iter_request_spans(attn_metadata, block_size, q_nope.device):
+            q_start, q_end, seq_len, mask = span.q_start, span.q_end, span.seq_len, span.causal_mask
+            q_len = q_end - q_start
+            kv_c, k_pe = self.attn.read(span.blocks, seq_len, q_nope.dtype)
             qn, qp = q_nope[q_start:q_end].transpose(0, 1), q_pe[q_start:q_end].transpose(0, 1)
             if q_len <= ABSORB_MAX_QUERY_LEN:
                 q_lat = qn @ w_uk  # [H, q, r]
