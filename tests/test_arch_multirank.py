@@ -21,7 +21,11 @@ import torch
 
 from tests.conftest import hf_greedy
 from tests.distributed_harness import run_distributed
-from tests.test_engine_logits import _run_engine_steps, assert_dbo_on_equals_off_equals_reference
+from tests.test_engine_logits import (
+    _run_engine_steps,
+    assert_dbo_on_equals_off_equals_reference,
+    dbo_test_engine_args,
+)
 from tests.test_generate_e2e import DBO_FLAGS, read_outputs, torchrun
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
@@ -46,7 +50,6 @@ def _shared_in_combine(spans) -> list[tuple[int, int, int, int]]:
 
 def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
     from distributed import init_distributed
-    from launch.args import EngineArgs
     from launch.engine import LLMEngine, resolve_model
 
     groups = init_distributed(
@@ -55,16 +58,10 @@ def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
     results = {}
     for model_type in ARCHS:
         for enable_dbo in (True, False):
-            args = EngineArgs(
-                model=model_dirs[model_type],
-                dtype="float32",
-                data_parallel_size=world_size,
-                enable_expert_parallel=True,
-                enable_dbo=enable_dbo,
-                dbo_decode_token_threshold=2,
-                dbo_prefill_token_threshold=4,
-                max_num_batched_tokens=4096,
-                distributed_timeout_s=60,
+            args = dbo_test_engine_args(
+                model_dirs[model_type],
+                world_size,
+                enable_dbo,
                 timeline_dir=timeline_dir if enable_dbo else None,
             )
             engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)

@@ -48,26 +48,34 @@ def _run_engine_steps(engine, prompts, dp_rank, dp_size):
     return {i: torch.cat(v).numpy() for i, v in logits.items()}, tokens, ubatched
 
 
+def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):
+    """float32, EP over all ranks, thresholds low enough that every tiny step is microbatched."""
+    from launch.args import EngineArgs
+
+    return EngineArgs(
+        **{
+            "model": model_dir,
+            "dtype": "float32",
+            "data_parallel_size": world_size,
+            "enable_expert_parallel": True,
+            "enable_dbo": enable_dbo,
+            "dbo_decode_token_threshold": 2,
+            "dbo_prefill_token_threshold": 4,
+            "max_num_batched_tokens": 4096,
+            "distributed_timeout_s": 60,
+            **overrides,
+        }
+    )
+
+
 def _rank_fn(rank, world_size, model_dir, prompts, backend):
     from distributed import init_distributed
-    from launch.args import EngineArgs
     from launch.engine import LLMEngine, resolve_model
 
     results = {}
     groups = None
     for enable_dbo in (True, False):
-        args = EngineArgs(
-            model=model_dir,
-            dtype="float32",
-            data_parallel_size=world_size,
-            enable_expert_parallel=True,
-            enable_dbo=enable_dbo,
-            dbo_decode_token_threshold=2,
-            dbo_prefill_token_threshold=4,
-            all2all_backend=backend,
-            max_num_batched_tokens=4096,
-            distributed_timeout_s=60,
-        )
+        args = dbo_test_engine_args(model_dir, world_size, enable_dbo, all2all_backend=backend)
         if groups is None:
             groups = init_distributed(
                 data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
