@@ -8,7 +8,7 @@ from dbo.dp_coordination import (
     decide_from_gathered,
     should_ubatch_locally,
 )
-from dbo.timeline import (
+from dbo.timeline.recorder import (
     TimelineRecorder,
     TimelineSpan,
     get_timeline_recorder,

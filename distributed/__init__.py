@@ -3,7 +3,7 @@
 Imports only torch (and the standard library). Nothing happens at import time.
 """
 
-from distributed.all2all import (
+from distributed.all2all.registry import (
     BACKENDS,
     All2AllBackend,
     AllGatherDispatchMetadata,

@@ -22,9 +22,14 @@ import statistics
 import sys
 import time
 
-from launch.args import OneLineErrorParser, add_engine_args, engine_args_from_namespace, fail
-from launch.bench_report import format_table, make_record, write_records
-from launch.bench_workload import BatchSpec, Workload, parse_batches
+from launch.benchmarks.report import format_table, make_record, write_records
+from launch.benchmarks.workload import BatchSpec, Workload, parse_batches
+from launch.engine.arg_utils import (
+    OneLineErrorParser,
+    add_engine_args,
+    engine_args_from_namespace,
+    fail,
+)
 
 PROG = "launch.bench"
 NETWORKS = ("loopback", "netns")
@@ -65,8 +70,8 @@ def resolve_bench_model(args, overrides: dict):
     Raises:
         ValueError: overrides together with ``--model``, or an invalid resulting config.
     """
-    from launch.embedded import EMBEDDED_MODEL_CONFIG
-    from launch.engine import ResolvedModel, resolve_model
+    from launch.engine.embedded import EMBEDDED_MODEL_CONFIG
+    from launch.engine.llm_engine import ResolvedModel, resolve_model
     from moe import MoEModelConfig
 
     if args.model is not None:
@@ -105,7 +110,7 @@ def span_cost_ns(num_spans: int = 20_000) -> float:
 
 def measure_step(engine, workload: Workload, enable_dbo: bool) -> dict:
     """Run one engine step with DBO on or off; return this rank's metrics of it (a dict)."""
-    from launch.timeline_metrics import spans_from_recorder, step_metrics
+    from dbo.timeline.metrics import spans_from_recorder, step_metrics
 
     engine.model_runner.set_enable_dbo(enable_dbo)
     workload.before_step()
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from distributed import destroy_distributed, init_distributed
-    from launch.engine import LLMEngine
+    from launch.engine.llm_engine import LLMEngine
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)

@@ -15,14 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from launch.args import (
+from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
     engine_args_from_namespace,
     fail,
 )
-from launch.engine import LLMEngine, resolve_model
-from launch.request import Request, SamplingParams
+from launch.engine.llm_engine import LLMEngine, resolve_model
+from launch.engine.request import Request, SamplingParams
 
 PROG = "launch.generate"
 

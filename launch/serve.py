@@ -18,14 +18,14 @@ import signal
 import sys
 import threading
 
-from launch.args import (
+from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
     engine_args_from_namespace,
     fail,
     print_error,
 )
-from launch.engine import LLMEngine, resolve_model
+from launch.engine.llm_engine import LLMEngine, resolve_model
 
 PROG = "launch.serve"
 EMBEDDED_MODEL_NAME = "moe-dbo-embedded"
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
         model = resolve_model(args)
-        from launch.detokenizer import load_tokenizer
+        from launch.serving.detokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     except (ValueError, OSError) as e:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{groups.dp_size} DP rank(s)" + (", DBO on" if args.enable_dbo else ""),
             flush=True,
         )
-    from launch.serve_loop import ServeLoop
+    from launch.serving.serve_loop import ServeLoop
 
     loop = ServeLoop(
         engine=engine,
@@ -160,8 +160,8 @@ def _model_name(ns: argparse.Namespace) -> str:
 
 
 def _start_http(ns, model, tokenizer, engine: LLMEngine):
-    from launch.api_server import HTTPServerThread, ServerConfig
-    from launch.serve_metrics import ServerMetrics
+    from launch.serving.api_server import HTTPServerThread, ServerConfig
+    from launch.serving.metrics import ServerMetrics
 
     metrics = ServerMetrics(dp_size=engine.groups.dp_size)
     kv = engine.kv_cache_manager

@@ -1,14 +1,22 @@
 """moe: model side — config, router, modular fused-MoE kernel, experts, attention, models, loading."""
 
-from moe.attention import PagedAttention, paged_attention, write_kv_cache
-from moe.build import MODEL_REGISTRY, build_model, make_prepare_finalize
-from moe.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
-from moe.config import SUPPORTED_ARCHITECTURES, MoEModelConfig
-from moe.custom_op import CustomOp, get_custom_ops, parse_custom_ops, set_custom_ops
-from moe.experts import TorchExperts
-from moe.fused_moe import FusedMoE
-from moe.layers import DenseMLP, RMSNorm, RotaryEmbedding, SiluAndMul, rotate_half, swiglu
-from moe.loader import (
+from moe.fused_moe.experts import TorchExperts
+from moe.fused_moe.layer import FusedMoE
+from moe.fused_moe.modular_kernel import FusedMoEModularKernel
+from moe.fused_moe.prepare_finalize import (
+    All2AllPrepareAndFinalize,
+    CompletedHandle,
+    FusedMoEPrepareAndFinalize,
+    NoEPPrepareAndFinalize,
+)
+from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
+from moe.layers.activation import SiluAndMul, swiglu
+from moe.layers.attention import PagedAttention, paged_attention, write_kv_cache
+from moe.layers.mla import MLAAttention, PagedMLACache
+from moe.layers.mlp import DenseMLP
+from moe.layers.norm import RMSNorm
+from moe.layers.rotary import RotaryEmbedding, rotate_half
+from moe.model_loader.loader import (
     LoadStats,
     check_checkpoint,
     checkpoint_targets,
@@ -16,23 +24,16 @@ from moe.loader import (
     load_checkpoint,
     load_config,
 )
-from moe.mixtral import (
-    DeepseekV2ForCausalLM,
-    DeepseekV3ForCausalLM,
-    MixtralForCausalLM,
-    OlmoeForCausalLM,
-    Qwen2MoeForCausalLM,
-)
-from moe.mla import MLAAttention, PagedMLACache
-from moe.modular_kernel import (
-    All2AllPrepareAndFinalize,
-    CompletedHandle,
-    FusedMoEModularKernel,
-    FusedMoEPrepareAndFinalize,
-    NoEPPrepareAndFinalize,
-)
-from moe.platforms import CpuPlatform, CudaPlatform, Platform, current_platform
-from moe.router import Router, RoutingConfig, RoutingResult, select_experts
+from moe.models.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
+from moe.models.config import SUPPORTED_ARCHITECTURES, MoEModelConfig
+from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moe.models.mixtral import MixtralForCausalLM
+from moe.models.olmoe import OlmoeForCausalLM
+from moe.models.qwen2_moe import Qwen2MoeForCausalLM
+from moe.models.registry import MODEL_REGISTRY, build_model, make_prepare_finalize
+from moe.platforms.custom_op import CustomOp, get_custom_ops, parse_custom_ops, set_custom_ops
+from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
+from moe.platforms.plugins import current_platform
 
 __all__ = [
     "MODEL_REGISTRY",

@@ -1,0 +1,22 @@
+"""Expert all-to-all backends, one module each, behind ``All2AllBackend`` (``base``); the registry
+maps ``--all2all-backend`` names to them."""
+
+from distributed.all2all.all_to_all import AllToAllBackend, AllToAllDispatchMetadata
+from distributed.all2all.allgather_reducescatter import (
+    AllGatherDispatchMetadata,
+    AllGatherReduceScatterBackend,
+)
+from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.registry import BACKENDS, make_all2all_backend
+
+__all__ = [
+    "BACKENDS",
+    "All2AllBackend",
+    "AllGatherDispatchMetadata",
+    "AllGatherReduceScatterBackend",
+    "AllToAllBackend",
+    "AllToAllDispatchMetadata",
+    "DispatchMetadata",
+    "DispatchResult",
+    "make_all2all_backend",
+]

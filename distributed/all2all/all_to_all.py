@@ -1,0 +1,168 @@
+"""``all_to_all`` backend: uneven ``all_to_all_single`` of packed token rows.
+
+Dispatch (DeepEP high-throughput layout): rows are ordered by destination rank, then by token
+index; a token goes once to each rank holding one of its experts.
+  1. count exchange: a small ``all_to_all_single`` of ``[ep_size, 4]`` int64 (rows for each peer,
+     row format) — blocking, because the payload splits must be known on the host (DeepEP's
+     "notify" step);
+  2. payload: ONE uneven ``all_to_all_single`` of ``[num_send_rows, row_bytes]`` uint8.
+Combine: the reverse uneven ``all_to_all_single`` of the expert outputs (in the dispatched dtype,
+as DeepEP combines in bf16), then an fp32 ``index_add`` into token order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.token_packing import localize_topk, pack_rows, token_rank_mask, unpack_rows
+from distributed.collectives import all_to_all_single
+from distributed.comm_handle import CommHandle
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllToAllDispatchMetadata(DispatchMetadata):
+    """Routing of one ``all_to_all`` dispatch.
+
+    Attributes:
+        send_counts: rows this rank sent to each EP rank (= rows it gets back in combine).
+        recv_counts: rows this rank received from each EP rank (= rows it returns in combine).
+        send_token_idx: ``[sum(send_counts)]`` torch.int64, the source token of each sent row, in
+            send order (by destination rank, then token index).
+    """
+
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    send_token_idx: Tensor
+
+
+class AllToAllBackend(All2AllBackend):
+    """Uneven ``all_to_all_single`` dispatch / combine (see the module docstring)."""
+
+    name = "all_to_all"
+
+    def dispatch(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult]:
+        # The per-destination row counts depend on the routing, so the count exchange stays even
+        # when the token counts are known; they are only checked.
+        self._check_num_tokens_across_ep(num_tokens_across_ep, hidden_states.shape[0])
+        layout = self._row_layout(hidden_states, topk_ids, topk_weights)
+        device = hidden_states.device
+        mask = token_rank_mask(
+            topk_ids, num_local_experts=self.num_local_experts, ep_size=self.ep_size
+        )
+        # nonzero of the transposed mask lists (rank, token) pairs sorted by rank, then token.
+        send_rank, send_token_idx = mask.t().nonzero(as_tuple=True)
+        header = torch.tensor([[0, *layout.signature()]] * self.ep_size, dtype=torch.int64)
+        header[:, 0] = mask.sum(dim=0).cpu()  # host sync: splits are host ints
+        header = header.to(device)
+        recv_header = torch.empty_like(header)
+        op = "all_to_all dispatch count exchange"
+        notify_start_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv_header, header, output_split_sizes=None, input_split_sizes=None,
+            group=self.ep_group,
+        )  # fmt: skip
+        # blocking wait (timeout: self.timeout), DeepEP's notify step
+        notify_ns = self._notify(
+            pending, op, issued_at_ns=notify_start_ns, num_bytes=header[0].numel() * 8
+        )
+        recv_header = recv_header.cpu()
+        self._check_signatures(recv_header[:, 1:].tolist(), layout, "all_to_all dispatch")
+        send_counts = header[:, 0].tolist()
+        recv_counts = recv_header[:, 0].tolist()
+
+        local_ids, local_weights = localize_topk(
+            topk_ids[send_token_idx],
+            topk_weights[send_token_idx].float(),
+            send_rank,
+            num_local_experts=self.num_local_experts,
+        )
+        packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
+        recv = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8, device=device)
+        issued_at_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv, packed, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+            group=self.ep_group,
+        )  # fmt: skip
+        metadata = AllToAllDispatchMetadata(
+            backend=self.name,
+            ep_rank=self.ep_rank,
+            num_tokens=hidden_states.shape[0],
+            num_recv_tokens=recv.shape[0],
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            send_counts=tuple(send_counts),
+            recv_counts=tuple(recv_counts),
+            send_token_idx=send_token_idx,
+        )
+
+        def finalize() -> DispatchResult:
+            ids, weights, hidden = unpack_rows(recv, layout)
+            return DispatchResult(
+                hidden_states=hidden.contiguous(),
+                topk_ids=ids.contiguous(),
+                topk_weights=weights.contiguous(),
+                metadata=metadata,
+            )
+
+        num_bytes = (len(send_token_idx) - send_counts[self.ep_rank]) * layout.row_bytes
+        num_recv_bytes = (recv.shape[0] - recv_counts[self.ep_rank]) * layout.row_bytes
+        return self._handle(
+            op="all_to_all dispatch",
+            pending=pending,
+            finalize=finalize,
+            issued_at_ns=issued_at_ns,
+            num_bytes=num_bytes,
+            async_op=async_op,
+            num_recv_bytes=num_recv_bytes,
+            notify_ns=notify_ns,
+        )
+
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        self._check_combine(expert_output, metadata, AllToAllDispatchMetadata)
+        assert isinstance(metadata, AllToAllDispatchMetadata)  # checked above; narrows the type
+        dtype, hidden_size = metadata.dtype, metadata.hidden_size
+        # Move raw bytes: all_to_all is a pure copy, so any dtype travels (gloo lacks some).
+        send = expert_output.to(dtype).contiguous().view(torch.uint8)
+        num_back = sum(metadata.send_counts)
+        recv = torch.empty(num_back, send.shape[1], dtype=torch.uint8, device=send.device)
+        issued_at_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv, send, output_split_sizes=list(metadata.send_counts),
+            input_split_sizes=list(metadata.recv_counts), group=self.ep_group,
+        )  # fmt: skip
+
+        def finalize() -> Tensor:
+            out = torch.zeros(
+                metadata.num_tokens, hidden_size, dtype=torch.float32, device=recv.device
+            )
+            out.index_add_(0, metadata.send_token_idx.to(recv.device), recv.view(dtype).float())
+            return out.to(dtype)
+
+        row_bytes = send.shape[1]
+        num_bytes = (send.shape[0] - metadata.recv_counts[self.ep_rank]) * row_bytes
+        num_recv_bytes = (num_back - metadata.send_counts[self.ep_rank]) * row_bytes
+        return self._handle(
+            op="all_to_all combine",
+            pending=pending,
+            finalize=finalize,
+            issued_at_ns=issued_at_ns,
+            num_bytes=num_bytes,
+            async_op=async_op,
+            num_recv_bytes=num_recv_bytes,
+        )

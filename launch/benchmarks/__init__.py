@@ -1,0 +1,1 @@
+"""Benchmark helpers (workloads, reports) and micro-benchmarks (baton pass, experts)."""

@@ -1,0 +1,110 @@
+"""Records, table and JSON of ``launch.bench`` (pure functions of the per-step metrics)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from launch.benchmarks.workload import BatchSpec
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def make_record(
+    spec: BatchSpec, steps_per_rank: Sequence[Sequence[dict]], *, span_cost_ns: float, meta: dict
+) -> dict:
+    """One result record of a batch shape.
+
+    Args:
+        steps_per_rank: per rank, its measured step dicts (``StepMetrics`` fields + ``dbo`` +
+            ``num_spans``) in the same interleaved order on every rank.
+        span_cost_ns: cost of recording one span (for the timeline overhead estimate).
+        meta: run description copied into the record.
+
+    Raises:
+        ValueError: if the ranks measured different numbers of steps.
+    """
+    num_steps = {len(steps) for steps in steps_per_rank}
+    if len(num_steps) != 1:
+        raise ValueError(f"ranks measured different numbers of steps: {sorted(num_steps)}")
+    # one entry per measured step: the same step on every rank
+    aligned = list(zip(*steps_per_rank, strict=True))
+
+    def per_mode(enable_dbo: bool) -> list[tuple[dict, ...]]:
+        return [ranks for ranks in aligned if ranks[0]["dbo"] is enable_dbo]
+
+    def slowest(mode) -> list[float]:
+        return [max(r["step_ms"] for r in ranks) for ranks in mode]
+
+    def mean_of(mode, key: str) -> list[float]:
+        return [statistics.fmean(r[key] for r in ranks) for ranks in mode]
+
+    off, on = per_mode(False), per_mode(True)
+    step_off, step_on = slowest(off), slowest(on)
+    compute_ms, comm_ms = _median(mean_of(off, "compute_ms")), _median(mean_of(off, "comm_ms"))
+    ideal_speedup = (compute_ms + comm_ms) / max(compute_ms, comm_ms, 1e-9)
+    speedup = _median(step_off) / max(_median(step_on), 1e-9)
+    batons = [r["baton_pass_us_median"] for ranks in on for r in ranks if r["num_baton_passes"]]
+    overhead = [
+        100 * r["num_spans"] * span_cost_ns / 1e6 / r["step_ms"]
+        for ranks in aligned
+        for r in ranks
+        if r["step_ms"] > 0
+    ]
+    return {
+        "batch": spec.label,
+        "batch_kind": spec.kind,
+        "num_tokens_per_rank": spec.num_tokens_per_rank,
+        "step_ms_off": _median(step_off),
+        "step_ms_off_min": min(step_off),
+        "step_ms_off_max": max(step_off),
+        "step_ms_on": _median(step_on),
+        "step_ms_on_min": min(step_on),
+        "step_ms_on_max": max(step_on),
+        "speedup": speedup,
+        "compute_ms": compute_ms,
+        "comm_ms": comm_ms,
+        "exposed_comm_ms_off": _median(mean_of(off, "exposed_comm_ms")),
+        "exposed_comm_ms_on": _median(mean_of(on, "exposed_comm_ms")),
+        "overlap_ratio": _median(mean_of(on, "overlap_ratio")),
+        "overlap_ratio_off": _median(mean_of(off, "overlap_ratio")),
+        "ideal_speedup": ideal_speedup,
+        "fraction_of_ideal_speedup": speedup / ideal_speedup,
+        "dbo_engaged": all(r["is_ubatched"] for ranks in on for r in ranks),
+        "baton_pass_us_median": _median(batons),
+        "timeline_overhead_pct": _median(overhead),
+        "reps": len(on),
+        **{k: v for k, v in meta.items() if k != "reps"},
+    }
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """Fixed-width table of the records (step times: median [min-max] of the slowest rank)."""
+    header = (
+        f"{'batch':<14}{'off ms':>24}{'on ms':>24}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
+        f"{'exp off':>9}{'exp on':>8}{'overlap':>8}{'ideal x':>8}{'DBO':>5}{'baton us':>9}"
+        f"{'tl %':>6}"
+    )
+    lines = [header]
+    for r in records:
+        off = f"{r['step_ms_off']:.2f} [{r['step_ms_off_min']:.2f}-{r['step_ms_off_max']:.2f}]"
+        on = f"{r['step_ms_on']:.2f} [{r['step_ms_on_min']:.2f}-{r['step_ms_on_max']:.2f}]"
+        lines.append(
+            f"{r['batch']:<14}{off:>24}{on:>24}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
+            f"{r['comm_ms']:>8.2f}{r['exposed_comm_ms_off']:>9.2f}{r['exposed_comm_ms_on']:>8.2f}"
+            f"{r['overlap_ratio']:>8.2f}{r['ideal_speedup']:>8.2f}"
+            f"{'yes' if r['dbo_engaged'] else 'no':>5}{r['baton_pass_us_median']:>9.1f}"
+            f"{r['timeline_overhead_pct']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_records(records: Sequence[dict], path: str | Path) -> None:
+    """Write the records as a JSON list (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(records), indent=2) + "\n", encoding="utf-8")

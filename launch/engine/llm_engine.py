@@ -1,0 +1,239 @@
+"""The engine of one DP rank: model, KV cache, scheduler and model runner, stepped in DP lockstep.
+
+All DP ranks call ``step`` together: the model runner's DP vote is a collective, and the expert
+all-to-all inside the model is one too. The loop ends on every rank at the same step, the first
+one at which no DP rank has work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dbo import TimelineRecorder, set_timeline_recorder
+from dbo.timeline.recorder import timeline_step
+from distributed import EmulatedLink, make_all2all_backend
+from launch.engine.arg_utils import EngineArgs
+from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
+from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.model_runner import ModelRunner
+from launch.engine.request import Request
+from launch.engine.scheduler import Scheduler
+from moe import (
+    MoEModelConfig,
+    build_model,
+    check_checkpoint,
+    init_random_weights,
+    load_checkpoint,
+    parameter_bytes,
+    set_custom_ops,
+)
+from moe.platforms.plugins import load_general_plugins
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedModel:
+    """The model to serve, resolved and checked before any process group exists."""
+
+    config: MoEModelConfig
+    checkpoint_dir: str | None  # None: the embedded default with seeded random weights
+    max_model_len: int
+    seed: int
+
+    def synthetic_prompts(self) -> list[list[int]]:
+        return synthetic_prompts(seed=self.seed, vocab_size=self.config.vocab_size)
+
+
+def resolve_model(args: EngineArgs) -> ResolvedModel:
+    """Read and check ``--model`` (config.json and safetensors headers) or take the embedded default.
+
+    Raises:
+        ValueError: unsupported architecture (naming the supported ones), a malformed config, or
+            ``--max-model-len`` beyond the model's ``max_position_embeddings``.
+        OSError: a missing or unreadable checkpoint directory or file.
+    """
+    if args.model is None:
+        config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
+    else:
+        config_path = Path(args.model) / "config.json"
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
+        try:
+            hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+        config = MoEModelConfig.from_hf_config(hf_config)
+        check_checkpoint(args.model)
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    return ResolvedModel(
+        config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
+    )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
+    num_ubatched_steps: int = 0
+    num_dummy_steps: int = 0
+    num_preemptions: int = 0
+    step_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryStats:
+    """This rank's memory: parameter bytes per category (``moe.PARAM_CATEGORIES``), the KV cache
+    it allocated, and the KV bytes one token takes over all layers."""
+
+    parameter_bytes: dict[str, int]
+    kv_cache_bytes: int
+    kv_bytes_per_token: int
+    num_kv_slots: int
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        p = self.parameter_bytes
+        parts = ", ".join(f"{k} {v / mib:.2f}" for k, v in p.items() if v)
+        return (
+            f"params {sum(p.values()) / mib:.2f} MiB per rank ({parts}); "
+            f"KV cache {self.kv_cache_bytes / mib:.2f} MiB for {self.num_kv_slots} tokens, "
+            f"{self.kv_bytes_per_token} B/token"
+        )
+
+
+class LLMEngine:
+    """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
+
+    def __init__(self, *, engine_args: EngineArgs, model: ResolvedModel, groups) -> None:
+        self.args = engine_args
+        self.groups = groups
+        self.stats = EngineStats()
+        self.timeline: TimelineRecorder | None = None
+        if engine_args.timeline_dir:
+            self.start_timeline()
+        link_spec = engine_args.link_spec()
+        dtype = getattr(torch, engine_args.dtype)
+        config = model.config
+        backend = None
+        if groups.ep_size > 1:
+            backend = make_all2all_backend(
+                engine_args.all2all_backend,
+                ep_group=groups.ep_group,
+                ep_rank=groups.ep_rank,
+                ep_size=groups.ep_size,
+                num_experts=config.num_experts,
+                timeout=groups.timeout,
+                link=None if link_spec is None else EmulatedLink(link_spec),
+            )
+        # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
+        load_general_plugins()
+        set_custom_ops(engine_args.custom_ops)
+        self.model = build_model(
+            config,
+            ep_rank=groups.ep_rank,
+            ep_size=groups.ep_size,
+            all2all_backend=backend,
+            dtype=dtype,
+        )
+        if model.checkpoint_dir is None:
+            init_random_weights(self.model, seed=engine_args.seed)
+        else:
+            load_checkpoint(self.model, model.checkpoint_dir)
+        block_size = engine_args.block_size
+        self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
+        num_blocks = (
+            engine_args.num_gpu_blocks_override
+            or engine_args.max_num_seqs * self.max_num_blocks_per_req
+        )
+        kv_caches = self.model.allocate_kv_caches(
+            num_blocks=num_blocks, block_size=block_size, dtype=dtype
+        )
+        self.memory = MemoryStats(
+            parameter_bytes=parameter_bytes(self.model),
+            kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
+            kv_bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
+            num_kv_slots=num_blocks * block_size,
+        )
+        self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+        self.scheduler = Scheduler(
+            kv_cache_manager=self.kv_cache_manager,
+            max_num_seqs=engine_args.max_num_seqs,
+            max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            max_model_len=model.max_model_len,
+            eos_token_ids=config.eos_token_ids,
+        )
+        self.model_runner = ModelRunner(
+            model=self.model,
+            kv_cache_manager=self.kv_cache_manager,
+            engine_args=engine_args,
+            groups=groups,
+            max_num_blocks_per_req=self.max_num_blocks_per_req,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: int) -> Request | None:
+        """Drop a request of this rank (its blocks and sampling state); None if not here."""
+        self.model_runner.release(request_id)
+        return self.scheduler.abort_request(request_id)
+
+    def step(self) -> tuple[list[Request], bool]:
+        """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
+        with timeline_step(self.stats.num_steps) as step_args:
+            scheduler_output = self.scheduler.schedule()
+            out = self.model_runner.execute_model(scheduler_output)
+            step_args.update(
+                num_tokens=out.num_tokens,
+                num_tokens_padded=out.num_tokens_padded,
+                is_ubatched=out.is_ubatched,
+                ran_model=out.ran_model,
+            )
+        if not any(out.has_work_across_dp):
+            return [], False
+        if out.ran_model:
+            self.stats.num_steps += 1
+            self.stats.num_ubatched_steps += out.is_ubatched
+            self.stats.num_dummy_steps += out.num_tokens == 0
+            self.stats.step_tokens.append(out.num_tokens)
+        self.stats.num_preemptions += len(scheduler_output.preempted)
+        finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        for request in finished:
+            self.model_runner.release(request.request_id)
+        return finished, True
+
+    def run_until_done(self) -> list[Request]:
+        """Step until no DP rank has work; return this rank's finished requests."""
+        finished: list[Request] = []
+        while True:
+            done_now, any_work = self.step()
+            finished += done_now
+            if not any_work:
+                return finished
+
+    def start_timeline(self) -> TimelineRecorder:
+        """Record a timeline from now on (spans of every step, for ``write_timeline`` or for
+        in-process metrics); idempotent. Entry points other than generate (serve, bench) use it."""
+        if self.timeline is None:
+            self.timeline = TimelineRecorder(rank=self.groups.rank)
+            set_timeline_recorder(self.timeline)
+        return self.timeline
+
+    def write_timeline(self) -> str | None:
+        """Write this rank's Chrome trace to ``--timeline-dir``; return its path (None if off)."""
+        if self.timeline is None or not self.args.timeline_dir:
+            return None
+        os.makedirs(self.args.timeline_dir, exist_ok=True)
+        path = os.path.join(self.args.timeline_dir, f"rank{self.groups.rank}.json")
+        self.timeline.write_chrome_trace(path)
+        set_timeline_recorder(None)
+        return path

@@ -1,0 +1,280 @@
+"""Model runner: one engine step from a SchedulerOutput to sampled tokens, with DBO when agreed.
+
+Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md``):
+1. every DP rank votes whether to microbatch (token count against the decode or prefill
+   threshold) and the votes are gathered over the DP group; microbatching happens only if all
+   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``);
+2. flat inputs and the common attention metadata are built (padding rows have slot -1);
+3. with microbatching the token range is cut in two ``UBatchSlice`` s and ``UBatchWrapper`` runs
+   the model on two threads that ping-pong inside the MoE layers; otherwise the model runs once;
+4. the hidden state of each request whose known tokens are all computed is turned into logits and
+   a token is sampled.
+A rank with nothing scheduled still runs a one-token dummy batch while any other rank has work,
+because the expert all-to-all is a collective over all EP ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dbo import (
+    CommonAttentionMetadata,
+    UBatchWrapper,
+    coordinate_batch_across_dp,
+    make_ubatch_slices,
+    should_ubatch_locally,
+)
+from dbo.timeline.recorder import blocking_comm_span, timeline_span
+from launch.engine.arg_utils import EngineArgs
+from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64; padding rows hold 0
+    positions: torch.Tensor  # [num_tokens] int64; padding rows hold 0
+    attn_metadata: CommonAttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64: rows whose next token is sampled
+    sampled_request_ids: tuple[int, ...]  # request of each logits row
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutput:
+    sampled_token_ids: dict[int, int]  # request_id -> token
+    has_work_across_dp: tuple[bool, ...]
+    ran_model: bool
+    is_ubatched: bool
+    num_tokens: int  # this rank's real tokens
+    num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardOutput:
+    hidden_states: torch.Tensor | None  # [num_rows, hidden_size]; None if the model did not run
+    inputs: ModelInputs | None
+    has_work_across_dp: tuple[bool, ...]
+    is_ubatched: bool
+
+
+def build_model_inputs(
+    scheduler_output: SchedulerOutput,
+    kv_cache_manager: KVCacheManager,
+    *,
+    num_rows: int,
+    max_num_blocks_per_req: int,
+) -> ModelInputs:
+    """Flatten the scheduled requests into model inputs of ``num_rows`` rows (padding at the end).
+
+    Raises:
+        ValueError: if ``num_rows`` is smaller than the scheduled token count.
+    """
+    num_tokens = scheduler_output.num_tokens
+    if num_rows < num_tokens:
+        raise ValueError(f"num_rows {num_rows} < {num_tokens} scheduled tokens")
+    input_ids = [0] * num_rows
+    positions = [0] * num_rows
+    slot_mapping = [-1] * num_rows
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    block_table = torch.zeros(
+        len(scheduler_output.scheduled), max_num_blocks_per_req, dtype=torch.int32
+    )
+    logits_indices: list[int] = []
+    sampled_request_ids: list[int] = []
+    row = 0
+    for i, item in enumerate(scheduler_output.scheduled):
+        request, start = item.request, item.request.num_computed_tokens
+        stop = start + item.num_new_tokens
+        input_ids[row : row + item.num_new_tokens] = request.token_ids(start, stop)
+        positions[row : row + item.num_new_tokens] = range(start, stop)
+        slot_mapping[row : row + item.num_new_tokens] = [
+            kv_cache_manager.slot(request.request_id, p) for p in range(start, stop)
+        ]
+        block_ids = kv_cache_manager.block_ids(request.request_id)
+        block_table[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        row += item.num_new_tokens
+        query_start_loc.append(row)
+        seq_lens.append(stop)
+        if stop == request.num_tokens:  # all known tokens computed: the next one is sampled
+            logits_indices.append(row - 1)
+            sampled_request_ids.append(request.request_id)
+    attn_metadata = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=num_tokens,
+        num_tokens=num_rows,
+        max_query_len=max((s.num_new_tokens for s in scheduler_output.scheduled), default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        attn_metadata=attn_metadata,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        sampled_request_ids=tuple(sampled_request_ids),
+    )
+
+
+class ModelRunner:
+    """Runs the model for one step on this DP rank, coordinating microbatching with the others.
+
+    ``model`` provides ``forward(input_ids, positions, attn_metadata) -> [num_tokens, hidden_size]``
+    and ``compute_logits(hidden_states) -> [n, vocab_size] float32``; ``groups`` is the
+    ``distributed.ParallelGroups`` of this process.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        kv_cache_manager: KVCacheManager,
+        engine_args: EngineArgs,
+        groups,
+        max_num_blocks_per_req: int,
+    ) -> None:
+        self.model = model
+        self.kv_cache_manager = kv_cache_manager
+        self.args = engine_args
+        self.groups = groups
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def set_enable_dbo(self, enable_dbo: bool) -> None:
+        """Switch DBO on or off for the following steps (the benchmark interleaves both).
+
+        Raises:
+            ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
+        """
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo)
+
+    def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
+        # inference_mode is thread-local: each ubatch thread must enter it itself.
+        with torch.inference_mode():
+            return self.model(input_ids, positions, attn_metadata)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
+        """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
+        forward = self.run_forward(scheduler_output)
+        sampled = {}
+        if forward.hidden_states is not None:
+            sampled = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
+        return StepOutput(
+            sampled_token_ids=sampled,
+            has_work_across_dp=forward.has_work_across_dp,
+            ran_model=forward.hidden_states is not None,
+            is_ubatched=forward.is_ubatched,
+            num_tokens=scheduler_output.num_tokens,
+            num_tokens_padded=0
+            if forward.inputs is None
+            else forward.inputs.attn_metadata.num_tokens,
+        )
+
+    def run_forward(self, scheduler_output: SchedulerOutput) -> ForwardOutput:
+        """The DP vote, then the model on this rank's batch (microbatched if all ranks agreed).
+
+        Returns the hidden states of every row ([num_rows, hidden_size]) or None when this rank had
+        no reason to run the model (no work here, and no expert all-to-all to take part in).
+        """
+        num_tokens = scheduler_output.num_tokens
+        has_work = num_tokens > 0
+        vote = (
+            self.args.enable_dbo
+            and has_work
+            and should_ubatch_locally(
+                num_tokens=num_tokens,
+                is_decode_only=scheduler_output.is_decode_only,
+                decode_token_threshold=self.args.dbo_decode_token_threshold,
+                prefill_token_threshold=self.args.dbo_prefill_token_threshold,
+            )
+        )
+        g = self.groups
+        with blocking_comm_span("dp_vote"):
+            decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
+                num_tokens=num_tokens,
+                has_work=has_work,
+                vote=vote,
+                dp_group=g.dp_group,
+                dp_rank=g.dp_rank,
+                dp_size=g.dp_size,
+            )
+        has_work_across_dp = tuple(decision.has_work_across_dp)
+        # Without EP there is no collective inside the model: an idle rank need not run a dummy.
+        needs_dummy = any(has_work_across_dp) and g.ep_size > 1
+        if not has_work and not needs_dummy:
+            return ForwardOutput(
+                hidden_states=None,
+                inputs=None,
+                has_work_across_dp=has_work_across_dp,
+                is_ubatched=False,
+            )
+        num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
+        inputs = build_model_inputs(
+            scheduler_output,
+            self.kv_cache_manager,
+            num_rows=num_rows,
+            max_num_blocks_per_req=self.max_num_blocks_per_req,
+        )
+        ubatch_slices = (
+            make_ubatch_slices(inputs.attn_metadata.query_start_loc, num_rows)
+            if decision.should_ubatch
+            else None
+        )
+        # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
+        # has the same row count on every rank; telling the all-to-all spares it a blocking
+        # count exchange in the overlapped window.
+        num_tokens_across_dp = (
+            [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
+            if ubatch_slices
+            else None
+        )
+        hidden_states = self.wrapper(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.attn_metadata,
+            ubatch_slices,
+            num_tokens_across_dp=num_tokens_across_dp,
+        )
+        return ForwardOutput(
+            hidden_states=hidden_states,
+            inputs=inputs,
+            has_work_across_dp=has_work_across_dp,
+            is_ubatched=decision.should_ubatch,
+        )
+
+    def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
+        if not inputs.sampled_request_ids:
+            return {}
+        with torch.inference_mode(), timeline_span("sample"):
+            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        params = {
+            s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled
+        }
+        sampled: dict[int, int] = {}
+        for row, request_id in enumerate(inputs.sampled_request_ids):
+            temperature = params[request_id].temperature
+            if temperature == 0:
+                sampled[request_id] = int(torch.argmax(logits[row]))
+                continue
+            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            generator = self._generator(request_id, params[request_id].seed)
+            sampled[request_id] = int(torch.multinomial(probs, 1, generator=generator))
+        return sampled
+
+    def _generator(self, request_id: int, seed: int | None) -> torch.Generator:
+        if request_id not in self._generators:
+            generator = torch.Generator()
+            generator.manual_seed(self.args.seed + request_id if seed is None else seed)
+            self._generators[request_id] = generator
+        return self._generators[request_id]
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(request_id, None)

@@ -1,0 +1,2 @@
+"""OpenAI-compatible serving: HTTP server (rank 0), protocol parsing, the bridge between the HTTP
+thread and the engine, the lockstep serve loop with its DP load balancer, metrics, detokenizer."""

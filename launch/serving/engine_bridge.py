@@ -1,0 +1,146 @@
+"""The hand-over between rank 0's HTTP thread (asyncio) and its engine loop (main thread).
+
+The HTTP handlers ``submit`` requests and read their outputs from an ``asyncio.Queue``; the engine
+loop ``take`` s new requests and aborts (blocking with a timeout only when every DP rank is idle)
+and ``deliver`` s outputs, which are put on the handler's queue through the event loop
+(``call_soon_threadsafe``). Every accepted request ends with exactly one output that has a
+``finish_reason`` or an ``error``: ``fail_all`` ends whatever is still open when the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+
+from launch.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRequest:
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestOutput:
+    """Tokens generated for a request since its previous output.
+
+    ``finish_reason`` ("stop", "length" or "abort") is set on a request's last output; ``error``
+    (a message) on the last output of a request that failed.
+    """
+
+    request_id: int
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class ServerShuttingDown(RuntimeError):
+    """``submit`` after ``stop_accepting``: the server answers 503."""
+
+
+class EngineBridge:
+    """Thread-safe request/output hand-over; ``loop`` is the HTTP thread's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._incoming: queue.Queue[NewRequest | int] = queue.Queue()  # int: an abort
+        self._outputs: dict[int, asyncio.Queue[RequestOutput]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._accepting = True
+
+    # HTTP thread (event loop) side
+
+    def submit(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> tuple[int, asyncio.Queue[RequestOutput]]:
+        """Queue a request for the engine; its id and the queue its outputs arrive on.
+
+        Raises:
+            ServerShuttingDown: once the server stopped accepting requests.
+        """
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._lock:  # with stop_accepting: a request is either refused or tracked
+            if not self._accepting:
+                raise ServerShuttingDown("the server is shutting down and accepts no new requests")
+            request_id = next(self._ids)
+            self._outputs[request_id] = outputs
+        self._incoming.put(
+            NewRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt_token_ids),
+                sampling_params=sampling_params,
+            )
+        )
+        return request_id, outputs
+
+    def abort(self, request_id: int) -> None:
+        """Stop generating for a request (client gone, or a stop string matched)."""
+        with self._lock:
+            if self._outputs.pop(request_id, None) is None:
+                return
+        self._incoming.put(request_id)
+
+    # engine loop side
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._outputs)
+
+    def take(self, timeout_s: float) -> tuple[list[NewRequest], list[int]]:
+        """New requests and aborted request ids since the last call.
+
+        Blocks up to ``timeout_s`` seconds for the first item when nothing is queued (0: never).
+        """
+        items = []
+        if timeout_s > 0:
+            try:
+                items.append(self._incoming.get(timeout=timeout_s))  # blocking wait, timeout_s
+            except queue.Empty:
+                return [], []
+        while True:
+            try:
+                items.append(self._incoming.get_nowait())
+            except queue.Empty:
+                break
+        new = [item for item in items if isinstance(item, NewRequest)]
+        aborts = [item for item in items if isinstance(item, int)]
+        return new, aborts
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Pass an output to its request's handler; a request's last output closes it."""
+        with self._lock:
+            outputs = self._outputs.get(output.request_id)
+            if outputs is not None and output.is_last:
+                del self._outputs[output.request_id]
+        if outputs is None:
+            return  # aborted by the handler: nobody is listening
+        with contextlib.suppress(RuntimeError):  # a closed event loop: the HTTP server is gone
+            self._loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def fail_all(self, message: str) -> int:
+        """End every open request with ``message`` as its error; how many there were."""
+        with self._lock:
+            open_ids = list(self._outputs)
+        for request_id in open_ids:
+            self.deliver(RequestOutput(request_id=request_id, error=message))
+        return len(open_ids)

@@ -1,0 +1,261 @@
+"""The serving loop every DP rank runs: one control exchange, then one engine step, in lockstep.
+
+Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
+group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
+expert all-to-all): rank 0 a ``Dispatch`` (new requests, each routed to the least-loaded DP rank,
+aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its last step, its
+queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of them decide
+alike whether to run an engine step (some rank has work) or to idle, and when to stop.
+
+When every rank is idle, rank 0 blocks on its request queue for up to ``heartbeat_s`` before the
+exchange, and the other ranks block inside the exchange: no core spins, and the exchange recurs at
+least every ``heartbeat_s``, far below the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from launch.engine.llm_engine import LLMEngine
+from launch.engine.request import Request
+from launch.serving.engine_bridge import EngineBridge, NewRequest, RequestOutput
+from launch.serving.metrics import ServerMetrics
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dispatch:
+    """Rank 0's orders for one iteration."""
+
+    assignments: tuple[tuple[int, NewRequest], ...] = ()  # (dp_rank, request)
+    aborts: tuple[int, ...] = ()
+    is_shutting_down: bool = False
+    should_exit: bool = False  # every rank leaves the loop after this exchange
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankReport:
+    """One DP rank's state after its last step."""
+
+    outputs: tuple[RequestOutput, ...] = ()
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    wants_shutdown: bool = False  # this rank got SIGTERM
+    ran_step: bool = False
+    is_ubatched: bool = False
+    step_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Router:
+    """Least-loaded routing: a new request goes to the DP rank with the fewest open requests
+    (assigned by rank 0 and not yet finished), the lowest rank on a tie."""
+
+    dp_size: int
+    num_open: list[int] = field(default_factory=list)
+    owner: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.num_open = [0] * self.dp_size
+
+    def route(self, request_id: int) -> int:
+        dp_rank = min(range(self.dp_size), key=lambda r: (self.num_open[r], r))
+        self.num_open[dp_rank] += 1
+        self.owner[request_id] = dp_rank
+        return dp_rank
+
+    def close(self, request_id: int) -> None:
+        dp_rank = self.owner.pop(request_id, None)
+        if dp_rank is not None:
+            self.num_open[dp_rank] -= 1
+
+
+class ServeLoop:
+    """Runs ``engine`` in DP lockstep until rank 0 orders every rank to exit.
+
+    ``bridge`` and ``metrics`` exist on rank 0 only. ``stop_requested`` says whether this process
+    got SIGTERM. After SIGTERM the server stops accepting, lets in-flight requests finish for up to
+    ``shutdown_timeout_s`` seconds, then fails the rest with an explicit error, and every rank exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: LLMEngine,
+        control_group,
+        dp_rank: int,
+        dp_size: int,
+        stop_requested: Callable[[], bool],
+        shutdown_timeout_s: float,
+        bridge: EngineBridge | None = None,
+        metrics: ServerMetrics | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
+        self.engine = engine
+        self.control_group = control_group
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.stop_requested = stop_requested
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.bridge = bridge
+        self.metrics = metrics
+        self.heartbeat_s = heartbeat_s
+        self.router = Router(dp_size)
+        self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
+        self._shutdown_deadline: float | None = None
+        self._error_outputs: list[RequestOutput] = []
+
+    def run(self) -> int:
+        """Serve until told to exit; the number of requests failed at shutdown (rank 0)."""
+        report = RankReport()
+        any_work = False
+        num_failed = 0
+        while True:
+            dispatch = self._make_dispatch(any_work) if self.dp_rank == 0 else None
+            if dispatch is not None and dispatch.should_exit:
+                num_failed = self.bridge.fail_all(
+                    "the server shut down (SIGTERM) before this request finished "
+                    f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                )
+            parts: list = [None] * self.dp_size
+            # blocking collective over the gloo control group (timeout: the group's timeout)
+            dist.all_gather_object(parts, (dispatch, report), group=self.control_group)
+            dispatch = parts[0][0]
+            reports = [part[1] for part in parts]
+            if self.dp_rank == 0:
+                self._collect(reports)
+            if dispatch.should_exit:
+                return num_failed
+            self._apply(dispatch)
+            num_new = len(dispatch.assignments)
+            any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
+            report = self._step() if any_work else self._report(ran_step=False)
+
+    def _make_dispatch(self, any_work: bool) -> Dispatch:
+        bridge = self.bridge
+        if self.stop_requested() and bridge.is_accepting:
+            bridge.stop_accepting()
+            self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
+        shutting_down = not bridge.is_accepting
+        new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
+        for request_id in aborts:
+            self.router.close(request_id)
+        assignments = tuple((self.router.route(r.request_id), r) for r in new)
+        if self.metrics is not None:
+            self.metrics.requests_received.inc(len(new))
+            for dp_rank, _ in assignments:
+                self.metrics.requests_routed.labels(dp_rank=str(dp_rank)).inc()
+            self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in new))
+        should_exit = shutting_down and (
+            (bridge.num_in_flight == 0 and not any_work and not new)
+            or time.monotonic() >= self._shutdown_deadline
+        )
+        if shutting_down and not should_exit and not any_work and not new:
+            time.sleep(min(self.heartbeat_s, 0.05))  # waiting for outputs in transit, not spinning
+        return Dispatch(
+            assignments=assignments,
+            aborts=tuple(aborts),
+            is_shutting_down=shutting_down,
+            should_exit=should_exit,
+        )
+
+    def _collect(self, reports: list[RankReport]) -> None:
+        """Rank 0: pass every rank's outputs to the HTTP handlers; update metrics."""
+        for dp_rank, report in enumerate(reports):
+            if report.wants_shutdown and self.bridge.is_accepting:
+                self.bridge.stop_accepting()
+                self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
+            for output in report.outputs:
+                if output.is_last:
+                    self.router.close(output.request_id)
+                self.bridge.deliver(output)
+                if self.metrics is not None:
+                    self.metrics.generation_tokens.inc(len(output.new_token_ids))
+                    if output.is_last:
+                        reason = "error" if output.error else output.finish_reason
+                        self.metrics.requests_finished.labels(finish_reason=reason).inc()
+            if self.metrics is not None:
+                self.metrics.update_rank(
+                    dp_rank,
+                    num_running=report.num_running,
+                    num_waiting=report.num_waiting,
+                    num_preemptions=report.num_preemptions,
+                )
+        if self.metrics is not None and reports[0].ran_step:
+            self.metrics.record_step(
+                is_ubatched=reports[0].is_ubatched, step_time_s=reports[0].step_time_s
+            )
+
+    def _apply(self, dispatch: Dispatch) -> None:
+        # assignments before aborts: a request aborted right after it was sent comes in one dispatch
+        for dp_rank, new in dispatch.assignments:
+            if dp_rank != self.dp_rank:
+                continue
+            try:
+                self.engine.add_request(
+                    Request(
+                        request_id=new.request_id,
+                        prompt_token_ids=list(new.prompt_token_ids),
+                        sampling_params=new.sampling_params,
+                    )
+                )
+                self._num_sent[new.request_id] = 0
+            except ValueError as e:  # rank 0 checks requests first; this is a last line of defence
+                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=str(e)))
+        for request_id in dispatch.aborts:
+            if self.engine.abort_request(request_id) is not None:
+                self._num_sent.pop(request_id, None)
+
+    def _step(self) -> RankReport:
+        stats = self.engine.stats
+        num_ubatched = stats.num_ubatched_steps
+        start = time.perf_counter()
+        finished, _ = self.engine.step()
+        step_time_s = time.perf_counter() - start
+        outputs = list(self._error_outputs)
+        self._error_outputs.clear()
+        for request in [*self.engine.scheduler.running, *finished]:
+            outputs += self._new_output(request)
+        return self._report(
+            ran_step=True,
+            outputs=tuple(outputs),
+            is_ubatched=stats.num_ubatched_steps > num_ubatched,
+            step_time_s=step_time_s,
+        )
+
+    def _new_output(self, request: Request) -> list[RequestOutput]:
+        num_sent = self._num_sent.get(request.request_id, 0)
+        is_finished = request.finish_reason is not None
+        if len(request.output_token_ids) == num_sent and not is_finished:
+            return []
+        if is_finished:
+            self._num_sent.pop(request.request_id, None)
+        else:
+            self._num_sent[request.request_id] = len(request.output_token_ids)
+        return [
+            RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=tuple(request.output_token_ids[num_sent:]),
+                finish_reason=request.finish_reason,
+            )
+        ]
+
+    def _report(self, *, ran_step: bool, outputs=(), **step) -> RankReport:
+        scheduler = self.engine.scheduler
+        if not ran_step and self._error_outputs:
+            outputs, self._error_outputs = tuple(self._error_outputs), []
+        return RankReport(
+            outputs=tuple(outputs),
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_preemptions=self.engine.stats.num_preemptions,
+            wants_shutdown=self.stop_requested(),
+            ran_step=ran_step,
+            **step,
+        )

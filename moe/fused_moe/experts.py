@@ -1,0 +1,161 @@
+"""The experts' computation (the "Permute-Experts-Unpermute" stage of the modular kernel).
+
+Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_experts,
+H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
+
+``forward_native`` loops over the local experts (one gather + three GEMMs each);
+``forward_cpu`` sorts the pairs by expert once and runs each projection as ONE grouped GEMM over
+the per-expert row groups (``torch._grouped_mm``, which torch >= 2.8 provides on CPU); where torch
+lacks it, it is the reference loop. ``python -m moe.bench_experts`` measures both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moe.layers.activation import swiglu
+from moe.platforms.custom_op import CustomOp
+
+# Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
+# OLMoE name them gate_proj / down_proj / up_proj.
+MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
+GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+@CustomOp.register("experts")
+class TorchExperts(CustomOp):
+    """The experts one EP rank owns, stacked on dim 0: local id l holds global expert
+    ``global_expert_offset + l`` (= ``ep_rank * E + l``).
+
+    Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, w2 (down) ``[E, H, F]``; ``checkpoint_names``
+    maps them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        global_expert_offset: int = 0,
+        checkpoint_names: dict[str, str] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if num_local_experts < 1:
+            raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+        self.num_local_experts = num_local_experts
+        # global id of local expert 0 (ep_rank * num_local_experts); used by the loader
+        self.global_expert_offset = global_expert_offset
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.checkpoint_names = dict(checkpoint_names or MIXTRAL_EXPERT_NAMES)
+        kw = {"dtype": dtype, "device": device}
+        self.w1 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
+        self.w3 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
+
+    def apply(  # type: ignore[override]
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor | None = None,
+        topk_weights: Tensor | None = None,
+    ) -> Tensor:
+        """Σ_k topk_weights[n, k] · SwiGLU_expert(topk_ids[n, k])(hidden_states[n]).
+
+        Args:
+            hidden_states: [N, H], dtype of the weights (N may be 0).
+            topk_ids: [N, K] int64 LOCAL expert ids in [0, E); -1 = slot not on this rank (skipped).
+            topk_weights: [N, K] float32 (any float is accepted; cast to the activation dtype).
+
+        Returns:
+            [N, H] in hidden_states' dtype; rows with no local expert are zero.
+
+        Raises:
+            ValueError: shape mismatch or a local id >= E.
+
+        ``apply(fn)`` with a single callable keeps ``nn.Module.apply`` semantics, because
+        ``model.apply(init_fn)`` recurses into children through this name.
+        """
+        if topk_ids is None and topk_weights is None and callable(hidden_states):
+            return nn.Module.apply(self, hidden_states)
+        if topk_ids is None or topk_weights is None:
+            raise TypeError("TorchExperts.apply needs hidden_states, topk_ids and topk_weights")
+        return self.forward(hidden_states, topk_ids, topk_weights)
+
+    def _check(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [num_tokens, {self.hidden_size}], got {tuple(hidden_states.shape)}"
+            )
+        if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != hidden_states.shape[:1]:
+            raise ValueError(
+                f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
+                f"[{hidden_states.shape[0]}, num_topk]"
+            )
+
+    def _sorted_pairs(self, topk_ids: Tensor) -> tuple[Tensor, list[int]]:
+        """(pair indices sorted by local expert, counts [-1 first, then expert 0..E-1])."""
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
+        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
+        if len(counts) > self.num_local_experts + 1:
+            raise ValueError(
+                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
+                f"num_local_experts={self.num_local_experts}"
+            )
+        return order, counts
+
+    def forward_native(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> Tensor:
+        """The reference: one gather and three GEMMs per local expert."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out
+        order, counts = self._sorted_pairs(topk_ids)
+        num_topk = topk_ids.shape[1]
+        flat_weights = topk_weights.reshape(-1)
+        start = counts[0]  # entries with id -1 come first after sorting; skip them
+        for expert, count in enumerate(counts[1:]):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            token_idx = pairs // num_topk
+            x = hidden_states[token_idx]
+            h = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t())
+            y = h @ self.w2[expert].t()
+            y = y * flat_weights[pairs, None].to(y.dtype)
+            out.index_add_(0, token_idx, y)
+        return out
+
+    def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
+        if not _has_grouped_mm():
+            return self.forward_native(hidden_states, topk_ids, topk_weights)
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out
+        order, counts = self._sorted_pairs(topk_ids)
+        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
+        if pairs.numel() == 0:
+            return out
+        token_idx = pairs // topk_ids.shape[1]
+        offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        x = hidden_states[token_idx]  # [P, H], grouped by expert
+        gate = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offsets)
+        up = torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
+        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
+        out.index_add_(0, token_idx, y)
+        return out

@@ -1,0 +1,110 @@
+"""FusedMoE layer: router gate over all experts + this rank's experts + the modular kernel,
+plus the optional shared experts, which run while the combine is in flight."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dbo.timeline.recorder import timeline_span
+from moe.fused_moe.experts import MIXTRAL_EXPERT_NAMES, TorchExperts
+from moe.fused_moe.modular_kernel import FusedMoEModularKernel
+from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
+from moe.fused_moe.router import Router, RoutingConfig
+from moe.layers.mlp import DenseMLP
+
+
+class FusedMoE(nn.Module):
+    """Sparse MoE block (Mixtral ``block_sparse_moe``, DeepSeek/Qwen/OLMoE ``mlp``) holding only
+    this rank's routed experts.
+
+    Experts are assigned in contiguous blocks: EP rank r holds global experts
+    ``[r * num_local_experts, (r + 1) * num_local_experts)``, ``num_local_experts = num_experts // ep_size``.
+
+    Parameters: ``gate.weight`` [num_experts, hidden_size] (every rank routes over all experts; plus
+    ``gate.e_score_correction_bias`` [num_experts] for DeepSeek-V3), ``experts.w1``/``experts.w3``
+    [num_local_experts, intermediate_size, hidden_size], ``experts.w2``
+    [num_local_experts, hidden_size, intermediate_size]; with ``shared_intermediate_size`` > 0 a
+    dense SwiGLU MLP named ``shared_expert_name`` (replicated on every rank), and with
+    ``has_shared_expert_gate`` Qwen2-MoE's ``shared_expert_gate`` [1, hidden_size] (the shared
+    output is scaled by sigmoid(gate · x)).
+
+    Raises:
+        ValueError: num_experts not divisible by ep_size, ep_rank outside [0, ep_size), or a
+            prepare_finalize that serves a different number of local experts.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        prepare_finalize: FusedMoEPrepareAndFinalize,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        renormalize: bool = True,
+        routing: RoutingConfig | None = None,
+        fp32_router: bool = False,
+        expert_checkpoint_names: dict[str, str] | None = None,
+        shared_intermediate_size: int = 0,
+        shared_expert_name: str = "shared_experts",
+        has_shared_expert_gate: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size}), ep_size >= 1"
+            )
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.top_k = top_k
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        routing = routing or RoutingConfig(
+            num_experts=num_experts, top_k=top_k, renormalize=renormalize
+        )
+        kw = {"dtype": dtype, "device": device}
+        self.gate = Router(hidden_size, routing, fp32_logits=fp32_router, **kw)
+        self.experts = TorchExperts(
+            num_local_experts=self.num_local_experts,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            global_expert_offset=ep_rank * self.num_local_experts,
+            checkpoint_names=expert_checkpoint_names or MIXTRAL_EXPERT_NAMES,
+            **kw,
+        )
+        self.shared_expert_name = shared_expert_name if shared_intermediate_size else None
+        if shared_intermediate_size:
+            setattr(self, shared_expert_name, DenseMLP(hidden_size, shared_intermediate_size, **kw))
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False, **kw) if has_shared_expert_gate else None
+        )
+        self.kernel = FusedMoEModularKernel(prepare_finalize, self.experts)
+
+    @property
+    def global_expert_ids(self) -> range:
+        """Global ids of the experts this rank holds."""
+        start = self.experts.global_expert_offset
+        return range(start, start + self.num_local_experts)
+
+    def _shared_experts(self, hidden_states: Tensor) -> Tensor:
+        out = getattr(self, self.shared_expert_name)(hidden_states)
+        if self.shared_expert_gate is not None:
+            out = F.sigmoid(self.shared_expert_gate(hidden_states)) * out
+        return out
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        """hidden_states: [num_tokens, hidden_size] -> [num_tokens, hidden_size] (same dtype)."""
+        with timeline_span("router"):
+            routing = self.gate(hidden_states)
+        shared = self._shared_experts if self.shared_expert_name else None
+        return self.kernel.forward(
+            hidden_states, routing.topk_weights, routing.topk_ids, shared_experts=shared
+        )

@@ -1,0 +1,179 @@
+"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points.
+
+    [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
+
+The router runs in ``FusedMoE``; this module owns the other three stages. Prepare and finalize live
+in ONE class (``FusedMoEPrepareAndFinalize``) because they are two halves of one communication
+pattern: finalize must undo exactly what prepare did (send tokens out, bring results back in the
+caller's order), using the metadata prepare returned — nothing is stashed on ``self`` in between.
+(Layout after vLLM's ``FusedMoEModularKernel``.)
+
+DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
+current, prepare/finalize are issued asynchronously, their ``wait`` is handed to the OTHER ubatch as
+a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
+second ``wait()`` is an idempotent no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch import Tensor
+
+from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, timeline_span
+from dbo.ubatch_context import (
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_num_tokens_across_dp,
+    dbo_register_recv_hook,
+    dbo_yield,
+)
+from distributed import CommHandle
+
+if TYPE_CHECKING:
+    from moe.fused_moe.experts import TorchExperts
+    from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
+
+
+T = TypeVar("T")
+
+
+def _recv_hook(handle: CommHandle, op: str) -> Callable[[], None]:
+    """``handle.wait`` as a recv hook that completes under the grad mode the transfer was issued in.
+
+    The other ubatch may run the hook at its ``__exit__``, i.e. outside the ``torch.inference_mode``
+    a caller wrapped the model in; finalizing (in-place ops on buffers made at issue time) outside
+    it would raise "Inplace update to inference tensor outside InferenceMode". The time the running
+    ubatch blocks in it is recorded as a ``wait`` span.
+    """
+    is_inference = torch.is_inference_mode_enabled()
+
+    def hook() -> None:
+        with torch.inference_mode(is_inference), timeline_span(f"wait_{op}", CAT_WAIT):
+            handle.wait()
+
+    return hook
+
+
+def _wait(handle: CommHandle[T], op: str) -> T:
+    """``handle.wait()``, recorded as a ``wait`` span unless the data had already arrived (e.g. a
+    recv hook completed it)."""
+    if handle.is_completed():
+        return handle.wait()  # does not block: at most runs the finalize step
+    with timeline_span(f"wait_{op}", CAT_WAIT):
+        return handle.wait()  # blocking wait (group timeout) inside CommHandle.wait
+
+
+def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
+    """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
+    blocking count exchange if the backend made one (``{op}_notify``, comm)."""
+    notify = getattr(handle, "notify_ns", None)
+    issued_at_ns = max(handle.issued_at_ns, start_ns)
+    if notify is None:
+        record_span(
+            f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=issued_at_ns, kind="compute"
+        )
+        return
+    notify_start, notify_end = notify
+    record_span(
+        f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=notify_start, kind="compute"
+    )
+    record_span(f"{op}_notify", cat=CAT_COMM, start_ns=notify_start, end_ns=notify_end, kind="comm")
+    record_span(
+        f"{op}_prep", cat=CAT_COMPUTE, start_ns=notify_end, end_ns=issued_at_ns, kind="compute"
+    )
+
+
+def _record_comm(op: str, handle: CommHandle) -> None:
+    end_ns = handle.completed_at_ns or time.perf_counter_ns()
+    record_span(
+        op, cat=CAT_COMM, start_ns=handle.issued_at_ns, end_ns=end_ns, kind="comm",
+        args={"num_bytes": handle.num_bytes},
+    )  # fmt: skip
+
+
+class FusedMoEModularKernel:
+    """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol."""
+
+    def __init__(self, prepare_finalize: FusedMoEPrepareAndFinalize, experts: TorchExperts):
+        if prepare_finalize.num_local_experts != experts.num_local_experts:
+            raise ValueError(
+                f"prepare_finalize serves {prepare_finalize.num_local_experts} local experts but "
+                f"experts holds {experts.num_local_experts}"
+            )
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        *,
+        shared_experts: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """Routed-expert output (plus shared experts, when given) of every token.
+
+        Args:
+            hidden_states: [num_tokens, hidden_size]
+            topk_weights: [num_tokens, num_topk] float32
+            topk_ids: [num_tokens, num_topk] int64 GLOBAL expert ids
+            shared_experts: optional dense MLP run on hidden_states while the combine is in flight.
+
+        Returns:
+            [num_tokens, hidden_size] in hidden_states' dtype.
+        """
+        is_async = dbo_enabled()
+        # Complete the other ubatch's in-flight transfer before issuing ours (vLLM order).
+        dbo_maybe_run_recv_hook()
+        issue_ns = time.perf_counter_ns()
+        dispatch = self.prepare_finalize.prepare(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            async_op=is_async,
+            # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
+            num_tokens_across_ep=dbo_num_tokens_across_dp(),
+        )
+        _record_issue("dispatch", issue_ns, dispatch)
+        if is_async:
+            dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
+            dbo_yield()
+        result = _wait(dispatch, "dispatch")
+        _record_comm("dispatch", dispatch)
+
+        with timeline_span("experts"):
+            expert_output = self.experts.apply(
+                result.hidden_states, result.topk_ids, result.topk_weights
+            )
+
+        dbo_maybe_run_recv_hook()
+        issue_ns = time.perf_counter_ns()
+        combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
+        _record_issue("combine", issue_ns, combine)
+        shared_output = None
+        if shared_experts is not None:
+            # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
+            with timeline_span("shared_experts"):
+                shared_output = shared_experts(hidden_states)
+        if is_async:
+            dbo_register_recv_hook(_recv_hook(combine, "combine"))
+            dbo_yield()
+        output = _wait(combine, "combine")
+        _record_comm("combine", combine)
+        # The combine as this ubatch sees it, from issue to taking the result: the window the
+        # shared experts overlap (the ``combine`` span ends at data arrival, which on one host can
+        # come before the shared experts finish). Category "window": neither compute nor
+        # communication in the overlap metrics, only drawn on the comm track.
+        record_span(
+            "combine_window", cat="window", start_ns=combine.issued_at_ns,
+            end_ns=time.perf_counter_ns(), kind="comm",
+        )  # fmt: skip
+        if shared_output is not None:
+            output = output + shared_output
+        return output
+
+    __call__ = forward

@@ -1,0 +1,174 @@
+"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points.
+
+    [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
+
+The router runs in ``FusedMoE``; this module owns the other three stages. Prepare and finalize live
+in ONE class (``FusedMoEPrepareAndFinalize``) because they are two halves of one communication
+pattern: finalize must undo exactly what prepare did (send tokens out, bring results back in the
+caller's order), using the metadata prepare returned — nothing is stashed on ``self`` in between.
+(Layout after vLLM's ``FusedMoEModularKernel``.)
+
+DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
+current, prepare/finalize are issued asynchronously, their ``wait`` is handed to the OTHER ubatch as
+a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
+second ``wait()`` is an idempotent no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from torch import Tensor
+
+from distributed import CommHandle, DispatchMetadata, DispatchResult
+
+if TYPE_CHECKING:
+    from distributed import All2AllBackend
+
+
+T = TypeVar("T")
+
+
+class CompletedHandle(Generic[T]):
+    """A ``CommHandle``-shaped handle whose value is ready at construction (no communication).
+
+    Same surface as ``distributed.CommHandle``: ``wait()`` (idempotent), ``is_completed()``,
+    ``issued_at_ns``, ``completed_at_ns``, ``num_bytes`` (0: nothing was sent).
+    """
+
+    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes")
+
+    def __init__(self, value: T):
+        self._value = value
+        self.issued_at_ns = time.perf_counter_ns()
+        self.completed_at_ns: int | None = self.issued_at_ns
+        self.num_bytes = 0
+
+    def wait(self) -> T:
+        return self._value
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FusedMoEPrepareAndFinalize(ABC):
+    """Moves tokens to the ranks that own their experts (prepare) and results back (finalize)."""
+
+    @property
+    @abstractmethod
+    def num_local_experts(self) -> int:
+        """Experts held by this rank; prepared topk_ids are local ids in [0, num_local_experts)."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult]:
+        """Dispatch tokens to their experts' ranks.
+
+        Args:
+            hidden_states: [num_tokens, hidden_size] (num_tokens may be 0).
+            topk_ids: [num_tokens, num_topk] int64 GLOBAL expert ids.
+            topk_weights: [num_tokens, num_topk] float32.
+            async_op: leave the payload in flight; ``wait()`` completes it.
+            num_tokens_across_ep: every EP rank's num_tokens, when already agreed (under DBO); a
+                backend may then skip its blocking count exchange.
+
+        Returns:
+            A handle whose ``wait()`` gives the rows this rank must compute, with LOCAL expert ids
+            (-1 = slot not on this rank) and the metadata ``finalize`` needs.
+        """
+
+    @abstractmethod
+    def finalize(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
+    ) -> CommHandle[Tensor]:
+        """Send per-row expert results back; ``wait()`` gives [num_tokens, hidden_size] in the
+        caller's original token order (the weighted sum over all top-k experts)."""
+
+
+class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+    """ep_size == 1: this rank holds every expert, so prepare and finalize move nothing.
+
+    Global ids equal local ids; handles come back already completed.
+    """
+
+    def __init__(self, *, num_experts: int):
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self._num_experts = num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._num_experts
+
+    def prepare(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult]:
+        num_tokens, hidden_size = hidden_states.shape
+        result = DispatchResult(
+            hidden_states=hidden_states,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            metadata=DispatchMetadata(
+                backend="no_ep",
+                ep_rank=0,
+                num_tokens=num_tokens,
+                num_recv_tokens=num_tokens,
+                hidden_size=hidden_size,
+                dtype=hidden_states.dtype,
+            ),
+        )
+        return CompletedHandle(result)  # type: ignore[return-value]
+
+    def finalize(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
+    ) -> CommHandle[Tensor]:
+        return CompletedHandle(expert_output)  # type: ignore[return-value]
+
+
+class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+    """Expert parallelism through a ``distributed.All2AllBackend`` (dispatch / combine)."""
+
+    def __init__(self, backend: All2AllBackend):
+        self.backend = backend
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.backend.num_local_experts
+
+    def prepare(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult]:
+        return self.backend.dispatch(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            async_op=async_op,
+            num_tokens_across_ep=num_tokens_across_ep,
+        )
+
+    def finalize(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
+    ) -> CommHandle[Tensor]:
+        return self.backend.combine(expert_output, metadata, async_op=async_op)

@@ -1,0 +1,23 @@
+"""Model layers: RMSNorm, rotary embedding, SwiGLU, dense MLP, paged GQA attention, MLA."""
+
+from moe.layers.activation import SiluAndMul, swiglu
+from moe.layers.attention import GQAAttention, PagedAttention, paged_attention, write_kv_cache
+from moe.layers.mla import MLAAttention, PagedMLACache
+from moe.layers.mlp import DenseMLP
+from moe.layers.norm import RMSNorm
+from moe.layers.rotary import RotaryEmbedding, rotate_half
+
+__all__ = [
+    "DenseMLP",
+    "GQAAttention",
+    "MLAAttention",
+    "PagedAttention",
+    "PagedMLACache",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "paged_attention",
+    "rotate_half",
+    "swiglu",
+    "write_kv_cache",
+]

@@ -1,0 +1,235 @@
+"""Paged KV-cache attention (plain torch reference, CPU and GPU).
+
+Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K,
+1 = V). A token's K/V live at flat slot ``block_id * block_size + offset`` (``slot_mapping``); a
+request's context is the blocks listed in its ``block_table`` row, in order.
+
+Per request i the query rows are ``query_start_loc[i]:query_start_loc[i+1]`` and sit at positions
+``seq_lens[i] - q_len .. seq_lens[i] - 1``; each attends causally to context positions
+``0 .. its own position`` (GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``).
+Rows at or past ``num_actual_tokens`` are padding: no cache write, zero output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.layers.norm import RMSNorm
+from moe.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.models.config import MoEModelConfig
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at ``slot_mapping`` [num_tokens]
+    (int64, -1 = padding, skipped) into ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    # slot = block_id * block_size + offset is exactly the row index of the flattened cache
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, hd]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    if slots.numel() == 0:
+        return
+    flat[0, slots] = key[valid].to(kv_cache.dtype)
+    flat[1, slots] = value[valid].to(kv_cache.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpan:
+    """One request's share of a step, as the per-request attention loops need it."""
+
+    q_start: int  # first query row of the request in the flat batch
+    q_end: int  # one past its last query row
+    seq_len: int  # context length including this step's query tokens
+    blocks: Tensor  # [ceil(seq_len / block_size)] int64 KV cache block ids, in order
+    causal_mask: Tensor  # [q_end - q_start, seq_len] bool, True = attend
+
+
+def iter_request_spans(
+    attn_metadata: CommonAttentionMetadata, block_size: int, device: torch.device
+) -> Iterator[RequestSpan]:
+    """The requests of ``attn_metadata`` that have query rows, with their blocks and causal mask
+    (query positions are ``seq_len - q_len .. seq_len - 1``)."""
+    # blocking host sync: request boundaries drive the per-request loop
+    query_start_loc = attn_metadata.query_start_loc.tolist()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    for i in range(attn_metadata.num_reqs):
+        q_start, q_end = query_start_loc[i], query_start_loc[i + 1]
+        q_len, seq_len = q_end - q_start, seq_lens[i]
+        if q_len == 0:
+            continue
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        yield RequestSpan(
+            q_start=q_start,
+            q_end=q_end,
+            seq_len=seq_len,
+            blocks=attn_metadata.block_table[i, : -(-seq_len // block_size)].long(),
+            causal_mask=torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None],
+        )
+
+
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    scale: float,
+) -> Tensor:
+    """Write this step's K/V into the cache, then attend over each request's cached context.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim]
+        key, value: [num_tokens, num_kv_heads, head_dim] (already rotated)
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: query_start_loc / seq_lens / block_table / slot_mapping of this (u)batch.
+        scale: softmax scale (head_dim ** -0.5).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; padding rows are zero.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[3:] != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_actual = attn_metadata.num_actual_tokens
+    write_kv_cache(
+        key[:num_actual], value[:num_actual], kv_cache, attn_metadata.slot_mapping[:num_actual]
+    )
+    out = torch.zeros_like(query)
+    block_size = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for span in iter_request_spans(attn_metadata, block_size, query.device):
+        seq_len = span.seq_len
+        k = kv_cache[0, span.blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        v = kv_cache[1, span.blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(
+            query[span.q_start : span.q_end].transpose(0, 1),  # [num_heads, q_len, head_dim]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=span.causal_mask,
+            scale=scale,
+        )
+        out[span.q_start : span.q_end] = o.transpose(0, 1)
+    return out
+
+
+class PagedAttention(nn.Module):
+    """Attention core of one layer; its cache is attached by ``bind_kv_cache``."""
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: Tensor | None = None  # not a buffer: the engine owns and sizes it
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V of every token)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def bind_kv_cache(self, kv_cache: Tensor) -> None:
+        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError on other shapes."""
+        if (
+            kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2
+            or tuple(kv_cache.shape[3:])
+            != (
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        ):
+            raise ValueError(
+                f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        self.kv_cache = kv_cache
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        """query [T, num_heads*head_dim], key/value [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
+        num_tokens = query.shape[0]
+        out = paged_attention(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            attn_metadata,
+            scale=self.scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention over a paged K/V cache (Mixtral, Qwen2-MoE, OLMoE).
+
+    Options from the config: biases on q/k/v (``qkv_bias``) and o (``o_bias``); OLMoE's ``q_norm``
+    [num_heads*head_dim] / ``k_norm`` [num_kv_heads*head_dim] RMSNorms before RoPE and ``clip_qkv``.
+    """
+
+    def __init__(self, config: MoEModelConfig, *, dtype: torch.dtype | None, device=None):
+        super().__init__()
+        c = config
+        h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, nh * hd, bias=c.qkv_bias, **kw)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
+        self.o_proj = nn.Linear(nh * hd, h, bias=c.o_bias, **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(nh * hd, c.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(nkv * hd, c.rms_norm_eps, **kw)
+        self.clip_qkv = c.clip_qkv
+        self.rotary_emb = RotaryEmbedding(
+            hd,
+            c.rope_theta,
+            scaling=c.rope_scaling_dict,
+            max_position_embeddings=c.max_position_embeddings,
+            device=device,
+        )
+        self.attn = PagedAttention(num_heads=nh, num_kv_heads=nkv, head_dim=hd, scale=hd**-0.5)
+
+    def forward(
+        self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(num_tokens, self.attn.num_heads, self.attn.head_dim)
+        k = k.view(num_tokens, self.attn.num_kv_heads, self.attn.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
+        return self.o_proj(out)

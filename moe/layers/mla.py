@@ -1,0 +1,182 @@
+"""DeepSeek multi-head latent attention (MLA) over a paged cache of compressed latents.
+
+DeepSeek-V2 report §2.1 (arXiv:2405.04434); layer layout and numerics as transformers'
+``DeepseekV2Attention`` / ``DeepseekV3Attention``. Per token the cache holds only what MLA needs:
+the normalised KV latent ``kv_c`` [kv_lora_rank] and the rotated, head-shared rope key ``k_pe``
+[qk_rope_head_dim] — one row of ``kv_lora_rank + qk_rope_head_dim`` values per token per layer,
+instead of ``2 * num_heads * head_dim`` for expanded keys and values.
+
+Layout of one layer's cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+
+Attention per request (``kv_b_proj`` = [W_UK; W_UV] per head, [H*(nope+v), r]):
+
+- prefill-like (more than ``ABSORB_MAX_QUERY_LEN`` query rows): expand the cached latents to per-head
+  keys ``[k_nope = W_UK kv_c, k_pe]`` and values ``W_UV kv_c``, then causal SDPA (as transformers);
+- decode-like: the "absorbed" form — fold W_UK into the query (q_lat = q_nope W_UK) and attend
+  directly over the cached rows [kv_c, k_pe] with values kv_c, then apply W_UV to the result. Same
+  math, without re-expanding the whole context at every decode step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.layers.attention import iter_request_spans
+from moe.layers.norm import RMSNorm
+from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+
+if TYPE_CHECKING:
+    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.models.config import MoEModelConfig
+
+ABSORB_MAX_QUERY_LEN = 4
+
+
+class PagedMLACache(nn.Module):
+    """Holds one layer's latent cache (bound by the engine) and writes / reads it."""
+
+    def __init__(self, *, kv_lora_rank: int, qk_rope_head_dim: int):
+        super().__init__()
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache: Tensor | None = None
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_elements_per_token)
+
+    def bind_kv_cache(self, kv_cache: Tensor) -> None:
+        """kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; ValueError else."""
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != self.kv_elements_per_token:
+            raise ValueError(
+                f"MLA kv_cache must be [num_blocks, block_size, {self.kv_elements_per_token}], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        self.kv_cache = kv_cache
+
+    def write(self, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
+        """kv_c [T, r], k_pe [T, rope] at slot_mapping [T] (-1 = padding, skipped)."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
+        flat = self.kv_cache.view(-1, self.kv_elements_per_token)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        if slots.numel():
+            flat[slots] = torch.cat((kv_c[valid], k_pe[valid]), dim=-1).to(flat.dtype)
+
+    def read(self, block_ids: Tensor, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(kv_c [seq_len, r], k_pe [seq_len, rope]) of one request's context."""
+        rows = self.kv_cache[block_ids].reshape(-1, self.kv_elements_per_token)[:seq_len].to(dtype)
+        return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
+
+
+class MLAAttention(nn.Module):
+    """MLA for one layer; parameter names follow the HF checkpoint (``q_proj`` or ``q_a_proj`` +
+    ``q_a_layernorm`` + ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+    ``o_proj``).
+
+    forward: positions [T] int64, hidden_states [T, hidden_size] -> [T, hidden_size].
+    """
+
+    def __init__(self, config: MoEModelConfig, *, dtype: torch.dtype | None, device=None):
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        self.kv_lora_rank = c.kv_lora_rank
+        qk_head_dim = self.nope_dim + self.rope_dim
+        kw = {"dtype": dtype, "device": device}
+        h, nh = c.hidden_size, self.num_heads
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * qk_head_dim, bias=False, **kw)
+        else:
+            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=c.qkv_bias, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, **kw)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, nh * qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            h, c.kv_lora_rank + self.rope_dim, bias=c.qkv_bias, **kw
+        )
+        # transformers builds these two norms with the default eps 1e-6, not rms_norm_eps
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, **kw)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, nh * (self.nope_dim + self.v_dim), bias=False, **kw
+        )
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=c.o_bias, **kw)
+        self.rotary_emb = RotaryEmbedding(
+            self.rope_dim,
+            c.rope_theta,
+            is_neox_style=not c.rope_interleave,
+            scaling=c.rope_scaling_dict,
+            max_position_embeddings=c.max_position_embeddings,
+            device=device,
+        )
+        self.scale = yarn_softmax_scale(c.rope_scaling_dict, qk_head_dim**-0.5)
+        self.attn = PagedMLACache(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=self.rope_dim)
+
+    def forward(
+        self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        num_tokens = hidden_states.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
+        num_actual = attn_metadata.num_actual_tokens
+        self.attn.write(
+            kv_c[:num_actual], k_pe[:num_actual, 0], attn_metadata.slot_mapping[:num_actual]
+        )
+        out = self._attend(q_nope, q_pe, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend(
+        self, q_nope: Tensor, q_pe: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] -> [T, H, v] (padding rows zero)."""
+        num_tokens = q_nope.shape[0]
+        out = q_nope.new_zeros(num_tokens, self.num_heads, self.v_dim)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, nope, r], [H, v, r]
+        block_size = self.attn.kv_cache.shape[1]
+        for span in iter_request_spans(attn_metadata, block_size, q_nope.device):
+            q_start, q_end, seq_len, mask = span.q_start, span.q_end, span.seq_len, span.causal_mask
+            q_len = q_end - q_start
+            kv_c, k_pe = self.attn.read(span.blocks, seq_len, q_nope.dtype)
+            qn, qp = q_nope[q_start:q_end].transpose(0, 1), q_pe[q_start:q_end].transpose(0, 1)
+            if q_len <= ABSORB_MAX_QUERY_LEN:
+                q_lat = qn @ w_uk  # [H, q, r]
+                k = torch.cat((kv_c, k_pe), dim=-1)[None]  # [1, S, r + rope], shared by all heads
+                o_lat = F.scaled_dot_product_attention(
+                    torch.cat((q_lat, qp), dim=-1), k, kv_c[None], attn_mask=mask, scale=self.scale
+                )  # [H, q, r]
+                o = o_lat @ w_uv.transpose(1, 2)  # [H, q, v]
+            else:
+                kv = (kv_c @ w_kv.flatten(0, 1).t()).view(seq_len, self.num_heads, -1)
+                k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+                k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
+                o = F.scaled_dot_product_attention(
+                    torch.cat((qn, qp), dim=-1),
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    attn_mask=mask,
+                    scale=self.scale,
+                )
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out

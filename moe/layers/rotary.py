@@ -1,0 +1,148 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer) with default, linear and yarn scaling (Peng et al. 2023), as a custom op."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe.platforms.custom_op import CustomOp
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim (HF / GPT-NeoX convention, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(
+    rotary_dim: int,
+    rope_theta: float,
+    scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int,
+) -> tuple[Tensor, float]:
+    """(inv_freq [rotary_dim // 2] float32, attention_factor applied to cos/sin).
+
+    ``scaling``: None for plain RoPE, else the yarn parameters of config.json (``factor``,
+    ``original_max_position_embeddings``, optional ``beta_fast``/``beta_slow``/``mscale``/
+    ``mscale_all_dim``/``attention_factor``/``truncate``), as transformers reads them.
+    """
+    pos_freqs = rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(rope_theta)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a division by zero
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_scale(scaling: Mapping[str, Any] | None, scale: float) -> float:
+    """DeepSeek's softmax-scale correction under yarn: scale * mscale(factor, mscale_all_dim)^2."""
+    if scaling and scaling.get("mscale_all_dim"):
+        mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        return scale * mscale * mscale
+    return scale
+
+
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
+    """Rotary position embedding applied per token at its absolute position.
+
+    angle[p, i] = p * inv_freq[i]; cos/sin are multiplied by the yarn attention factor (1 without
+    scaling). ``forward_native`` computes cos/sin for the given positions on every call;
+    ``forward_cpu`` looks them up in a table built once for ``max_position_embeddings`` positions
+    (same float32 arithmetic, so bit-identical results).
+    """
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        rope_theta: float,
+        *,
+        is_neox_style: bool = True,
+        scaling: Mapping[str, Any] | None = None,
+        max_position_embeddings: int = 4096,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+        self.head_dim = rotary_dim
+        self.is_neox_style = is_neox_style
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = rope_inv_freq(
+            rotary_dim, rope_theta, scaling, max_position_embeddings
+        )
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._cos_sin_cache: Tensor | None = None  # [max_positions, rotary_dim], built lazily
+
+    def _cos_sin_f32(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, rotary_dim // 2]."""
+        cos, sin = self._cos_sin_f32(positions)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        if self.is_neox_style:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            return x * cos + rotate_half(x) * sin
+        # interleaved pairs (x0, x1), (x2, x3), ...: the output keeps the pair layout
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    def forward_native(
+        self, positions: Tensor, query: Tensor, key: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate query [num_tokens, num_heads, rotary_dim] and key [num_tokens, num_kv_heads,
+        rotary_dim] (any float dtype; returned in their dtypes)."""
+        cos, sin = self._cos_sin_f32(positions)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def forward_cpu(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        cache = self._cos_sin_cache
+        if cache is None or cache.device != positions.device:
+            table = torch.arange(self.max_position_embeddings, device=positions.device)
+            cache = torch.cat(self._cos_sin_f32(table), dim=-1)
+            self._cos_sin_cache = cache
+        if positions.numel() and int(positions.max()) >= cache.shape[0]:  # host sync: bound check
+            return self.forward_native(positions, query, key)
+        cos, sin = cache[positions].chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -1,0 +1,142 @@
+"""Decoder-only MoE models (Mixtral, DeepSeek-V2/V3, Qwen2-MoE, OLMoE) for DP attention + EP.
+
+One generic stack, configured by ``MoEModelConfig``: per layer an attention (GQA with optional
+q/k norm and biases, or DeepSeek MLA) and an MLP (dense, or ``FusedMoE`` with optional shared
+experts). Module and parameter names follow each architecture's HF checkpoint
+(``model.layers.{i}.self_attn.q_proj``, ``...mlp.gate`` / ``...block_sparse_moe.gate`` …) so the
+loader maps names one to one, except the routed experts, which are stacked per rank
+(``...experts.w1`` [num_local_experts, F, H] <- ``...experts.{e}.gate_proj.weight`` or ``.w1.weight``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dbo.timeline.recorder import set_timeline_layer, timeline_span
+from moe.fused_moe.experts import GATE_UP_DOWN_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES
+from moe.fused_moe.layer import FusedMoE
+from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
+from moe.fused_moe.router import RoutingConfig
+from moe.layers.attention import GQAAttention
+from moe.layers.mla import MLAAttention
+from moe.layers.mlp import DenseMLP
+from moe.layers.norm import RMSNorm
+from moe.models.config import MoEModelConfig
+
+if TYPE_CHECKING:
+    from dbo.attention_metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointNaming:
+    """Where an architecture's checkpoint puts the MoE block and its parts."""
+
+    moe_block: str  # "block_sparse_moe" (Mixtral) or "mlp"
+    expert_names: dict
+    shared_expert: str  # "shared_experts" (DeepSeek) or "shared_expert" (Qwen2-MoE)
+
+
+NAMING: dict[str, CheckpointNaming] = {
+    "MixtralForCausalLM": CheckpointNaming("block_sparse_moe", MIXTRAL_EXPERT_NAMES, ""),
+    "DeepseekV2ForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_experts"),
+    "DeepseekV3ForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_experts"),
+    "Qwen2MoeForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_expert"),
+    "OlmoeForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, ""),
+}
+
+
+def routing_config(config: MoEModelConfig) -> RoutingConfig:
+    return RoutingConfig(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        renormalize=config.norm_topk_prob,
+        scoring_func=config.scoring_func,
+        topk_method=config.topk_method,
+        num_expert_group=config.n_group,
+        topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor,
+        has_score_correction_bias=config.topk_method == "noaux_tc",
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: MoEModelConfig,
+        layer_idx: int,
+        *,
+        prepare_finalize: FusedMoEPrepareAndFinalize,
+        ep_rank: int,
+        ep_size: int,
+        dtype: torch.dtype | None,
+        device=None,
+    ):
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        attention_cls = MLAAttention if config.attention_type == "mla" else GQAAttention
+        self.self_attn = attention_cls(config, **kw)
+        naming = NAMING[config.architecture]
+        self.mlp_name = naming.moe_block
+        if config.moe_layers[layer_idx]:
+            mlp = FusedMoE(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.moe_intermediate_size,
+                num_experts=config.num_experts,
+                top_k=config.num_experts_per_tok,
+                prepare_finalize=prepare_finalize,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
+                routing=routing_config(config),
+                fp32_router=config.attention_type == "mla",  # DeepSeek routes in float32
+                expert_checkpoint_names=naming.expert_names,
+                shared_intermediate_size=config.shared_intermediate_size,
+                shared_expert_name=naming.shared_expert or "shared_experts",
+                has_shared_expert_gate=config.has_shared_expert_gate,
+                **kw,
+            )
+        else:
+            self.mlp_name = "mlp"
+            mlp = DenseMLP(config.hidden_size, config.intermediate_size, **kw)
+        setattr(self, self.mlp_name, mlp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(
+        self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        with timeline_span("attention"):
+            residual = hidden_states
+            hidden_states = self.self_attn(
+                positions, self.input_layernorm(hidden_states), attn_metadata
+            )
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + getattr(self, self.mlp_name)(hidden_states)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config: MoEModelConfig, **layer_kw):
+        super().__init__()
+        dtype, device = layer_kw["dtype"], layer_kw.get("device")
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, **layer_kw) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer_idx, layer in enumerate(self.layers):
+            set_timeline_layer(layer_idx)  # names this thread's spans layer{i}.attention, ...
+            hidden_states = layer(positions, hidden_states, attn_metadata)
+        set_timeline_layer(None)
+        return self.norm(hidden_states)

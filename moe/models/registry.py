@@ -1,0 +1,99 @@
+"""Model construction for one rank: pick the class by architecture, wire the prepare/finalize."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from moe.fused_moe.prepare_finalize import (
+    All2AllPrepareAndFinalize,
+    FusedMoEPrepareAndFinalize,
+    NoEPPrepareAndFinalize,
+)
+from moe.models.config import MoEModelConfig
+from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moe.models.mixtral import MixtralForCausalLM
+from moe.models.olmoe import OlmoeForCausalLM
+from moe.models.qwen2_moe import Qwen2MoeForCausalLM
+
+if TYPE_CHECKING:
+    from distributed import All2AllBackend
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    cls.__name__: cls
+    for cls in (
+        MixtralForCausalLM,
+        DeepseekV2ForCausalLM,
+        DeepseekV3ForCausalLM,
+        Qwen2MoeForCausalLM,
+        OlmoeForCausalLM,
+    )
+}
+
+
+def make_prepare_finalize(
+    config: MoEModelConfig, all2all_backend: All2AllBackend | None
+) -> FusedMoEPrepareAndFinalize:
+    """``NoEPPrepareAndFinalize`` without a backend, else ``All2AllPrepareAndFinalize(backend)``."""
+    if all2all_backend is None:
+        return NoEPPrepareAndFinalize(num_experts=config.num_experts)
+    return All2AllPrepareAndFinalize(all2all_backend)
+
+
+def build_model(
+    config: MoEModelConfig,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    prepare_finalize: FusedMoEPrepareAndFinalize | None = None,
+    all2all_backend: All2AllBackend | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Build the model for EP rank ``ep_rank`` of ``ep_size`` (weights uninitialised).
+
+    Give either ``prepare_finalize`` or ``all2all_backend`` (wrapped in
+    ``All2AllPrepareAndFinalize``); with neither, ep_size must be 1 and ``NoEPPrepareAndFinalize``
+    is used. One prepare/finalize object serves all MoE layers.
+
+    Raises:
+        ValueError: both given; ep_size > 1 without a backend; num_experts not divisible by
+            ep_size; a backend whose num_local_experts disagrees; unsupported architecture.
+    """
+    if prepare_finalize is not None and all2all_backend is not None:
+        raise ValueError("give prepare_finalize or all2all_backend, not both")
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"need ep_size >= 1 and 0 <= ep_rank < ep_size, got {ep_rank=} {ep_size=}")
+    if config.num_experts % ep_size:
+        raise ValueError(
+            f"num_experts ({config.num_experts}) must be divisible by ep_size ({ep_size})"
+        )
+    if prepare_finalize is None:
+        if ep_size > 1 and all2all_backend is None:
+            raise ValueError(
+                f"ep_size={ep_size} needs an all2all_backend (or prepare_finalize); "
+                f"NoEPPrepareAndFinalize only serves ep_size=1"
+            )
+        prepare_finalize = make_prepare_finalize(config, all2all_backend)
+    num_local_experts = config.num_experts // ep_size
+    if prepare_finalize.num_local_experts != num_local_experts:
+        raise ValueError(
+            f"prepare_finalize serves {prepare_finalize.num_local_experts} local experts, but "
+            f"num_experts={config.num_experts} / ep_size={ep_size} = {num_local_experts}"
+        )
+    try:
+        model_cls = MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {config.architecture!r} not supported; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None
+    return model_cls(
+        config,
+        prepare_finalize=prepare_finalize,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        dtype=dtype,
+        device=device,
+    )

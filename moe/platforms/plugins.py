@@ -1,0 +1,102 @@
+"""Platforms (where the ops run) and plugin discovery through Python entry points.
+
+After vLLM's platform plugins (``vllm/platforms/__init__.py``, ``vllm/plugins/__init__.py``): a
+package adds a platform by declaring, in its ``pyproject.toml``,
+
+    [project.entry-points."moe_dbo.platform_plugins"]
+    my_npu = "my_pkg:register"          # register() -> "my_pkg.platform.NPUPlatform" or None
+
+and registers other things (out-of-tree ops, ...) through ``moe_dbo.general_plugins``, whose
+functions are simply called once. ``current_platform()`` resolves lazily, on first use: an activated
+(non-None) plugin platform wins (at most one may activate), else CUDA when available, else CPU.
+Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
+
+logger = logging.getLogger(__name__)
+
+
+PLATFORM_PLUGINS_GROUP = "moe_dbo.platform_plugins"
+
+
+GENERAL_PLUGINS_GROUP = "moe_dbo.general_plugins"
+
+
+def load_plugins_by_group(group: str) -> dict[str, Callable[[], Any]]:
+    """Entry-point name -> loaded function, for every installed plugin of ``group``.
+
+    A plugin that fails to import is logged and skipped (one broken package must not stop serving).
+    """
+    plugins: dict[str, Callable[[], Any]] = {}
+    for plugin in entry_points(group=group):
+        try:
+            plugins[plugin.name] = plugin.load()
+        except Exception:  # noqa: BLE001 - reported, then ignored
+            logger.exception("failed to load plugin %r of group %r", plugin.name, group)
+    return plugins
+
+
+_general_plugins_loaded = False
+
+
+def load_general_plugins() -> None:
+    """Call every ``moe_dbo.general_plugins`` function once per process (e.g. to register OOT ops)."""
+    global _general_plugins_loaded
+    if _general_plugins_loaded:
+        return
+    _general_plugins_loaded = True
+    for func in load_plugins_by_group(GENERAL_PLUGINS_GROUP).values():
+        func()
+
+
+def _import_class(qualname: str) -> type:
+    module_name, _, class_name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_platform() -> Platform:
+    """Pick the platform now (see the module docstring).
+
+    Raises:
+        RuntimeError: more than one platform plugin activated (their names are listed).
+    """
+    activated = {}
+    for name, register in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
+        qualname = register()
+        if qualname is not None:
+            activated[name] = qualname
+    if len(activated) > 1:
+        raise RuntimeError(f"more than one platform plugin activated: {sorted(activated)}")
+    if activated:
+        return _import_class(next(iter(activated.values())))()
+    if torch.cuda.is_available():
+        return CudaPlatform()
+    return CpuPlatform()
+
+
+_current_platform: Platform | None = None
+
+
+def current_platform() -> Platform:
+    """The platform of this process, resolved on first call and cached."""
+    global _current_platform
+    if _current_platform is None:
+        _current_platform = resolve_platform()
+    return _current_platform
+
+
+def set_current_platform(platform: Platform | None) -> None:
+    """Override (or with None, forget) the cached platform; for tests and embedding."""
+    global _current_platform
+    _current_platform = platform

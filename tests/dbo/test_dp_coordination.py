@@ -1,0 +1,149 @@
+"""The DP-wide microbatching decision: hand-made gathered tables, then real gloo runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo import (
+    DPMicrobatchDecision,
+    coordinate_batch_across_dp,
+    decide_from_gathered,
+    should_ubatch_locally,
+)
+from tests.helpers.distributed import run_distributed
+
+
+def rows(*per_rank):
+    """(num_tokens, padded_num_tokens, vote, has_work) per rank -> [dp_size, 4] int64."""
+    return torch.tensor(per_rank, dtype=torch.int64)
+
+
+def test_should_ubatch_locally_uses_the_threshold_of_the_batch_kind():
+    kw = {"decode_token_threshold": 32, "prefill_token_threshold": 512}
+    assert should_ubatch_locally(num_tokens=32, is_decode_only=True, **kw)
+    assert not should_ubatch_locally(num_tokens=31, is_decode_only=True, **kw)
+    assert not should_ubatch_locally(num_tokens=511, is_decode_only=False, **kw)
+    assert should_ubatch_locally(num_tokens=512, is_decode_only=False, **kw)
+    with pytest.raises(ValueError, match="decode_token_threshold must be >= 0, got -1"):
+        should_ubatch_locally(
+            num_tokens=1, is_decode_only=True, decode_token_threshold=-1, prefill_token_threshold=0
+        )
+
+
+def test_all_vote_yes_pads_to_the_max():
+    table = rows((8, 8, 1, 1), (6, 6, 1, 1))
+    assert decide_from_gathered(table, 0) == DPMicrobatchDecision(
+        should_ubatch=True,
+        num_tokens_across_dp=[8, 6],
+        num_tokens_padded=8,
+        has_work_across_dp=[True, True],
+    )
+    assert decide_from_gathered(table, 1).num_tokens_padded == 8
+
+
+def test_one_no_vote_means_nobody_ubatches():
+    table = rows((8, 8, 1, 1), (6, 6, 0, 1), (9, 9, 1, 1))
+    decisions = [decide_from_gathered(table, r) for r in range(3)]
+    assert [d.should_ubatch for d in decisions] == [False] * 3
+    assert [d.num_tokens_padded for d in decisions] == [8, 6, 9]  # each rank's own count
+    assert decisions[0].num_tokens_across_dp == [8, 6, 9]
+
+
+def test_abort_when_a_second_ubatch_would_be_empty():
+    # padded to 16, split point 8: rank 1's 8 real tokens all fall in its first ubatch
+    decision = decide_from_gathered(rows((16, 16, 1, 1), (8, 8, 1, 1)), 1)
+    assert not decision.should_ubatch
+    assert decision.num_tokens_padded == 8
+    # one more real token on rank 1 and its second ubatch has a real token
+    assert decide_from_gathered(rows((16, 16, 1, 1), (9, 9, 1, 1)), 1).should_ubatch
+    # a rank without work (dummy batch of 0 tokens) can never ubatch
+    idle = decide_from_gathered(rows((64, 64, 1, 1), (0, 0, 1, 0)), 0)
+    assert not idle.should_ubatch
+    assert idle.has_work_across_dp == [True, False]
+
+
+def test_padding_column_is_what_gets_maxed():
+    # ranks already padded (e.g. to a graph size): the max is over the padded column, the empty
+    # second ubatch check over the real counts
+    table = rows((10, 12, 1, 1), (7, 8, 1, 1))
+    decision = decide_from_gathered(table, 1)
+    assert decision.should_ubatch and decision.num_tokens_padded == 12
+    assert decision.num_tokens_across_dp == [10, 7]
+    assert not decide_from_gathered(rows((10, 14, 1, 1), (7, 8, 1, 1)), 1).should_ubatch
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 4\], got shape \(2, 3\)"):
+        decide_from_gathered(torch.zeros(2, 3, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
+        decide_from_gathered(rows((1, 1, 1, 1), (1, 1, 1, 1)), 2)
+    with pytest.raises(ValueError, match="dp_group is required"):
+        coordinate_batch_across_dp(
+            num_tokens=4, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=2
+        )
+
+
+def test_single_rank_needs_no_group():
+    decision = coordinate_batch_across_dp(
+        num_tokens=6, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=1
+    )
+    assert decision.should_ubatch and decision.num_tokens_padded == 6
+
+
+def _coordinate_scenarios(rank, world_size, scenarios):
+    """Rank function: run one coordination per scenario ((num_tokens, vote, has_work) per rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = []
+    for scenario in scenarios:
+        num_tokens, vote, has_work = scenario[rank]
+        decision = coordinate_batch_across_dp(
+            num_tokens=num_tokens,
+            has_work=has_work,
+            vote=vote,
+            dp_group=dist.group.WORLD,
+            dp_rank=rank,
+            dp_size=world_size,
+        )
+        results.append(
+            (
+                decision.should_ubatch,
+                decision.num_tokens_across_dp,
+                decision.num_tokens_padded,
+                decision.has_work_across_dp,
+            )
+        )
+    return results
+
+
+def test_two_ranks_over_gloo():
+    scenarios = [
+        [(8, True, True), (6, True, True)],  # ubatch, pad to 8
+        [(8, True, True), (6, False, True)],  # one no vote
+        [(16, True, True), (8, True, True)],  # empty second ubatch on rank 1: abort
+    ]
+    per_rank = run_distributed(_coordinate_scenarios, 2, scenarios, timeout_s=60)
+    assert per_rank[0] == [
+        (True, [8, 6], 8, [True, True]),
+        (False, [8, 6], 8, [True, True]),
+        (False, [16, 8], 16, [True, True]),
+    ]
+    assert [r[2] for r in per_rank[1]] == [8, 6, 8]
+    assert [r[0] for r in per_rank[1]] == [True, False, False]
+
+
+def test_four_ranks_over_gloo():
+    scenarios = [
+        [(12, True, True), (7, True, True), (9, True, True), (10, True, True)],
+        [(12, True, True), (0, True, False), (9, True, True), (10, True, True)],
+    ]
+    per_rank = run_distributed(_coordinate_scenarios, 4, scenarios, timeout_s=90)
+    for rank, results in enumerate(per_rank):
+        assert results[0] == (True, [12, 7, 9, 10], 12, [True] * 4), rank
+        should_ubatch, counts, padded, has_work = results[1]
+        assert not should_ubatch
+        assert counts == [12, 0, 9, 10]
+        assert padded == scenarios[1][rank][0]
+        assert has_work == [True, False, True, True]

@@ -1,0 +1,390 @@
+"""distributed all-to-all backends: dispatch → reference experts → combine vs a single-process reference.
+
+Every rank regenerates ALL ranks' inputs from seeds, so each rank can compute the exact rows it
+must receive and the combined output each of its tokens must get.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+
+from distributed import (
+    BACKENDS,
+    AllGatherReduceScatterBackend,
+    AllToAllBackend,
+    DispatchResult,
+    init_distributed,
+    make_all2all_backend,
+)
+from distributed.all2all.token_packing import (
+    RowLayout,
+    localize_topk,
+    pack_rows,
+    token_rank_mask,
+    unpack_rows,
+)
+from tests.helpers.distributed import run_distributed
+
+HIDDEN_SIZE = 12
+TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (3e-2, 3e-2)}
+
+
+# ---------------------------------------------------------------- inputs and reference experts
+
+
+def make_inputs(seed: int, rank: int, num_tokens: int, num_topk: int, num_experts: int, dtype):
+    """Rank ``rank``'s (hidden_states, topk_ids, topk_weights); -1 in some slots when num_topk > 1."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    hidden_states = torch.randn(num_tokens, HIDDEN_SIZE, generator=gen).to(dtype)
+    topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :num_topk]
+    topk_weights = torch.rand(num_tokens, num_topk, generator=gen)
+    topk_weights /= topk_weights.sum(dim=1, keepdim=True)
+    if num_topk > 1 and num_tokens > 1:
+        topk_ids[1, -1] = -1  # a slot with no expert (DeepEP: -1 = no selection)
+        topk_weights[1, -1] = 0.0
+    return hidden_states, topk_ids, topk_weights
+
+
+def expert_scales(seed: int, num_experts: int) -> torch.Tensor:
+    """Expert e multiplies its input elementwise by scales[e] ([num_experts, hidden], float32)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    return 0.5 + torch.rand(num_experts, HIDDEN_SIZE, generator=gen)
+
+
+def apply_experts(x, topk_ids, topk_weights, scales, first_expert: int) -> torch.Tensor:
+    """Σ_k topk_weights[:, k] · x · scales[first_expert + topk_ids[:, k]] over slots with id >= 0."""
+    out = torch.zeros(x.shape[0], HIDDEN_SIZE, dtype=torch.float32)
+    for k in range(topk_ids.shape[1]):
+        valid = topk_ids[:, k] >= 0
+        scale = scales[first_expert + topk_ids[:, k].clamp(min=0)]
+        out += torch.where(valid, topk_weights[:, k], 0.0)[:, None] * x.float() * scale
+    return out
+
+
+def assert_close(actual, expected, *, atol: float, rtol: float) -> None:
+    """Elementwise |actual - expected| <= atol + rtol * |expected| (torch.testing's first call
+    costs about a second per process, which the spawned ranks would all pay)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    diff = (actual.double() - expected.double()).abs()
+    bound = atol + rtol * expected.double().abs()
+    assert bool((diff <= bound).all()), f"max abs diff {diff.max().item():.3g} exceeds tolerance"
+
+
+# ---------------------------------------------------------------- per-rank checks
+
+
+def _expected_rows(case, ep_rank, num_local_experts):
+    """Rows ep_rank must receive, in (source rank, token) order, with local ids and weights."""
+    rows = ([], [], [])
+    for src, num_tokens in enumerate(case["counts"]):
+        x, ids, w = make_inputs(
+            case["seed"], src, num_tokens, case["num_topk"], case["num_experts"], case["dtype"]
+        )
+        local_ids, local_w = localize_topk(ids, w, ep_rank, num_local_experts=num_local_experts)
+        keep = (local_ids >= 0).any(dim=1)
+        for store, value in zip(rows, (x[keep], local_ids[keep], local_w[keep]), strict=True):
+            store.append(value)
+    return tuple(torch.cat(parts) for parts in rows)
+
+
+def _assert_same_result(a: DispatchResult, b: DispatchResult) -> None:
+    for name in ("hidden_states", "topk_ids", "topk_weights"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def _run_case(backend, case, ep_rank) -> dict:
+    dtype, seed = case["dtype"], case["seed"]
+    num_topk, num_experts = case["num_topk"], case["num_experts"]
+    x, ids, w = make_inputs(seed, ep_rank, case["counts"][ep_rank], num_topk, num_experts, dtype)
+    scales = expert_scales(seed, num_experts)
+    first_expert = ep_rank * backend.num_local_experts
+
+    # sync dispatch: already complete; the received rows are exactly the expected ones
+    handle = backend.dispatch(x, ids, w)
+    assert handle.is_completed()
+    result = handle.wait()
+    assert handle.wait() is result
+    assert handle.completed_at_ns is not None and handle.completed_at_ns >= handle.issued_at_ns
+    exp_x, exp_ids, exp_w = _expected_rows(case, ep_rank, backend.num_local_experts)
+    assert result.hidden_states.dtype == dtype and result.topk_ids.dtype == torch.int64
+    assert result.topk_weights.dtype == torch.float32
+    assert torch.equal(result.hidden_states, exp_x)
+    assert torch.equal(result.topk_ids, exp_ids)
+    assert torch.equal(result.topk_weights, exp_w)
+
+    # experts → sync combine equals the single-process reference
+    def experts(res):
+        return apply_experts(
+            res.hidden_states, res.topk_ids, res.topk_weights, scales, first_expert
+        ).to(dtype)
+
+    combine = backend.combine(experts(result), result.metadata)
+    out = combine.wait()
+    assert combine.wait() is out
+    reference = apply_experts(x, ids, w, scales, 0).to(dtype)
+    atol, rtol = TOLERANCES[dtype]
+    assert out.shape == (x.shape[0], HIDDEN_SIZE) and out.dtype == dtype
+    assert_close(out, reference, atol=atol, rtol=rtol)
+
+    # async, two "ubatches" in flight and waited in reverse order: same as sync
+    x2, ids2, w2 = make_inputs(
+        seed + 1, ep_rank, case["counts"][ep_rank], num_topk, num_experts, dtype
+    )
+    h_a = backend.dispatch(x, ids, w, async_op=True)
+    h_b = backend.dispatch(x2, ids2, w2, async_op=True)
+    res_b, res_a = h_b.wait(), h_a.wait()
+    assert h_a.wait() is res_a and h_a.is_completed()
+    _assert_same_result(res_a, result)
+    c_a = backend.combine(experts(res_a), res_a.metadata, async_op=True)
+    c_b = backend.combine(experts(res_b), res_b.metadata, async_op=True)
+    out_b, out_a = c_b.wait(), c_a.wait()
+    assert c_a.wait() is out_a
+    assert torch.equal(out_a, out)
+    reference_b = apply_experts(x2, ids2, w2, scales, 0).to(dtype)
+    assert_close(out_b, reference_b, atol=atol, rtol=rtol)
+    for h in (h_a, h_b, c_a, c_b):
+        assert h.completed_at_ns is not None and h.completed_at_ns >= h.issued_at_ns
+        assert h.num_bytes >= 0
+
+    # token counts known to the caller (as under DBO): same rows; allgather skips its count exchange
+    h_known = backend.dispatch(x, ids, w, async_op=True, num_tokens_across_ep=case["counts"])
+    _assert_same_result(h_known.wait(), result)
+    assert (h_known.notify_ns is None) == (backend.name == "allgather_reducescatter")
+    wrong = list(case["counts"])
+    wrong[ep_rank] += 1
+    with pytest.raises(ValueError, match=r"num_tokens_across_ep=.* entry \d+ equal to this rank"):
+        backend.dispatch(x, ids, w, num_tokens_across_ep=wrong)
+    return {"num_recv_tokens": result.metadata.num_recv_tokens}
+
+
+def _all2all_rank(rank: int, world_size: int, cases: list[dict]) -> list:
+    groups = init_distributed(
+        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=30.0
+    )
+    summaries = []
+    for case in cases:
+        backend = make_all2all_backend(
+            case["backend"],
+            ep_group=groups.ep_group,
+            ep_rank=groups.ep_rank,
+            ep_size=groups.ep_size,
+            num_experts=case["num_experts"],
+            timeout=groups.timeout,
+        )
+        summaries.append(_run_case(backend, case, groups.ep_rank))
+    if world_size == 2:
+        summaries.append(_cross_thread_waits(groups))
+        summaries.append(_with_fallback_collectives(groups, cases[-1]))
+        summaries.append(_mismatch_and_timeout(groups))  # last: it leaves the group timed out
+    return summaries
+
+
+def _with_fallback_collectives(groups, case) -> dict:
+    """Older torch / other backends: all_gather list form and all_reduce + slice must agree."""
+    import torch.distributed as dist
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support this op (simulated)")
+
+    saved = {
+        name: getattr(dist, name, None) for name in ("all_gather_single", "reduce_scatter_single")
+    }
+    try:
+        for name in saved:
+            setattr(dist, name, unsupported)
+        backend = make_all2all_backend(
+            "allgather_reducescatter", ep_group=groups.ep_group, ep_rank=groups.ep_rank,
+            ep_size=groups.ep_size, num_experts=case["num_experts"], timeout=groups.timeout,
+        )  # fmt: skip
+        return _run_case(backend, {**case, "counts": [3, 5], "num_topk": 2}, groups.ep_rank)
+    finally:
+        for name, fn in saved.items():
+            if fn is None:
+                delattr(dist, name)
+            else:
+                setattr(dist, name, fn)
+
+
+def _cross_thread_waits(groups) -> dict:
+    """DBO's recv hook: a handle issued by one thread is waited by others, concurrently."""
+    checked = {}
+    for name in BACKENDS:
+        backend = make_all2all_backend(
+            name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+            timeout=groups.timeout,
+        )  # fmt: skip
+        inputs = make_inputs(50, groups.ep_rank, 4 + groups.ep_rank, 2, 4, torch.float32)
+        sync = backend.dispatch(*inputs).wait()
+        handle = backend.dispatch(*inputs, async_op=True)
+        results = []
+
+        def wait_into(handle=handle, results=results):
+            results.append(handle.wait())
+
+        threads = [threading.Thread(target=wait_into) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)  # blocking wait (timeout 20 s)
+        assert len(results) == 3 and all(r is results[0] for r in results)
+        _assert_same_result(results[0], sync)
+        checked[name] = True
+    return checked
+
+
+def _mismatch_and_timeout(groups) -> dict:
+    """Row-format mismatch → ValueError on every rank; a peer that never joins → TimeoutError."""
+    errors = {}
+    for name in BACKENDS:
+        backend = make_all2all_backend(
+            name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+            timeout=groups.timeout,
+        )  # fmt: skip
+        hidden = 8 if groups.ep_rank == 0 else 9
+        try:
+            backend.dispatch(
+                torch.zeros(2, hidden), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+            )
+        except ValueError as exc:
+            errors[name] = str(exc)
+    short = make_all2all_backend(
+        "all_to_all", ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+        timeout=datetime.timedelta(seconds=0.2),
+    )  # fmt: skip
+    if groups.ep_rank == 0:
+        try:
+            short.dispatch(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+        except TimeoutError as exc:
+            errors["timeout"] = str(exc)
+    else:
+        time.sleep(0.8)  # stay alive (not joining) so rank 0 times out rather than seeing a close
+    return errors
+
+
+def _cases(world_size: int) -> list[dict]:
+    counts = {2: [[5, 0], [0, 0]], 4: [[7, 0, 3, 12], [1, 2, 0, 0]]}[world_size]
+    cases = []
+    for backend in BACKENDS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for i, (case_counts, num_topk) in enumerate(zip(counts, (3, 1), strict=True)):
+                cases.append(
+                    {
+                        "backend": backend,
+                        "dtype": dtype,
+                        "counts": case_counts,
+                        "num_topk": num_topk,
+                        "num_experts": 8,
+                        "seed": 10 * i + (dtype == torch.bfloat16),
+                    }
+                )
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dispatch_experts_combine_matches_reference(world_size):
+    cases = _cases(world_size)
+    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=90)
+    for rank, summaries in enumerate(results):
+        assert len(summaries) == len(cases) + 3 * (world_size == 2)
+        if world_size == 2:
+            assert summaries[-3] == dict.fromkeys(BACKENDS, True)  # cross-thread waits
+            assert summaries[-2]["num_recv_tokens"] > 0  # fallback collectives
+            errors = summaries[-1]
+            for name in BACKENDS:
+                assert "differ across EP ranks" in errors[name], (rank, errors)
+            if rank == 0:
+                assert "all_to_all dispatch count exchange on rank 0" in errors["timeout"]
+                assert "did not complete within 0.2 s" in errors["timeout"]
+    # rank 1 of the first 2-rank case has 0 tokens of its own but receives some
+    if world_size == 2:
+        assert results[1][0]["num_recv_tokens"] > 0
+
+
+# ---------------------------------------------------------------- single-process unit tests
+
+
+def test_token_rank_mask_hand_worked():
+    topk_ids = torch.tensor([[0, 5], [2, 3], [-1, 7], [-1, -1]])
+    mask = token_rank_mask(topk_ids, num_local_experts=2, ep_size=4)
+    expected = [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert mask.tolist() == [[bool(v) for v in row] for row in expected]
+    local_ids, local_w = localize_topk(topk_ids, torch.ones(4, 2), 1, num_local_experts=2)
+    assert local_ids.tolist() == [[-1, -1], [0, 1], [-1, -1], [-1, -1]]
+    assert local_w.tolist() == [[0, 0], [1, 1], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(("hidden_size", "num_topk"), [(3, 3), (5, 1), (8, 2)])
+def test_pack_unpack_round_trip_is_exact(dtype, hidden_size, num_topk):
+    layout = RowLayout(hidden_size=hidden_size, num_topk=num_topk, dtype=dtype)
+    assert layout.row_bytes % 8 == 0
+    x = torch.randn(4, hidden_size).to(dtype)
+    ids = torch.randint(-1, 9, (4, num_topk))
+    w = torch.rand(4, num_topk)
+    packed = pack_rows(x, ids, w, layout, num_rows=6)
+    assert packed.shape == (6, layout.row_bytes) and packed.dtype == torch.uint8
+    got_ids, got_w, got_x = unpack_rows(packed, layout)
+    assert torch.equal(got_ids[:4], ids) and torch.equal(got_w[:4], w)
+    assert torch.equal(got_x[:4], x) and not got_x[4:].any()
+
+
+def _local_backend(name: str = "all_to_all", num_experts: int = 4):
+    return make_all2all_backend(
+        name, ep_group=None, ep_rank=0, ep_size=1, num_experts=num_experts,
+        timeout=datetime.timedelta(seconds=5),
+    )  # fmt: skip
+
+
+def test_make_all2all_backend_names_accepted_backends():
+    assert sorted(BACKENDS) == ["all_to_all", "allgather_reducescatter"]
+    assert BACKENDS["all_to_all"] is AllToAllBackend
+    assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterBackend
+    with pytest.raises(ValueError, match=r"unknown all2all backend 'deepep'.*'all_to_all'"):
+        make_all2all_backend("deepep")
+
+
+def test_backend_rejects_bad_construction():
+    timeout = datetime.timedelta(seconds=1)
+    with pytest.raises(
+        ValueError, match=r"num_experts \(6\) must be a positive multiple of ep_size \(4\)"
+    ):
+        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=4, num_experts=6, timeout=timeout)
+    with pytest.raises(ValueError, match=r"ep_group is required when ep_size > 1"):
+        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=2, num_experts=4, timeout=timeout)
+    with pytest.raises(ValueError, match=r"ep_rank in \[0, 2\), got 2"):
+        AllToAllBackend(ep_group=None, ep_rank=2, ep_size=2, num_experts=4, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_dispatch_and_combine_reject_bad_inputs(name):
+    backend = _local_backend(name)
+    x, ids, w = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\) or -1"):
+        backend.dispatch(x, ids + 4, w)
+    with pytest.raises(TypeError, match=r"topk_ids must be int64"):
+        backend.dispatch(x, ids.int(), w)
+    with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):
+        backend.dispatch(x.long(), ids, w)
+    result = backend.dispatch(x, ids, w).wait()
+    with pytest.raises(ValueError, match=r"expert_output must be floating \[3, 4\]"):
+        backend.combine(torch.zeros(2, 4), result.metadata)
+    other = _local_backend(next(n for n in BACKENDS if n != name))
+    with pytest.raises(ValueError, match=r"metadata must come from dispatch on this"):
+        other.combine(torch.zeros(3, 4), result.metadata)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_single_rank_backend_round_trip(name):
+    backend = _local_backend(name, num_experts=4)
+    x, ids, w = make_inputs(3, 0, 6, 2, 4, torch.float32)
+    scales = expert_scales(3, 4)
+    result = backend.dispatch(x, ids, w, async_op=True).wait()
+    out = backend.combine(apply_experts(
+        result.hidden_states, result.topk_ids, result.topk_weights, scales, 0
+    ), result.metadata).wait()  # fmt: skip
+    assert_close(out, apply_experts(x, ids, w, scales, 0), atol=1e-6, rtol=1e-6)

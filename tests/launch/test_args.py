@@ -1,0 +1,67 @@
+"""Flag validation: each contradiction is refused with a message naming the value and the rule."""
+
+import pytest
+
+from launch.engine.arg_utils import EngineArgs
+from launch.generate import build_parser, check_prompts, load_prompts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            {"enable_dbo": True, "enable_expert_parallel": True},
+            r"--enable-dbo needs --data-parallel-size >= 2",
+        ),
+        (
+            {"enable_dbo": True, "data_parallel_size": 2},
+            r"--enable-dbo needs --enable-expert-parallel",
+        ),
+        (
+            {"all2all_backend": "nccl"},
+            r"'nccl' is not supported; choose one of \('all_to_all', 'allgather_reducescatter'\)",
+        ),
+        ({"dtype": "float16"}, r"--dtype 'float16' is not supported"),
+        ({"max_num_seqs": 0}, r"--max-num-seqs must be >= 1, got 0"),
+        ({"dbo_decode_token_threshold": 1}, r"--dbo-decode-token-threshold must be >= 2"),
+        ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
+    ],
+)
+def test_bad_engine_args(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        EngineArgs(**kwargs)
+
+
+def test_world_size_must_match_data_parallel_size():
+    with pytest.raises(ValueError, match=r"--data-parallel-size 4 does not match the 2 rank\(s\)"):
+        EngineArgs(data_parallel_size=4).check_world_size(2)
+
+
+def test_parser_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--all2all-backend", "bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'bogus'" in err
+
+
+def test_load_prompts_names_the_bad_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2]}\n\n{"prompt": "hi"}\n')
+    with pytest.raises(
+        ValueError, match=r"p.jsonl:3: expected a JSON object with 'prompt_token_ids'"
+    ):
+        load_prompts(str(path))
+    path.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n')
+    assert load_prompts(str(path)) == [[1, 2], [3]]
+
+
+def test_check_prompts():
+    check_prompts([[1, 2, 3]], vocab_size=10, max_model_len=4)
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 1 has 4 tokens; with --max-model-len 4 prompts must have at most 3",
+    ):
+        check_prompts([[1], [1, 2, 3, 4]], vocab_size=10, max_model_len=4)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 10 outside \[0, 10\)"):
+        check_prompts([[10]], vocab_size=10, max_model_len=4)

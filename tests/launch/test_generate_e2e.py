@@ -1,0 +1,178 @@
+"""End to end through torchrun: greedy DBO generation equals transformers; bad input fails fast.
+
+Each case launches ``torchrun -m launch.generate`` as a user would. The DBO thresholds are lowered
+so that the tiny batches are microbatched, and the summary line must report microbatched steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
+
+ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        torchrun_command(nproc, "launch.generate", *args),
+        cwd=REPO,
+        env={**os.environ, **TORCHRUN_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_outputs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+DBO_FLAGS = (
+    "--dtype=float32",
+    "--enable-expert-parallel",
+    "--enable-dbo",
+    "--dbo-decode-token-threshold=2",
+    "--dbo-prefill-token-threshold=4",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "backend"),
+    [
+        (2, "all_to_all"),
+        (2, "allgather_reducescatter"),
+        (4, "all_to_all"),
+        (4, "allgather_reducescatter"),
+    ],
+)
+def test_greedy_dbo_generation_equals_transformers(
+    tmp_path, tiny_mixtral_dir, tiny_prompts, tiny_prompts_file, transformers_greedy, nproc, backend
+):
+    out = tmp_path / "out.jsonl"
+    proc = torchrun(
+        nproc,
+        f"--model={tiny_mixtral_dir}",
+        f"--prompts={tiny_prompts_file}",
+        f"--output={out}",
+        "--max-tokens=8",
+        f"--data-parallel-size={nproc}",
+        f"--all2all-backend={backend}",
+        *DBO_FLAGS,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = read_outputs(out)
+    assert [r["index"] for r in results] == list(range(len(tiny_prompts)))
+    assert [r["prompt_token_ids"] for r in results] == tiny_prompts
+    assert [r["output_token_ids"] for r in results] == transformers_greedy
+    summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
+    assert summary, proc.stdout
+    assert int(summary.group(2)) > 0, proc.stdout
+
+
+@pytest.mark.slow
+def test_fewer_prompts_than_ranks(tmp_path, tiny_mixtral_dir, tiny_prompts, transformers_greedy):
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": tiny_prompts[3]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = torchrun(
+        2,
+        f"--model={tiny_mixtral_dir}",
+        f"--prompts={prompts}",
+        f"--output={out}",
+        "--max-tokens=8",
+        "--data-parallel-size=2",
+        *DBO_FLAGS,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["output_token_ids"] for r in read_outputs(out)] == [transformers_greedy[3]]
+
+
+def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text(json.dumps({"prompt_token_ids": [5] * 40}) + "\n")
+    unsupported = tmp_path / "unsupported"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(Path(model_dir, "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    dp2 = ("--data-parallel-size=2",)
+    return {
+        "dbo_one_rank": (
+            1,
+            ("--enable-dbo", "--enable-expert-parallel"),
+            r"--enable-dbo needs --data-parallel-size >= 2",
+        ),
+        "dbo_without_ep": (
+            2,
+            (*dp2, "--enable-dbo"),
+            r"--enable-dbo needs --enable-expert-parallel",
+        ),
+        "dp_mismatch": (
+            2,
+            ("--data-parallel-size=4",),
+            r"--data-parallel-size 4 does not match the 2 rank",
+        ),
+        "missing_checkpoint": (
+            2,
+            (*dp2, f"--model={tmp_path / 'nope'}"),
+            r"no such checkpoint directory",
+        ),
+        "corrupt_checkpoint": (2, (*dp2, f"--model={corrupt}"), r"model.safetensors"),
+        "unsupported_arch": (
+            2,
+            (*dp2, f"--model={unsupported}"),
+            r"supported architectures: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
+            r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM'\]",
+        ),
+        "prompt_too_long": (
+            2,
+            (*dp2, f"--model={model_dir}", f"--prompts={long_prompt}", "--max-model-len=32"),
+            r"prompt 0 has 40 tokens; with --max-model-len 32",
+        ),
+        "unknown_backend": (2, (*dp2, "--all2all-backend=nvshmem"), r"invalid choice: 'nvshmem'"),
+    }
+
+
+CASES = [
+    "dbo_one_rank",
+    "dbo_without_ep",
+    "dp_mismatch",
+    "missing_checkpoint",
+    "corrupt_checkpoint",
+    "unsupported_arch",
+    "prompt_too_long",
+    "unknown_backend",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_ends_every_rank_with_one_line(
+    tmp_path, tiny_mixtral_dir, tiny_prompts_file, case
+):
+    """Every rank that gets as far as validating prints the same one-line error and exits non-zero.
+
+    torchrun's agent stops the other ranks as soon as one exits, so a rank still importing may be
+    ended by that SIGTERM before it prints: count at least one line, never a mismatching one.
+    """
+    nproc, args, pattern = _bad_input_cases(tmp_path, tiny_mixtral_dir, tiny_prompts_file)[case]
+    proc = torchrun(nproc, *args, timeout=60)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
+    assert 1 <= len(errors) <= nproc, proc.stderr[-3000:]
+    ranks = [m.group(1) for m in map(re.compile(r"\[rank (\d+)\]").search, errors) if m]
+    assert len(ranks) == len(set(ranks)), errors  # one line per rank, no rank twice
+    for line in errors:
+        assert re.search(pattern, line), line

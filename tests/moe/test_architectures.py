@@ -1,0 +1,187 @@
+"""DeepSeek-V2/V3, Qwen2-MoE and OLMoE (and Mixtral) vs transformers on one rank, per architecture.
+
+Tiny checkpoints are built and saved by transformers inside the test (``tests.conftest``). Teacher
+forcing through the paged cache as in ``test_mixtral_vs_transformers``: a batched prefill of two
+prompts, then four decode steps (these exercise MLA's absorbed decode path; the prefill its
+expanded path). Float32 logits must match transformers' within 1e-5 absolute (logits are a few
+units, so that is ~1e-6 relative: only summation-order rounding). ``--custom-ops none`` (every op
+on forward_native) and ``all`` (CPU paths: grouped-GEMM experts, cached RoPE table) must agree to
+the same tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from moe import (  # noqa: E402
+    MoEModelConfig,
+    build_model,
+    load_checkpoint,
+    load_config,
+    parameter_bytes,
+    set_custom_ops,
+)
+from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
+from tests.conftest import TINY_CONFIGS, make_tiny_model  # noqa: E402
+from tests.moe.test_mixtral_vs_transformers import BLOCK_SIZE, make_metadata  # noqa: E402
+
+ATOL = 1e-5
+ARCHS = list(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for model_type in ARCHS:
+        ref = make_tiny_model(model_type, seed=0)
+        path = tmp_path_factory.mktemp(model_type)
+        ref.save_pretrained(path, max_shard_size="20KB")
+        out[model_type] = (path, ref)
+    return out
+
+
+def _teacher_forced(model, seqs, prompt_lens, num_decode):
+    """Logit rows of every prompt position, then one row per decode step, per request."""
+    block_tables = [[5, 2, 9], [11, 0]]
+    ids = torch.cat([s[:n] for s, n in zip(seqs, prompt_lens, strict=True)])
+    pos = torch.cat([torch.arange(n) for n in prompt_lens])
+    logits = model.compute_logits(
+        model(ids, pos, make_metadata(prompt_lens, prompt_lens, block_tables))
+    )
+    rows = [[logits[:7]], [logits[7:10]]]
+    for step in range(num_decode):
+        seq_lens = [n + step + 1 for n in prompt_lens]
+        ids = torch.stack([s[n - 1] for s, n in zip(seqs, seq_lens, strict=True)])
+        pos = torch.tensor([n - 1 for n in seq_lens])
+        logits = model.compute_logits(
+            model(ids, pos, make_metadata([1, 1], seq_lens, block_tables))
+        )
+        for r in range(2):
+            rows[r].append(logits[r : r + 1])
+    return [torch.cat(r) for r in rows]
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_teacher_forced_logits_match_transformers_with_custom_ops_all_and_none(
+    checkpoints, model_type
+):
+    path, ref = checkpoints[model_type]
+    gen = torch.Generator().manual_seed(1)
+    prompt_lens, num_decode = [7, 3], 4
+    seqs = [torch.randint(3, 128, (n + num_decode,), generator=gen) for n in prompt_lens]
+    with torch.no_grad():
+        expected = [ref(input_ids=s[None]).logits[0] for s in seqs]
+    results = {}
+    try:
+        for custom_ops in ("all", "none"):
+            set_custom_ops(custom_ops)
+            model = build_model(load_config(path), dtype=torch.float32)
+            load_checkpoint(model, path)
+            model.allocate_kv_caches(16, BLOCK_SIZE)
+            paths = {m.forward_path for m in model.modules() if hasattr(m, "forward_path")}
+            assert paths == (
+                {"forward_native"} if custom_ops == "none" else {"forward_native", "forward_cpu"}
+            )
+            results[custom_ops] = _teacher_forced(model, seqs, prompt_lens, num_decode)
+    finally:
+        set_custom_ops("all")
+    for r, n in enumerate(prompt_lens):
+        torch.testing.assert_close(
+            results["all"][r], expected[r][: n + num_decode], atol=ATOL, rtol=0
+        )
+        torch.testing.assert_close(results["none"][r], results["all"][r], atol=ATOL, rtol=0)
+
+
+def test_configs_parse_each_architecture(checkpoints):
+    v2 = load_config(checkpoints["deepseek_v2"][0])
+    assert (v2.attention_type, v2.topk_method, v2.scoring_func, v2.moe_layers) == (
+        "mla",
+        "group_limited_greedy",
+        "softmax",
+        (False, True),
+    )
+    assert v2.q_lora_rank is None and v2.shared_intermediate_size == 32 and v2.rope_interleave
+    v3 = load_config(checkpoints["deepseek_v3"][0])
+    assert (v3.topk_method, v3.scoring_func, v3.norm_topk_prob, v3.routed_scaling_factor) == (
+        "noaux_tc",
+        "sigmoid",
+        True,
+        2.5,
+    )
+    assert v3.rope_scaling_dict["factor"] == 4.0 and v3.q_lora_rank == 12
+    qwen = load_config(checkpoints["qwen2_moe"][0])
+    assert qwen.moe_layers == (False, True) and qwen.has_shared_expert_gate and qwen.qkv_bias
+    olmoe = load_config(checkpoints["olmoe"][0])
+    assert olmoe.qk_norm and olmoe.shared_intermediate_size == 0
+
+
+def test_qwen_sparse_step_and_mlp_only_layers():
+    raw = json.loads(json.dumps(TINY_CONFIGS["qwen2_moe"][1]))
+    raw.update(
+        model_type="qwen2_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]
+    )
+    config = MoEModelConfig.from_hf_config(raw)
+    # sparse where (i + 1) % 2 == 0 and i not in mlp_only_layers
+    assert config.moe_layers == (False, True, False, False, False, True)
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, r"rope_type 'dynamic'"),
+        ({"moe_layer_freq": 2}, r"moe_layer_freq 2 is not supported"),
+        ({"n_group": 3}, r"n_group \(3\) must be >= 1 and divide num_experts \(8\)"),
+    ],
+)
+def test_bad_deepseek_configs_are_refused(change, pattern):
+    raw = {**TINY_CONFIGS["deepseek_v2"][1], "model_type": "deepseek_v2", **change}
+    with pytest.raises(ValueError, match=pattern):
+        build_model(MoEModelConfig.from_hf_config(raw), device="meta")
+
+
+class _FakePrepareFinalize(NoEPPrepareAndFinalize):
+    """Serves ``num_local_experts`` (building an EP rank's model without process groups)."""
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_each_rank_reads_only_its_routed_experts_and_holds_1_over_ep_bytes(checkpoints, model_type):
+    path, _ = checkpoints[model_type]
+    config = load_config(path)
+    full = build_model(config, dtype=torch.float32)
+    full_bytes = parameter_bytes(full)
+    for ep_size in (2, 4):
+        for ep_rank in range(ep_size):
+            model = build_model(
+                config,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
+                prepare_finalize=_FakePrepareFinalize(num_experts=config.num_experts // ep_size),
+            )
+            stats = load_checkpoint(model, path)
+            owned = range(ep_rank * 8 // ep_size, (ep_rank + 1) * 8 // ep_size)
+            read_experts = {
+                int(name.split(".experts.")[1].split(".")[0])
+                for name in stats.tensor_names
+                if ".experts." in name
+            }
+            assert read_experts == set(owned)
+            per_rank = parameter_bytes(model)
+            assert per_rank["routed_experts"] * ep_size == full_bytes["routed_experts"] > 0
+            for category in ("attention", "dense", "shared_experts", "router", "embedding"):
+                assert per_rank[category] == full_bytes[category]
+
+
+def test_kv_bytes_per_token_mla_stores_latent_and_rope_key(checkpoints):
+    v2 = build_model(load_config(checkpoints["deepseek_v2"][0]), device="meta")
+    # 2 layers x (kv_lora_rank 16 + qk_rope_head_dim 4) x 4 bytes; expanded K/V would be 2 x 4 x 20
+    assert v2.kv_cache_bytes_per_token(torch.float32) == 2 * 20 * 4
+    assert v2.kv_cache_bytes_per_token(torch.bfloat16) == 2 * 20 * 2
+    qwen = build_model(load_config(checkpoints["qwen2_moe"][0]), device="meta")
+    assert qwen.kv_cache_bytes_per_token(torch.float32) == 2 * (2 * 2 * 8) * 4  # K+V, 2 kv heads
+    caches = build_model(load_config(checkpoints["deepseek_v3"][0])).allocate_kv_caches(3, 4)
+    assert [tuple(c.shape) for c in caches] == [(3, 4, 20)] * 2

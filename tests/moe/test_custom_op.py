@@ -1,0 +1,197 @@
+"""CustomOp: the custom-ops setting, per-platform dispatch, out-of-tree replacement, entry-point
+plugins, and every CPU fast path against its forward_native reference."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moe import CustomOp, RMSNorm, RotaryEmbedding, TorchExperts, set_custom_ops
+from moe.platforms import plugins
+from moe.platforms.custom_op import parse_custom_ops
+from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
+from moe.platforms.plugins import (
+    current_platform,
+    load_general_plugins,
+    resolve_platform,
+    set_current_platform,
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    yield
+    set_custom_ops("all")
+    set_current_platform(None)
+    CustomOp.op_registry_oot.clear()
+
+
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        ("all,none", r"cannot contain both 'all' and 'none'"),
+        ("rms_norm", r"entry 'rms_norm' is not valid"),
+        ("all,,+experts", r"entry '' is not valid"),
+        ("+experts,-experts", r"enables and disables the same op\(s\): \['experts'\]"),
+    ],
+)
+def test_bad_custom_ops_settings(spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        parse_custom_ops(spec)
+
+
+def test_unknown_op_name_lists_registered_ops():
+    with pytest.raises(
+        ValueError, match=r"unknown op\(s\) \['nope'\]; registered ops: \[.*'experts'"
+    ):
+        set_custom_ops("all,-nope")
+
+
+def _experts():
+    return TorchExperts(num_local_experts=2, hidden_size=4, intermediate_size=6)
+
+
+@pytest.mark.parametrize(
+    ("spec", "experts_path", "rope_path"),
+    [
+        ("all", "forward_cpu", "forward_cpu"),
+        ("none", "forward_native", "forward_native"),
+        ("none,+experts", "forward_cpu", "forward_native"),
+        ("all,-rotary_embedding", "forward_cpu", "forward_native"),
+    ],
+)
+def test_setting_chooses_paths_at_build(spec, experts_path, rope_path):
+    set_current_platform(CpuPlatform())
+    set_custom_ops(spec)
+    assert _experts().forward_path == experts_path
+    assert RotaryEmbedding(4, 1e4).forward_path == rope_path
+    assert RMSNorm(4).forward_path == "forward_native"  # no CPU override: reference everywhere
+
+
+def test_dispatch_follows_platform():
+    @CustomOp.register("test_double")
+    class Double(CustomOp):
+        def forward_native(self, x):
+            return 2 * x
+
+        def forward_cuda(self, x):
+            return x + x
+
+    set_current_platform(CudaPlatform())
+    assert Double().forward_path == "forward_cuda"
+    set_current_platform(CpuPlatform())
+    assert Double().forward_path == "forward_native"  # no forward_cpu: the reference
+    del CustomOp.op_registry["test_double"]
+
+
+def test_out_of_tree_op_replaces_class_by_name():
+    class NPUPlatform(Platform):
+        name, dispatch_key = "npu", "oot"
+
+    @CustomOp.register_oot("RMSNorm")
+    class NPURMSNorm(RMSNorm):
+        def forward_oot(self, x):
+            return torch.full_like(x, 7.0)
+
+    set_current_platform(NPUPlatform())
+    norm = RMSNorm(4, 1e-6)
+    assert type(norm) is NPURMSNorm and norm.forward_path == "forward_oot"
+    assert norm(torch.ones(2, 4)).eq(7.0).all()
+    set_custom_ops("all,-rms_norm")  # disabling by op name still reaches the reference
+    norm = RMSNorm(4)
+    assert norm.forward_path == "forward_native"
+    torch.testing.assert_close(norm(torch.ones(2, 4)), torch.ones(2, 4))
+
+
+def test_platform_and_general_plugins_found_through_entry_points(tmp_path, monkeypatch):
+    (tmp_path / "fake_npu_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from moe.platforms import CustomOp
+            from moe.layers import SiluAndMul
+            from moe.platforms import Platform
+
+            class FakeNPU(Platform):
+                name, dispatch_key = "fake_npu", "oot"
+
+            class FakeSiluAndMul(SiluAndMul):
+                def forward_oot(self, gate, up):
+                    return gate * 0 + 3
+
+            def register_platform():
+                return "fake_npu_plugin.FakeNPU"
+
+            def register_ops():
+                CustomOp.register_oot("SiluAndMul", op_cls=FakeSiluAndMul)
+            """
+        )
+    )
+    dist_info = tmp_path / "fake_npu_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fake-npu-plugin\nVersion: 0.1\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[moe_dbo.platform_plugins]\nfake_npu = fake_npu_plugin:register_platform\n\n"
+        "[moe_dbo.general_plugins]\nfake_ops = fake_npu_plugin:register_ops\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugins, "_general_plugins_loaded", False)
+    set_current_platform(resolve_platform())
+    assert current_platform().name == "fake_npu"
+    load_general_plugins()
+    from moe.layers.activation import SiluAndMul
+
+    op = SiluAndMul()
+    assert type(op).__name__ == "FakeSiluAndMul" and op.forward_path == "forward_oot"
+    assert op(torch.zeros(2), torch.zeros(2)).eq(3).all()
+    sys.modules.pop("fake_npu_plugin", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_experts_equal_the_reference_loop(dtype):
+    """forward_cpu (grouped GEMM) vs forward_native (per-expert loop), with slots routed to other
+    ranks (-1) and experts that receive no token. float32: 1e-6 (same products, other blocking);
+    bfloat16: 1 ulp of the output magnitude (~2, so 2**-6) since each path rounds its GEMMs."""
+    set_custom_ops("all")
+    gen = torch.Generator().manual_seed(0)
+    experts = TorchExperts(num_local_experts=6, hidden_size=32, intermediate_size=24, dtype=dtype)
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = torch.randint(-1, 4, (40, 3), generator=gen)  # experts 4 and 5 get nothing
+    weights = torch.rand(40, 3, generator=gen)
+    x = torch.randn(40, 32, generator=gen).to(dtype)
+    assert experts.forward_path == "forward_cpu"
+    with torch.no_grad():
+        fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
+    tol = 1e-6 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+    assert ref[(ids == -1).all(dim=1)].eq(0).all()
+    empty = experts(x[:0], ids[:0], weights[:0])
+    assert empty.shape == (0, 32)
+    none_local = experts(x, torch.full_like(ids, -1), weights)
+    assert none_local.eq(0).all()
+
+
+@pytest.mark.parametrize("is_neox_style", [True, False])
+@pytest.mark.parametrize("scaling", [None, {"factor": 4.0, "original_max_position_embeddings": 32}])
+def test_cached_rope_equals_reference(is_neox_style, scaling):
+    rope = RotaryEmbedding(
+        8, 1e4, is_neox_style=is_neox_style, scaling=scaling, max_position_embeddings=128
+    )
+    positions = torch.tensor([0, 5, 127, 64, 3])
+    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    for a, b in zip(
+        rope.forward_cpu(positions, q, k), rope.forward_native(positions, q, k), strict=True
+    ):
+        assert torch.equal(a, b)
+    beyond = torch.tensor([200])  # past the table: falls back to computing cos/sin
+    for a, b in zip(
+        rope.forward_cpu(beyond, q[:1], k[:1]),
+        rope.forward_native(beyond, q[:1], k[:1]),
+        strict=True,
+    ):
+        assert torch.equal(a, b)

@@ -1,0 +1,295 @@
+"""FusedMoEModularKernel: NoEP vs a dense per-token reference, the DBO yield/recv-hook schedule,
+and EP=2 over real gloo all-to-all backends (with and without DBO) vs the single-rank model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
+from moe import (
+    FusedMoEModularKernel,
+    FusedMoEPrepareAndFinalize,
+    MoEModelConfig,
+    NoEPPrepareAndFinalize,
+    TorchExperts,
+    build_model,
+    init_random_weights,
+    select_experts,
+)
+from tests.helpers.distributed import run_distributed
+
+H, FF, E, K = 16, 24, 4, 2
+
+
+def make_experts(num_local_experts=E, seed=0):
+    experts = TorchExperts(num_local_experts=num_local_experts, hidden_size=H, intermediate_size=FF)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return experts
+
+
+def dense_reference(experts, x, topk_weights, topk_ids):
+    """Per token, per slot: w * W2 (silu(W1 x) * W3 x); ids -1 skipped."""
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[n, k])
+            if e < 0:
+                continue
+            h = F.silu(experts.w1[e] @ x[n]) * (experts.w3[e] @ x[n])
+            out[n] += topk_weights[n, k] * (experts.w2[e] @ h)
+    return out
+
+
+def routed(num_tokens, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, H, generator=gen)
+    routing = select_experts(torch.randn(num_tokens, E, generator=gen), K)
+    return x, routing.topk_weights, routing.topk_ids
+
+
+@torch.no_grad()
+def test_noep_kernel_matches_dense_reference():
+    experts = make_experts()
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), experts)
+    x, w, ids = routed(13)
+    torch.testing.assert_close(
+        kernel.forward(x, w, ids), dense_reference(experts, x, w, ids), atol=1e-5, rtol=1e-5
+    )
+
+
+@torch.no_grad()
+def test_shared_experts_are_added():
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), make_experts())
+    x, w, ids = routed(5)
+    out = kernel.forward(x, w, ids, shared_experts=lambda t: 2 * t)
+    torch.testing.assert_close(out, kernel.forward(x, w, ids) + 2 * x)
+
+
+@torch.no_grad()
+def test_experts_skip_minus_one_and_accept_zero_tokens():
+    experts = make_experts(num_local_experts=2)
+    x, w, _ = routed(6)
+    ids = torch.tensor([[0, -1], [-1, -1], [1, 0], [-1, 1], [1, -1], [0, 1]])
+    torch.testing.assert_close(
+        experts.apply(x, ids, w), dense_reference(experts, x, w, ids), atol=1e-5, rtol=1e-5
+    )
+    assert experts.apply(x, ids, w)[1].abs().sum() == 0
+    assert experts.apply(x[:0], ids[:0], w[:0]).shape == (0, H)
+    with pytest.raises(ValueError, match=r"local expert id 2 >= num_local_experts=2"):
+        experts.apply(x, torch.full_like(ids, 2), w)
+
+
+def test_kernel_rejects_mismatched_local_expert_count():
+    with pytest.raises(ValueError, match=r"serves 4 local experts but experts holds 2"):
+        FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=4), make_experts(2))
+
+
+class _LazyHandle:
+    """CommHandle-shaped: completes on the first wait() and logs which ubatch completed it."""
+
+    def __init__(self, log, name, value):
+        self.log, self.name, self.value = log, name, value
+        self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
+
+    def is_completed(self):
+        return self.completed_at_ns is not None
+
+    def wait(self):
+        if self.completed_at_ns is None:
+            self.completed_at_ns = time.perf_counter_ns()
+            self.log.append(("complete", self.name, dbo_current_ubatch_id()))
+        return self.value
+
+
+class _RecordingPrepareFinalize(FusedMoEPrepareAndFinalize):
+    def __init__(self, log):
+        self.log, self.inner = log, NoEPPrepareAndFinalize(num_experts=E)
+
+    @property
+    def num_local_experts(self):
+        return E
+
+    def prepare(
+        self, hidden_states, topk_ids, topk_weights, *, async_op, num_tokens_across_ep=None
+    ):
+        ub = dbo_current_ubatch_id()
+        self.log.append(("issue", f"D{ub}", ub, async_op))
+        result = self.inner.prepare(hidden_states, topk_ids, topk_weights, async_op=async_op)
+        return _LazyHandle(self.log, f"D{ub}", result.wait())
+
+    def finalize(self, expert_output, metadata, *, async_op):
+        ub = dbo_current_ubatch_id()
+        self.log.append(("issue", f"C{ub}", ub, async_op))
+        return _LazyHandle(self.log, f"C{ub}", expert_output)
+
+
+@torch.no_grad()
+def test_dbo_schedule_follows_the_yield_protocol():
+    log: list = []
+    experts = make_experts()
+    kernel = FusedMoEModularKernel(_RecordingPrepareFinalize(log), experts)
+    x, w, ids = routed(8)
+    expected = dense_reference(experts, x, w, ids) + 0.5 * x
+
+    def shared(t):
+        log.append(("shared", dbo_current_ubatch_id()))
+        return 0.5 * t
+
+    contexts = make_ubatch_contexts(2, timeout_s=10.0)
+    outputs: list = [None, None]
+    errors: list = []
+
+    def run(i):
+        try:
+            with contexts[i]:
+                rows = slice(4 * i, 4 * i + 4)
+                outputs[i] = kernel.forward(x[rows], w[rows], ids[rows], shared_experts=shared)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10.0)
+    assert not errors, errors
+    torch.testing.assert_close(torch.cat(outputs), expected, atol=1e-5, rtol=1e-5)
+    # vLLM's order: each transfer is completed by the OTHER ubatch's recv hook, shared experts run
+    # between issuing the combine and yielding.
+    assert log == [
+        ("issue", "D0", 0, True),
+        ("complete", "D0", 1),
+        ("issue", "D1", 1, True),
+        ("complete", "D1", 0),
+        ("issue", "C0", 0, True),
+        ("shared", 0),
+        ("complete", "C0", 1),
+        ("issue", "C1", 1, True),
+        ("shared", 1),
+        ("complete", "C1", 0),
+    ]
+
+    log.clear()
+    kernel.forward(x, w, ids)  # DBO off: synchronous, nothing to hand over
+    assert [e[:4] for e in log if e[0] == "issue"] == [
+        ("issue", "D0", 0, False),
+        ("issue", "C0", 0, False),
+    ]
+
+
+# ---- EP=2 over gloo: the same model, sharded over two ranks, equals the single-rank model ----
+
+CONFIG = MoEModelConfig(
+    vocab_size=64,
+    hidden_size=H,
+    intermediate_size=FF,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    num_experts=E,
+    num_experts_per_tok=K,
+    max_position_embeddings=128,
+)
+BLOCK_SIZE = 4
+
+
+def _metadata(query_lens, num_padding):
+    from dbo import CommonAttentionMetadata
+
+    qsl, slots, table = [0], [], []
+    for r, q in enumerate(query_lens):
+        qsl.append(qsl[-1] + q)
+        table.append([2 * r, 2 * r + 1])
+        slots += [(2 * r + p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(q)]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32),
+        block_table=torch.tensor(table, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots + [-1] * num_padding, dtype=torch.int64),
+        num_reqs=len(query_lens),
+        num_actual_tokens=qsl[-1],
+        num_tokens=qsl[-1] + num_padding,
+        max_query_len=max(query_lens),
+        max_seq_len=max(query_lens),
+    )
+
+
+def _ep_rank_main(rank, world_size, backend_names):
+    from distributed import init_distributed
+
+    groups = init_distributed(
+        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    )
+    # one spawn for every backend: process start-up dominates the cost of this test
+    return {
+        name: _compare_ep_to_reference(rank, world_size, groups, name) for name in backend_names
+    }
+
+
+def _compare_ep_to_reference(rank, world_size, groups, backend_name):
+    from distributed import make_all2all_backend
+
+    backend = make_all2all_backend(
+        backend_name,
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        num_experts=CONFIG.num_experts,
+        timeout=groups.timeout,
+    )
+    model = build_model(
+        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, all2all_backend=backend
+    )
+    reference = build_model(CONFIG)
+    init_random_weights(model, seed=3)
+    init_random_weights(reference, seed=3)
+    assert model.model.layers[0].block_sparse_moe.experts.w1.shape[0] == E // world_size
+
+    # Rank 0: two requests (5 + 3 tokens); rank 1: one request of 6 tokens + 2 padding rows.
+    query_lens, num_padding = ([5, 3], 0) if rank == 0 else ([6], 2)
+    meta = _metadata(query_lens, num_padding)
+    gen = torch.Generator().manual_seed(10 + rank)
+    ids = torch.randint(0, CONFIG.vocab_size, (meta.num_tokens,), generator=gen)
+    pos = torch.cat(
+        [torch.arange(q) for q in query_lens] + [torch.zeros(num_padding, dtype=torch.long)]
+    )
+
+    def in_inference_mode(*inputs):
+        # like the engine: each ubatch thread enters inference_mode itself, and the other ubatch
+        # completes this one's last combine at context exit, outside it
+        with torch.inference_mode():
+            return model(*inputs)
+
+    def run(m, wrapper_slices=None, model_fn=None):
+        m.allocate_kv_caches(8, BLOCK_SIZE)
+        if wrapper_slices is None:
+            return m(ids, pos, meta)
+        return UBatchWrapper(model_fn or m, timeout_s=60)(ids, pos, meta, wrapper_slices)
+
+    n = meta.num_actual_tokens
+    expected = run(reference)[:n]
+    slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens)
+    outputs = [
+        run(model)[:n],
+        run(model, slices)[:n],
+        run(model, slices, in_inference_mode)[:n],
+    ]
+    return [(out - expected).abs().max().item() for out in outputs]
+
+
+def test_ep2_model_matches_single_rank_with_and_without_dbo():
+    backend_names = ["all_to_all", "allgather_reducescatter"]
+    results = run_distributed(_ep_rank_main, 2, backend_names, timeout_s=120)
+    for per_rank in results:
+        assert sorted(per_rank) == sorted(backend_names)
+        for diffs in per_rank.values():  # EP, EP + DBO, EP + DBO under inference_mode
+            assert max(diffs) < 1e-5, results
