@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.layers.batched_attention import batched_paged_attention
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
+from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
@@ -132,8 +134,15 @@ def paged_attention(
     return out
 
 
-class PagedAttention(nn.Module):
-    """Attention core of one layer; its cache is attached by ``bind_kv_cache``."""
+@CustomOp.register("paged_attention")
+class PagedAttention(CustomOp):
+    """Attention core of one layer; its cache is attached by ``bind_kv_cache``.
+
+    forward(query [T, num_heads*head_dim], key/value [T, num_kv_heads*head_dim], attn_metadata)
+    -> [T, num_heads*head_dim]: writes the real rows' K/V, then attends. ``forward_native`` is the
+    per-request reference (``paged_attention``); ``forward_cpu`` / ``forward_cuda`` run all
+    requests at once (``batched_paged_attention``, plain torch).
+    """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -160,11 +169,7 @@ class PagedAttention(nn.Module):
         if (
             kv_cache.dim() != 5
             or kv_cache.shape[0] != 2
-            or tuple(kv_cache.shape[3:])
-            != (
-                self.num_kv_heads,
-                self.head_dim,
-            )
+            or tuple(kv_cache.shape[3:]) != (self.num_kv_heads, self.head_dim)
         ):
             raise ValueError(
                 f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
@@ -172,22 +177,43 @@ class PagedAttention(nn.Module):
             )
         self.kv_cache = kv_cache
 
-    def forward(
-        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
-    ) -> Tensor:
-        """query [T, num_heads*head_dim], key/value [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+    def _heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
         num_tokens = query.shape[0]
-        out = paged_attention(
+        return (
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            attn_metadata,
-            scale=self.scale,
         )
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def forward_native(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        q, k, v = self._heads(query, key, value)
+        out = paged_attention(q, k, v, self.kv_cache, attn_metadata, scale=self.scale)
+        return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_batched(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        q, k, v = self._heads(query, key, value)
+        num_actual = attn_metadata.num_actual_tokens
+        write_kv_cache(
+            k[:num_actual], v[:num_actual], self.kv_cache, attn_metadata.slot_mapping[:num_actual]
+        )
+        out = batched_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
+        return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+
+    def forward_cpu(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        return self._forward_batched(query, key, value, attn_metadata)
+
+    def forward_cuda(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        return self._forward_batched(query, key, value, attn_metadata)
 
 
 class GQAAttention(nn.Module):

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.layers.attention import iter_request_spans
+from moe.layers.batched_attention import batched_mla_attention
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
@@ -36,8 +38,15 @@ if TYPE_CHECKING:
 ABSORB_MAX_QUERY_LEN = 4
 
 
-class PagedMLACache(nn.Module):
-    """Holds one layer's latent cache (bound by the engine) and writes / reads it."""
+@CustomOp.register("mla_attention")
+class PagedMLACache(CustomOp):
+    """One layer's latent cache (bound by the engine): writes it and attends over it.
+
+    forward(q_nope [T, H, nope], q_pe [T, H, rope], kv_b_weight [H * (nope + v), r],
+    attn_metadata, *, scale) -> [T, H, v], padding rows zero. ``forward_native`` loops over the
+    requests (the reference); ``forward_cpu`` / ``forward_cuda`` run all requests at once
+    (``batched_mla_attention``, plain torch).
+    """
 
     def __init__(self, *, kv_lora_rank: int, qk_rope_head_dim: int):
         super().__init__()
@@ -75,6 +84,72 @@ class PagedMLACache(nn.Module):
         """(kv_c [seq_len, r], k_pe [seq_len, rope]) of one request's context."""
         rows = self.kv_cache[block_ids].reshape(-1, self.kv_elements_per_token)[:seq_len].to(dtype)
         return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
+
+    def forward_native(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        kv_b_weight: Tensor,
+        attn_metadata: CommonAttentionMetadata,
+        *,
+        scale: float,
+    ) -> Tensor:
+        num_tokens, num_heads, nope_dim = q_nope.shape
+        w_kv = kv_b_weight.view(num_heads, -1, self.kv_lora_rank)  # [H, nope + v, r]
+        w_uk, w_uv = w_kv[:, :nope_dim], w_kv[:, nope_dim:]  # [H, nope, r], [H, v, r]
+        v_dim = w_uv.shape[1]
+        out = q_nope.new_zeros(num_tokens, num_heads, v_dim)
+        block_size = self.kv_cache.shape[1]
+        for span in iter_request_spans(attn_metadata, block_size, q_nope.device):
+            q_start, q_end, seq_len, mask = span.q_start, span.q_end, span.seq_len, span.causal_mask
+            kv_c, k_pe = self.read(span.blocks, seq_len, q_nope.dtype)
+            qn, qp = q_nope[q_start:q_end].transpose(0, 1), q_pe[q_start:q_end].transpose(0, 1)
+            if q_end - q_start <= ABSORB_MAX_QUERY_LEN:
+                q_lat = qn @ w_uk  # [H, q, r]
+                k = torch.cat((kv_c, k_pe), dim=-1)[None]  # [1, S, r + rope], shared by all heads
+                o_lat = F.scaled_dot_product_attention(
+                    torch.cat((q_lat, qp), dim=-1), k, kv_c[None], attn_mask=mask, scale=scale
+                )  # [H, q, r]
+                o = o_lat @ w_uv.transpose(1, 2)  # [H, q, v]
+            else:
+                kv = (kv_c @ w_kv.flatten(0, 1).t()).view(seq_len, num_heads, -1)
+                k_nope, v = kv.split([nope_dim, v_dim], dim=-1)
+                k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1)
+                o = F.scaled_dot_product_attention(
+                    torch.cat((qn, qp), dim=-1),
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                )
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out
+
+    def _forward_batched(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        kv_b_weight: Tensor,
+        attn_metadata: CommonAttentionMetadata,
+        *,
+        scale: float,
+    ) -> Tensor:
+        return batched_mla_attention(
+            q_nope,
+            q_pe,
+            kv_b_weight,
+            self.kv_cache,
+            attn_metadata,
+            kv_lora_rank=self.kv_lora_rank,
+            scale=scale,
+            absorb_max_query_len=ABSORB_MAX_QUERY_LEN,
+        )
+
+    def forward_cpu(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale: float) -> Tensor:
+        return self._forward_batched(q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale)
+
+    def forward_cuda(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale: float) -> Tensor:
+        return self._forward_batched(q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale)
 
 
 class MLAAttention(nn.Module):
@@ -143,40 +218,5 @@ class MLAAttention(nn.Module):
         self.attn.write(
             kv_c[:num_actual], k_pe[:num_actual, 0], attn_metadata.slot_mapping[:num_actual]
         )
-        out = self._attend(q_nope, q_pe, attn_metadata)
+        out = self.attn(q_nope, q_pe, self.kv_b_proj.weight, attn_metadata, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
-
-    def _attend(
-        self, q_nope: Tensor, q_pe: Tensor, attn_metadata: CommonAttentionMetadata
-    ) -> Tensor:
-        """q_nope [T, H, nope], q_pe [T, H, rope] -> [T, H, v] (padding rows zero)."""
-        num_tokens = q_nope.shape[0]
-        out = q_nope.new_zeros(num_tokens, self.num_heads, self.v_dim)
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
-        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, nope, r], [H, v, r]
-        block_size = self.attn.kv_cache.shape[1]
-        for span in iter_request_spans(attn_metadata, block_size, q_nope.device):
-            q_start, q_end, seq_len, mask = span.q_start, span.q_end, span.seq_len, span.causal_mask
-            q_len = q_end - q_start
-            kv_c, k_pe = self.attn.read(span.blocks, seq_len, q_nope.dtype)
-            qn, qp = q_nope[q_start:q_end].transpose(0, 1), q_pe[q_start:q_end].transpose(0, 1)
-            if q_len <= ABSORB_MAX_QUERY_LEN:
-                q_lat = qn @ w_uk  # [H, q, r]
-                k = torch.cat((kv_c, k_pe), dim=-1)[None]  # [1, S, r + rope], shared by all heads
-                o_lat = F.scaled_dot_product_attention(
-                    torch.cat((q_lat, qp), dim=-1), k, kv_c[None], attn_mask=mask, scale=self.scale
-                )  # [H, q, r]
-                o = o_lat @ w_uv.transpose(1, 2)  # [H, q, v]
-            else:
-                kv = (kv_c @ w_kv.flatten(0, 1).t()).view(seq_len, self.num_heads, -1)
-                k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-                k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-                o = F.scaled_dot_product_attention(
-                    torch.cat((qn, qp), dim=-1),
-                    k.transpose(0, 1),
-                    v.transpose(0, 1),
-                    attn_mask=mask,
-                    scale=self.scale,
-                )
-            out[q_start:q_end] = o.transpose(0, 1)
-        return out

@@ -1,0 +1,210 @@
+"""Paged attention for all requests of a (u)batch at once: no Python loop over requests.
+
+The requests with query rows are put in at most two groups by query length — short queries
+(decode rows; ``query_len <= short_query_len``) and the rest (prefill chunks) — so that one long
+prefill chunk does not pad every decode row to its length. Each group is padded to
+``[num_group_reqs, max_query_len, ...]`` queries and ``[num_group_reqs, max_seq_len, ...]`` keys
+gathered through the block table, and attends in one ``scaled_dot_product_attention`` call under a
+mask that is both causal and a length mask: query ``i`` of request ``r`` sits at position
+``seq_lens[r] - query_lens[r] + i`` and sees key positions ``<=`` its own (so never past
+``seq_lens[r]``). The outputs are scattered back to the flat query rows; rows of no request
+(padding past ``num_actual_tokens``) stay zero, as in the per-request reference.
+
+Padded query rows (``i >= query_lens[r]``) always see key 0, so no softmax row is empty; their
+results are dropped. Masked key slots get weight exactly 0, which relies on every cache slot being
+finite: the engine allocates caches zeroed and writes only finite K/V.
+
+Host syncs: the group sizes and padded lengths are read as Python ints (``.tolist()`` on a few
+``[num_reqs]`` tensors); free for the CPU metadata the engine builds, one sync per layer on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dbo.attention_metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PaddedRequests:
+    """One group of requests padded to ``[num_group_reqs, max_query_len]`` query slots.
+
+    Fields:
+        rows: ``[num_group_reqs, max_query_len]`` int64 flat query row of each slot (0 where the
+            slot is padding, so gathers stay in range).
+        is_query: ``[num_group_reqs, max_query_len]`` bool, True for real query slots.
+        attn_mask: ``[num_group_reqs, max_query_len, max_seq_len]`` bool, True = attend.
+        blocks: ``[num_group_reqs, ceil(max_seq_len / block_size)]`` int64 cache block ids.
+        max_query_len, max_seq_len: the padded lengths.
+    """
+
+    rows: Tensor
+    is_query: Tensor
+    attn_mask: Tensor
+    blocks: Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def _pad_group(
+    req_ids: Tensor,
+    query_start_loc: Tensor,
+    query_lens: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    block_size: int,
+) -> PaddedRequests:
+    device = query_start_loc.device
+    q_lens, s_lens = query_lens[req_ids], seq_lens[req_ids]
+    # host sync (free on CPU): the padded shapes must be Python ints
+    max_query_len, max_seq_len = int(q_lens.max()), int(s_lens.max())
+    query_idx = torch.arange(max_query_len, device=device)
+    is_query = query_idx[None, :] < q_lens[:, None]
+    rows = torch.where(is_query, query_start_loc[req_ids][:, None] + query_idx[None, :], 0)
+    q_pos = (s_lens - q_lens)[:, None] + query_idx[None, :]  # [R, Q] position of each query
+    key_pos = torch.arange(max_seq_len, device=device)
+    num_blocks = -(-max_seq_len // block_size)
+    return PaddedRequests(
+        rows=rows.long(),
+        is_query=is_query,
+        attn_mask=key_pos[None, None, :] <= q_pos[:, :, None],
+        blocks=block_table[req_ids, :num_blocks].long(),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+
+
+def pad_request_groups(
+    attn_metadata: CommonAttentionMetadata, block_size: int, *, short_query_len: int
+) -> list[PaddedRequests]:
+    """The requests with query rows in at most two padded groups: ``query_len <= short_query_len``
+    (decode rows), then the longer ones. A group with no request is left out; an empty (u)batch
+    gives ``[]``.
+    """
+    qsl = attn_metadata.query_start_loc.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = attn_metadata.seq_lens.long()
+    is_short = query_lens <= short_query_len
+    groups = []
+    for selected in (is_short & (query_lens > 0), ~is_short):
+        req_ids = selected.nonzero().flatten()  # host sync (free on CPU): group size
+        if req_ids.numel():
+            groups.append(
+                _pad_group(
+                    req_ids, qsl, query_lens, seq_lens, attn_metadata.block_table, block_size
+                )
+            )
+    return groups
+
+
+def gather_context(cache: Tensor, group: PaddedRequests) -> Tensor:
+    """Each request's first ``max_seq_len`` cache rows: cache ``[num_blocks, block_size, *E]`` ->
+    ``[num_group_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
+    gathered = cache[group.blocks]  # [R, blocks, block_size, *E]
+    return gathered.flatten(1, 2)[:, : group.max_seq_len]
+
+
+def batched_paged_attention(
+    query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
+) -> Tensor:
+    """Attention of every query row over its request's cached context (K/V already written).
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] (rotated).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; num_heads must be a
+            multiple of num_kv_heads (query head h reads KV head ``h // (num_heads // num_kv_heads)``).
+        attn_metadata: this (u)batch's metadata.
+        scale: softmax scale.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are zero.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for group in pad_request_groups(attn_metadata, kv_cache.shape[2], short_query_len=1):
+        num_reqs, q_len, s_len = group.rows.shape[0], group.max_query_len, group.max_seq_len
+        # GQA without copying K/V per query head: the group_size query heads sharing a KV head
+        # become extra query rows of that KV head ([R, KVH, G * Q, D]).
+        q = query[group.rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
+        k = gather_context(kv_cache[0], group).transpose(1, 2).to(query.dtype)  # [R, KVH, S, D]
+        v = gather_context(kv_cache[1], group).transpose(1, 2).to(query.dtype)
+        mask = group.attn_mask[:, None].expand(num_reqs, group_size, q_len, s_len)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.reshape(num_reqs, 1, group_size * q_len, s_len), scale=scale
+        )
+        o = o.view(num_reqs, num_kv_heads, group_size, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        out[group.rows[group.is_query]] = o.reshape(num_reqs, q_len, num_heads, head_dim)[
+            group.is_query
+        ]
+    return out
+
+
+def batched_mla_attention(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_b_weight: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    absorb_max_query_len: int,
+) -> Tensor:
+    """MLA of every query row over its request's cached latents, absorbed for requests with at
+    most ``absorb_max_query_len`` query rows and expanded for the others (as the per-request
+    reference decides; see ``moe.layers.mla``).
+
+    Args:
+        q_nope: [num_tokens, num_heads, nope]; q_pe: [num_tokens, num_heads, rope] (rotated).
+        kv_b_weight: [num_heads * (nope + v), kv_lora_rank] (``kv_b_proj.weight``).
+        kv_cache: [num_blocks, block_size, kv_lora_rank + rope].
+
+    Returns:
+        [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
+    """
+    num_tokens, num_heads, nope = q_nope.shape
+    w_kv = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, r]
+    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+    v_dim = w_uv.shape[1]
+    out = q_nope.new_zeros(num_tokens, num_heads, v_dim)
+    groups = pad_request_groups(
+        attn_metadata, kv_cache.shape[1], short_query_len=absorb_max_query_len
+    )
+    for group in groups:
+        num_reqs, q_len, s_len = group.rows.shape[0], group.max_query_len, group.max_seq_len
+        rows = gather_context(kv_cache, group).to(q_nope.dtype)  # [R, S, r + rope]
+        kv_c = rows[..., :kv_lora_rank]
+        qn = q_nope[group.rows].transpose(1, 2)  # [R, H, Q, nope]
+        qp = q_pe[group.rows].transpose(1, 2)  # [R, H, Q, rope]
+        mask = group.attn_mask[:, None]  # [R, 1, Q, S]
+        if q_len <= absorb_max_query_len:
+            q_lat = qn @ w_uk  # [R, H, Q, r]
+            k = rows[:, None].expand(num_reqs, num_heads, s_len, rows.shape[-1])
+            v = kv_c[:, None].expand(num_reqs, num_heads, s_len, kv_lora_rank)
+            o_lat = F.scaled_dot_product_attention(
+                torch.cat((q_lat, qp), dim=-1), k, v, attn_mask=mask, scale=scale
+            )
+            o = o_lat @ w_uv.transpose(1, 2)  # [R, H, Q, v]
+        else:
+            kv = (kv_c @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
+            k_nope, v = kv.split([nope, v_dim], dim=-1)
+            k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
+            k = torch.cat((k_nope, k_pe), dim=-1)
+            o = F.scaled_dot_product_attention(
+                torch.cat((qn, qp), dim=-1),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                scale=scale,
+            )
+        out[group.rows[group.is_query]] = o.transpose(1, 2)[group.is_query]
+    return out

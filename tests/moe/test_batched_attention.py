@@ -1,0 +1,166 @@
+"""Batched paged attention (forward_cpu) equals the per-request reference (forward_native), float64.
+
+Batches mix decode rows and prefill chunks with contexts that start and end on and off block
+boundaries, blocks in scrambled order, padding rows, requests cut across two ubatches (run one
+ubatch after the other, as DBO's baton order does), and empty (u)batches; GQA and MLA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo import CommonAttentionMetadata, make_ubatch_slices, split_attn_metadata
+from moe.layers.attention import PagedAttention
+from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+DTYPE = torch.float64
+# (tokens already in the cache, query rows this step) per request: decodes, prefill chunks that
+# start at 0 or mid-sequence, contexts of exactly 1, 2 and 3 blocks, a request with no query row
+MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (11, 2), (8, 4), (4, 0), (2, 6), (5, 3)]
+
+
+def make_metadata(
+    requests: list[tuple[int, int]], *, num_padding: int = 0, seed: int = 0
+) -> CommonAttentionMetadata:
+    """Metadata for ``requests`` with each request's blocks drawn at random from the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen)
+    max_blocks = 6  # 10 requests * 6 <= NUM_BLOCKS; every seq_len here fits 4 blocks
+    block_table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
+    qsl, seq_lens, slots = [0], [], []
+    for i, (num_computed, q_len) in enumerate(requests):
+        seq_len = num_computed + q_len
+        block_table[i] = perm[i * max_blocks : (i + 1) * max_blocks].int()
+        for pos in range(num_computed, seq_len):
+            slots.append(int(block_table[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+        qsl.append(qsl[-1] + q_len)
+        seq_lens.append(seq_len)
+    num_actual = qsl[-1]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots + [-1] * num_padding, dtype=torch.int64),
+        num_reqs=len(requests),
+        num_actual_tokens=num_actual,
+        num_tokens=num_actual + num_padding,
+        max_query_len=max((q for _, q in requests), default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )
+
+
+def prefilled_cache(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A cache already holding (random) K/V of every slot, i.e. of all earlier steps."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def make_gqa(num_heads: int, num_kv_heads: int, head_dim: int = 8) -> PagedAttention:
+    op = PagedAttention(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim**-0.5
+    )
+    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), seed=1))
+    return op
+
+
+def gqa_inputs(op: PagedAttention, num_tokens: int, seed: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, op.num_heads * op.head_dim, generator=gen, dtype=DTYPE)
+    k = torch.randn(num_tokens, op.num_kv_heads * op.head_dim, generator=gen, dtype=DTYPE)
+    v = torch.randn(num_tokens, op.num_kv_heads * op.head_dim, generator=gen, dtype=DTYPE)
+    return q, k, v
+
+
+def test_paged_attention_binds_batched_path_on_cpu():
+    assert make_gqa(4, 2).forward_path == "forward_cpu"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_padding", [0, 3])
+def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding):
+    native, batched = make_gqa(4 * group, 4), make_gqa(4 * group, 4)
+    md = make_metadata(MIXED, num_padding=num_padding)
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    expected = native.forward_native(q, k, v, md)
+    got = batched.forward_cpu(q, k, v, md)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(batched.kv_cache, native.kv_cache)  # same K/V written, padding skipped
+    assert not got[md.num_actual_tokens :].any()
+
+
+@pytest.mark.parametrize("requests", [[(0, 1)] * 5, [(3, 1), (4, 1), (7, 1), (8, 1)], [(0, 13)]])
+def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests):
+    native, batched = make_gqa(8, 2), make_gqa(8, 2)
+    md = make_metadata(requests, num_padding=1)
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    torch.testing.assert_close(
+        batched.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_gqa_request_cut_across_ubatches():
+    """ubatch 0 holds the first part of a prefill chunk, ubatch 1 its continuation (full seq_len)."""
+    native, batched = make_gqa(8, 4), make_gqa(8, 4)
+    md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    expected = native.forward_native(q, k, v, md)
+    parts = [
+        batched.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
+        for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
+    ]
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_padding", [0, 2])
+def test_gqa_empty_ubatch(num_padding):
+    op = make_gqa(4, 2)
+    md = make_metadata([], num_padding=num_padding)
+    q, k, v = gqa_inputs(op, num_padding)
+    before = op.kv_cache.clone()
+    out = op.forward_cpu(q, k, v, md)
+    assert out.shape == (num_padding, 4 * 8) and not out.any()
+    assert torch.equal(op.kv_cache, before)
+
+
+def make_mla(kv_lora_rank: int = 12, rope: int = 4) -> PagedMLACache:
+    op = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), seed=3))
+    return op
+
+
+def mla_step(op: PagedMLACache, md: CommonAttentionMetadata, method: str, *, seed: int = 4):
+    """Write this step's latents, then attend with ``method``; returns [T, H, v]."""
+    num_heads, nope, rope, v_dim = 4, 6, op.qk_rope_head_dim, 5
+    gen = torch.Generator().manual_seed(seed)
+    t = md.num_tokens
+    q_nope = torch.randn(t, num_heads, nope, generator=gen, dtype=DTYPE)
+    q_pe = torch.randn(t, num_heads, rope, generator=gen, dtype=DTYPE)
+    w = torch.randn(num_heads * (nope + v_dim), op.kv_lora_rank, generator=gen, dtype=DTYPE)
+    kv_c = torch.randn(t, op.kv_lora_rank, generator=gen, dtype=DTYPE)
+    k_pe = torch.randn(t, rope, generator=gen, dtype=DTYPE)
+    n = md.num_actual_tokens
+    op.write(kv_c[:n], k_pe[:n], md.slot_mapping[:n])
+    return getattr(op, method)(q_nope, q_pe, w, md, scale=0.3)
+
+
+@pytest.mark.parametrize("num_padding", [0, 3])
+def test_mla_batched_equals_native_absorbed_and_expanded(num_padding):
+    md = make_metadata(MIXED, num_padding=num_padding)
+    query_lens = [q for _, q in MIXED]
+    assert min(q for q in query_lens if q) <= ABSORB_MAX_QUERY_LEN < max(query_lens)
+    native, batched = make_mla(), make_mla()
+    expected = mla_step(native, md, "forward_native")
+    got = mla_step(batched, md, "forward_cpu")
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(batched.kv_cache, native.kv_cache)
+    assert not got[md.num_actual_tokens :].any()
+
+
+def test_mla_empty_batch():
+    md = make_metadata([], num_padding=1)
+    out = mla_step(make_mla(), md, "forward_cpu")
+    assert out.shape == (1, 4, 5) and not out.any()
