@@ -1,20 +1,22 @@
 """Paged attention for all requests of a (u)batch at once: no Python loop over requests.
 
-The requests with query rows are put in at most two groups by query length — short queries
-(decode rows; ``query_len <= short_query_len``) and the rest (prefill chunks) — so that one long
-prefill chunk does not pad every decode row to its length. Each group is padded to
-``[num_group_reqs, max_query_len, ...]`` queries and ``[num_group_reqs, max_seq_len, ...]`` keys
-gathered through the block table, and attends in one ``scaled_dot_product_attention`` call under a
-mask that is both causal and a length mask: query ``i`` of request ``r`` sits at position
-``seq_lens[r] - query_lens[r] + i`` and sees key positions ``<=`` its own (so never past
-``seq_lens[r]``). The outputs are scattered back to the flat query rows; rows of no request
-(padding past ``num_actual_tokens``) stay zero, as in the per-request reference.
+The requests with query rows are put in two groups by query length — short queries (decode rows;
+``query_len <= short_query_len``) and the rest (prefill chunks) — so that one long prefill chunk
+does not pad every decode row to its length. Each group is sorted by ``seq_len`` and cut into
+chunks whose gathered context fits ``CHUNK_CONTEXT_BYTES`` (one chunk for small batches; a loop
+over chunks, never over requests). A chunk is padded to ``[num_chunk_reqs, max_query_len, ...]``
+queries and ``[num_chunk_reqs, max_seq_len, ...]`` keys gathered through the block table, and
+attends in one ``scaled_dot_product_attention`` call under a mask that is both causal and a length
+mask: query ``i`` of request ``r`` sits at position ``seq_lens[r] - query_lens[r] + i`` and sees
+key positions ``<=`` its own (so never past ``seq_lens[r]``). The outputs are scattered back to the
+flat query rows; rows of no request (padding past ``num_actual_tokens``) stay zero, as in the
+per-request reference.
 
 Padded query rows (``i >= query_lens[r]``) always see key 0, so no softmax row is empty; their
 results are dropped. Masked key slots get weight exactly 0, which relies on every cache slot being
 finite: the engine allocates caches zeroed and writes only finite K/V.
 
-Host syncs: the group sizes and padded lengths are read as Python ints (``.tolist()`` on a few
+Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
 ``[num_reqs]`` tensors); free for the CPU metadata the engine builds, one sync per layer on a GPU.
 """
 
@@ -31,83 +33,118 @@ if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
 
 
+# Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents), so the
+# gathered copy stays in the L2 cache while SDPA reads it: one padded gather of a large decode batch
+# (hundreds of requests x hundreds of tokens) would stream through DRAM twice.
+CHUNK_CONTEXT_BYTES = 1 << 20
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PaddedRequests:
-    """One group of requests padded to ``[num_group_reqs, max_query_len]`` query slots.
+    """A chunk of requests padded to ``[num_chunk_reqs, max_query_len]`` query slots.
 
     Fields:
-        rows: ``[num_group_reqs, max_query_len]`` int64 flat query row of each slot (0 where the
-            slot is padding, so gathers stay in range).
-        is_query: ``[num_group_reqs, max_query_len]`` bool, True for real query slots.
-        attn_mask: ``[num_group_reqs, max_query_len, max_seq_len]`` bool, True = attend.
-        blocks: ``[num_group_reqs, ceil(max_seq_len / block_size)]`` int64 cache block ids.
+        gather_rows: ``[num_chunk_reqs, max_query_len]`` int64 flat query row of each slot (0 for
+            a padding slot, so gathers stay in range).
+        scatter_rows: the same, but ``num_tokens`` (one past the last row) for a padding slot:
+            results scattered there land in a scratch row.
+        attn_mask: ``[num_chunk_reqs, max_query_len, max_seq_len]`` bool, True = attend.
+        blocks: ``[num_chunk_reqs, ceil(max_seq_len / block_size)]`` int64 cache block ids.
         max_query_len, max_seq_len: the padded lengths.
     """
 
-    rows: Tensor
-    is_query: Tensor
+    gather_rows: Tensor
+    scatter_rows: Tensor
     attn_mask: Tensor
     blocks: Tensor
     max_query_len: int
     max_seq_len: int
 
+    @property
+    def num_reqs(self) -> int:
+        return self.gather_rows.shape[0]
 
-def _pad_group(
+
+def _pad_chunk(
     req_ids: Tensor,
     query_start_loc: Tensor,
     query_lens: Tensor,
     seq_lens: Tensor,
-    block_table: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
     block_size: int,
+    max_query_len: int,
+    max_seq_len: int,
 ) -> PaddedRequests:
     device = query_start_loc.device
     q_lens, s_lens = query_lens[req_ids], seq_lens[req_ids]
-    # host sync (free on CPU): the padded shapes must be Python ints
-    max_query_len, max_seq_len = int(q_lens.max()), int(s_lens.max())
     query_idx = torch.arange(max_query_len, device=device)
     is_query = query_idx[None, :] < q_lens[:, None]
-    rows = torch.where(is_query, query_start_loc[req_ids][:, None] + query_idx[None, :], 0)
+    rows = query_start_loc[req_ids][:, None] + query_idx[None, :]
     q_pos = (s_lens - q_lens)[:, None] + query_idx[None, :]  # [R, Q] position of each query
     key_pos = torch.arange(max_seq_len, device=device)
     num_blocks = -(-max_seq_len // block_size)
     return PaddedRequests(
-        rows=rows.long(),
-        is_query=is_query,
+        gather_rows=torch.where(is_query, rows, 0),
+        scatter_rows=torch.where(is_query, rows, attn_metadata.num_tokens),
         attn_mask=key_pos[None, None, :] <= q_pos[:, :, None],
-        blocks=block_table[req_ids, :num_blocks].long(),
+        blocks=attn_metadata.block_table[req_ids, :num_blocks].long(),
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
     )
 
 
-def pad_request_groups(
-    attn_metadata: CommonAttentionMetadata, block_size: int, *, short_query_len: int
+def pad_request_chunks(
+    attn_metadata: CommonAttentionMetadata,
+    block_size: int,
+    *,
+    short_query_len: int,
+    context_bytes_per_token: int,
 ) -> list[PaddedRequests]:
-    """The requests with query rows in at most two padded groups: ``query_len <= short_query_len``
-    (decode rows), then the longer ones. A group with no request is left out; an empty (u)batch
-    gives ``[]``.
+    """The requests with query rows, padded in chunks.
+
+    Requests go in two groups — ``query_len <= short_query_len`` (decode rows), then the longer
+    ones — each sorted by ``seq_len`` and cut into chunks whose gathered context
+    (``num_chunk_reqs * max_seq_len * context_bytes_per_token``) fits ``CHUNK_CONTEXT_BYTES``
+    (at least one request per chunk). Empty groups are left out; an empty (u)batch gives ``[]``.
     """
     qsl = attn_metadata.query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = attn_metadata.seq_lens.long()
     is_short = query_lens <= short_query_len
-    groups = []
+    chunks = []
     for selected in (is_short & (query_lens > 0), ~is_short):
-        req_ids = selected.nonzero().flatten()  # host sync (free on CPU): group size
-        if req_ids.numel():
-            groups.append(
-                _pad_group(
-                    req_ids, qsl, query_lens, seq_lens, attn_metadata.block_table, block_size
+        req_ids = selected.nonzero().flatten()
+        if not req_ids.numel():
+            continue
+        order = seq_lens[req_ids].argsort(stable=True)
+        req_ids = req_ids[order]
+        # host sync (free on CPU): the padded shapes must be Python ints
+        group_seq_lens = seq_lens[req_ids].tolist()
+        group_query_lens = query_lens[req_ids].tolist()
+        per_chunk = max(1, CHUNK_CONTEXT_BYTES // (group_seq_lens[-1] * context_bytes_per_token))
+        for start in range(0, len(group_seq_lens), per_chunk):  # chunks, not requests
+            stop = min(start + per_chunk, len(group_seq_lens))
+            chunks.append(
+                _pad_chunk(
+                    req_ids[start:stop],
+                    qsl,
+                    query_lens,
+                    seq_lens,
+                    attn_metadata,
+                    block_size=block_size,
+                    max_query_len=max(group_query_lens[start:stop]),
+                    max_seq_len=group_seq_lens[stop - 1],
                 )
             )
-    return groups
+    return chunks
 
 
-def gather_context(cache: Tensor, group: PaddedRequests) -> Tensor:
+def gather_context(cache: Tensor, chunk: PaddedRequests) -> Tensor:
     """Each request's first ``max_seq_len`` cache rows: cache ``[num_blocks, block_size, *E]`` ->
-    ``[num_group_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
-    gathered = cache[group.blocks]  # [R, blocks, block_size, *E]
-    return gathered.flatten(1, 2)[:, : group.max_seq_len]
+    ``[num_chunk_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
+    gathered = cache.index_select(0, chunk.blocks.flatten())  # [R * blocks, block_size, *E]
+    return gathered.view(chunk.num_reqs, -1, *cache.shape[2:])[:, : chunk.max_seq_len]
 
 
 def batched_paged_attention(
@@ -125,27 +162,32 @@ def batched_paged_attention(
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are zero.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
-    out = torch.zeros_like(query)
-    for group in pad_request_groups(attn_metadata, kv_cache.shape[2], short_query_len=1):
-        num_reqs, q_len, s_len = group.rows.shape[0], group.max_query_len, group.max_seq_len
+    out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
+    chunks = pad_request_chunks(
+        attn_metadata,
+        kv_cache.shape[2],
+        short_query_len=1,
+        context_bytes_per_token=2 * num_kv_heads * head_dim * kv_cache.element_size(),
+    )
+    for chunk in chunks:
+        num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
         # become extra query rows of that KV head ([R, KVH, G * Q, D]).
-        q = query[group.rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
+        q = query[chunk.gather_rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
-        k = gather_context(kv_cache[0], group).transpose(1, 2).to(query.dtype)  # [R, KVH, S, D]
-        v = gather_context(kv_cache[1], group).transpose(1, 2).to(query.dtype)
-        mask = group.attn_mask[:, None].expand(num_reqs, group_size, q_len, s_len)
+        k = gather_context(kv_cache[0], chunk).transpose(1, 2).to(query.dtype)  # [R, KVH, S, D]
+        v = gather_context(kv_cache[1], chunk).transpose(1, 2).to(query.dtype)
+        mask = chunk.attn_mask[:, None].expand(num_reqs, group_size, q_len, s_len)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask.reshape(num_reqs, 1, group_size * q_len, s_len), scale=scale
         )
         o = o.view(num_reqs, num_kv_heads, group_size, q_len, head_dim).permute(0, 3, 1, 2, 4)
-        out[group.rows[group.is_query]] = o.reshape(num_reqs, q_len, num_heads, head_dim)[
-            group.is_query
-        ]
-    return out
+        # padding slots all go to the scratch row (index_copy_ with repeats there: any one wins)
+        out.index_copy_(0, chunk.scatter_rows.flatten(), o.reshape(-1, num_heads, head_dim))
+    return out[:num_tokens]
 
 
 def batched_mla_attention(
@@ -175,17 +217,20 @@ def batched_mla_attention(
     w_kv = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, r]
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     v_dim = w_uv.shape[1]
-    out = q_nope.new_zeros(num_tokens, num_heads, v_dim)
-    groups = pad_request_groups(
-        attn_metadata, kv_cache.shape[1], short_query_len=absorb_max_query_len
+    out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
+    chunks = pad_request_chunks(
+        attn_metadata,
+        kv_cache.shape[1],
+        short_query_len=absorb_max_query_len,
+        context_bytes_per_token=kv_cache.shape[2] * kv_cache.element_size(),
     )
-    for group in groups:
-        num_reqs, q_len, s_len = group.rows.shape[0], group.max_query_len, group.max_seq_len
-        rows = gather_context(kv_cache, group).to(q_nope.dtype)  # [R, S, r + rope]
+    for chunk in chunks:
+        num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
+        rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
         kv_c = rows[..., :kv_lora_rank]
-        qn = q_nope[group.rows].transpose(1, 2)  # [R, H, Q, nope]
-        qp = q_pe[group.rows].transpose(1, 2)  # [R, H, Q, rope]
-        mask = group.attn_mask[:, None]  # [R, 1, Q, S]
+        qn = q_nope[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, nope]
+        qp = q_pe[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, rope]
+        mask = chunk.attn_mask[:, None]  # [R, 1, Q, S]
         if q_len <= absorb_max_query_len:
             q_lat = qn @ w_uk  # [R, H, Q, r]
             k = rows[:, None].expand(num_reqs, num_heads, s_len, rows.shape[-1])
@@ -206,5 +251,5 @@ def batched_mla_attention(
                 attn_mask=mask,
                 scale=scale,
             )
-        out[group.rows[group.is_query]] = o.transpose(1, 2)[group.is_query]
-    return out
+        out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
+    return out[:num_tokens]

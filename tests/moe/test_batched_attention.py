@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dbo import CommonAttentionMetadata, make_ubatch_slices, split_attn_metadata
+from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
 
@@ -77,9 +78,17 @@ def test_paged_attention_binds_batched_path_on_cpu():
     assert make_gqa(4, 2).forward_path == "forward_cpu"
 
 
+@pytest.fixture(params=["one_chunk", "small_chunks"])
+def chunk_bytes(request, monkeypatch):
+    """Default chunking (each group in one chunk here), or chunks of one to a few requests."""
+    if request.param == "small_chunks":
+        monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 2000)
+    return request.param
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("num_padding", [0, 3])
-def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding):
+def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding, chunk_bytes):
     native, batched = make_gqa(4 * group, 4), make_gqa(4 * group, 4)
     md = make_metadata(MIXED, num_padding=num_padding)
     q, k, v = gqa_inputs(native, md.num_tokens)
@@ -100,7 +109,7 @@ def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests):
     )
 
 
-def test_gqa_request_cut_across_ubatches():
+def test_gqa_request_cut_across_ubatches(chunk_bytes):
     """ubatch 0 holds the first part of a prefill chunk, ubatch 1 its continuation (full seq_len)."""
     native, batched = make_gqa(8, 4), make_gqa(8, 4)
     md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
@@ -148,7 +157,7 @@ def mla_step(op: PagedMLACache, md: CommonAttentionMetadata, method: str, *, see
 
 
 @pytest.mark.parametrize("num_padding", [0, 3])
-def test_mla_batched_equals_native_absorbed_and_expanded(num_padding):
+def test_mla_batched_equals_native_absorbed_and_expanded(num_padding, chunk_bytes):
     md = make_metadata(MIXED, num_padding=num_padding)
     query_lens = [q for _, q in MIXED]
     assert min(q for q in query_lens if q) <= ABSORB_MAX_QUERY_LEN < max(query_lens)
@@ -164,3 +173,29 @@ def test_mla_empty_batch():
     md = make_metadata([], num_padding=1)
     out = mla_step(make_mla(), md, "forward_cpu")
     assert out.shape == (1, 4, 5) and not out.any()
+
+
+def test_chunks_sorted_by_seq_len_and_bounded(monkeypatch):
+    """Hand-worked: 4 decode rows (seq 8, 3, 5, 2) and a 6-row chunk; 2-byte tokens, 12-byte
+    chunks -> decode chunks of 12 // (8 * 2) = 0 -> 1 request each (ascending seq_len)."""
+    monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 12)
+    md = make_metadata([(7, 1), (2, 1), (0, 6), (4, 1), (1, 1)], num_padding=2)
+    chunks = batched_attention.pad_request_chunks(
+        md, BLOCK_SIZE, short_query_len=1, context_bytes_per_token=2
+    )
+    assert [(c.num_reqs, c.max_query_len, c.max_seq_len) for c in chunks] == [
+        (1, 1, 2),
+        (1, 1, 3),
+        (1, 1, 5),
+        (1, 1, 8),
+        (1, 6, 6),
+    ]
+    assert chunks[0].gather_rows.tolist() == [[9]] and chunks[3].gather_rows.tolist() == [[0]]
+    assert chunks[4].gather_rows.tolist() == [[2, 3, 4, 5, 6, 7]]
+    monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 1 << 20)
+    decode, prefill = batched_attention.pad_request_chunks(
+        md, BLOCK_SIZE, short_query_len=1, context_bytes_per_token=2
+    )
+    assert decode.gather_rows.flatten().tolist() == [9, 1, 8, 0]  # sorted by seq_len
+    assert decode.attn_mask.shape == (4, 1, 8)
+    assert decode.attn_mask[1, 0].tolist() == [True] * 3 + [False] * 5  # seq 3: keys 0..2

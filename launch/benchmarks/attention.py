@@ -1,0 +1,88 @@
+"""Benchmark: paged attention on CPU, all requests at once (``forward_cpu``) vs the per-request
+loop (``forward_native``), one layer, K/V write included. Prints times and ratios; speed claims
+live here, never in tests.
+
+    python -m launch.benchmarks.attention [--threads 1] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from dbo import CommonAttentionMetadata
+from moe.layers.attention import PagedAttention
+
+BLOCK_SIZE = 16
+# (name, requests as (tokens already cached, query rows)), heads, kv heads, head_dim
+SHAPES = (
+    ("decode 80 x ctx~60, tiny heads", [(40 + i % 40, 1) for i in range(80)], 2, 1, 32),
+    ("prefill 80 x ~30, tiny heads", [(0, 10 + i % 40) for i in range(80)], 2, 1, 32),
+    ("decode 256 x ctx~300, 8/4 heads", [(200 + i % 200, 1) for i in range(256)], 8, 4, 32),
+    ("mixed 255 decodes + chunk 512", [(100 + i, 1) for i in range(255)] + [(0, 512)], 8, 4, 32),
+)
+
+
+def make_metadata(requests: list[tuple[int, int]]) -> tuple[CommonAttentionMetadata, int]:
+    """Metadata with consecutive blocks per request; returns it and the cache's block count."""
+    max_blocks = max(-(-(c + q) // BLOCK_SIZE) for c, q in requests)
+    block_table = torch.arange(len(requests) * max_blocks, dtype=torch.int32).view(-1, max_blocks)
+    num_computed = torch.tensor([c for c, _ in requests])
+    query_lens = torch.tensor([q for _, q in requests])
+    seq_lens = num_computed + query_lens
+    qsl = torch.cat((torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)))
+    req = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
+    pos = torch.arange(int(qsl[-1])) - qsl[req] + num_computed[req]
+    slots = block_table[req, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    md = CommonAttentionMetadata(
+        query_start_loc=qsl.int(),
+        seq_lens=seq_lens.int(),
+        block_table=block_table,
+        slot_mapping=slots,
+        num_reqs=len(requests),
+        num_actual_tokens=int(qsl[-1]),
+        num_tokens=int(qsl[-1]),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return md, len(requests) * max_blocks
+
+
+def _time(fn, args: tuple, repeats: int) -> float:
+    fn(*args)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*args)
+    return (time.perf_counter() - start) / repeats
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'shape':34s} {'native ms':>10s} {'batched ms':>10s} {'native/batched':>15s}")
+    for name, requests, num_heads, num_kv_heads, head_dim in SHAPES:
+        md, num_blocks = make_metadata(requests)
+        op = PagedAttention(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=0.1
+        )
+        op.bind_kv_cache(torch.zeros(op.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=dtype))
+        t = md.num_tokens
+        q = torch.randn(t, num_heads * head_dim, generator=gen).to(dtype)
+        k = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
+        v = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
+        with torch.inference_mode():
+            native = _time(op.forward_native, (q, k, v, md), args.repeats)
+            batched = _time(op.forward_cpu, (q, k, v, md), args.repeats)
+        print(f"{name:34s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {native / batched:15.2f}")
+
+
+if __name__ == "__main__":
+    main()
