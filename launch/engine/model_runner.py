@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from dbo import (
-    CommonAttentionMetadata,
     UBatchWrapper,
     coordinate_batch_across_dp,
     make_ubatch_slices,
@@ -29,17 +28,10 @@ from dbo import (
 )
 from dbo.timeline.recorder import blocking_comm_span, timeline_span
 from launch.engine.arg_utils import EngineArgs
+from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.sampler import Sampler
 from launch.engine.scheduler import SchedulerOutput
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64; padding rows hold 0
-    positions: torch.Tensor  # [num_tokens] int64; padding rows hold 0
-    attn_metadata: CommonAttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64: rows whose next token is sampled
-    sampled_request_ids: tuple[int, ...]  # request of each logits row
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,68 +50,6 @@ class ForwardOutput:
     inputs: ModelInputs | None
     has_work_across_dp: tuple[bool, ...]
     is_ubatched: bool
-
-
-def build_model_inputs(
-    scheduler_output: SchedulerOutput,
-    kv_cache_manager: KVCacheManager,
-    *,
-    num_rows: int,
-    max_num_blocks_per_req: int,
-) -> ModelInputs:
-    """Flatten the scheduled requests into model inputs of ``num_rows`` rows (padding at the end).
-
-    Raises:
-        ValueError: if ``num_rows`` is smaller than the scheduled token count.
-    """
-    num_tokens = scheduler_output.num_tokens
-    if num_rows < num_tokens:
-        raise ValueError(f"num_rows {num_rows} < {num_tokens} scheduled tokens")
-    input_ids = [0] * num_rows
-    positions = [0] * num_rows
-    slot_mapping = [-1] * num_rows
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    block_table = torch.zeros(
-        len(scheduler_output.scheduled), max_num_blocks_per_req, dtype=torch.int32
-    )
-    logits_indices: list[int] = []
-    sampled_request_ids: list[int] = []
-    row = 0
-    for i, item in enumerate(scheduler_output.scheduled):
-        request, start = item.request, item.request.num_computed_tokens
-        stop = start + item.num_new_tokens
-        input_ids[row : row + item.num_new_tokens] = request.token_ids(start, stop)
-        positions[row : row + item.num_new_tokens] = range(start, stop)
-        slot_mapping[row : row + item.num_new_tokens] = [
-            kv_cache_manager.slot(request.request_id, p) for p in range(start, stop)
-        ]
-        block_ids = kv_cache_manager.block_ids(request.request_id)
-        block_table[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        row += item.num_new_tokens
-        query_start_loc.append(row)
-        seq_lens.append(stop)
-        if stop == request.num_tokens:  # all known tokens computed: the next one is sampled
-            logits_indices.append(row - 1)
-            sampled_request_ids.append(request.request_id)
-    attn_metadata = CommonAttentionMetadata(
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        num_reqs=len(seq_lens),
-        num_actual_tokens=num_tokens,
-        num_tokens=num_rows,
-        max_query_len=max((s.num_new_tokens for s in scheduler_output.scheduled), default=0),
-        max_seq_len=max(seq_lens, default=0),
-    )
-    return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        attn_metadata=attn_metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        sampled_request_ids=tuple(sampled_request_ids),
-    )
 
 
 class ModelRunner:
@@ -145,7 +75,14 @@ class ModelRunner:
         self.groups = groups
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
-        self._generators: dict[int, torch.Generator] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=engine_args.max_num_seqs,
+            max_model_len=max_num_blocks_per_req * kv_cache_manager.block_size,
+            max_num_blocks_per_req=max_num_blocks_per_req,
+            kv_cache_manager=kv_cache_manager,
+            default_seed=engine_args.seed,
+        )
+        self.sampler = Sampler()
 
     def set_enable_dbo(self, enable_dbo: bool) -> None:
         """Switch DBO on or off for the following steps (the benchmark interleaves both).
@@ -162,10 +99,12 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
+        for request in scheduler_output.preempted:  # their blocks are gone: rows rebuilt later
+            self.input_batch.remove_request(request.request_id)
         forward = self.run_forward(scheduler_output)
         sampled = {}
         if forward.hidden_states is not None:
-            sampled = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
+            sampled = self._sample(forward.hidden_states, forward.inputs)
         return StepOutput(
             sampled_token_ids=sampled,
             has_work_across_dp=forward.has_work_across_dp,
@@ -216,12 +155,7 @@ class ModelRunner:
                 is_ubatched=False,
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
-        inputs = build_model_inputs(
-            scheduler_output,
-            self.kv_cache_manager,
-            num_rows=num_rows,
-            max_num_blocks_per_req=self.max_num_blocks_per_req,
-        )
+        inputs = self.input_batch.prepare_inputs(scheduler_output, num_rows=num_rows)
         ubatch_slices = (
             make_ubatch_slices(inputs.attn_metadata.query_start_loc, num_rows)
             if decision.should_ubatch
@@ -249,32 +183,14 @@ class ModelRunner:
             is_ubatched=decision.should_ubatch,
         )
 
-    def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
+    def _sample(self, hidden_states, inputs: ModelInputs) -> dict[int, int]:
         if not inputs.sampled_request_ids:
             return {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        params = {
-            s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled
-        }
-        sampled: dict[int, int] = {}
-        for row, request_id in enumerate(inputs.sampled_request_ids):
-            temperature = params[request_id].temperature
-            if temperature == 0:
-                sampled[request_id] = int(torch.argmax(logits[row]))
-                continue
-            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
-            generator = self._generator(request_id, params[request_id].seed)
-            sampled[request_id] = int(torch.multinomial(probs, 1, generator=generator))
-        return sampled
-
-    def _generator(self, request_id: int, seed: int | None) -> torch.Generator:
-        if request_id not in self._generators:
-            generator = torch.Generator()
-            generator.manual_seed(self.args.seed + request_id if seed is None else seed)
-            self._generators[request_id] = generator
-        return self._generators[request_id]
+            tokens = self.sampler(logits, inputs.sampling_metadata)
+        return dict(zip(inputs.sampled_request_ids, tokens.tolist(), strict=True))
 
     def release(self, request_id: int) -> None:
-        """Forget a finished request's sampling state."""
-        self._generators.pop(request_id, None)
+        """Forget a finished or aborted request's per-request state."""
+        self.input_batch.remove_request(request_id)

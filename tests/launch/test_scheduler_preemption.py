@@ -8,16 +8,15 @@ slot after preemption, or a lost or duplicated token changes the outputs.
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
 import torch
 
 from dbo import UBatchWrapper, make_ubatch_slices
 from launch.engine.kv_cache_manager import KVCacheManager
-from launch.engine.model_runner import build_model_inputs
 from launch.engine.request import Request, SamplingParams
 from launch.engine.scheduler import Scheduler
+from tests.helpers.engine import single_rank_engine
 
 
 class FakePagedModel:
@@ -177,29 +176,14 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     assert kv.num_free_blocks == 8 and not sched.has_unfinished()
 
 
-def _single_rank_groups():
-    import datetime
-
-    return types.SimpleNamespace(
-        rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
-        ep_group=None, device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-
-
-def _engine(model_dir, **overrides):
-    from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
-
-    args = EngineArgs(model=model_dir, dtype="float32", max_model_len=64, block_size=4, **overrides)
-    return LLMEngine(engine_args=args, model=resolve_model(args), groups=_single_rank_groups())
-
-
 def test_engine_preemption_matches_transformers(
     tiny_mixtral_dir, tiny_prompts, transformers_greedy
 ):
     """The real model with a KV cache too small for all prompts: preempted requests are recomputed
     and every output still equals transformers' greedy continuation."""
-    engine = _engine(tiny_mixtral_dir, num_gpu_blocks_override=12, max_num_batched_tokens=24)
+    engine = single_rank_engine(
+        tiny_mixtral_dir, num_gpu_blocks_override=12, max_num_batched_tokens=24
+    )
     for i, prompt in enumerate(tiny_prompts):
         engine.add_request(
             Request(
@@ -218,7 +202,7 @@ def test_engine_preemption_matches_transformers(
 def test_requests_split_across_ubatches_give_the_same_hidden_states(tiny_mixtral_dir, tiny_prompts):
     """A step of decodes plus a prefill chunk, cut in two ubatches in the middle of a request, runs
     through the ping-pong wrapper and yields the hidden states of the unsplit batch."""
-    engine = _engine(tiny_mixtral_dir, max_num_batched_tokens=20)
+    engine = single_rank_engine(tiny_mixtral_dir, max_num_batched_tokens=20)
     for i, prompt in enumerate(tiny_prompts[:4]):
         engine.add_request(
             Request(
@@ -235,12 +219,7 @@ def test_requests_split_across_ubatches_give_the_same_hidden_states(tiny_mixtral
         (2, 1),
         (3, 17),
     ]
-    inputs = build_model_inputs(
-        out,
-        engine.kv_cache_manager,
-        num_rows=out.num_tokens,
-        max_num_blocks_per_req=engine.max_num_blocks_per_req,
-    )
+    inputs = engine.model_runner.input_batch.prepare_inputs(out, num_rows=out.num_tokens)
     slices = make_ubatch_slices(inputs.attn_metadata.query_start_loc, out.num_tokens)
     cut = set(range(slices[0].request_slice.start, slices[0].request_slice.stop)) & set(
         range(slices[1].request_slice.start, slices[1].request_slice.stop)

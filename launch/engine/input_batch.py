@@ -1,0 +1,171 @@
+"""Persistent per-request state of the running requests, and the step inputs built from it.
+
+After vLLM's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``: each request the model runner
+sees gets a row of preallocated numpy arrays (token ids, token count, block table, sampling
+parameters) that steps update in place. A step does O(1) Python bookkeeping per scheduled request
+(its row, the tokens and blocks added since the last step) and builds every per-token input with
+array arithmetic: positions by ``arange`` offsets, input ids by a gather from the token rows, and
+``slot_mapping = block_table[req, pos // block_size] * block_size + pos % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dbo import CommonAttentionMetadata
+from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.request import Request
+from launch.engine.sampler import SamplingMetadata
+from launch.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64; padding rows hold 0
+    positions: torch.Tensor  # [num_tokens] int64; padding rows hold 0
+    attn_metadata: CommonAttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64: rows whose next token is sampled
+    sampled_request_ids: tuple[int, ...]  # request of each logits row
+    sampling_metadata: SamplingMetadata  # one entry per logits row
+
+
+class InputBatch:
+    """Rows of per-request state for up to ``max_num_reqs`` requests at once.
+
+    Raises:
+        ValueError: from ``prepare_inputs`` if more than ``max_num_reqs`` requests are live or
+            ``num_rows`` is below the scheduled token count.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        kv_cache_manager: KVCacheManager,
+        default_seed: int,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.default_seed = default_seed
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known tokens in the row
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # block ids copied in the row
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self._row_of: dict[int, int] = {}  # request_id -> row
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self._row_of)
+
+    def remove_request(self, request_id: int) -> None:
+        """Free a finished, aborted or preempted request's row (no-op if it has none)."""
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _add_request(self, request: Request) -> int:
+        if not self._free_rows:
+            raise ValueError(
+                f"more than {self.max_num_reqs} live requests in the input batch (--max-num-seqs)"
+            )
+        row = self._free_rows.pop()
+        self._row_of[request.request_id] = row
+        self.num_tokens[row] = 0
+        self.num_blocks[row] = 0
+        self.num_prompt_tokens[row] = request.num_prompt_tokens
+        params = request.sampling_params
+        self.temperature[row] = params.temperature
+        seed = self.default_seed + request.request_id if params.seed is None else params.seed
+        self.seeds[row] = seed
+        return row
+
+    def _sync_request(self, request: Request) -> int:
+        """The request's row, with the tokens and blocks added since the last step copied in
+        (all of them for a new request; usually one token and no block for a decode)."""
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            row = self._add_request(request)
+        start, stop = int(self.num_tokens[row]), request.num_tokens
+        if stop > start:
+            self.token_ids[row, start:stop] = request.token_ids(start, stop)
+            self.num_tokens[row] = stop
+        # blocks only grow while a request keeps its row (a preempted request loses its row, so
+        # its new blocks are copied afresh)
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)
+        synced = int(self.num_blocks[row])
+        if len(block_ids) > synced:
+            self.block_table[row, synced : len(block_ids)] = block_ids[synced:]
+            self.num_blocks[row] = len(block_ids)
+        return row
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput, *, num_rows: int) -> ModelInputs:
+        """Model inputs for the scheduled requests, ``num_rows`` rows (padding at the end).
+
+        Padding rows have input id 0, position 0 and slot -1 (no KV write).
+        """
+        for request in scheduler_output.preempted:  # recomputed later into new blocks
+            self.remove_request(request.request_id)
+        scheduled = scheduler_output.scheduled
+        rows = np.array([self._sync_request(s.request) for s in scheduled], dtype=np.int64)
+        num_new = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        num_computed = np.array([s.request.num_computed_tokens for s in scheduled], dtype=np.int64)
+        request_ids = np.array([s.request.request_id for s in scheduled], dtype=np.int64)
+        cu_num_new = np.cumsum(num_new)
+        num_tokens = int(cu_num_new[-1]) if len(scheduled) else 0
+        if num_rows < num_tokens:
+            raise ValueError(f"num_rows {num_rows} < {num_tokens} scheduled tokens")
+        # per token: its request (index into scheduled) and its position in the request
+        token_req = np.repeat(np.arange(len(scheduled)), num_new)
+        positions = np.zeros(num_rows, dtype=np.int64)
+        positions[:num_tokens] = (
+            np.arange(num_tokens) - (cu_num_new - num_new)[token_req] + num_computed[token_req]
+        )
+        token_row = rows[token_req]
+        real_positions = positions[:num_tokens]
+        input_ids = np.zeros(num_rows, dtype=np.int64)
+        input_ids[:num_tokens] = self.token_ids[token_row, real_positions]  # int32 -> int64
+        slot_mapping = np.full(num_rows, -1, dtype=np.int64)
+        block_ids = self.block_table[token_row, real_positions // self.block_size]
+        slot_mapping[:num_tokens] = (
+            block_ids.astype(np.int64) * self.block_size + real_positions % self.block_size
+        )
+        seq_lens = num_computed + num_new
+        is_sampled = seq_lens == self.num_tokens[rows]  # all known tokens computed
+        sampled_rows = rows[is_sampled]
+        attn_metadata = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_num_new)).astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=torch.from_numpy(self.block_table[rows]),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            num_reqs=len(scheduled),
+            num_actual_tokens=num_tokens,
+            num_tokens=num_rows,
+            max_query_len=int(num_new.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+        )
+        temperature = self.temperature[sampled_rows]
+        return ModelInputs(
+            input_ids=torch.from_numpy(input_ids),
+            positions=torch.from_numpy(positions),
+            attn_metadata=attn_metadata,
+            logits_indices=torch.from_numpy(cu_num_new[is_sampled] - 1),
+            sampled_request_ids=tuple(request_ids[is_sampled].tolist()),
+            sampling_metadata=SamplingMetadata(
+                temperature=torch.from_numpy(temperature),
+                seeds=torch.from_numpy(self.seeds[sampled_rows]),
+                output_positions=torch.from_numpy(
+                    self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
+                ),
+                is_all_greedy=not temperature.any(),
+            ),
+        )

@@ -1,0 +1,125 @@
+"""Sampler: greedy = argmax; seeded sampling depends only on (seed, output position, logits row),
+not on the batch around it; Gumbel-max draws from softmax(logits / T); the hash is lowbias32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from launch.engine.sampler import Sampler, SamplingMetadata, hash_uniform, mix32
+
+
+def lowbias32(x: int) -> int:
+    """Plain-Python reference of Chris Wellons' lowbias32."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def metadata(temperature, seeds, positions) -> SamplingMetadata:
+    temperature = torch.tensor(temperature, dtype=torch.float32)
+    return SamplingMetadata(
+        temperature=temperature,
+        seeds=torch.tensor(seeds, dtype=torch.int64),
+        output_positions=torch.tensor(positions, dtype=torch.int64),
+        is_all_greedy=not bool(temperature.any()),
+    )
+
+
+def test_mix32_matches_python_reference():
+    xs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
+    assert mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    tokens = Sampler()(logits, metadata([0.0] * 5, [1] * 5, [0] * 5))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_seeded_row_independent_of_batch():
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(200, generator=gen)
+    others = torch.randn(6, 200, generator=gen)
+    alone = Sampler()(row[None], metadata([0.8], [42], [5]))
+    batch = torch.cat((others[:3], row[None], others[3:]))
+    mixed = Sampler()(
+        batch,
+        metadata(
+            [0.0, 1.0, 0.5, 0.8, 0.0, 2.0, 1.0], [1, 2, 3, 42, 5, 6, 7], [0, 9, 3, 5, 1, 5, 5]
+        ),
+    )
+    assert mixed[3] == alone[0]
+    assert mixed[0] == others[0].argmax() and mixed[4] == others[3].argmax()
+
+
+def test_draws_vary_with_seed_and_position():
+    logits = torch.zeros(1, 1000)  # uniform: every token equally likely
+    draws = {
+        int(Sampler()(logits, metadata([1.0], [seed], [pos]))[0])
+        for seed in range(5)
+        for pos in range(5)
+    }
+    assert len(draws) > 20  # 25 draws from 1000 tokens: collisions are rare
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_gumbel_max_follows_softmax(temperature):
+    """40,000 draws (one per output position) of 4 tokens: each frequency within 5 sigma."""
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 40_000
+    tokens = Sampler()(logits.expand(n, 4), metadata([temperature] * n, [7] * n, list(range(n))))
+    counts = torch.bincount(tokens, minlength=4).double()
+    probs = torch.softmax(logits.double() / temperature, -1)
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert ((counts - n * probs).abs() < 5 * sigma).all(), (counts / n, probs)
+
+
+def test_uniforms_in_open_unit_interval():
+    u = hash_uniform(torch.tensor([0, -1, 2**40 + 3]), torch.tensor([0, 1, 2**20]), 4096)
+    assert u.dtype == torch.float64 and u.min() > 0 and u.max() < 1
+    assert math.isclose(float(u.mean()), 0.5, abs_tol=0.01)
+    # 64-bit seeds: the high half matters
+    assert not torch.equal(
+        hash_uniform(torch.tensor([3]), torch.tensor([0]), 8),
+        hash_uniform(torch.tensor([3 + 2**32]), torch.tensor([0]), 8),
+    )
+
+
+def _sampled_outputs(model_dir, prompts, request_ids, **engine_overrides):
+    """(output tokens by request id, number of preemptions)."""
+    from launch.engine.request import Request, SamplingParams
+    from tests.helpers.engine import single_rank_engine
+
+    engine = single_rank_engine(model_dir, **engine_overrides)
+    for request_id in request_ids:
+        engine.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=list(prompts[request_id % len(prompts)]),
+                sampling_params=SamplingParams(
+                    max_tokens=8, temperature=1.0, seed=1000 + request_id
+                ),
+            )
+        )
+    outputs = {r.request_id: r.output_token_ids for r in engine.run_until_done()}
+    return outputs, engine.stats.num_preemptions
+
+
+def test_engine_seeded_request_same_tokens_in_any_batch(tiny_mixtral_dir, tiny_prompts):
+    """Request 2 (temperature 1, seed 1002) alone, in a batch of 8, and in a batch whose small KV
+    cache forces preemptions (recompute): the same tokens every time."""
+    alone = _sampled_outputs(tiny_mixtral_dir, tiny_prompts, [2])[0][2]
+    batched, _ = _sampled_outputs(tiny_mixtral_dir, tiny_prompts, range(8))
+    preempted, num_preemptions = _sampled_outputs(
+        tiny_mixtral_dir, tiny_prompts, range(8), num_gpu_blocks_override=12,
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    assert num_preemptions > 0
+    assert batched[2] == alone and preempted[2] == alone
+    assert preempted == batched
+    assert len({tuple(t) for t in batched.values()}) > 1  # different seeds, different tokens
