@@ -4,11 +4,12 @@ Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md`
 1. every DP rank votes whether to microbatch (token count against the decode or prefill
    threshold) and the votes are gathered over the DP group; microbatching happens only if all
    agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``);
-2. flat inputs and the common attention metadata are built (padding rows have slot -1);
+2. flat inputs and the common attention metadata are built from the persistent per-request rows
+   of the ``InputBatch`` by array arithmetic (padding rows have slot -1);
 3. with microbatching the token range is cut in two ``UBatchSlice`` s and ``UBatchWrapper`` runs
    the model on two threads that ping-pong inside the MoE layers; otherwise the model runs once;
 4. the hidden state of each request whose known tokens are all computed is turned into logits and
-   a token is sampled.
+   the ``Sampler`` picks every row's token at once (greedy argmax, or seeded Gumbel-max).
 A rank with nothing scheduled still runs a one-token dummy batch while any other rank has work,
 because the expert all-to-all is a collective over all EP ranks.
 """
