@@ -23,6 +23,7 @@ from launch.engine.arg_utils import (
 )
 from launch.engine.llm_engine import LLMEngine, resolve_model
 from launch.engine.request import Request, SamplingParams
+from launch.engine.startup import seconds_since_process_start
 
 PROG = "launch.generate"
 
@@ -115,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
             )
+        startup_s = seconds_since_process_start()  # the first step starts now
         start = time.perf_counter()
         finished = engine.run_until_done()
         elapsed = time.perf_counter() - start
         engine.write_timeline()
         gathered = gather_to_rank0(finished, groups)
         if groups.rank == 0:
-            report(gathered, engine, elapsed, ns.output)
+            report(gathered, engine, elapsed, ns.output, startup_s=startup_s)
     except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
         fail(PROG, rank, f"{type(e).__name__}: {e}", status=1)
     finally:
@@ -139,7 +141,9 @@ def gather_to_rank0(finished: list[Request], groups) -> list[Request]:
     return sorted((item for part in everyone for item in part), key=lambda item: item[0])
 
 
-def report(results, engine: LLMEngine, elapsed: float, output: str | None) -> None:
+def report(
+    results, engine: LLMEngine, elapsed: float, output: str | None, *, startup_s: float
+) -> None:
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", encoding="utf-8") as f:
@@ -155,7 +159,8 @@ def report(results, engine: LLMEngine, elapsed: float, output: str | None) -> No
     print(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "
-        f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO)"
+        f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
+        f"start-up {startup_s:.2f} s (process start to first step, rank 0)"
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )

@@ -231,3 +231,36 @@ def test_check_checkpoint_reads_headers_only(sharded, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight' is missing from checkpoint"):
         check_checkpoint(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_init_values_follow_the_seeded_formula(single, dtype):
+    """Each matrix is randn(shape, generator seeded from (seed, name)) * fan_in**-0.5 in float32,
+    cast: the values the embedded default has always had (written in place, no temporary)."""
+    from moe.model_loader.loader import _seed_for, checkpoint_targets
+
+    model = build_model(load_config(single), dtype=dtype)
+    init_random_weights(model, seed=3)
+    for name, target in checkpoint_targets(model):
+        if target.dim() == 1:
+            assert torch.equal(target, torch.ones_like(target)), name
+            continue
+        gen = torch.Generator().manual_seed(_seed_for(3, name))
+        values = torch.randn(tuple(target.shape), generator=gen, dtype=torch.float32)
+        assert torch.equal(target, (values * target.shape[-1] ** -0.5).to(dtype)), name
+
+
+def test_build_skips_default_init_and_restores_it(single):
+    from torch import nn
+
+    from moe.models.registry import skip_default_init
+
+    before = nn.Linear.reset_parameters
+    with pytest.raises(RuntimeError, match="boom"), skip_default_init():
+        linear = nn.Linear(4, 4)
+        assert linear.weight.shape == (4, 4)  # built, nothing drawn
+        raise RuntimeError("boom")
+    assert nn.Linear.reset_parameters is before  # restored even after an error
+    gen_state = torch.random.get_rng_state()
+    build_model(load_config(single))
+    assert torch.equal(torch.random.get_rng_state(), gen_state)  # no default init drew numbers
