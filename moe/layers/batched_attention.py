@@ -75,6 +75,7 @@ def _pad_chunk(
     block_size: int,
     max_query_len: int,
     max_seq_len: int,
+    data_device: torch.device,
 ) -> PaddedRequests:
     device = query_start_loc.device
     q_lens, s_lens = query_lens[req_ids], seq_lens[req_ids]
@@ -84,11 +85,11 @@ def _pad_chunk(
     q_pos = (s_lens - q_lens)[:, None] + query_idx[None, :]  # [R, Q] position of each query
     key_pos = torch.arange(max_seq_len, device=device)
     num_blocks = -(-max_seq_len // block_size)
-    return PaddedRequests(
-        gather_rows=torch.where(is_query, rows, 0),
-        scatter_rows=torch.where(is_query, rows, attn_metadata.num_tokens),
-        attn_mask=key_pos[None, None, :] <= q_pos[:, :, None],
-        blocks=attn_metadata.block_table[req_ids, :num_blocks].long(),
+    return PaddedRequests(  # built where the metadata lives, used where the data lives
+        gather_rows=torch.where(is_query, rows, 0).to(data_device),
+        scatter_rows=torch.where(is_query, rows, attn_metadata.num_tokens).to(data_device),
+        attn_mask=(key_pos[None, None, :] <= q_pos[:, :, None]).to(data_device),
+        blocks=attn_metadata.block_table[req_ids, :num_blocks].long().to(data_device),
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
     )
@@ -100,6 +101,7 @@ def pad_request_chunks(
     *,
     short_query_len: int,
     context_bytes_per_token: int,
+    data_device: torch.device | None = None,
 ) -> list[PaddedRequests]:
     """The requests with query rows, padded in chunks.
 
@@ -107,7 +109,10 @@ def pad_request_chunks(
     ones — each sorted by ``seq_len`` and cut into chunks whose gathered context
     (``num_chunk_reqs * max_seq_len * context_bytes_per_token``) fits ``CHUNK_CONTEXT_BYTES``
     (at least one request per chunk). Empty groups are left out; an empty (u)batch gives ``[]``.
+    The index and mask tensors are moved to ``data_device`` (default: the metadata's device).
     """
+    if data_device is None:
+        data_device = attn_metadata.query_start_loc.device
     qsl = attn_metadata.query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = attn_metadata.seq_lens.long()
@@ -135,6 +140,7 @@ def pad_request_chunks(
                     block_size=block_size,
                     max_query_len=max(group_query_lens[start:stop]),
                     max_seq_len=group_seq_lens[stop - 1],
+                    data_device=data_device,
                 )
             )
     return chunks
@@ -171,6 +177,7 @@ def batched_paged_attention(
         kv_cache.shape[2],
         short_query_len=1,
         context_bytes_per_token=2 * num_kv_heads * head_dim * kv_cache.element_size(),
+        data_device=query.device,
     )
     for chunk in chunks:
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
@@ -223,6 +230,7 @@ def batched_mla_attention(
         kv_cache.shape[1],
         short_query_len=absorb_max_query_len,
         context_bytes_per_token=kv_cache.shape[2] * kv_cache.element_size(),
+        data_device=q_nope.device,
     )
     for chunk in chunks:
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
