@@ -141,19 +141,42 @@ def make_mla(kv_lora_rank: int = 12, rope: int = 4) -> PagedMLACache:
     return op
 
 
-def mla_step(op: PagedMLACache, md: CommonAttentionMetadata, method: str, *, seed: int = 4):
-    """Write this step's latents, then attend with ``method``; returns [T, H, v]."""
+def mla_inputs(op: PagedMLACache, num_tokens: int, *, seed: int = 4) -> dict:
+    """q_nope [T, 4, 6], q_pe [T, 4, rope], kv_b weight [4 * (6 + 5), r], latents kv_c / k_pe."""
     num_heads, nope, rope, v_dim = 4, 6, op.qk_rope_head_dim, 5
     gen = torch.Generator().manual_seed(seed)
-    t = md.num_tokens
-    q_nope = torch.randn(t, num_heads, nope, generator=gen, dtype=DTYPE)
-    q_pe = torch.randn(t, num_heads, rope, generator=gen, dtype=DTYPE)
-    w = torch.randn(num_heads * (nope + v_dim), op.kv_lora_rank, generator=gen, dtype=DTYPE)
-    kv_c = torch.randn(t, op.kv_lora_rank, generator=gen, dtype=DTYPE)
-    k_pe = torch.randn(t, rope, generator=gen, dtype=DTYPE)
+    t = num_tokens
+    return {
+        "q_nope": torch.randn(t, num_heads, nope, generator=gen, dtype=DTYPE),
+        "q_pe": torch.randn(t, num_heads, rope, generator=gen, dtype=DTYPE),
+        "w": torch.randn(num_heads * (nope + v_dim), op.kv_lora_rank, generator=gen, dtype=DTYPE),
+        "kv_c": torch.randn(t, op.kv_lora_rank, generator=gen, dtype=DTYPE),
+        "k_pe": torch.randn(t, rope, generator=gen, dtype=DTYPE),
+    }
+
+
+def mla_step(op: PagedMLACache, md: CommonAttentionMetadata, method: str, x=None, rows=None):
+    """Write this step's latents (rows ``rows`` of the inputs ``x``), then attend with ``method``;
+    returns [T, H, v]."""
+    x = mla_inputs(op, md.num_tokens) if x is None else x
+    rows = slice(0, md.num_tokens) if rows is None else rows
     n = md.num_actual_tokens
-    op.write(kv_c[:n], k_pe[:n], md.slot_mapping[:n])
-    return getattr(op, method)(q_nope, q_pe, w, md, scale=0.3)
+    op.write(x["kv_c"][rows][:n], x["k_pe"][rows][:n], md.slot_mapping[:n])
+    return getattr(op, method)(x["q_nope"][rows], x["q_pe"][rows], x["w"], md, scale=0.3)
+
+
+def test_mla_request_cut_across_ubatches(chunk_bytes):
+    md = make_metadata([(3, 1), (0, 9), (5, 2), (1, 6)], num_padding=1)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut
+    native, batched = make_mla(), make_mla()
+    x = mla_inputs(native, md.num_tokens)
+    expected = mla_step(native, md, "forward_native", x)
+    parts = [
+        mla_step(batched, ub_md, "forward_cpu", x, s.token_slice)
+        for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
+    ]
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("num_padding", [0, 3])
