@@ -93,7 +93,7 @@ def test_uniforms_in_open_unit_interval():
 def _sampled_outputs(model_dir, prompts, request_ids, **engine_overrides):
     """(output tokens by request id, number of preemptions)."""
     from launch.engine.request import Request, SamplingParams
-    from tests.helpers.engine import single_rank_engine
+    from tests.helpers.single_rank import single_rank_engine
 
     engine = single_rank_engine(model_dir, **engine_overrides)
     for request_id in request_ids:

@@ -16,7 +16,7 @@ from dbo import UBatchWrapper, make_ubatch_slices
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.request import Request, SamplingParams
 from launch.engine.scheduler import Scheduler
-from tests.helpers.engine import single_rank_engine
+from tests.helpers.single_rank import single_rank_engine
 
 
 class FakePagedModel:
