@@ -27,7 +27,7 @@ from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, 
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_tokens_across_dp,
+    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
 )
@@ -136,7 +136,7 @@ class FusedMoEModularKernel:
             topk_weights,
             async_op=is_async,
             # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
-            num_tokens_across_ep=dbo_num_tokens_across_dp(),
+            num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
         )
         _record_issue("dispatch", issue_ns, dispatch)
         if is_async:
