@@ -106,5 +106,5 @@ class FusedMoE(nn.Module):
             routing = self.gate(hidden_states)
         shared = self._shared_experts if self.shared_expert_name else None
         return self.kernel.forward(
-            hidden_states, routing.topk_weights, routing.topk_ids, shared_experts=shared
+            hidden_states, routing.topk_ids, routing.topk_weights, shared_experts=shared
         )

@@ -110,8 +110,8 @@ class FusedMoEModularKernel:
     def forward(
         self,
         hidden_states: Tensor,
-        topk_weights: Tensor,
         topk_ids: Tensor,
+        topk_weights: Tensor,
         *,
         shared_experts: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
@@ -119,8 +119,8 @@ class FusedMoEModularKernel:
 
         Args:
             hidden_states: [num_tokens, hidden_size]
-            topk_weights: [num_tokens, num_topk] float32
             topk_ids: [num_tokens, num_topk] int64 GLOBAL expert ids
+            topk_weights: [num_tokens, num_topk] float32
             shared_experts: optional dense MLP run on hidden_states while the combine is in flight.
 
         Returns:
