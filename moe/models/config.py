@@ -155,10 +155,6 @@ class MoEModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
-    @property
-    def num_dense_layers(self) -> int:
-        return sum(not s for s in self.moe_layers)
-
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> MoEModelConfig:
         """Build from a HF ``config.json`` dict.
