@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,9 +84,7 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
 class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
-    num_dummy_steps: int = 0
     num_preemptions: int = 0
-    step_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,8 +201,6 @@ class LLMEngine:
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
-            self.stats.num_dummy_steps += out.num_tokens == 0
-            self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
         for request in finished:
