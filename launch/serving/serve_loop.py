@@ -22,7 +22,12 @@ import torch.distributed as dist
 
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
-from launch.serving.engine_bridge import EngineBridge, NewRequest, RequestOutput
+from launch.serving.engine_bridge import (
+    EngineBridge,
+    NewRequest,
+    RequestOutput,
+    ServerShuttingDown,
+)
 from launch.serving.metrics import ServerMetrics
 
 HEARTBEAT_S = 0.5
@@ -120,8 +125,10 @@ class ServeLoop:
             dispatch = self._make_dispatch(any_work) if self.dp_rank == 0 else None
             if dispatch is not None and dispatch.should_exit:
                 num_failed = self.bridge.fail_all(
-                    "the server shut down (SIGTERM) before this request finished "
-                    f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    ServerShuttingDown(
+                        "the server shut down (SIGTERM) before this request finished "
+                        f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    )
                 )
             parts: list = [None] * self.dp_size
             # blocking collective over the gloo control group (timeout: the group's timeout)
@@ -207,7 +214,7 @@ class ServeLoop:
                 )
                 self._num_sent[new.request_id] = 0
             except ValueError as e:  # rank 0 checks requests first; this is a last line of defence
-                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=str(e)))
+                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=e))
         for request_id in dispatch.aborts:
             if self.engine.abort_request(request_id) is not None:
                 self._num_sent.pop(request_id, None)
