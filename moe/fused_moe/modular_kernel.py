@@ -70,7 +70,7 @@ def _wait(handle: CommHandle[T], op: str) -> T:
 def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
     """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
     blocking count exchange if the backend made one (``{op}_notify``, comm)."""
-    notify = getattr(handle, "notify_ns", None)
+    notify = handle.notify_ns
     issued_at_ns = max(handle.issued_at_ns, start_ns)
     if notify is None:
         record_span(

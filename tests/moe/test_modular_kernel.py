@@ -93,11 +93,12 @@ def test_kernel_rejects_mismatched_local_expert_count():
 
 
 class _LazyHandle:
-    """CommHandle-shaped: completes on the first wait() and logs which ubatch completed it."""
+    """A CommHandle: completes on the first wait() and logs which ubatch completed it."""
 
     def __init__(self, log, name, value):
         self.log, self.name, self.value = log, name, value
         self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
+        self.notify_ns = None
 
     def is_completed(self):
         return self.completed_at_ns is not None
