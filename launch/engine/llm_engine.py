@@ -7,7 +7,6 @@ one at which no DP rank has work.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -60,15 +59,9 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     if args.model is None:
         config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
     else:
-        config_path = Path(args.model) / "config.json"
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
-        try:
-            hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
-        config = MoEModelConfig.from_hf_config(hf_config)
-        check_checkpoint(args.model)
+        config = check_checkpoint(args.model)  # parses config.json (moe.model_loader.load_config)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -179,6 +172,19 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """This rank's running requests (scheduled in the last step or about to be), in order."""
+        return tuple(self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def abort_request(self, request_id: int) -> Request | None:
         """Drop a request of this rank (its blocks and sampling state); None if not here."""
