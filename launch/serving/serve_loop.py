@@ -227,7 +227,7 @@ class ServeLoop:
         step_time_s = time.perf_counter() - start
         outputs = list(self._error_outputs)
         self._error_outputs.clear()
-        for request in [*self.engine.scheduler.running, *finished]:
+        for request in [*self.engine.running_requests, *finished]:
             outputs += self._new_output(request)
         return self._report(
             ran_step=True,
@@ -254,13 +254,13 @@ class ServeLoop:
         ]
 
     def _report(self, *, ran_step: bool, outputs=(), **step) -> RankReport:
-        scheduler = self.engine.scheduler
+        engine = self.engine
         if not ran_step and self._error_outputs:
             outputs, self._error_outputs = tuple(self._error_outputs), []
         return RankReport(
             outputs=tuple(outputs),
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
             num_preemptions=self.engine.stats.num_preemptions,
             wants_shutdown=self.stop_requested(),
             ran_step=ran_step,
