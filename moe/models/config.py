@@ -1,8 +1,9 @@
 """Model configuration parsed from a Hugging Face ``config.json`` dict.
 
 Only the fields the engine needs are kept; unknown keys are ignored. Supported architectures are
-listed in ``SUPPORTED_ARCHITECTURES`` (``model_type`` -> architecture class name); anything else
-raises ``ValueError`` naming them. The per-architecture parsing lives in ``moe.hf_config``.
+listed in ``moe.models.hf_config.SUPPORTED_ARCHITECTURES`` (``model_type`` -> architecture class
+name); anything else raises ``ValueError`` naming them. The per-architecture parsing lives in
+``moe.models.hf_config``, which does not import this module (no import circle).
 """
 
 from __future__ import annotations
@@ -12,15 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.fused_moe.router import SCORING_FUNCS, TOPK_METHODS
+from moe.models.hf_config import SUPPORTED_ARCHITECTURES, parse_hf_config
 
-# model_type -> architecture class name in config.json
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
 ATTENTION_TYPES = ("gqa", "mla")
 
 
@@ -163,8 +157,6 @@ class MoEModelConfig:
             ValueError: unsupported ``model_type``/``architectures`` (the message names the supported
                 ones), or a missing / invalid field.
         """
-        from moe.models.hf_config import parse_hf_config
-
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = d.get("architectures")
