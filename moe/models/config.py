@@ -107,6 +107,14 @@ class MoEModelConfig:
                 f"moe_layers has {len(self.moe_layers)} entries, expected num_hidden_layers="
                 f"{self.num_hidden_layers}"
             )
+        self._check_attention()
+        self._check_routing()
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    def _check_attention(self) -> None:
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(
                 f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}"
@@ -126,6 +134,8 @@ class MoEModelConfig:
                 _positive("q_lora_rank", self.q_lora_rank)
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    def _check_routing(self) -> None:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
@@ -140,10 +150,6 @@ class MoEModelConfig:
             raise ValueError(
                 f"shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}"
             )
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
