@@ -101,6 +101,23 @@ class MemoryStats:
         )
 
 
+def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
+    """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
+    behind an emulated link when ``--emulate-link`` is given."""
+    link_spec = engine_args.link_spec()
+    if groups.ep_size == 1:
+        return None
+    return make_all2all_backend(
+        engine_args.all2all_backend,
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        num_experts=num_experts,
+        timeout=groups.timeout,
+        link=None if link_spec is None else EmulatedLink(link_spec),
+    )
+
+
 class LLMEngine:
     """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
 
@@ -111,20 +128,9 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
             self.start_timeline()
-        link_spec = engine_args.link_spec()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
-        backend = None
-        if groups.ep_size > 1:
-            backend = make_all2all_backend(
-                engine_args.all2all_backend,
-                ep_group=groups.ep_group,
-                ep_rank=groups.ep_rank,
-                ep_size=groups.ep_size,
-                num_experts=config.num_experts,
-                timeout=groups.timeout,
-                link=None if link_spec is None else EmulatedLink(link_spec),
-            )
+        backend = _make_all2all_backend(engine_args, groups, config.num_experts)
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(engine_args.custom_ops)
