@@ -15,6 +15,7 @@ import torch
 from dbo import CommonAttentionMetadata
 from moe.layers.attention import PagedAttention
 
+PROG = "launch.benchmarks.attention"
 BLOCK_SIZE = 16
 # (name, requests as (tokens already cached, query rows)), heads, kv heads, head_dim
 SHAPES = (
@@ -59,7 +60,7 @@ def _time(fn, args: tuple, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import mkldnn as mkldnn_utils
 
+PROG = "launch.benchmarks.linear"
 # (tokens, in_features, out_features): tiny checkpoint decode, medium checkpoint decode and
 # prefill (hidden 1024, expert intermediate 2048)
 SHAPES = ((80, 64, 512), (80, 1024, 2048), (1024, 1024, 2048))
@@ -30,7 +31,7 @@ def _time(fn, args: tuple, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
