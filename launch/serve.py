@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM before they fail "
         "(keep it below torchrun's 30 s grace before it kills the workers)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="jinja2 chat template file for /v1/chat/completions (default: the checkpoint's, "
+        "from tokenizer_config.json or chat_template.jinja)",
+    )
     add_engine_args(parser)
     return parser
 
@@ -78,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
         model = resolve_model(args)
+        from launch.serving.chat_template import load_chat_template
         from launch.serving.detokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
+        chat_template = load_chat_template(args.model, ns.chat_template)
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
     stop = _install_stop_handlers()
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if rank == 0:
-            http, metrics = _start_http(ns, model, tokenizer, engine)
+            http, metrics = _start_http(ns, model, tokenizer, chat_template, engine)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = f"[rank {rank}] {type(e).__name__}: {e}"
     errors: list = [None] * groups.world_size
@@ -159,7 +167,7 @@ def _model_name(ns: argparse.Namespace) -> str:
     return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
 
 
-def _start_http(ns, model, tokenizer, engine: LLMEngine):
+def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine):
     from launch.serving.api_server import HTTPServerThread, ServerConfig
     from launch.serving.metrics import ServerMetrics
 
@@ -172,6 +180,7 @@ def _start_http(ns, model, tokenizer, engine: LLMEngine):
         tokenizer=tokenizer,
         metrics=metrics,
         kv_capacity_tokens=kv.num_blocks * kv.block_size,
+        chat_template=chat_template,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

@@ -207,6 +207,10 @@ class LLMEngine:
             self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        if out.sampled_logprobs:
+            by_id = {s.request.request_id: s.request for s in scheduler_output.scheduled}
+            for request_id, logprobs in out.sampled_logprobs.items():
+                by_id[request_id].output_logprobs.append(logprobs)
         for request in finished:
             self.model_runner.release(request.request_id)
         return finished, True

@@ -214,7 +214,7 @@ BAD_REQUESTS = {
     "token outside vocab": ({"prompt": [5, 128]}, 400, r"token id 128 is outside \[0, 128\)"),
     "empty prompt": ({"prompt": []}, 400, "the prompt is empty"),
     "unknown model": ({"prompt": [5], "model": "gpt-x"}, 404, "does not exist"),
-    "n=2": ({"prompt": [5], "n": 2}, 400, "'n' = 2 is not supported"),
+    "n=0": ({"prompt": [5], "n": 0}, 400, r"'n' must be in \[1, 64\]"),
 }
 
 
