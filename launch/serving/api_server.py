@@ -67,8 +67,8 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
 
     created = int(time.time())
     app = web.Application()
-    app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge))
-    app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge))
+    app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
+    app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
