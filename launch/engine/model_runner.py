@@ -268,7 +268,10 @@ class ModelRunner:
             s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled
         }
         sampled: dict[int, int] = {}
+        logprob_rows: list[int] = []  # rows whose request asked for logprobs
         for row, request_id in enumerate(inputs.sampled_request_ids):
+            if params[request_id].logprobs is not None:
+                logprob_rows.append(row)
             temperature = params[request_id].temperature
             if temperature == 0:
                 sampled[request_id] = int(torch.argmax(logits[row]))
@@ -277,7 +280,9 @@ class ModelRunner:
             probs = apply_top_p(probs, params[request_id].top_p)
             generator = self._generator(request_id, params[request_id].seed)
             sampled[request_id] = int(torch.multinomial(probs, 1, generator=generator))
-        return sampled, _logprobs_of(logits, inputs.sampled_request_ids, sampled, params)
+        if not logprob_rows:
+            return sampled, {}
+        return sampled, _logprobs_of(logits, logprob_rows, inputs, sampled, params)
 
     def _generator(self, request_id: int, seed: int | None) -> torch.Generator:
         if request_id not in self._generators:
@@ -291,12 +296,11 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
 
-def _logprobs_of(logits, request_ids, sampled, params) -> dict[int, TokenLogprobs]:
-    """Logprobs for the rows whose request set ``logprobs`` (a loop over those rows only)."""
-    rows = [i for i, r in enumerate(request_ids) if params[r].logprobs is not None]
-    if not rows:
-        return {}
-    wanted = [request_ids[i] for i in rows]
+def _logprobs_of(
+    logits: torch.Tensor, rows: list[int], inputs: ModelInputs, sampled, params
+) -> dict[int, TokenLogprobs]:
+    """Logprobs of the sampled tokens of ``rows`` (of ``logits``: [num_sampled, vocab_size])."""
+    wanted = [inputs.sampled_request_ids[i] for i in rows]
     token_ids = torch.tensor([sampled[r] for r in wanted], dtype=torch.int64)
     with timeline_span("logprobs"):
         logprobs = compute_logprobs(logits[rows], token_ids, [params[r].logprobs for r in wanted])
