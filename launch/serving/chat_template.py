@@ -154,6 +154,8 @@ def load_chat_template(model_dir: str | None, template_path: str | None) -> Chat
     special = {name: t for name in SPECIAL_TOKEN_NAMES if (t := _token_content(config.get(name)))}
     if template_path is not None:
         path = Path(template_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {template_path}: no such file")
         return ChatTemplate(path.read_text(encoding="utf-8"), special_tokens=special,
                             origin=str(path))  # fmt: skip
     source = config.get("chat_template")

@@ -9,7 +9,6 @@ The sampling fields are shared with chat completions (``launch.serving.chat_prot
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from launch.engine.request import SamplingParams
@@ -245,29 +244,3 @@ def error_body(message: str, *, status: int, param: str | None = None) -> dict:
             "code": status,
         }
     }
-
-
-def completion_body(
-    *,
-    request_id: str,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    finish_reason: str | None,
-    usage: dict | None,
-    created: int | None = None,
-) -> dict:
-    """A ``text_completion`` object (a whole response, or one streamed chunk) with one choice."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body

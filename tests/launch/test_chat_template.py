@@ -4,6 +4,7 @@ saved by transformers offline), and the chat request is parsed and checked."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -129,3 +130,23 @@ def test_chat_request_fields():
 def test_malformed_chat_requests_name_the_field(body, pattern):
     with pytest.raises(ProtocolError, match=pattern):
         parse_chat_request(body, model_name="m")
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (None, "--chat-template .*missing.jinja: no such file"),
+        ("{% for %}", ".*jinja: not a valid jinja2"),
+    ],
+)
+def test_serve_refuses_a_bad_chat_template_before_starting(tmp_path, capsys, content, pattern):
+    from launch import serve
+
+    path = tmp_path / "missing.jinja"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        serve.main([f"--chat-template={path}"])
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert re.search(r"launch\.serve \[rank 0\]: error: " + pattern, err), err
