@@ -116,8 +116,15 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.origin = origin
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text of ``messages`` (OpenAI message dicts).
+    def render(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        variables: dict | None = None,
+    ) -> str:
+        """The prompt text of ``messages`` (OpenAI message dicts); ``variables`` are extra
+        template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``).
 
         Raises:
             ChatTemplateError: the template refused the messages or failed on them.
@@ -125,14 +132,16 @@ class ChatTemplate:
         import jinja2
 
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {  # the request's kwargs may add variables, never replace these
+            **self.special_tokens,
+            **(variables or {}),
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs},
-            )
+            return self._template.render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
 

@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
             text = config.chat_template.render(
                 list(request.messages),
                 add_generation_prompt=request.add_generation_prompt,
-                **request.chat_template_kwargs,
+                variables=request.chat_template_kwargs,
             )
         except ChatTemplateError as e:
             raise ProtocolError(str(e), param="messages") from None

@@ -150,3 +150,12 @@ def test_serve_refuses_a_bad_chat_template_before_starting(tmp_path, capsys, con
     assert info.value.code != 0
     err = capsys.readouterr().err
     assert re.search(r"launch\.serve \[rank 0\]: error: " + pattern, err), err
+
+
+def test_chat_template_kwargs_add_variables_but_never_replace_messages(tmp_path):
+    file = tmp_path / "t.jinja"
+    file.write_text("{{ messages | length }}{% if enable_thinking %}T{% endif %}{{ bos_token }}")
+    template = load_chat_template(None, str(file))
+    messages = [{"role": "user", "content": "x"}]
+    assert template.render(messages, variables={"enable_thinking": True, "bos_token": "B"}) == "1TB"
+    assert template.render(messages, variables={"messages": [], "tools": 1}) == "1"
