@@ -10,7 +10,8 @@ block (``--percentile-metrics``, ``--metric-percentiles``) so both tools can be 
 Without ``--base-url`` (or ``--host``/``--port``) it launches the server twice with torchrun
 (``--nproc-per-node N``, EP on), DBO off then on, runs the same load against each, and prints both
 blocks and a side-by-side table with the on/off ratio. Extra server flags go in ``--server-args``.
-Loopback only. The old spellings ``--input-len`` / ``--output-len`` still work.
+Loopback only. The old spellings ``--input-len`` / ``--output-len`` still work. ``--backend
+openai-chat`` sends the prompts' text (``--tokenizer DIR``) as chat messages instead.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ async def _one_request(session, url: str, body: dict) -> RequestResult:
     ttft = 0.0
     itls: list[float] = []
     num_tokens = 0
+    usage = None
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -63,7 +65,10 @@ async def _one_request(session, url: str, body: dict) -> RequestResult:
                 chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     return RequestResult(ok=False, error=chunk["error"]["message"])
-                new = len(chunk["choices"][0].get("token_ids") or ())
+                if not chunk["choices"]:  # stream_options.include_usage: the last chunk
+                    usage = chunk.get("usage") or usage
+                    continue
+                new = _num_new_tokens(chunk["choices"][0])
                 if new == 0:
                     continue
                 now = time.perf_counter()
@@ -75,24 +80,38 @@ async def _one_request(session, url: str, body: dict) -> RequestResult:
                 num_tokens += new
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
+    if usage is not None:  # chat chunks carry text, not token ids: the server's count
+        num_tokens = usage["completion_tokens"]
     return RequestResult(
         ok=True,
         num_output_tokens=num_tokens,
+        num_prompt_tokens=None if usage is None else usage["prompt_tokens"],
         ttft_s=ttft,
         itls_s=tuple(itls),
         latency_s=time.perf_counter() - start,
     )
 
 
-def _body(request: RandomRequest, model: str | None) -> dict:
-    body = {
-        "prompt": request.prompt_token_ids,
-        "max_tokens": request.output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+def _num_new_tokens(choice: dict) -> int:
+    """Tokens in one streamed choice: its ``token_ids`` (completions), or one per chat chunk
+    with content (as vLLM's openai-chat backend counts chunks)."""
+    if "delta" in choice:
+        return int(bool(choice["delta"].get("content")))
+    return len(choice.get("token_ids") or ())
+
+
+def _body(request: RandomRequest, model: str | None, tokenizer) -> dict:
+    """A completions body with the token ids, or (with a tokenizer) a chat body whose one user
+    message is the ids' text, as vLLM's random dataset does for chat."""
+    common = {"temperature": 0, "ignore_eos": True, "stream": True}
+    if tokenizer is None:
+        body = {"prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+                "return_token_ids": True, **common}  # fmt: skip
+    else:
+        text = tokenizer.decode(request.prompt_token_ids)
+        body = {"messages": [{"role": "user", "content": text}],
+                "max_completion_tokens": request.output_len,
+                "stream_options": {"include_usage": True}, **common}  # fmt: skip
     return body if model is None else {**body, "model": model}
 
 
@@ -106,8 +125,10 @@ async def run_load(
     seed: int,
     endpoint: str = "/v1/completions",
     model: str | None = None,
+    tokenizer=None,
 ) -> BenchResult:
-    """Send the requests; gather per-request timings into a BenchResult."""
+    """Send the requests; gather per-request timings into a BenchResult. With ``tokenizer``
+    (``launch.serving.detokenizer.Tokenizer``) they go to a chat endpoint as text."""
     import aiohttp
 
     gaps = arrival_gaps(len(requests), request_rate=request_rate, burstiness=burstiness, seed=seed)
@@ -117,7 +138,8 @@ async def run_load(
 
         async def limited(request):
             async with limit:
-                return await _one_request(session, base_url + endpoint, _body(request, model))
+                body = _body(request, model, tokenizer)
+                return await _one_request(session, base_url + endpoint, body)
 
         start = time.perf_counter()
         tasks = []
@@ -136,7 +158,7 @@ async def run_load(
         num_failed=len(failed),
         duration_s=duration,
         num_output_tokens=sum(r.num_output_tokens for _, r in ok),
-        num_input_tokens=sum(len(q.prompt_token_ids) for q, _ in ok),
+        num_input_tokens=sum(r.num_prompt_tokens or len(q.prompt_token_ids) for q, r in ok),
         ttft_s=tuple(r.ttft_s for _, r in ok),
         itl_s=tuple(x for _, r in ok for x in r.itls_s),
         tpot_s=tuple(r.tpot_s for _, r in ok if r.tpot_s is not None),
@@ -198,11 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=None, help="bench this running server (loopback) only")
     p.add_argument("--host", default=None, help="with --port: the server at http://HOST:PORT")
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--endpoint", default="/v1/completions", help="only /v1/completions")
-    p.add_argument(
-        "--backend", default="vllm", choices=("vllm", "openai"), help="(both: completions)"
-    )
+    p.add_argument("--backend", default="vllm", choices=("vllm", "openai", "openai-chat"),
+                   help="openai-chat: chat completions (needs --tokenizer)")  # fmt: skip
+    p.add_argument("--endpoint", default=None,
+                   help="/v1/completions, or /v1/chat/completions with openai-chat")  # fmt: skip
     p.add_argument("--model", default=None, help="model name sent with each request")
+    p.add_argument("--tokenizer", default=None,
+                   help="checkpoint dir whose tokenizer.json turns prompts into chat text "
+                   "(default: --model)")  # fmt: skip
     p.add_argument("--nproc", type=int, default=2, help="DP ranks of the launched servers")
     p.add_argument("--server-args", default="", help="extra flags for the launched servers")
     p.add_argument("--dataset-name", default="random", choices=("random",))
@@ -236,10 +261,11 @@ def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
         raise ValueError(f"--random-prefix-len must be >= 0, got {ns.random_prefix_len}")
     if not ns.request_rate > 0 or not ns.burstiness > 0:
         raise ValueError("--request-rate and --burstiness must be > 0")
-    if ns.endpoint != "/v1/completions":
-        raise ValueError(
-            f"--endpoint must be /v1/completions (token-id prompts), got {ns.endpoint}"
-        )
+    is_chat = ns.backend == "openai-chat"
+    ns.endpoint = ns.endpoint or ("/v1/chat/completions" if is_chat else "/v1/completions")
+    expected = "/v1/chat/completions" if is_chat else "/v1/completions"
+    if ns.endpoint != expected:
+        raise ValueError(f"--endpoint must be {expected} with --backend {ns.backend}")
     metrics = tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip())
     unknown = [m for m in metrics if m not in METRIC_HEADERS]
     if unknown:
@@ -257,6 +283,21 @@ def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
     return metrics, percentiles
 
 
+def _chat_tokenizer(ns: argparse.Namespace):
+    """The tokenizer that turns prompts into chat text (openai-chat only), else None."""
+    if ns.backend != "openai-chat":
+        return None
+    from launch.serving.detokenizer import load_tokenizer
+
+    path = ns.tokenizer or ns.model
+    tokenizer = None if path is None else load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(
+            f"--backend openai-chat needs --tokenizer DIR with a tokenizer.json, got {path}"
+        )
+    return tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
@@ -266,10 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             range_ratio=ns.random_range_ratio, prefix_len=ns.random_prefix_len,
             vocab_low=3, vocab_high=100, seed=ns.seed,
         )  # fmt: skip
-    except ValueError as e:
+        tokenizer = _chat_tokenizer(ns)
+    except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     load = dict(
+        tokenizer=tokenizer,
         request_rate=ns.request_rate,
         burstiness=ns.burstiness,
         max_concurrency=ns.max_concurrency,
@@ -277,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         endpoint=ns.endpoint,
         model=ns.model,
     )
-    print(f"{PROG}: {json.dumps({**vars(ns), 'request_rate': str(ns.request_rate)})}", flush=True)
+    settings = {**vars(ns), "request_rate": str(ns.request_rate)}
+    print(f"{PROG}: {json.dumps(settings)}", flush=True)
     summary = dict(
         percentile_metrics=metrics,
         metric_percentiles=percentiles,

@@ -24,6 +24,7 @@ class RequestResult:
     ttft_s: float = 0.0
     itls_s: tuple[float, ...] = ()  # gaps between consecutive streamed tokens
     latency_s: float = 0.0  # end to end
+    num_prompt_tokens: int | None = None  # the server's count (chat: the rendered template)
     error: str = ""
 
     @property

@@ -89,6 +89,8 @@ def test_poisson_gaps_have_the_requested_mean():
         (["--endpoint=/v1/chat/completions"], "--endpoint must be /v1/completions"),
         (["--random-input-len=0"], "--random-input-len must be >= 1"),
         (["--input-len=0"], "--random-input-len must be >= 1"),  # the old spelling
+        (["--backend=openai-chat"], "--backend openai-chat needs --tokenizer DIR"),
+        (["--backend=openai-chat", "--endpoint=/v1/completions"], "must be /v1/chat/completions"),
     ],
 )
 def test_bad_flags_are_one_line_errors(capsys, argv, pattern):

@@ -14,6 +14,8 @@ import http.client
 import json
 import random
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -21,7 +23,13 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.helpers.chat import build_chat_tokenizer, checkpoint_with_chat_tokenizer
-from tests.helpers.serve import get, launch_server, run_offline_generate, wait_until_serving
+from tests.helpers.serve import (
+    REPO,
+    get,
+    launch_server,
+    run_offline_generate,
+    wait_until_serving,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -312,3 +320,25 @@ def test_disconnected_non_streaming_client_is_aborted(served):
     num_tokens = _metric(base, "moe_dbo_generation_tokens_total") - tokens_before
     print(f"aborted after {num_tokens:g} tokens")
     assert num_tokens < long_max and _metric(base, "moe_dbo_kv_cache_usage_perc") == 0.0
+
+
+def test_bench_serving_chat_backend(served):
+    """``vllm bench serve --backend openai-chat``'s flags against the chat endpoint."""
+    srv, model_dir, _, _ = served
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench_serving", f"--base-url={srv.base_url}"]
+        + ["--backend=openai-chat", f"--tokenizer={model_dir}", f"--model={model_dir}"]
+        + ["--dataset-name=random", "--num-prompts=4", "--random-input-len=6"]
+        + ["--random-output-len=5", "--max-concurrency=2", "--metric-percentiles=50,99"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^Successful requests:\s+4 *$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^Total generated tokens:\s+20 *$", proc.stdout, re.M), proc.stdout
+    # the rendered template adds 4 tokens (bos, role marker, eos, generation prompt) per prompt
+    assert re.search(r"^Total input tokens:\s+40 *$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^P50 TPOT \(ms\):\s+\d+\.\d\d", proc.stdout, re.M), proc.stdout
