@@ -185,6 +185,22 @@ def test_chat_whole_with_logprobs_equals_offline(served, client):
         assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
 
 
+def test_chat_stop_string_and_include_usage(served, client):
+    _, model_dir, _, offline_chat = served
+    expected = offline_chat[0]
+    stop = f"<{expected[2]}>"
+    full = _decode(expected)
+    stream = client.chat.completions.create(
+        model=model_dir, messages=CONVERSATIONS[0], max_tokens=MAX_TOKENS, temperature=0,
+        stop=[stop], stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full[: full.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(_chat_prompts()[0])
+
+
 def test_chat_streaming_the_openai_way(served, client):
     """The issue's done-when: ``chat.completions.create(..., stream=True)`` works."""
     _, model_dir, _, offline_chat = served
