@@ -27,6 +27,11 @@ class ProtocolError(ValueError):
         self.status = status
 
 
+# Sampling fields of OpenAI / vLLM this engine does not implement: refused unless at their
+# neutral value, so that a client never gets silently different sampling.
+UNSUPPORTED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,),
+                        "repetition_penalty": (1,), "logit_bias": ({},), "top_k": (-1, 0),
+                        "min_p": (0,)}  # fmt: skip
 MAX_N = 64  # choices per request (n x prompts), a guard against one request flooding a rank
 
 
@@ -135,6 +140,11 @@ def parse_sampling_options(
 ) -> SamplingOptions:
     """The sampling fields of a completions or chat body (the first of ``max_tokens_names`` that
     is set gives ``max_tokens``). Raises ProtocolError naming the field and the accepted values."""
+    for name, neutral in UNSUPPORTED_SAMPLING.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise ProtocolError(
+                f"'{name}' = {body[name]!r} is not supported (only {neutral[0]!r})", param=name
+            )
     name = next((n for n in max_tokens_names if body.get(n) is not None), max_tokens_names[0])
     max_tokens = _get(body, name, (int,), default_max_tokens, "an integer >= 1")
     if max_tokens is not None and max_tokens < 1:

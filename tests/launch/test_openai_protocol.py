@@ -47,6 +47,8 @@ def test_the_four_prompt_forms(prompt, prompts):
         ({"prompt": [[1]] * 33, "n": 2}, "33 prompts x n = 2 choices exceed"),
         ({"prompt": [1], "logprobs": 21}, r"'logprobs' must be in \[0, 20\]"),
         ({"prompt": [1], "top_p": 0}, r"'top_p' must be in \(0, 1\]"),
+        ({"prompt": [1], "frequency_penalty": 0.5}, "'frequency_penalty' = 0.5 is not supported"),
+        ({"prompt": [1], "logit_bias": {"5": 1}}, "'logit_bias' .* is not supported"),
         ({"prompt": [1], "max_tokens": "3"}, "'max_tokens' must be an integer"),
         ({"prompt": [1], "stream": 1}, "'stream' must be a boolean"),
         ({"prompt": [1], "stop": ["a"] * 5}, "up to 4"),
