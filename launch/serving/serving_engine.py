@@ -20,7 +20,7 @@ from aiohttp import web
 from launch.engine.request import SamplingParams
 from launch.engine.sampler import TokenLogprobs
 from launch.serving.detokenizer import IncrementalText
-from launch.serving.engine_bridge import EngineBridge, RequestOutput
+from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
@@ -28,11 +28,11 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
 
 class EngineError(RuntimeError):
     """An accepted request failed in the engine (or the server is stopping): ``status`` is the
-    HTTP status to answer with, 503 when shutting down, 500 otherwise."""
+    HTTP status to answer with, 503 for a ``ServerShuttingDown``, 500 otherwise."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.status = 503 if "shut down" in message else 500
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.status = 503 if isinstance(error, ServerShuttingDown) else 500
 
 
 @dataclass(slots=True, kw_only=True)
@@ -179,7 +179,9 @@ class OpenAIServing:
             try:  # blocking wait for the engine loop, with a timeout
                 output = await asyncio.wait_for(outputs.get(), timeout=timeout_s)
             except asyncio.TimeoutError:
-                raise EngineError(f"no output from the engine for {timeout_s:g} s") from None
+                raise EngineError(
+                    TimeoutError(f"no output from the engine for {timeout_s:g} s")
+                ) from None
             if output.error is not None:
                 raise EngineError(output.error)
             choice = by_id[output.request_id]
