@@ -2,7 +2,7 @@
 
 After vLLM's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``: each request the model runner
 sees gets a row of preallocated numpy arrays (token ids, token count, block table, sampling
-parameters) that steps update in place. A step does O(1) Python bookkeeping per scheduled request
+parameters: temperature, top-p, seed, logprobs) that steps update in place. A step does O(1) Python bookkeeping per scheduled request
 (its row, the tokens and blocks added since the last step) and builds every per-token input with
 array arithmetic: positions by ``arange`` offsets, input ids by a gather from the token rows, and
 ``slot_mapping = block_table[req, pos // block_size] * block_size + pos % block_size``.
@@ -59,6 +59,8 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # block ids copied in the row
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
         self._row_of: dict[int, int] = {}  # request_id -> row
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -85,6 +87,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         params = request.sampling_params
         self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         seed = self.default_seed + request.request_id if params.seed is None else params.seed
         self.seeds[row] = seed
         return row
@@ -162,10 +166,12 @@ class InputBatch:
             sampled_request_ids=tuple(request_ids[is_sampled].tolist()),
             sampling_metadata=SamplingMetadata(
                 temperature=torch.from_numpy(temperature),
+                top_p=torch.from_numpy(self.top_p[sampled_rows]),
                 seeds=torch.from_numpy(self.seeds[sampled_rows]),
                 output_positions=torch.from_numpy(
                     self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
                 ),
+                num_logprobs=torch.from_numpy(self.num_logprobs[sampled_rows]),
                 is_all_greedy=not temperature.any(),
             ),
         )

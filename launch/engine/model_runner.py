@@ -17,7 +17,7 @@ because the expert all-to-all is a collective over all EP ranks.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +31,7 @@ from dbo.timeline.recorder import blocking_comm_span, timeline_span
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
-from launch.engine.sampler import Sampler
+from launch.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
 
 
@@ -43,6 +43,8 @@ class StepOutput:
     is_ubatched: bool
     num_tokens: int  # this rank's real tokens
     num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
+    # request_id -> logprobs of its sampled token, for the requests that asked for them
+    sampled_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,11 +105,12 @@ class ModelRunner:
         for request in scheduler_output.preempted:  # their blocks are gone: rows rebuilt later
             self.input_batch.remove_request(request.request_id)
         forward = self.run_forward(scheduler_output)
-        sampled = {}
+        sampled, logprobs = {}, {}
         if forward.hidden_states is not None:
-            sampled = self._sample(forward.hidden_states, forward.inputs)
+            sampled, logprobs = self._sample(forward.hidden_states, forward.inputs)
         return StepOutput(
             sampled_token_ids=sampled,
+            sampled_logprobs=logprobs,
             has_work_across_dp=forward.has_work_across_dp,
             ran_model=forward.hidden_states is not None,
             is_ubatched=forward.is_ubatched,
@@ -184,13 +187,27 @@ class ModelRunner:
             is_ubatched=decision.should_ubatch,
         )
 
-    def _sample(self, hidden_states, inputs: ModelInputs) -> dict[int, int]:
+    def _sample(
+        self, hidden_states, inputs: ModelInputs
+    ) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        """The token sampled for each request with a logits row, and the logprobs of those that
+        asked for them (from the raw logits: vLLM's default)."""
         if not inputs.sampled_request_ids:
-            return {}
+            return {}, {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
             tokens = self.sampler(logits, inputs.sampling_metadata)
-        return dict(zip(inputs.sampled_request_ids, tokens.tolist(), strict=True))
+        sampled = dict(zip(inputs.sampled_request_ids, tokens.tolist(), strict=True))
+        num_logprobs = inputs.sampling_metadata.num_logprobs
+        logprob_rows = (num_logprobs >= 0).nonzero().flatten()
+        if not logprob_rows.numel():
+            return sampled, {}
+        with timeline_span("logprobs"):
+            logprobs = compute_logprobs(
+                logits[logprob_rows], tokens[logprob_rows], num_logprobs[logprob_rows].tolist()
+            )
+        wanted = [inputs.sampled_request_ids[i] for i in logprob_rows.tolist()]
+        return sampled, dict(zip(wanted, logprobs, strict=True))
 
     def release(self, request_id: int) -> None:
         """Forget a finished or aborted request's per-request state."""

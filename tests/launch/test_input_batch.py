@@ -124,7 +124,7 @@ def test_sampling_metadata_per_request():
         Request(
             request_id=3,
             prompt_token_ids=[1, 2],
-            sampling_params=SamplingParams(temperature=0.5, seed=11),
+            sampling_params=SamplingParams(temperature=0.5, seed=11, top_p=0.9, logprobs=2),
         )
     )
     sched.add_request(Request(request_id=4, prompt_token_ids=[5], sampling_params=SamplingParams()))
@@ -132,6 +132,8 @@ def test_sampling_metadata_per_request():
     meta = batch.prepare_inputs(out, num_rows=3).sampling_metadata
     assert meta.temperature.tolist() == [0.5, 0.0] and not meta.is_all_greedy
     assert meta.seeds.tolist() == [11, 0 + 4]  # default seed + request id
+    assert meta.top_p.tolist() == [pytest.approx(0.9), 1.0]
+    assert meta.num_logprobs.tolist() == [2, -1]
     assert meta.output_positions.tolist() == [0, 0]
     sched.update_from_output(out, {3: 9, 4: 9})
     meta = batch.prepare_inputs(sched.schedule(), num_rows=2).sampling_metadata

@@ -1,5 +1,6 @@
 """Sampler: greedy = argmax; seeded sampling depends only on (seed, output position, logits row),
-not on the batch around it; Gumbel-max draws from softmax(logits / T); the hash is lowbias32."""
+not on the batch around it; Gumbel-max draws from softmax(logits / T); the hash is lowbias32;
+top-p filtering (single row and batched) and logprobs of sampled tokens against plain references."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import math
 import pytest
 import torch
 
-from launch.engine.sampler import Sampler, SamplingMetadata, hash_uniform, mix32
+from launch.engine.request import SamplingParams
+from launch.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_top_p,
+    compute_logprobs,
+    hash_uniform,
+    mix32,
+    top_p_mask,
+)
 
 
 def lowbias32(x: int) -> int:
@@ -20,10 +30,13 @@ def lowbias32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def metadata(temperature, seeds, positions) -> SamplingMetadata:
+def metadata(temperature, seeds, positions, top_p=None) -> SamplingMetadata:
     temperature = torch.tensor(temperature, dtype=torch.float32)
+    top_p = [1.0] * len(seeds) if top_p is None else top_p
     return SamplingMetadata(
         temperature=temperature,
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        num_logprobs=torch.full((len(seeds),), -1, dtype=torch.int64),
         seeds=torch.tensor(seeds, dtype=torch.int64),
         output_positions=torch.tensor(positions, dtype=torch.int64),
         is_all_greedy=not bool(temperature.any()),
@@ -123,3 +136,78 @@ def test_engine_seeded_request_same_tokens_in_any_batch(tiny_mixtral_dir, tiny_p
     assert batched[2] == alone and preempted[2] == alone
     assert preempted == batched
     assert len({tuple(t) for t in batched.values()}) > 1  # different seeds, different tokens
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    assert apply_top_p(probs, 1.0) is probs
+    assert apply_top_p(probs, 0.4).tolist() == pytest.approx([0, 0.4, 0, 0])
+    assert apply_top_p(probs, 0.41).tolist() == pytest.approx([0, 0.4, 0, 0.3])
+    assert apply_top_p(probs, 0.7).tolist() == pytest.approx([0, 0.4, 0, 0.3])
+    assert apply_top_p(probs, 0.75).tolist() == pytest.approx([0, 0.4, 0.2, 0.3])
+    assert apply_top_p(probs, 1e-9).tolist() == pytest.approx([0, 0.4, 0, 0])  # argmax kept
+
+
+def test_top_p_sampling_never_leaves_the_nucleus():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(50), dim=-1)
+    kept = apply_top_p(probs, 0.5)
+    draws = torch.multinomial(kept, 2000, replacement=True)
+    assert set(draws.tolist()) <= set(torch.nonzero(kept).view(-1).tolist())
+    ordered = torch.sort(probs, descending=True).values
+    num_kept = int((kept > 0).sum())
+    assert ordered[: num_kept - 1].sum() < 0.5 <= ordered[:num_kept].sum()
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40, dtype=torch.float64) * 3
+    tokens = torch.tensor([5, int(logits[1].argmax()), 0])
+    out = compute_logprobs(logits, tokens, [0, 3, 20])
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, lp in enumerate(out):
+        assert lp.token_id == int(tokens[row])
+        assert lp.logprob == pytest.approx(float(reference[row, tokens[row]]), abs=1e-12)
+    assert out[0].top_token_ids == () and out[0].top_logprobs == ()
+    top = torch.topk(reference[1], 3)
+    assert out[1].top_token_ids == tuple(top.indices.tolist())
+    assert out[1].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-12)
+    assert out[1].logprob == out[1].top_logprobs[0]  # the greedy token is the row's max
+    assert len(out[2].top_token_ids) == 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [({"top_p": 0.0}, r"top_p must be in \(0, 1\]"), ({"logprobs": 21}, r"\[0, 20\]")],
+)
+def test_sampling_params_checks(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SamplingParams(**kwargs)
+
+
+def test_batched_top_p_mask_matches_apply_top_p():
+    """Per row, the tokens the batched mask keeps are those apply_top_p keeps (top_p 1: all)."""
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(5, 60, generator=gen, dtype=torch.float64) * 2
+    top_p = torch.tensor([0.3, 0.9, 1.0, 1e-6, 0.75])
+    masked = top_p_mask(scores, top_p)
+    for row in range(5):
+        kept = apply_top_p(torch.softmax(scores[row], -1).float(), float(top_p[row])) > 0
+        assert torch.equal(torch.isfinite(masked[row]), kept), row
+    assert torch.equal(masked[2], scores[2])
+
+
+def test_top_p_samples_stay_in_the_nucleus_and_follow_it():
+    """20,000 draws at top_p 0.7 of 4 tokens: only the nucleus, in its renormalised proportions."""
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 20_000
+    tokens = Sampler()(
+        logits.expand(n, 4), metadata([1.0] * n, [9] * n, list(range(n)), top_p=[0.7] * n)
+    )
+    probs = torch.softmax(logits.double(), -1)
+    nucleus = apply_top_p(probs.float(), 0.7).double()
+    assert set(tokens.tolist()) == set(nucleus.nonzero().flatten().tolist())
+    expected = nucleus / nucleus.sum()
+    counts = torch.bincount(tokens, minlength=4).double()
+    sigma = (n * expected * (1 - expected)).sqrt()
+    assert ((counts - n * expected).abs() <= 5 * sigma + 1e-9).all(), (counts / n, expected)
