@@ -1,6 +1,14 @@
-"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision, the ping-pong protocol
+"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision (static thresholds or the
+adaptive policy), the ping-pong protocol
 between ubatch threads, the wrapper that runs a model on ubatches, and a timeline recorder."""
 
+from dbo.adaptive_policy import (
+    AdaptiveDBOPolicy,
+    AdaptivePolicyConfig,
+    Bucket,
+    PolicyChoice,
+    format_crossover,
+)
 from dbo.attention_metadata import CommonAttentionMetadata
 from dbo.dp_coordination import (
     DPMicrobatchDecision,
@@ -31,6 +39,11 @@ from dbo.ubatch_slicing import UBatchSlice, make_ubatch_slices, split_attn_metad
 from dbo.ubatch_wrapper import UBatchWrapper
 
 __all__ = [
+    "AdaptiveDBOPolicy",
+    "AdaptivePolicyConfig",
+    "Bucket",
+    "PolicyChoice",
+    "format_crossover",
     "CommonAttentionMetadata",
     "DPMicrobatchDecision",
     "TimelineRecorder",

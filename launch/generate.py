@@ -159,6 +159,8 @@ def report(results, engine: LLMEngine, elapsed: float, output: str | None) -> No
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )
+    if engine.dbo_summary():
+        print(f"{PROG}: {engine.dbo_summary()}", flush=True)
     print(f"{PROG}: rank 0 memory: {engine.memory.summary()}", flush=True)
 
 

@@ -143,7 +143,9 @@ CAT_COMM = "comm"
 CAT_WAIT = "wait"
 CAT_BATON = "baton"
 CAT_STEP = "step"
+CAT_POLICY = "policy"  # an adaptive-DBO exploration step (neither compute nor communication)
 STEP_TRACK = "engine step"
+POLICY_TRACK = "dbo policy"
 
 _recorder: TimelineRecorder | None = None
 _local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
@@ -236,6 +238,16 @@ def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None
             span_name(name), cat=CAT_COMM, start_ns=start_ns, end_ns=end_ns,
             track=_track("comm"), args=args,
         )  # fmt: skip
+
+
+def record_policy_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+    """Mark an adaptive-DBO step (e.g. ``explore on``) on the ``dbo policy`` track; a no-op
+    without a recorder."""
+    rec = _recorder
+    if rec is not None and end_ns >= start_ns:
+        rec.add_span(
+            name, cat=CAT_POLICY, start_ns=start_ns, end_ns=end_ns, track=POLICY_TRACK, args=args
+        )
 
 
 def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> None:

@@ -13,6 +13,24 @@ from typing import NoReturn
 
 ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
 DTYPES = ("float32", "bfloat16")
+AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
+MIN_DBO_THRESHOLD = 2
+
+
+def dbo_threshold(text: str) -> int | str:
+    """argparse type of ``--dbo-*-token-threshold``: an integer or ``auto``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse reports it as one line).
+    """
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {text!r}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,8 +55,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
-    dbo_decode_token_threshold: int = 32
-    dbo_prefill_token_threshold: int = 512
+    dbo_decode_token_threshold: int | str = 32  # or "auto": learned (dbo.AdaptiveDBOPolicy)
+    dbo_prefill_token_threshold: int | str = 512
     all2all_backend: str = "all_to_all"
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
@@ -60,11 +78,17 @@ class EngineArgs:
             ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
             ("--block-size", self.block_size, 1),
             ("--data-parallel-size", self.data_parallel_size, 1),
-            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold, 2),
-            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold, 2),
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        for flag, value in (
+            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
+            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
+        ):
+            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
+                raise ValueError(
+                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
+                )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -86,6 +110,15 @@ class EngineArgs:
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
                 "no all-to-all to overlap"
             )
+
+    @property
+    def adaptive_dbo_kinds(self) -> frozenset[str]:
+        """Batch kinds ("decode", "prefill") whose DBO threshold is ``auto``."""
+        kinds = (
+            ("decode", self.dbo_decode_token_threshold),
+            ("prefill", self.dbo_prefill_token_threshold),
+        )
+        return frozenset(kind for kind, value in kinds if value == AUTO)
 
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
@@ -151,15 +184,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
     add(
         "--dbo-decode-token-threshold",
-        type=int,
+        type=dbo_threshold,
         default=d.dbo_decode_token_threshold,
-        help="min tokens of a decode-only batch to microbatch it",
+        help="min tokens of a decode-only batch to microbatch it, or 'auto': the engine learns "
+        "per batch size whether microbatching pays (explores both, keeps the faster)",
     )
     add(
         "--dbo-prefill-token-threshold",
-        type=int,
+        type=dbo_threshold,
         default=d.dbo_prefill_token_threshold,
-        help="min tokens of a batch with a prefill to microbatch it",
+        help="min tokens of a batch with a prefill to microbatch it, or 'auto' (learned)",
     )
     add("--all2all-backend", default=d.all2all_backend, choices=ALL2ALL_BACKENDS)
     add(

@@ -86,6 +86,7 @@ class EngineStats:
     num_ubatched_steps: int = 0
     num_dummy_steps: int = 0
     num_preemptions: int = 0
+    num_dbo_exploration_steps: int = 0  # steps the adaptive DBO policy spent exploring
     step_tokens: list[int] = field(default_factory=list)
 
 
@@ -198,12 +199,20 @@ class LLMEngine:
                 is_ubatched=out.is_ubatched,
                 ran_model=out.ran_model,
             )
+            if out.adaptive is not None:  # marks exploration steps in the timeline
+                step_args.update(
+                    dbo_policy="explore" if out.adaptive.is_exploring else "exploit",
+                    dbo_bucket=out.adaptive.bucket.label,
+                )
         if not any(out.has_work_across_dp):
             return [], False
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
             self.stats.num_dummy_steps += out.num_tokens == 0
+            self.stats.num_dbo_exploration_steps += (
+                out.adaptive is not None and out.adaptive.is_exploring
+            )
             self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
@@ -219,6 +228,28 @@ class LLMEngine:
             finished += done_now
             if not any_work:
                 return finished
+
+    def dbo_crossover_tokens(self) -> dict[str, float]:
+        """Per kind with an ``auto`` threshold ("decode" / "prefill"): the tokens per rank from
+        which the adaptive policy found microbatching to pay (``inf`` never, ``nan`` not yet
+        known); identical on every DP rank."""
+        policy = self.model_runner.adaptive_policy
+        return {
+            kind: policy.crossover_tokens(kind) for kind in sorted(self.args.adaptive_dbo_kinds)
+        }
+
+    def dbo_summary(self) -> str:
+        """One line for the summary: the learned crossover per adaptive kind (empty if none)."""
+        from dbo import format_crossover
+
+        crossover = self.dbo_crossover_tokens()
+        if not crossover:
+            return ""
+        parts = ", ".join(f"{kind} {format_crossover(v)} tokens" for kind, v in crossover.items())
+        return (
+            f"adaptive DBO crossover: {parts} "
+            f"({self.stats.num_dbo_exploration_steps} exploration steps)"
+        )
 
     def start_timeline(self) -> TimelineRecorder:
         """Record a timeline from now on (spans of every step, for ``write_timeline`` or for

@@ -3,7 +3,9 @@
 Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md``):
 1. every DP rank votes whether to microbatch (token count against the decode or prefill
    threshold) and the votes are gathered over the DP group; microbatching happens only if all
-   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``);
+   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``).
+   With a threshold ``auto`` the same vote carries this rank's time of its previous step, and
+   ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
 2. flat inputs and the common attention metadata are built (padding rows have slot -1);
 3. with microbatching the token range is cut in two ``UBatchSlice`` s and ``UBatchWrapper`` runs
    the model on two threads that ping-pong inside the MoE layers; otherwise the model runs once;
@@ -16,19 +18,22 @@ because the expert all-to-all is a collective over all EP ranks.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 
 from dbo import (
+    AdaptiveDBOPolicy,
     CommonAttentionMetadata,
+    PolicyChoice,
     UBatchWrapper,
     coordinate_batch_across_dp,
     make_ubatch_slices,
     should_ubatch_locally,
 )
-from dbo.timeline.recorder import blocking_comm_span, timeline_span
-from launch.engine.arg_utils import EngineArgs
+from dbo.timeline.recorder import blocking_comm_span, record_policy_span, timeline_span
+from launch.engine.arg_utils import AUTO, MIN_DBO_THRESHOLD, EngineArgs
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.scheduler import SchedulerOutput
 
@@ -50,6 +55,7 @@ class StepOutput:
     is_ubatched: bool
     num_tokens: int  # this rank's real tokens
     num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
+    adaptive: PolicyChoice | None = None  # the adaptive policy's choice, if it governed the step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +64,7 @@ class ForwardOutput:
     inputs: ModelInputs | None
     has_work_across_dp: tuple[bool, ...]
     is_ubatched: bool
+    adaptive: PolicyChoice | None = None
 
 
 def build_model_inputs(
@@ -146,6 +153,11 @@ class ModelRunner:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
         self._generators: dict[int, torch.Generator] = {}
+        # Learns per batch shape whether microbatching pays; used for the kinds whose threshold is
+        # "auto". Kept across set_dbo() calls, so the benchmark can interleave it with static arms.
+        self.adaptive_policy = AdaptiveDBOPolicy()
+        self.clock_ns = time.perf_counter_ns  # step timer of the adaptive policy (tests fake it)
+        self._prev_step_us = 0  # this rank's time of its previous step, sent in the next vote
 
     def set_enable_dbo(self, enable_dbo: bool) -> None:
         """Switch DBO on or off for the following steps (the benchmark interleaves both).
@@ -153,7 +165,35 @@ class ModelRunner:
         Raises:
             ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
         """
-        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo)
+        self.set_dbo(enable_dbo=enable_dbo)
+
+    def set_dbo(self, *, enable_dbo: bool, **thresholds: int | str) -> None:
+        """Switch DBO and its thresholds (``dbo_decode_token_threshold=…``, ``…prefill…``: an int or
+        "auto") for the following steps, e.g. the benchmark's off / on / adaptive arms.
+
+        Raises:
+            ValueError: as EngineArgs raises it for the new values.
+        """
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo, **thresholds)
+
+    def _local_vote(self, num_tokens: int, is_decode_only: bool) -> tuple[bool, bool]:
+        """(vote, can_ubatch): the static threshold vote (an ``auto`` kind votes whenever it can)
+        and whether this rank could microbatch at all."""
+        a = self.args
+        can_ubatch = a.enable_dbo and num_tokens >= MIN_DBO_THRESHOLD
+        if not can_ubatch:
+            return False, False
+
+        def numeric(threshold: int | str) -> int:
+            return MIN_DBO_THRESHOLD if threshold == AUTO else threshold
+
+        vote = should_ubatch_locally(
+            num_tokens=num_tokens,
+            is_decode_only=is_decode_only,
+            decode_token_threshold=numeric(a.dbo_decode_token_threshold),
+            prefill_token_threshold=numeric(a.dbo_prefill_token_threshold),
+        )
+        return vote, True
 
     def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         # inference_mode is thread-local: each ubatch thread must enter it itself.
@@ -175,6 +215,7 @@ class ModelRunner:
             num_tokens_padded=0
             if forward.inputs is None
             else forward.inputs.attn_metadata.num_tokens,
+            adaptive=forward.adaptive,
         )
 
     def run_forward(self, scheduler_output: SchedulerOutput) -> ForwardOutput:
@@ -185,16 +226,7 @@ class ModelRunner:
         """
         num_tokens = scheduler_output.num_tokens
         has_work = num_tokens > 0
-        vote = (
-            self.args.enable_dbo
-            and has_work
-            and should_ubatch_locally(
-                num_tokens=num_tokens,
-                is_decode_only=scheduler_output.is_decode_only,
-                decode_token_threshold=self.args.dbo_decode_token_threshold,
-                prefill_token_threshold=self.args.dbo_prefill_token_threshold,
-            )
-        )
+        vote, can_ubatch = self._local_vote(num_tokens, scheduler_output.is_decode_only)
         g = self.groups
         with blocking_comm_span("dp_vote"):
             decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
@@ -204,7 +236,18 @@ class ModelRunner:
                 dp_group=g.dp_group,
                 dp_rank=g.dp_rank,
                 dp_size=g.dp_size,
+                is_decode_only=scheduler_output.is_decode_only or not has_work,
+                can_ubatch=can_ubatch,
+                prev_step_us=self._prev_step_us,
+                policy=self.adaptive_policy,
+                adaptive_kinds=self.args.adaptive_dbo_kinds
+                if self.args.enable_dbo
+                else frozenset(),
             )
+        # The step time the policy compares: from here to the end of the forward, i.e. what
+        # microbatching changes (padding, slicing, the model), not the vote's wait for peers.
+        start_ns = self.clock_ns()
+        self._prev_step_us = 0
         has_work_across_dp = tuple(decision.has_work_across_dp)
         # Without EP there is no collective inside the model: an idle rank need not run a dummy.
         needs_dummy = any(has_work_across_dp) and g.ep_size > 1
@@ -214,6 +257,7 @@ class ModelRunner:
                 inputs=None,
                 has_work_across_dp=has_work_across_dp,
                 is_ubatched=False,
+                adaptive=decision.adaptive,
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = build_model_inputs(
@@ -242,11 +286,25 @@ class ModelRunner:
             ubatch_slices,
             num_tokens_across_dp=num_tokens_across_dp,
         )
+        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
+        # clock (host-device sync), or the policy would time the launches only.
+        end_ns = self.clock_ns()
+        self._prev_step_us = max((end_ns - start_ns) // 1000, 1)
+        choice = decision.adaptive
+        if choice is not None and choice.is_exploring:
+            arm = "on" if decision.should_ubatch else "off"
+            record_policy_span(
+                f"explore {arm}",
+                start_ns=start_ns,
+                end_ns=end_ns,
+                args={"bucket": choice.bucket.label, "ubatch": decision.should_ubatch},
+            )
         return ForwardOutput(
             hidden_states=hidden_states,
             inputs=inputs,
             has_work_across_dp=has_work_across_dp,
             is_ubatched=decision.should_ubatch,
+            adaptive=choice,
         )
 
     def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:

@@ -15,8 +15,9 @@ from tests.helpers.distributed import run_distributed
 
 
 def rows(*per_rank):
-    """(num_tokens, padded_num_tokens, vote, has_work) per rank -> [dp_size, 4] int64."""
-    return torch.tensor(per_rank, dtype=torch.int64)
+    """(num_tokens, padded_num_tokens, vote, has_work) per rank -> the [dp_size, 7] int64 vote
+    table (decode-only, can_ubatch = vote, no step time: the static columns)."""
+    return torch.tensor([(*r, 1, r[2], 0) for r in per_rank], dtype=torch.int64)
 
 
 def test_should_ubatch_locally_uses_the_threshold_of_the_batch_kind():
@@ -74,7 +75,7 @@ def test_padding_column_is_what_gets_maxed():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 4\], got shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 7\], got shape \(2, 3\)"):
         decide_from_gathered(torch.zeros(2, 3, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
         decide_from_gathered(rows((1, 1, 1, 1), (1, 1, 1, 1)), 2)

@@ -23,7 +23,10 @@ from launch.generate import build_parser, check_prompts, load_prompts
         ),
         ({"dtype": "float16"}, r"--dtype 'float16' is not supported"),
         ({"max_num_seqs": 0}, r"--max-num-seqs must be >= 1, got 0"),
-        ({"dbo_decode_token_threshold": 1}, r"--dbo-decode-token-threshold must be >= 2"),
+        (
+            {"dbo_decode_token_threshold": 1},
+            r"--dbo-decode-token-threshold must be an integer >= 2 or 'auto', got 1",
+        ),
         ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
     ],
 )

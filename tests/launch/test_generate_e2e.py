@@ -79,6 +79,38 @@ def test_greedy_dbo_generation_equals_transformers(
 
 
 @pytest.mark.slow
+def test_adaptive_dbo_generation_equals_transformers(
+    tmp_path, tiny_mixtral_dir, tiny_prompts, tiny_prompts_file, transformers_greedy
+):
+    """``auto`` thresholds: the policy explores both arms (off, on, on, off, ...) while generating;
+    the tokens must equal transformers' greedy ones (which DBO off and DBO on also equal)."""
+    out = tmp_path / "out.jsonl"
+    proc = torchrun(
+        2,
+        f"--model={tiny_mixtral_dir}",
+        f"--prompts={tiny_prompts_file}",
+        f"--output={out}",
+        "--max-tokens=8",
+        "--data-parallel-size=2",
+        "--dtype=float32",
+        "--enable-expert-parallel",
+        "--enable-dbo",
+        "--dbo-decode-token-threshold=auto",
+        "--dbo-prefill-token-threshold=auto",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["output_token_ids"] for r in read_outputs(out)] == transformers_greedy
+    summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
+    assert summary and 0 < int(summary.group(2)) < int(summary.group(1)), proc.stdout
+    crossover = re.search(
+        r"adaptive DBO crossover: decode (>= \d+|never|unknown) tokens, "
+        r"prefill (>= \d+|never|unknown) tokens \((\d+) exploration steps\)",
+        proc.stdout,
+    )
+    assert crossover and int(crossover.group(3)) > 0, proc.stdout
+
+
+@pytest.mark.slow
 def test_fewer_prompts_than_ranks(tmp_path, tiny_mixtral_dir, tiny_prompts, transformers_greedy):
     prompts = tmp_path / "one.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": tiny_prompts[3]}) + "\n")
