@@ -77,14 +77,14 @@ class ServerMetrics:
             registry=r,
         )
         self.dbo_crossover_tokens = Gauge(
-            f"{PREFIX}_dbo_adaptive_crossover_tokens",
+            f"{PREFIX}_adaptive_crossover_tokens",
             "Tokens per rank from which adaptive DBO found microbatching to pay, per batch kind "
             "with --dbo-*-token-threshold auto (+Inf: never so far, NaN: not yet measured)",
             ["kind"],
             registry=r,
         )
         self.dbo_exploration_steps = Gauge(
-            f"{PREFIX}_dbo_adaptive_exploration_steps",
+            f"{PREFIX}_adaptive_exploration_steps",
             "Engine steps the adaptive DBO policy spent exploring (rank 0)",
             registry=r,
         )
