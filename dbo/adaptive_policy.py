@@ -40,7 +40,7 @@ class AdaptivePolicyConfig:
         ValueError: a count < 1, ``window < num_explore_steps`` or a tolerance outside ``[0, 1)``.
     """
 
-    num_explore_steps: int = 3  # samples per arm before a bucket decides
+    num_explore_steps: int = 4  # samples per arm before a bucket decides
     window: int = 5  # samples per arm whose median is the arm's estimate
     tie_tolerance: float = 0.01  # on must beat off by this fraction of off's median
     drift_tolerance: float = 0.25  # chosen arm's median moving by this fraction: explore again

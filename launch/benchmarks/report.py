@@ -118,7 +118,7 @@ def adaptive_fields(measured, exploring, step_off: list[float], step_on: list[fl
 def format_table(records: Sequence[dict]) -> str:
     """Fixed-width table of the records (step times: median [min-max] of the slowest rank)."""
     header = (
-        f"{'batch':<14}{'off ms':>24}{'on ms':>24}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
+        f"{'batch':<14}{'off ms':>28}{'on ms':>28}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
         f"{'exp off':>9}{'exp on':>8}{'overlap':>8}{'ideal x':>8}{'DBO':>5}{'baton us':>9}"
         f"{'tl %':>6}"
     )
@@ -127,7 +127,7 @@ def format_table(records: Sequence[dict]) -> str:
         off = f"{r['step_ms_off']:.2f} [{r['step_ms_off_min']:.2f}-{r['step_ms_off_max']:.2f}]"
         on = f"{r['step_ms_on']:.2f} [{r['step_ms_on_min']:.2f}-{r['step_ms_on_max']:.2f}]"
         lines.append(
-            f"{r['batch']:<14}{off:>24}{on:>24}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
+            f"{r['batch']:<14}{off:>28}{on:>28}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
             f"{r['comm_ms']:>8.2f}{r['exposed_comm_ms_off']:>9.2f}{r['exposed_comm_ms_on']:>8.2f}"
             f"{r['overlap_ratio']:>8.2f}{r['ideal_speedup']:>8.2f}"
             f"{'yes' if r['dbo_engaged'] else 'no':>5}{r['baton_pass_us_median']:>9.1f}"
@@ -141,7 +141,7 @@ def format_table(records: Sequence[dict]) -> str:
 def format_adaptive_table(records: Sequence[dict]) -> str:
     """The adaptive arm against the better static arm (step times: median of the slowest rank)."""
     header = (
-        f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>24}{'choice':>10}"
+        f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>30}{'choice':>10}"
         f"{'ad/best':>9}{'explore steps':>15}{'explore ms':>12}"
     )
     lines = [header]
@@ -153,7 +153,7 @@ def format_adaptive_table(records: Sequence[dict]) -> str:
             f"{r['step_ms_adaptive_max']:.2f}]"
         )
         lines.append(
-            f"{r['batch']:<14}{r['step_ms_off']:>10.2f}{r['step_ms_on']:>10.2f}{ad:>24}"
+            f"{r['batch']:<14}{r['step_ms_off']:>10.2f}{r['step_ms_on']:>10.2f}{ad:>30}"
             f"{r['adaptive_choice']:>10}{r['adaptive_vs_best']:>8.3f}x"
             f"{r['adaptive_exploration_steps']:>15}{r['step_ms_adaptive_exploring']:>12.2f}"
         )

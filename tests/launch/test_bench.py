@@ -94,8 +94,8 @@ def test_short_bench_run_writes_json_and_png(tmp_path):
         assert r["speedup"] > 0 and 0 <= r["overlap_ratio"] <= 1
         assert r["dbo_engaged"] and r["comm_ms"] > 0.2  # the link's latency is in M
         assert r["emulate_link"] == "latency_us=200,gbps=1" and r["reps"] == 2
-        # the adaptive arm: explored both arms (3 steps each by default), then measured reps
-        assert r["adaptive_exploration_steps"] >= 6 and r["adaptive_reps"] == 2
+        # the adaptive arm: explored both arms (4 steps each by default), then measured reps
+        assert r["adaptive_exploration_steps"] >= 8 and r["adaptive_reps"] == 2
         assert r["adaptive_choice"] in ("on", "off", "mixed") and r["adaptive_vs_best"] > 0
     assert (
         "ad/best" in proc.stdout
