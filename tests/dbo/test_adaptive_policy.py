@@ -136,7 +136,7 @@ def test_crossover_is_the_lowest_bucket_from_which_every_decided_one_chose_on():
 
 def test_bad_config():
     with pytest.raises(ValueError, match="window \\(2\\) must be >= num_explore_steps \\(3\\)"):
-        AdaptivePolicyConfig(window=2)
+        AdaptivePolicyConfig(num_explore_steps=3, window=2)
     with pytest.raises(ValueError, match="drift_tolerance must be in \\[0, 1\\), got 1.5"):
         AdaptivePolicyConfig(drift_tolerance=1.5)
     with pytest.raises(ValueError, match="num_explore_steps must be >= 1, got 0"):
