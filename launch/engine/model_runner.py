@@ -26,6 +26,7 @@ import torch
 from dbo import (
     AdaptiveDBOPolicy,
     CommonAttentionMetadata,
+    DPMicrobatchDecision,
     PolicyChoice,
     UBatchWrapper,
     coordinate_batch_across_dp,
@@ -226,24 +227,8 @@ class ModelRunner:
         """
         num_tokens = scheduler_output.num_tokens
         has_work = num_tokens > 0
-        vote, can_ubatch = self._local_vote(num_tokens, scheduler_output.is_decode_only)
         g = self.groups
-        with blocking_comm_span("dp_vote"):
-            decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
-                num_tokens=num_tokens,
-                has_work=has_work,
-                vote=vote,
-                dp_group=g.dp_group,
-                dp_rank=g.dp_rank,
-                dp_size=g.dp_size,
-                is_decode_only=scheduler_output.is_decode_only or not has_work,
-                can_ubatch=can_ubatch,
-                prev_step_us=self._prev_step_us,
-                policy=self.adaptive_policy,
-                adaptive_kinds=self.args.adaptive_dbo_kinds
-                if self.args.enable_dbo
-                else frozenset(),
-            )
+        decision = self._vote(scheduler_output)
         # The step time the policy compares: from here to the end of the forward, i.e. what
         # microbatching changes (padding, slicing, the model), not the vote's wait for peers.
         start_ns = self.clock_ns()
@@ -288,6 +273,43 @@ class ModelRunner:
         )
         # On CPU the forward has finished here; a CUDA path must synchronise before reading the
         # clock (host-device sync), or the policy would time the launches only.
+        self._end_step_timing(start_ns, decision)
+        return ForwardOutput(
+            hidden_states=hidden_states,
+            inputs=inputs,
+            has_work_across_dp=has_work_across_dp,
+            is_ubatched=decision.should_ubatch,
+            adaptive=decision.adaptive,
+        )
+
+    def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
+        """This rank's vote and previous step time, all-reduced over DP, and the decision (the
+        adaptive policy's for ``auto`` kinds)."""
+        num_tokens = scheduler_output.num_tokens
+        has_work = num_tokens > 0
+        vote, can_ubatch = self._local_vote(num_tokens, scheduler_output.is_decode_only)
+        g = self.groups
+        with blocking_comm_span("dp_vote"):
+            return coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
+                num_tokens=num_tokens,
+                has_work=has_work,
+                vote=vote,
+                dp_group=g.dp_group,
+                dp_rank=g.dp_rank,
+                dp_size=g.dp_size,
+                is_decode_only=scheduler_output.is_decode_only or not has_work,
+                can_ubatch=can_ubatch,
+                prev_step_us=self._prev_step_us,
+                policy=self.adaptive_policy,
+                adaptive_kinds=self.args.adaptive_dbo_kinds
+                if self.args.enable_dbo
+                else frozenset(),
+            )
+
+    def _end_step_timing(self, start_ns: int, decision: DPMicrobatchDecision) -> None:
+        """Keep this step's time for the next vote; mark an exploration step on the timeline."""
+        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
+        # clock (host-device sync), or the policy would time the launches only.
         end_ns = self.clock_ns()
         self._prev_step_us = max((end_ns - start_ns) // 1000, 1)
         choice = decision.adaptive
@@ -299,13 +321,6 @@ class ModelRunner:
                 end_ns=end_ns,
                 args={"bucket": choice.bucket.label, "ubatch": decision.should_ubatch},
             )
-        return ForwardOutput(
-            hidden_states=hidden_states,
-            inputs=inputs,
-            has_work_across_dp=has_work_across_dp,
-            is_ubatched=decision.should_ubatch,
-            adaptive=choice,
-        )
 
     def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
         if not inputs.sampled_request_ids:
