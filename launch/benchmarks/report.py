@@ -92,7 +92,8 @@ def make_record(
 def adaptive_fields(measured, exploring, step_off: list[float], step_on: list[float]) -> dict:
     """The adaptive arm's fields: ``step_ms_adaptive`` (median of its steps after exploration),
     ``adaptive_choice`` ("on" / "off" / "mixed": whether those steps microbatched),
-    ``adaptive_vs_best`` = step_ms_adaptive / min(step_ms_on, step_ms_off), and its exploration
+    ``adaptive_vs_best`` = step_ms_adaptive / min(step_ms_on, step_ms_off), ``best_static_arm``
+    (which of on / off had the lower median here), and its exploration
     steps apart (``adaptive_exploration_steps``, ``step_ms_adaptive_exploring``). Empty without
     the arm."""
     if not measured and not exploring:
@@ -101,11 +102,13 @@ def adaptive_fields(measured, exploring, step_off: list[float], step_on: list[fl
     ubatched = {ranks[0]["is_ubatched"] for ranks in measured}
     choice = "mixed" if len(ubatched) > 1 else ("on" if ubatched == {True} else "off")
     best = min(_median(step_off), _median(step_on))
+    best_arm = "on" if _median(step_on) < _median(step_off) else "off"
     return {
         "step_ms_adaptive": _median(step_ms),
         "step_ms_adaptive_min": min(step_ms, default=0.0),
         "step_ms_adaptive_max": max(step_ms, default=0.0),
         "adaptive_choice": choice if measured else "exploring",
+        "best_static_arm": best_arm,  # the faster static arm in this run (noise included)
         "adaptive_vs_best": _median(step_ms) / best if measured and best > 0 else float("nan"),
         "adaptive_reps": len(measured),
         "adaptive_exploration_steps": len(exploring),
@@ -141,7 +144,7 @@ def format_table(records: Sequence[dict]) -> str:
 def format_adaptive_table(records: Sequence[dict]) -> str:
     """The adaptive arm against the better static arm (step times: median of the slowest rank)."""
     header = (
-        f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>30}{'choice':>10}"
+        f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>30}{'choice':>10}{'best':>6}"
         f"{'ad/best':>9}{'explore steps':>15}{'explore ms':>12}"
     )
     lines = [header]
@@ -154,7 +157,7 @@ def format_adaptive_table(records: Sequence[dict]) -> str:
         )
         lines.append(
             f"{r['batch']:<14}{r['step_ms_off']:>10.2f}{r['step_ms_on']:>10.2f}{ad:>30}"
-            f"{r['adaptive_choice']:>10}{r['adaptive_vs_best']:>8.3f}x"
+            f"{r['adaptive_choice']:>10}{r['best_static_arm']:>6}{r['adaptive_vs_best']:>8.3f}x"
             f"{r['adaptive_exploration_steps']:>15}{r['step_ms_adaptive_exploring']:>12.2f}"
         )
     return "\n".join(lines)

@@ -66,6 +66,7 @@ def test_record_of_the_adaptive_arm_against_the_better_static_one():
     assert (record["step_ms_off"], record["step_ms_on"]) == (11.0, 9.0)
     assert record["step_ms_adaptive"] == pytest.approx(9.4)
     assert record["adaptive_choice"] == "on" and record["adaptive_reps"] == 1
+    assert record["best_static_arm"] == "on"
     assert record["adaptive_vs_best"] == pytest.approx(9.4 / 9.0)
     assert record["adaptive_exploration_steps"] == 2
     assert record["step_ms_adaptive_exploring"] == pytest.approx(45.0)
