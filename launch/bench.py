@@ -204,7 +204,7 @@ def run_batch(engine, spec: BatchSpec, ns, args, vocab_size: int, progress) -> l
             kept.append(step)
     for i in range(ns.reps):
         for arm in balanced_order(arms, i):
-            kept.append(measure_step(engine, workload, arm, args))
+            kept.append({**measure_step(engine, workload, arm, args), "round": i})
             progress.update(1)
     workload.drain()
     return kept

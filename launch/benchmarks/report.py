@@ -83,17 +83,30 @@ def make_record(
         "timeline_overhead_pct": _median(overhead),
         "reps": len(on),
         **adaptive_fields(
-            per_arm("adaptive"), per_arm("adaptive", exploring=True), step_off, step_on
-        ),  # fmt: skip
+            per_arm("adaptive"), per_arm("adaptive", exploring=True), off, on, step_off, step_on
+        ),
         **{k: v for k, v in meta.items() if k != "reps"},
     }
 
 
-def adaptive_fields(measured, exploring, step_off: list[float], step_on: list[float]) -> dict:
+def _paired_ratio(measured, best) -> float:
+    """Median over rounds of adaptive / ``best`` arm's step in the same round (pairing cancels
+    the machine's slow swings in speed, which a ratio of medians does not); nan without rounds."""
+    by_round = {ranks[0].get("round"): max(r["step_ms"] for r in ranks) for ranks in best}
+    ratios = [
+        max(r["step_ms"] for r in ranks) / by_round[ranks[0].get("round")]
+        for ranks in measured
+        if by_round.get(ranks[0].get("round"), 0) > 0
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def adaptive_fields(measured, exploring, off, on, step_off, step_on) -> dict:
     """The adaptive arm's fields: ``step_ms_adaptive`` (median of its steps after exploration),
     ``adaptive_choice`` ("on" / "off" / "mixed": whether those steps microbatched),
     ``adaptive_vs_best`` = step_ms_adaptive / min(step_ms_on, step_ms_off), ``best_static_arm``
-    (which of on / off had the lower median here), and its exploration
+    (which of on / off had the lower median here), ``adaptive_vs_best_paired`` (the median of
+    per-round ratios adaptive / best static arm), and its exploration
     steps apart (``adaptive_exploration_steps``, ``step_ms_adaptive_exploring``). Empty without
     the arm."""
     if not measured and not exploring:
@@ -110,6 +123,7 @@ def adaptive_fields(measured, exploring, step_off: list[float], step_on: list[fl
         "adaptive_choice": choice if measured else "exploring",
         "best_static_arm": best_arm,  # the faster static arm in this run (noise included)
         "adaptive_vs_best": _median(step_ms) / best if measured and best > 0 else float("nan"),
+        "adaptive_vs_best_paired": _paired_ratio(measured, on if best_arm == "on" else off),
         "adaptive_reps": len(measured),
         "adaptive_exploration_steps": len(exploring),
         "step_ms_adaptive_exploring": _median(
@@ -145,7 +159,7 @@ def format_adaptive_table(records: Sequence[dict]) -> str:
     """The adaptive arm against the better static arm (step times: median of the slowest rank)."""
     header = (
         f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>30}{'choice':>10}{'best':>6}"
-        f"{'ad/best':>9}{'explore steps':>15}{'explore ms':>12}"
+        f"{'ad/best':>9}{'paired':>8}{'explore steps':>15}{'explore ms':>12}"
     )
     lines = [header]
     for r in records:
@@ -158,6 +172,7 @@ def format_adaptive_table(records: Sequence[dict]) -> str:
         lines.append(
             f"{r['batch']:<14}{r['step_ms_off']:>10.2f}{r['step_ms_on']:>10.2f}{ad:>30}"
             f"{r['adaptive_choice']:>10}{r['best_static_arm']:>6}{r['adaptive_vs_best']:>8.3f}x"
+            f"{r['adaptive_vs_best_paired']:>7.3f}x"
             f"{r['adaptive_exploration_steps']:>15}{r['step_ms_adaptive_exploring']:>12.2f}"
         )
     return "\n".join(lines)

@@ -53,24 +53,28 @@ def test_record_of_the_adaptive_arm_against_the_better_static_one():
         [
             _step("adaptive", 50.0, exploring=True),
             _step("adaptive", 40.0, is_ubatched=True, exploring=True),
-            _step("off", 10.0 + r),
-            _step("on", 8.0 + r, is_ubatched=True),
-            _step("adaptive", 8.4 + r, is_ubatched=True),
+            {**_step("off", 10.0 + r), "round": 0},
+            {**_step("on", 8.0 + r, is_ubatched=True), "round": 0},
+            {**_step("adaptive", 8.4 + r, is_ubatched=True), "round": 0},
+            {**_step("adaptive", 18.0 + r, is_ubatched=True), "round": 1},  # a slow round:
+            {**_step("on", 16.0 + r, is_ubatched=True), "round": 1},  # every arm is slower
+            {**_step("off", 20.0 + r), "round": 1},
         ]
         for r in range(2)
     ]
     record = make_record(
         BatchSpec(kind="decode", num_tokens_per_rank=64), per_rank, span_cost_ns=0.0, meta={}
     )
-    # the slowest rank (rank 1) is the step: off 11, on 9, adaptive 9.4
-    assert (record["step_ms_off"], record["step_ms_on"]) == (11.0, 9.0)
-    assert record["step_ms_adaptive"] == pytest.approx(9.4)
-    assert record["adaptive_choice"] == "on" and record["adaptive_reps"] == 1
+    # the slowest rank (rank 1) is the step: off 11 / 21, on 9 / 17, adaptive 9.4 / 19
+    assert (record["step_ms_off"], record["step_ms_on"]) == (16.0, 13.0)
+    assert record["step_ms_adaptive"] == pytest.approx((9.4 + 19) / 2)
+    assert record["adaptive_choice"] == "on" and record["adaptive_reps"] == 2
     assert record["best_static_arm"] == "on"
-    assert record["adaptive_vs_best"] == pytest.approx(9.4 / 9.0)
+    assert record["adaptive_vs_best"] == pytest.approx(14.2 / 13.0)
+    assert record["adaptive_vs_best_paired"] == pytest.approx((9.4 / 9 + 19 / 17) / 2)
     assert record["adaptive_exploration_steps"] == 2
     assert record["step_ms_adaptive_exploring"] == pytest.approx(45.0)
-    assert record["reps"] == 1 and record["speedup"] == pytest.approx(11 / 9)
+    assert record["reps"] == 2 and record["speedup"] == pytest.approx(16 / 13)
 
 
 @pytest.mark.slow
