@@ -27,6 +27,10 @@ from launch.generate import build_parser, check_prompts, load_prompts
             {"dbo_decode_token_threshold": 1},
             r"--dbo-decode-token-threshold must be an integer >= 2 or 'auto', got 1",
         ),
+        (
+            {"dbo_prefill_token_threshold": "fast"},
+            r"--dbo-prefill-token-threshold must be an integer >= 2 or 'auto', got 'fast'",
+        ),
         ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
     ],
 )
@@ -46,6 +50,23 @@ def test_parser_errors_are_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "invalid choice: 'bogus'" in err
+
+
+def test_dbo_thresholds_take_a_number_or_auto(capsys):
+    from launch.engine.arg_utils import engine_args_from_namespace
+
+    ns = build_parser().parse_args(
+        ["--dbo-decode-token-threshold", "auto", "--dbo-prefill-token-threshold", "256"]
+    )
+    args = engine_args_from_namespace(ns)
+    assert args.dbo_decode_token_threshold == "auto" and args.dbo_prefill_token_threshold == 256
+    assert args.adaptive_dbo_kinds == frozenset({"decode"})
+    assert EngineArgs().adaptive_dbo_kinds == frozenset()
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--dbo-decode-token-threshold", "fast"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected an integer >= 2 or 'auto', got 'fast'" in err
 
 
 def test_load_prompts_names_the_bad_line(tmp_path):
