@@ -22,17 +22,9 @@ from torch.distributed import ProcessGroup
 
 from dbo.adaptive_policy import AdaptiveDBOPolicy, Bucket, PolicyChoice
 
-# columns of the gathered [dp_size, 7] int64 table
-(
-    _NUM_TOKENS,
-    _PADDED_NUM_TOKENS,
-    _VOTE,
-    _HAS_WORK,
-    _IS_DECODE_ONLY,
-    _CAN_UBATCH,
-    _PREV_STEP_US,
-) = range(7)
-NUM_VOTE_COLUMNS = 7
+# columns of the gathered [dp_size, 6] int64 table
+_NUM_TOKENS, _VOTE, _HAS_WORK, _IS_DECODE_ONLY, _CAN_UBATCH, _PREV_STEP_US = range(6)
+NUM_VOTE_COLUMNS = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,8 +34,8 @@ class DPMicrobatchDecision:
     Fields:
         should_ubatch: all ranks microbatch this step (identical on every rank).
         num_tokens_across_dp: ``[dp_size]`` each DP rank's real token count.
-        num_tokens_padded: if ``should_ubatch``, the max padded token count over DP (every rank
-            pads to it); else this rank's own padded count.
+        num_tokens_padded: if ``should_ubatch``, the max token count over DP (every rank pads to
+            it); else this rank's own count.
         has_work_across_dp: ``[dp_size]`` whether each rank has any scheduled request.
         adaptive: the adaptive policy's choice if it governed this step (its kind is ``auto``),
             else None; ``should_ubatch`` may still be False if the choice was infeasible.
@@ -107,9 +99,9 @@ def decide_from_gathered(
     table, so ranks that hold the same table stay identical.
 
     Args:
-        rows: ``[dp_size, 7]`` int64 (any integer dtype, any device), one row per DP rank:
-            ``(num_tokens, padded_num_tokens, vote, has_work, is_decode_only, can_ubatch,
-            prev_step_us)``; flags 0 or 1, ``prev_step_us`` the rank's time of its previous step
+        rows: ``[dp_size, 6]`` int64 (any integer dtype, any device), one row per DP rank:
+            ``(num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us)``; flags 0 or
+            1, ``prev_step_us`` the rank's time of its previous step
             in microseconds (0: not measured).
         dp_rank: this rank's row, in ``[0, dp_size)``.
         policy: the adaptive policy (one per rank, fed the same tables on every rank).
@@ -129,7 +121,6 @@ def decide_from_gathered(
         raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
     table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
     num_tokens = [int(r[_NUM_TOKENS]) for r in table]
-    padded = [int(r[_PADDED_NUM_TOKENS]) for r in table]
     has_work = [bool(r[_HAS_WORK]) for r in table]
     should_ubatch = all(bool(r[_VOTE]) for r in table)
     choice = None
@@ -141,17 +132,17 @@ def decide_from_gathered(
             if bucket.kind in adaptive_kinds:
                 choice = policy.choose(bucket)
                 should_ubatch = choice.use_ubatch and all(bool(r[_CAN_UBATCH]) for r in table)
-    max_padded = max(padded)
-    # with every rank padded to max_padded, the split point is max_padded // 2; a rank whose real
-    # tokens all lie before it would run an empty second ubatch
-    if should_ubatch and max_padded // 2 >= min(num_tokens):
+    max_num_tokens = max(num_tokens)
+    # with every rank padded to max_num_tokens, the split point is max_num_tokens // 2; a rank whose
+    # real tokens all lie before it would run an empty second ubatch
+    if should_ubatch and max_num_tokens // 2 >= min(num_tokens):
         should_ubatch = False
     if choice is not None:
         policy.begin_step(choice.bucket, should_ubatch)
     return DPMicrobatchDecision(
         should_ubatch=should_ubatch,
         num_tokens_across_dp=num_tokens,
-        num_tokens_padded=max_padded if should_ubatch else padded[dp_rank],
+        num_tokens_padded=max_num_tokens if should_ubatch else num_tokens[dp_rank],
         has_work_across_dp=has_work,
         adaptive=choice,
     )
@@ -179,7 +170,7 @@ def coordinate_batch_across_dp(
 ) -> DPMicrobatchDecision:
     """Exchange every DP rank's row (see ``decide_from_gathered``) and decide.
 
-    One ``all_reduce`` of a ``[dp_size, 7]`` int64 table over ``dp_group`` (each rank fills its own
+    One ``all_reduce`` of a ``[dp_size, 6]`` int64 table over ``dp_group`` (each rank fills its own
     row; on an NCCL group the table lives on the current CUDA device). ``dp_size == 1`` skips
     communication. Every rank gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``)
     says whether this rank could microbatch at all, for the adaptive policy; ``prev_step_us`` is
@@ -200,7 +191,6 @@ def coordinate_batch_across_dp(
     rows = torch.zeros(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64)
     rows[dp_rank] = torch.tensor(
         [
-            num_tokens,
             num_tokens,
             int(vote),
             int(has_work),

@@ -49,6 +49,11 @@ def _error(message: str, status: int, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, status=status, param=param), status=status)
 
 
+def _error_status(error: Exception) -> int:
+    """HTTP status of a failed request's output: 503 if the server shut down, else 500."""
+    return 503 if isinstance(error, ServerShuttingDown) else 500
+
+
 class CompletionsHandler:
     """``POST /v1/completions`` for one ``EngineBridge``."""
 
@@ -116,7 +121,9 @@ class CompletionsHandler:
         except asyncio.TimeoutError:
             return RequestOutput(
                 request_id=request_id,
-                error=f"no output from the engine for {self.config.output_timeout_s:g} s",
+                error=TimeoutError(
+                    f"no output from the engine for {self.config.output_timeout_s:g} s"
+                ),
             )
 
     async def _whole(self, request, request_id, num_prompt, outputs, text) -> web.Response:
@@ -124,8 +131,7 @@ class CompletionsHandler:
         while True:
             output = await self._next(outputs, request_id)
             if output.error is not None:
-                status = 503 if "shut down" in output.error else 500
-                return _error(output.error, status)
+                return _error(str(output.error), _error_status(output.error))
             token_ids += output.new_token_ids
             text.add(output.new_token_ids, is_last=output.is_last)
             if output.is_last or text.stopped:
@@ -154,8 +160,8 @@ class CompletionsHandler:
         while True:
             output = await self._next(outputs, request_id)
             if output.error is not None:
-                status = 503 if "shut down" in output.error else 500
-                await _send(response, error_body(output.error, status=status))
+                status = _error_status(output.error)
+                await _send(response, error_body(str(output.error), status=status))
                 break
             delta = text.add(output.new_token_ids, is_last=output.is_last)
             finish_reason = "stop" if text.stopped else output.finish_reason
