@@ -237,9 +237,9 @@ class AdaptiveDBOPolicy:
 
 
 def format_crossover(value: float) -> str:
-    """``crossover_tokens`` for people: ``>= 64``, ``never`` (inf), ``unknown`` (nan)."""
+    """``crossover_tokens`` for people: ``>= 64 tokens``, ``never`` (inf), ``unknown`` (nan)."""
     if math.isnan(value):
         return "unknown"
     if math.isinf(value):
         return "never"
-    return f">= {int(value)}"
+    return f">= {int(value)} tokens"

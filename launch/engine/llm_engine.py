@@ -253,7 +253,7 @@ class LLMEngine:
         crossover = self.dbo_crossover_tokens()
         if not crossover:
             return ""
-        parts = ", ".join(f"{kind} {format_crossover(v)} tokens" for kind, v in crossover.items())
+        parts = ", ".join(f"{kind} {format_crossover(v)}" for kind, v in crossover.items())
         return (
             f"adaptive DBO crossover: {parts} "
             f"({self.stats.num_dbo_exploration_steps} exploration steps)"

@@ -128,7 +128,7 @@ def test_crossover_is_the_lowest_bucket_from_which_every_decided_one_chose_on():
         bucket = Bucket.of(num_tokens=num_tokens, is_decode_only=True)
         drive(policy, bucket, lambda on, i, w=on_wins: 1.0 if on == w else 2.0, 2)
     assert policy.crossover_tokens("decode") == 1024.0
-    assert format_crossover(1024.0) == ">= 1024"
+    assert format_crossover(1024.0) == ">= 1024 tokens"
     assert format_crossover(math.inf) == "never" and format_crossover(math.nan) == "unknown"
     with pytest.raises(ValueError, match="kind must be one of"):
         policy.crossover_tokens("mixed")

@@ -76,8 +76,8 @@ def test_adaptive_dbo_generation_equals_transformers(
     summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
     assert summary and 0 < int(summary.group(2)) < int(summary.group(1)), proc.stdout
     crossover = re.search(
-        r"adaptive DBO crossover: decode (>= \d+|never|unknown) tokens, "
-        r"prefill (>= \d+|never|unknown) tokens \((\d+) exploration steps\)",
+        r"adaptive DBO crossover: decode (>= \d+ tokens|never|unknown), "
+        r"prefill (>= \d+ tokens|never|unknown) \((\d+) exploration steps\)",
         proc.stdout,
     )
     assert crossover and int(crossover.group(3)) > 0, proc.stdout
