@@ -193,6 +193,12 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of this rank's KV cache blocks in use (vLLM's ``kv_cache_usage_perc``)."""
+        kv = self.kv_cache_manager
+        return 1.0 - kv.num_free_blocks / kv.num_blocks
+
     def abort_request(self, request_id: int) -> Request | None:
         """Drop a request of this rank (its blocks and sampling state); None if not here."""
         self.model_runner.release(request_id)
@@ -224,6 +230,10 @@ class LLMEngine:
             )
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        if out.sampled_logprobs:
+            by_id = {s.request.request_id: s.request for s in scheduler_output.scheduled}
+            for request_id, logprobs in out.sampled_logprobs.items():
+                by_id[request_id].output_logprobs.append(logprobs)
         for request in finished:
             self.model_runner.release(request.request_id)
         return finished, True

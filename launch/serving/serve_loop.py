@@ -52,6 +52,7 @@ class RankReport:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    kv_cache_usage: float = 0.0  # fraction of this rank's KV blocks in use
     wants_shutdown: bool = False  # this rank got SIGTERM
     ran_step: bool = False
     is_ubatched: bool = False
@@ -170,6 +171,7 @@ class ServeLoop:
                     num_running=report.num_running,
                     num_waiting=report.num_waiting,
                     num_preemptions=report.num_preemptions,
+                    kv_cache_usage=report.kv_cache_usage,
                 )
         if self.metrics is not None and reports[0].ran_step:
             self.metrics.record_step(
@@ -200,6 +202,10 @@ class ServeLoop:
         for request_id in orders.aborts:
             if self.engine.abort_request(request_id) is not None:
                 self._num_sent.pop(request_id, None)
+                # reported so that rank 0 counts it (requests_finished{finish_reason="abort"})
+                self._error_outputs.append(
+                    RequestOutput(request_id=request_id, finish_reason="abort")
+                )
 
     def _step(self) -> RankReport:
         stats = self.engine.stats
@@ -231,6 +237,7 @@ class ServeLoop:
             RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=tuple(request.output_token_ids[num_sent:]),
+                new_logprobs=tuple(request.output_logprobs[num_sent:]),
                 finish_reason=request.finish_reason,
             )
         ]
@@ -244,6 +251,7 @@ class ServeLoop:
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
             num_preemptions=self.engine.stats.num_preemptions,
+            kv_cache_usage=engine.kv_cache_usage,
             wants_shutdown=self.stop_requested(),
             ran_step=ran_step,
             **step,
