@@ -71,7 +71,7 @@ class InductorGraph:
         gm.graph.lint()
         gm.recompile()
         self.state_names = tuple(kept)
-        with inductor_config.patch({"cpp_wrapper": cpp_wrapper}):
+        with inductor_config.patch({"cpp_wrapper": cpp_wrapper, "emulate_precision_casts": True}):
             self._compiled = standalone_compile(
                 gm,
                 [state[n] for n in kept] + list(example_inputs),
