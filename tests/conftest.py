@@ -14,6 +14,7 @@ def pytest_configure(config):
     # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
 
+
 TINY_MIXTRAL = dict(
     vocab_size=128,
     hidden_size=32,
