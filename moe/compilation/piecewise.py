@@ -202,7 +202,7 @@ class GraphModeModel(nn.Module):
             mlp = getattr(layer, layer.mlp_name)
             shared = mlp._shared_experts if mlp.shared_expert_name else None
             routed = mlp.kernel.forward(
-                y[:n], topk_weights[:n], topk_ids[:n], shared_experts=shared
+                y[:n], topk_ids[:n], topk_weights[:n], shared_experts=shared
             )
             mlp_out = pad_rows(routed, bucket)
         set_timeline_layer(None)
