@@ -36,7 +36,8 @@ def ours_command(model, prompts, dtype, *, ranks, eager, max_tokens, out_json, o
            "--dataset-name", "jsonl", "--dataset-path", prompts, "--num-prompts",
            str(_num_lines(prompts)), "--output-len", str(max_tokens),
            "--dtype", dtype, "--max-num-seqs", "256", "--output-json", out_json,
-           "--output-tokens", out_tokens]  # fmt: skip
+           "--output-tokens", out_tokens,
+           "--num-gpu-blocks-override", str(_num_kv_blocks(prompts, max_tokens))]  # fmt: skip
     if ranks > 1:
         cmd += ["--data-parallel-size", str(ranks), "--enable-expert-parallel"]
     return cmd + (["--enforce-eager"] if eager else [])
@@ -44,6 +45,14 @@ def ours_command(model, prompts, dtype, *, ranks, eager, max_tokens, out_json, o
 
 def _num_lines(path: str) -> int:
     return sum(1 for line in Path(path).read_text().splitlines() if line.strip())
+
+
+def _num_kv_blocks(path: str, max_tokens: int, block_size: int = 16) -> int:
+    """KV blocks for every prompt + its outputs at once (the default sizes the cache for
+    max-num-seqs full-length requests: ~18 GB on the medium checkpoint)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    lengths = [len(json.loads(line)["prompt_token_ids"]) + max_tokens for line in lines]
+    return sum(-(-n // block_size) for n in lengths) + 16
 
 
 def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
