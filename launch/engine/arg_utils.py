@@ -7,6 +7,7 @@ rank within seconds with the same one-line message instead of leaving a peer wai
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -61,6 +62,10 @@ class EngineArgs:
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
+    # graph mode (vLLM's names): compiled/captured pieces per padding bucket, see moe.compilation
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: the platform's default buckets
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -105,6 +110,7 @@ class EngineArgs:
                 f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
             )
         self.link_spec()  # raises ValueError on a malformed --emulate-link
+        self.graph_capture_sizes()  # raises ValueError on bad capture sizes
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
@@ -128,6 +134,28 @@ class EngineArgs:
 
         return LinkSpec.parse(self.emulate_link)
 
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """The padding buckets of graph mode, ascending; ``()`` with ``--enforce-eager``.
+
+        ``--cudagraph-capture-sizes`` as given (sorted, deduplicated), else the default buckets
+        (``moe.compilation.default_capture_sizes``) up to ``--max-cudagraph-capture-size``
+        (default: ``--max-num-batched-tokens``, at most the default's largest).
+
+        Raises:
+            ValueError: a size < 1, or sizes above ``--max-cudagraph-capture-size``.
+        """
+        from moe.compilation.config import resolve_capture_sizes  # torch-free module
+
+        if self.enforce_eager or (
+            self.cudagraph_capture_sizes is None and not graph_mode_by_default()
+        ):
+            return ()
+        return resolve_capture_sizes(
+            self.cudagraph_capture_sizes,
+            max_capture_size=self.max_cudagraph_capture_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the launcher started exactly ``--data-parallel-size`` ranks."""
         if world_size != self.data_parallel_size:
@@ -136,6 +164,12 @@ class EngineArgs:
                 f"{world_size} rank(s) torchrun started (--nproc-per-node x --nnodes); "
                 "they must be equal (one DP rank per process)"
             )
+
+
+def graph_mode_by_default() -> bool:
+    """Whether graph mode is on when no graph flag is given: yes, unless the environment sets
+    ``MOE_DBO_GRAPH_MODE=0`` (the test suite does, so that only the graph-mode tests compile)."""
+    return os.environ.get("MOE_DBO_GRAPH_MODE", "1") != "0"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -211,12 +245,63 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="emulate a slower link for the expert all-to-all: bytes move through the backend, "
         "and each collective completes no earlier than issue + latency + bytes / bandwidth",
     )
+    add_graph_mode_args(parser)
+
+
+def add_graph_mode_args(parser: argparse.ArgumentParser) -> None:
+    """``--enforce-eager``, ``--cudagraph-capture-sizes``, ``--max-cudagraph-capture-size`` and the
+    ``-cc/--compilation-config`` JSON subset (vLLM's spellings)."""
+    add = parser.add_argument
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (no compiled / captured graphs)",
+    )
+    add(
+        "--cudagraph-capture-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="padding buckets (tokens per forward, per ubatch under DBO) that get a graph; "
+        "larger batches run eagerly",
+    )
+    add(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="largest default bucket (ignored when --cudagraph-capture-sizes is given)",
+    )
+    add(
+        "-cc",
+        "--compilation-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s compilation config, the subset {"cudagraph_capture_sizes": [...], '
+        '"max_cudagraph_capture_size": N}',
+    )
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it)."""
+    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it, or for a
+    ``--compilation-config`` that is not the supported JSON subset)."""
     fields = EngineArgs.__dataclass_fields__
-    return EngineArgs(**{name: getattr(ns, name) for name in fields if hasattr(ns, name)})
+    values = {name: getattr(ns, name) for name in fields if hasattr(ns, name)}
+    compilation_config = getattr(ns, "compilation_config", None)
+    if compilation_config is not None:
+        from moe.compilation.config import parse_compilation_config
+
+        parsed = parse_compilation_config(compilation_config)
+        for key, value in parsed.items():
+            if values.get(key) is not None:
+                raise ValueError(
+                    f"--compilation-config sets {key} and --{key.replace('_', '-')} is given too; "
+                    "they are mutually exclusive"
+                )
+            values[key] = value
+    if values.get("cudagraph_capture_sizes") is not None:
+        values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
+    return EngineArgs(**values)
 
 
 def print_error(prog: str, rank: int | None, message: object) -> None:

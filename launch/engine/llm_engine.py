@@ -19,6 +19,7 @@ from dbo.timeline.recorder import timeline_step
 from distributed import EmulatedLink, make_all2all_backend
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
+from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.model_runner import ModelRunner
 from launch.engine.request import Request
@@ -169,8 +170,12 @@ class LLMEngine:
             max_model_len=model.max_model_len,
             eos_token_ids=config.eos_token_ids,
         )
+        # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
+        runner_model, self.graph_stats = build_graph_mode(
+            self.model, engine_args, show_progress=groups.rank == 0
+        )
         self.model_runner = ModelRunner(
-            model=self.model,
+            model=runner_model,
             kv_cache_manager=self.kv_cache_manager,
             engine_args=engine_args,
             groups=groups,
