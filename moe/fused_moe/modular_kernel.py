@@ -31,7 +31,7 @@ from dbo.ubatch_context import (
     dbo_register_recv_hook,
     dbo_yield,
 )
-from distributed import CommHandle
+from distributed import BatchedDispatchResult, CommHandle
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
@@ -146,9 +146,15 @@ class FusedMoEModularKernel:
         _record_comm("dispatch", dispatch)
 
         with timeline_span("experts"):
-            expert_output = self.experts.apply(
-                result.hidden_states, result.topk_ids, result.topk_weights
-            )
+            if isinstance(result, BatchedDispatchResult):
+                # DeepEP low-latency layout: per-expert rows, weights applied by the combine
+                expert_output = self.experts.apply_batched(
+                    result.hidden_states, result.expert_num_tokens
+                )
+            else:
+                expert_output = self.experts.apply(
+                    result.hidden_states, result.topk_ids, result.topk_weights
+                )
 
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
