@@ -13,9 +13,10 @@ All ``dbo_*`` functions are no-ops (or 0/False) when no context is current (DBO 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
     "UBatchAborted",
@@ -28,6 +29,7 @@ __all__ = [
     "dbo_yield",
     "make_ubatch_contexts",
     "set_baton_observer",
+    "set_num_tokens_across_dp",
 ]
 
 # Called as observer(ubatch_id, handed_at_ns, woke_at_ns) by a ubatch thread that just received the
@@ -319,7 +321,24 @@ def dbo_maybe_run_recv_hook() -> None:
 
 
 def dbo_num_tokens_across_dp() -> tuple[int, ...] | None:
-    """Every DP rank's row count of the current ubatch, when the DP ranks agreed on it; None when
-    DBO is off or the wrapper was not told (the all-to-all then exchanges the counts itself)."""
+    """Every DP rank's row count of the current forward, when the DP ranks agreed on it: the
+    current ubatch's under DBO, else the whole batch's set by ``set_num_tokens_across_dp`` (vLLM's
+    forward-context DP metadata); None when nobody told (the all-to-all then exchanges the counts
+    itself, or assumes its capacity)."""
     ctx = _current()
-    return None if ctx is None else ctx.num_tokens_across_dp
+    if ctx is not None:
+        return ctx.num_tokens_across_dp
+    return getattr(_local, "num_tokens_across_dp", None)
+
+
+@contextlib.contextmanager
+def set_num_tokens_across_dp(num_tokens_across_dp: Sequence[int] | None) -> Iterator[None]:
+    """Within the block, ``dbo_num_tokens_across_dp()`` outside any ubatch context returns
+    ``num_tokens_across_dp`` (every DP rank's row count of a batch run without microbatching)."""
+    previous = getattr(_local, "num_tokens_across_dp", None)
+    counts = None if num_tokens_across_dp is None else tuple(int(n) for n in num_tokens_across_dp)
+    _local.num_tokens_across_dp = counts
+    try:
+        yield
+    finally:
+        _local.num_tokens_across_dp = previous

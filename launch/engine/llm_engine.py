@@ -133,7 +133,12 @@ class LLMEngine:
                 num_experts=config.num_experts,
                 timeout=groups.timeout,
                 link=None if link_spec is None else EmulatedLink(link_spec),
+                # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
+                # scheduler's token budget, so a low-latency dispatch never overflows its slots
+                hidden_size=config.hidden_size,
+                num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
             )
+        self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(engine_args.custom_ops)
@@ -178,6 +183,14 @@ class LLMEngine:
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+
+    def all2all_summary(self) -> str:
+        """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed
+        emulation of DeepEP's protocol)``); ``none`` without expert parallelism."""
+        backend = self.all2all_backend
+        if backend is None:
+            return "none (no expert parallelism)"
+        return f"{backend.name} ({backend.implementation})"
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
