@@ -26,6 +26,10 @@ MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
 GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
+# torch._grouped_mm's dtypes; float64 (exact comparisons) takes the reference loop
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
@@ -143,7 +147,7 @@ class TorchExperts(CustomOp):
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
-        if not _has_grouped_mm():
+        if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         self._check(hidden_states, topk_ids, topk_weights)
         out = torch.zeros_like(hidden_states)
