@@ -77,7 +77,10 @@ class UBatchWrapper:
                 return self.model_fn(input_ids, positions, attn_metadata)
         metadata = split_attn_metadata(ubatch_slices, attn_metadata)
         contexts = make_ubatch_contexts(
-            len(ubatch_slices), timeout_s=self.timeout_s, num_tokens_across_dp=num_tokens_across_dp
+            len(ubatch_slices),
+            timeout_s=self.timeout_s,
+            num_tokens_across_dp=num_tokens_across_dp,
+            device=input_ids.device,  # CUDA: streams and events per ubatch (dbo.cuda_streams)
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)

@@ -29,6 +29,8 @@ from dbo.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_num_tokens_across_dp,
     dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
     dbo_yield,
 )
 from distributed import BatchedDispatchResult, CommHandle
@@ -130,14 +132,16 @@ class FusedMoEModularKernel:
         # Complete the other ubatch's in-flight transfer before issuing ours (vLLM order).
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
+        dbo_switch_to_comm()  # CUDA under DBO: issue on this ubatch's comm stream (else no-op)
         dispatch = self.prepare_finalize.prepare(
             hidden_states,
             topk_ids,
             topk_weights,
             async_op=is_async,
-            # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
+            # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
             num_tokens_across_ep=dbo_num_tokens_across_dp(),
         )
+        dbo_switch_to_compute()
         _record_issue("dispatch", issue_ns, dispatch)
         if is_async:
             dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
@@ -158,7 +162,9 @@ class FusedMoEModularKernel:
 
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
+        dbo_switch_to_comm()
         combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
+        dbo_switch_to_compute()
         _record_issue("combine", issue_ns, combine)
         shared_output = None
         if shared_experts is not None:
