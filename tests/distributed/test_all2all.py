@@ -363,7 +363,7 @@ def _cases(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_experts_combine_matches_reference(world_size):
     cases = _cases(world_size)
-    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=90)
+    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240)
     for rank, summaries in enumerate(results):
         assert len(summaries) == len(cases) + 3 * (world_size == 2)
         if world_size == 2:
