@@ -18,6 +18,7 @@ from distributed.all2all.registry import (
     DispatchResult,
     make_all2all_backend,
 )
+from distributed.comm_handle import CollectiveHandle, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
@@ -34,7 +35,9 @@ __all__ = [
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
     "BatchedDispatchResult",
+    "CollectiveHandle",
     "CommHandle",
+    "CompletedHandle",
     "DeepEPHighThroughputBackend",
     "DeepEPLowLatencyBackend",
     "DispatchMetadata",

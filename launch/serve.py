@@ -1,8 +1,8 @@
 """OpenAI-compatible server over DP ranks: ``torchrun --nproc-per-node N -m launch.serve``.
 
-Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.api_server``) and routes
-each new request to the least-loaded DP rank; all ranks then run ``launch.serve_loop.ServeLoop`` in
-lockstep. Input errors are reported as one line on every rank before any process group exists;
+Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.serving.api_server``)
+and assigns each new request to the least-loaded DP rank (``launch.serving.load_balancer``); all
+ranks then run ``launch.serving.serve_loop.ServeLoop`` in lockstep. Input errors are reported as one line on every rank before any process group exists;
 a failure while starting (a port in use, a bad checkpoint) is shared so that every rank exits with
 it; a rank that dies later ends the others through their next collective (an error, or the
 ``--distributed-timeout``), never a hang. SIGTERM (or Ctrl-C) stops accepting requests, lets
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM before they fail "
         "(keep it below torchrun's 30 s grace before it kills the workers)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="jinja2 chat template file for /v1/chat/completions (default: the checkpoint's, "
+        "from tokenizer_config.json or chat_template.jinja)",
+    )
     add_engine_args(parser)
     return parser
 
@@ -71,16 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        args = engine_args_from_namespace(ns)
-        args.check_world_size(world_size)
-        if not 0 <= ns.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-        if ns.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
-        model = resolve_model(args)
-        from launch.serving.detokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.model)
+        args, model, tokenizer, chat_template = _check_inputs(ns, world_size)
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
     stop = _install_stop_handlers()
@@ -98,12 +95,66 @@ def main(argv: list[str] | None = None) -> int:
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
     )
-    http = metrics = None
+    engine, http, metrics = _start(
+        ns, args, model, tokenizer, groups, control_group, chat_template=chat_template
+    )
+    from launch.serving.serve_loop import ServeLoop
+
+    loop = ServeLoop(
+        engine=engine,
+        control_group=control_group,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        stop_requested=stop.is_set,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        bridge=None if http is None else http.bridge,
+        metrics=metrics,
+    )
+    _serve(loop, http, rank)
+    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    destroy_distributed()
+    print(
+        f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
+        flush=True,
+    )
+    return 0
+
+
+def _check_inputs(ns: argparse.Namespace, world_size: int):
+    """(EngineArgs, ResolvedModel, tokenizer or None, chat template or None), before any process
+    group exists.
+
+    Raises:
+        ValueError / OSError: a bad flag, model or tokenizer (one line, naming the value).
+    """
+    args = engine_args_from_namespace(ns)
+    args.check_world_size(world_size)
+    if not 0 <= ns.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
+    model = resolve_model(args)
+    from launch.serving.chat_template import load_chat_template
+    from launch.serving.detokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    return args, model, tokenizer, load_chat_template(args.model, ns.chat_template)
+
+
+def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=None):
+    """Build this rank's engine (and on rank 0 the HTTP server); (engine, http, metrics).
+
+    A failure on any rank is shared over ``control_group`` so that every rank exits with it.
+    """
+    import torch.distributed as dist
+
+    rank = groups.rank
+    engine = http = metrics = None
     error = None
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if rank == 0:
-            http, metrics = _start_http(ns, model, tokenizer, engine)
+            http, metrics = _start_http(ns, model, tokenizer, chat_template, engine)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = f"[rank {rank}] {type(e).__name__}: {e}"
     errors: list = [None] * groups.world_size
@@ -120,24 +171,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{groups.dp_size} DP rank(s)" + (", DBO on" if args.enable_dbo else ""),
             flush=True,
         )
-    from launch.serving.serve_loop import ServeLoop
+    return engine, http, metrics
 
-    loop = ServeLoop(
-        engine=engine,
-        control_group=control_group,
-        dp_rank=groups.dp_rank,
-        dp_size=groups.dp_size,
-        stop_requested=stop.is_set,
-        shutdown_timeout_s=ns.shutdown_timeout,
-        bridge=None if http is None else http.bridge,
-        metrics=metrics,
-    )
+
+def _serve(loop, http, rank: int) -> None:
+    """Run the serve loop until every rank is told to exit; a failure ends this rank with one
+    line (after failing rank 0's open requests)."""
     try:
         num_failed = loop.run()
     except Exception as e:  # noqa: BLE001 - a dead peer, a failed step: end with one clear line
         message = f"{type(e).__name__}: {e}"
         if http is not None:
-            http.bridge.fail_all(f"the engine failed: {message}")
+            http.bridge.fail_all(RuntimeError(f"the engine failed: {message}"))
             http.stop(timeout_s=5.0)
         _die(rank, message)
     if http is not None:
@@ -146,20 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROG}: shut down; {num_failed} in-flight request(s) failed with an error",
             flush=True,
         )
-    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
-    destroy_distributed()
-    print(
-        f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
-        flush=True,
-    )
-    return 0
 
 
 def _model_name(ns: argparse.Namespace) -> str:
     return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
 
 
-def _start_http(ns, model, tokenizer, engine: LLMEngine):
+def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine):
     from launch.serving.api_server import HTTPServerThread, ServerConfig
     from launch.serving.metrics import ServerMetrics
 
@@ -172,6 +210,7 @@ def _start_http(ns, model, tokenizer, engine: LLMEngine):
         tokenizer=tokenizer,
         metrics=metrics,
         kv_capacity_tokens=kv.num_blocks * kv.block_size,
+        chat_template=chat_template,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.deepep_buffer import completion_work, make_deepep_buffer
-from distributed.comm_handle import CommHandle
+from distributed.comm_handle import CollectiveHandle, CommHandle
 from distributed.link_emulation import EmulatedLink
 
 
@@ -147,7 +147,7 @@ class DeepEPHighThroughputBackend(All2AllBackend):
 
     def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
         """A ``CommHandle`` over a Buffer call's completion (``deepep_buffer.completion_work``)."""
-        handle: CommHandle = CommHandle(
+        handle: CollectiveHandle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,
             timeout=self.timeout,

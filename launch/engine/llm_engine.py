@@ -7,10 +7,9 @@ one at which no DP rank has work.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,15 +59,9 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     if args.model is None:
         config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
     else:
-        config_path = Path(args.model) / "config.json"
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
-        try:
-            hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
-        config = MoEModelConfig.from_hf_config(hf_config)
-        check_checkpoint(args.model)
+        config = check_checkpoint(args.model)  # parses config.json (moe.model_loader.load_config)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -84,9 +77,7 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
 class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
-    num_dummy_steps: int = 0
     num_preemptions: int = 0
-    step_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +101,27 @@ class MemoryStats:
         )
 
 
+def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfig):
+    """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
+    behind an emulated link when ``--emulate-link`` is given."""
+    link_spec = engine_args.link_spec()
+    if groups.ep_size == 1:
+        return None
+    return make_all2all_backend(
+        engine_args.all2all_backend,
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        num_experts=config.num_experts,
+        timeout=groups.timeout,
+        link=None if link_spec is None else EmulatedLink(link_spec),
+        # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
+        # scheduler's token budget, so a low-latency dispatch never overflows its slots
+        hidden_size=config.hidden_size,
+        num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
+    )
+
+
 class LLMEngine:
     """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
 
@@ -120,24 +132,9 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
             self.start_timeline()
-        link_spec = engine_args.link_spec()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
-        backend = None
-        if groups.ep_size > 1:
-            backend = make_all2all_backend(
-                engine_args.all2all_backend,
-                ep_group=groups.ep_group,
-                ep_rank=groups.ep_rank,
-                ep_size=groups.ep_size,
-                num_experts=config.num_experts,
-                timeout=groups.timeout,
-                link=None if link_spec is None else EmulatedLink(link_spec),
-                # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
-                # scheduler's token budget, so a low-latency dispatch never overflows its slots
-                hidden_size=config.hidden_size,
-                num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
-            )
+        backend = _make_all2all_backend(engine_args, groups, config)
         self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
@@ -195,6 +192,25 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """This rank's running requests (scheduled in the last step or about to be), in order."""
+        return tuple(self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of this rank's KV cache blocks in use (vLLM's ``kv_cache_usage_perc``)."""
+        kv = self.kv_cache_manager
+        return 1.0 - kv.num_free_blocks / kv.num_blocks
+
     def abort_request(self, request_id: int) -> Request | None:
         """Drop a request of this rank (its blocks and sampling state); None if not here."""
         self.model_runner.release(request_id)
@@ -216,10 +232,12 @@ class LLMEngine:
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
-            self.stats.num_dummy_steps += out.num_tokens == 0
-            self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        if out.sampled_logprobs:
+            by_id = {s.request.request_id: s.request for s in scheduler_output.scheduled}
+            for request_id, logprobs in out.sampled_logprobs.items():
+                by_id[request_id].output_logprobs.append(logprobs)
         for request in finished:
             self.model_runner.release(request.request_id)
         return finished, True

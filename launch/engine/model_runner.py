@@ -16,7 +16,7 @@ because the expert all-to-all is a collective over all EP ranks.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from dbo import (
 from dbo.timeline.recorder import blocking_comm_span, timeline_span
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.sampler import TokenLogprobs, apply_top_p, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
 
 
@@ -50,6 +51,8 @@ class StepOutput:
     is_ubatched: bool
     num_tokens: int  # this rank's real tokens
     num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
+    # request_id -> logprobs of its sampled token, for the requests that asked for them
+    sampled_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,11 +166,14 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
         forward = self.run_forward(scheduler_output)
-        sampled = {}
+        sampled, logprobs = {}, {}
         if forward.hidden_states is not None:
-            sampled = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
+            sampled, logprobs = self._sample(
+                forward.hidden_states, forward.inputs, scheduler_output
+            )
         return StepOutput(
             sampled_token_ids=sampled,
+            sampled_logprobs=logprobs,
             has_work_across_dp=forward.has_work_across_dp,
             ran_model=forward.hidden_states is not None,
             is_ubatched=forward.is_ubatched,
@@ -233,7 +239,7 @@ class ModelRunner:
         # Without microbatching every rank runs max(num_tokens, 1) rows (a dummy row when idle):
         # known from the vote, so e.g. DeepEP's low-latency dispatch sizes its slots without a
         # message (vLLM's forward-context DP metadata).
-        num_tokens_across_dp = (
+        num_padded_tokens_across_dp = (
             [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
             if ubatch_slices
             else [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
@@ -243,7 +249,7 @@ class ModelRunner:
             inputs.positions,
             inputs.attn_metadata,
             ubatch_slices,
-            num_tokens_across_dp=num_tokens_across_dp,
+            num_padded_tokens_across_dp=num_padded_tokens_across_dp,
         )
         return ForwardOutput(
             hidden_states=hidden_states,
@@ -252,24 +258,34 @@ class ModelRunner:
             is_ubatched=decision.should_ubatch,
         )
 
-    def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
+    def _sample(
+        self, hidden_states, inputs: ModelInputs, scheduler_output
+    ) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        """The token sampled for each request with a logits row, and the logprobs of those that
+        asked for them (from the raw logits: vLLM's default)."""
         if not inputs.sampled_request_ids:
-            return {}
+            return {}, {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         params = {
             s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled
         }
         sampled: dict[int, int] = {}
+        logprob_rows: list[int] = []  # rows whose request asked for logprobs
         for row, request_id in enumerate(inputs.sampled_request_ids):
+            if params[request_id].logprobs is not None:
+                logprob_rows.append(row)
             temperature = params[request_id].temperature
             if temperature == 0:
                 sampled[request_id] = int(torch.argmax(logits[row]))
                 continue
             probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            probs = apply_top_p(probs, params[request_id].top_p)
             generator = self._generator(request_id, params[request_id].seed)
             sampled[request_id] = int(torch.multinomial(probs, 1, generator=generator))
-        return sampled
+        if not logprob_rows:
+            return sampled, {}
+        return sampled, _logprobs_of(logits, logprob_rows, inputs, sampled, params)
 
     def _generator(self, request_id: int, seed: int | None) -> torch.Generator:
         if request_id not in self._generators:
@@ -281,3 +297,14 @@ class ModelRunner:
     def release(self, request_id: int) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+
+
+def _logprobs_of(
+    logits: torch.Tensor, rows: list[int], inputs: ModelInputs, sampled, params
+) -> dict[int, TokenLogprobs]:
+    """Logprobs of the sampled tokens of ``rows`` (of ``logits``: [num_sampled, vocab_size])."""
+    wanted = [inputs.sampled_request_ids[i] for i in rows]
+    token_ids = torch.tensor([sampled[r] for r in wanted], dtype=torch.int64)
+    with timeline_span("logprobs"):
+        logprobs = compute_logprobs(logits[rows], token_ids, [params[r].logprobs for r in wanted])
+    return dict(zip(wanted, logprobs, strict=True))

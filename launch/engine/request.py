@@ -5,13 +5,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from launch.engine.sampler import MAX_LOGPROBS, TokenLogprobs
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to pick each next token.
 
     Raises:
-        ValueError: if ``max_tokens`` < 1 or ``temperature`` < 0.
+        ValueError: if ``max_tokens`` < 1, ``temperature`` < 0, ``top_p`` outside (0, 1] or
+            ``logprobs`` outside [0, 20].
     """
 
     max_tokens: int = 16
@@ -19,12 +22,18 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed when sampling
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
+    top_p: float = 1.0  # nucleus sampling: keep the most likely tokens holding this much mass
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +54,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(
+        default_factory=list
+    )  # if sampling_params.logprobs
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from launch.engine.request import SamplingParams
+from launch.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,13 +32,15 @@ class RequestOutput:
     """Tokens generated for a request since its previous output.
 
     ``finish_reason`` ("stop", "length" or "abort") is set on a request's last output; ``error``
-    (a message) on the last output of a request that failed.
+    on the last output of a request that failed (``ServerShuttingDown``: the HTTP answer is 503;
+    any other exception: 500; its text is the message).
     """
 
     request_id: int
     new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token if the request asked
     finish_reason: str | None = None
-    error: str | None = None
+    error: Exception | None = None
 
     @property
     def is_last(self) -> bool:
@@ -45,7 +48,8 @@ class RequestOutput:
 
 
 class ServerShuttingDown(RuntimeError):
-    """``submit`` after ``stop_accepting``: the server answers 503."""
+    """``submit`` after ``stop_accepting``, or a request failed at shutdown: the server answers
+    503."""
 
 
 class EngineBridge:
@@ -62,14 +66,18 @@ class EngineBridge:
     # HTTP thread (event loop) side
 
     def submit(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        outputs: asyncio.Queue[RequestOutput] | None = None,
     ) -> tuple[int, asyncio.Queue[RequestOutput]]:
-        """Queue a request for the engine; its id and the queue its outputs arrive on.
+        """Queue a request for the engine; its id and the queue its outputs arrive on
+        (``outputs`` if given: several requests may share one, e.g. the ``n`` choices).
 
         Raises:
             ServerShuttingDown: once the server stopped accepting requests.
         """
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs = asyncio.Queue() if outputs is None else outputs
         with self._lock:  # with stop_accepting: a request is either refused or tracked
             if not self._accepting:
                 raise ServerShuttingDown("the server is shutting down and accepts no new requests")
@@ -137,10 +145,10 @@ class EngineBridge:
         with self._lock:
             self._accepting = False
 
-    def fail_all(self, message: str) -> int:
-        """End every open request with ``message`` as its error; how many there were."""
+    def fail_all(self, error: Exception) -> int:
+        """End every open request with ``error``; how many there were."""
         with self._lock:
             open_ids = list(self._outputs)
         for request_id in open_ids:
-            self.deliver(RequestOutput(request_id=request_id, error=message))
+            self.deliver(RequestOutput(request_id=request_id, error=error))
         return len(open_ids)

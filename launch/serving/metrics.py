@@ -57,6 +57,12 @@ class ServerMetrics:
         self.num_preemptions = Gauge(
             f"{PREFIX}_num_preemptions", "Preemptions so far per DP rank", ["dp_rank"], registry=r
         )
+        self.kv_cache_usage = Gauge(
+            f"{PREFIX}_kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use per DP rank (1 = full), as vLLM's",
+            ["dp_rank"],
+            registry=r,
+        )
         self.engine_steps = Counter(
             f"{PREFIX}_engine_steps",
             "Lockstep engine steps in which some rank had work",
@@ -82,9 +88,16 @@ class ServerMetrics:
         self._num_ubatched = 0
 
     def update_rank(
-        self, dp_rank: int, *, num_running: int, num_waiting: int, num_preemptions: int
+        self,
+        dp_rank: int,
+        *,
+        num_running: int,
+        num_waiting: int,
+        num_preemptions: int,
+        kv_cache_usage: float = 0.0,
     ) -> None:
         label = str(dp_rank)
+        self.kv_cache_usage.labels(dp_rank=label).set(kv_cache_usage)
         self.num_requests_running.labels(dp_rank=label).set(num_running)
         self.num_requests_waiting.labels(dp_rank=label).set(num_waiting)
         self.num_preemptions.labels(dp_rank=label).set(num_preemptions)

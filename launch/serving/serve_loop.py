@@ -2,7 +2,7 @@
 
 Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
 group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
-expert all-to-all): rank 0 a ``Dispatch`` (new requests, each routed to the least-loaded DP rank,
+expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to the least-loaded DP rank,
 aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its last step, its
 queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of them decide
 alike whether to run an engine step (some rank has work) or to idle, and when to stop.
@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
-from launch.serving.engine_bridge import EngineBridge, NewRequest, RequestOutput
+from launch.serving.engine_bridge import (
+    EngineBridge,
+    NewRequest,
+    RequestOutput,
+    ServerShuttingDown,
+)
+from launch.serving.load_balancer import DPLoadBalancer
 from launch.serving.metrics import ServerMetrics
 
 HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Dispatch:
+class ControlOrders:
     """Rank 0's orders for one iteration."""
 
     assignments: tuple[tuple[int, NewRequest], ...] = ()  # (dp_rank, request)
@@ -46,34 +52,11 @@ class RankReport:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    kv_cache_usage: float = 0.0  # fraction of this rank's KV blocks in use
     wants_shutdown: bool = False  # this rank got SIGTERM
     ran_step: bool = False
     is_ubatched: bool = False
     step_time_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Router:
-    """Least-loaded routing: a new request goes to the DP rank with the fewest open requests
-    (assigned by rank 0 and not yet finished), the lowest rank on a tie."""
-
-    dp_size: int
-    num_open: list[int] = field(default_factory=list)
-    owner: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.num_open = [0] * self.dp_size
-
-    def route(self, request_id: int) -> int:
-        dp_rank = min(range(self.dp_size), key=lambda r: (self.num_open[r], r))
-        self.num_open[dp_rank] += 1
-        self.owner[request_id] = dp_rank
-        return dp_rank
-
-    def close(self, request_id: int) -> None:
-        dp_rank = self.owner.pop(request_id, None)
-        if dp_rank is not None:
-            self.num_open[dp_rank] -= 1
 
 
 class ServeLoop:
@@ -106,7 +89,7 @@ class ServeLoop:
         self.bridge = bridge
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
-        self.router = Router(dp_size)
+        self.load_balancer = DPLoadBalancer(dp_size)
         self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
         self._shutdown_deadline: float | None = None
         self._error_outputs: list[RequestOutput] = []
@@ -117,27 +100,29 @@ class ServeLoop:
         any_work = False
         num_failed = 0
         while True:
-            dispatch = self._make_dispatch(any_work) if self.dp_rank == 0 else None
-            if dispatch is not None and dispatch.should_exit:
+            orders = self._make_orders(any_work) if self.dp_rank == 0 else None
+            if orders is not None and orders.should_exit:
                 num_failed = self.bridge.fail_all(
-                    "the server shut down (SIGTERM) before this request finished "
-                    f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    ServerShuttingDown(
+                        "the server shut down (SIGTERM) before this request finished "
+                        f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    )
                 )
             parts: list = [None] * self.dp_size
             # blocking collective over the gloo control group (timeout: the group's timeout)
-            dist.all_gather_object(parts, (dispatch, report), group=self.control_group)
-            dispatch = parts[0][0]
+            dist.all_gather_object(parts, (orders, report), group=self.control_group)
+            orders = parts[0][0]
             reports = [part[1] for part in parts]
             if self.dp_rank == 0:
                 self._collect(reports)
-            if dispatch.should_exit:
+            if orders.should_exit:
                 return num_failed
-            self._apply(dispatch)
-            num_new = len(dispatch.assignments)
+            self._apply(orders)
+            num_new = len(orders.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
 
-    def _make_dispatch(self, any_work: bool) -> Dispatch:
+    def _make_orders(self, any_work: bool) -> ControlOrders:
         bridge = self.bridge
         if self.stop_requested() and bridge.is_accepting:
             bridge.stop_accepting()
@@ -145,8 +130,8 @@ class ServeLoop:
         shutting_down = not bridge.is_accepting
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
         for request_id in aborts:
-            self.router.close(request_id)
-        assignments = tuple((self.router.route(r.request_id), r) for r in new)
+            self.load_balancer.close(request_id)
+        assignments = tuple((self.load_balancer.assign(r.request_id), r) for r in new)
         if self.metrics is not None:
             self.metrics.requests_received.inc(len(new))
             for dp_rank, _ in assignments:
@@ -158,7 +143,7 @@ class ServeLoop:
         )
         if shutting_down and not should_exit and not any_work and not new:
             time.sleep(min(self.heartbeat_s, 0.05))  # waiting for outputs in transit, not spinning
-        return Dispatch(
+        return ControlOrders(
             assignments=assignments,
             aborts=tuple(aborts),
             is_shutting_down=shutting_down,
@@ -173,7 +158,7 @@ class ServeLoop:
                 self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
             for output in report.outputs:
                 if output.is_last:
-                    self.router.close(output.request_id)
+                    self.load_balancer.close(output.request_id)
                 self.bridge.deliver(output)
                 if self.metrics is not None:
                     self.metrics.generation_tokens.inc(len(output.new_token_ids))
@@ -186,15 +171,16 @@ class ServeLoop:
                     num_running=report.num_running,
                     num_waiting=report.num_waiting,
                     num_preemptions=report.num_preemptions,
+                    kv_cache_usage=report.kv_cache_usage,
                 )
         if self.metrics is not None and reports[0].ran_step:
             self.metrics.record_step(
                 is_ubatched=reports[0].is_ubatched, step_time_s=reports[0].step_time_s
             )
 
-    def _apply(self, dispatch: Dispatch) -> None:
-        # assignments before aborts: a request aborted right after it was sent comes in one dispatch
-        for dp_rank, new in dispatch.assignments:
+    def _apply(self, orders: ControlOrders) -> None:
+        # assignments before aborts: a request aborted right after it was sent comes in one order
+        for dp_rank, new in orders.assignments:
             if dp_rank != self.dp_rank:
                 continue
             try:
@@ -207,10 +193,14 @@ class ServeLoop:
                 )
                 self._num_sent[new.request_id] = 0
             except ValueError as e:  # rank 0 checks requests first; this is a last line of defence
-                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=str(e)))
-        for request_id in dispatch.aborts:
+                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=e))
+        for request_id in orders.aborts:
             if self.engine.abort_request(request_id) is not None:
                 self._num_sent.pop(request_id, None)
+                # reported so that rank 0 counts it (requests_finished{finish_reason="abort"})
+                self._error_outputs.append(
+                    RequestOutput(request_id=request_id, finish_reason="abort")
+                )
 
     def _step(self) -> RankReport:
         stats = self.engine.stats
@@ -220,7 +210,7 @@ class ServeLoop:
         step_time_s = time.perf_counter() - start
         outputs = list(self._error_outputs)
         self._error_outputs.clear()
-        for request in [*self.engine.scheduler.running, *finished]:
+        for request in [*self.engine.running_requests, *finished]:
             outputs += self._new_output(request)
         return self._report(
             ran_step=True,
@@ -242,19 +232,21 @@ class ServeLoop:
             RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=tuple(request.output_token_ids[num_sent:]),
+                new_logprobs=tuple(request.output_logprobs[num_sent:]),
                 finish_reason=request.finish_reason,
             )
         ]
 
     def _report(self, *, ran_step: bool, outputs=(), **step) -> RankReport:
-        scheduler = self.engine.scheduler
+        engine = self.engine
         if not ran_step and self._error_outputs:
             outputs, self._error_outputs = tuple(self._error_outputs), []
         return RankReport(
             outputs=tuple(outputs),
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
             num_preemptions=self.engine.stats.num_preemptions,
+            kv_cache_usage=engine.kv_cache_usage,
             wants_shutdown=self.stop_requested(),
             ran_step=ran_step,
             **step,

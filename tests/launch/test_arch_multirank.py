@@ -21,12 +21,12 @@ import torch
 
 from tests.conftest import hf_greedy
 from tests.helpers.distributed import run_distributed
-from tests.launch.test_engine_logits import (
-    _run_engine_steps,
+from tests.helpers.engine import (
     assert_dbo_on_equals_off_equals_reference,
     dbo_test_engine_args,
+    run_engine_steps,
 )
-from tests.launch.test_generate_e2e import DBO_FLAGS, read_outputs, torchrun
+from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
 
@@ -65,7 +65,7 @@ def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
                 timeline_dir=timeline_dir if enable_dbo else None,
             )
             engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
-            results[model_type, enable_dbo] = _run_engine_steps(
+            results[model_type, enable_dbo] = run_engine_steps(
                 engine, prompts, groups.dp_rank, groups.dp_size
             )
             if enable_dbo:

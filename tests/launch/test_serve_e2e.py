@@ -214,7 +214,7 @@ BAD_REQUESTS = {
     "token outside vocab": ({"prompt": [5, 128]}, 400, r"token id 128 is outside \[0, 128\)"),
     "empty prompt": ({"prompt": []}, 400, "the prompt is empty"),
     "unknown model": ({"prompt": [5], "model": "gpt-x"}, 404, "does not exist"),
-    "n=2": ({"prompt": [5], "n": 2}, 400, "'n' = 2 is not supported"),
+    "n=0": ({"prompt": [5], "n": 0}, 400, r"'n' must be in \[1, 64\]"),
 }
 
 
@@ -240,7 +240,9 @@ def test_models_and_health(server, model_dir):
 def test_bench_serving_against_the_running_server(server):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
-        + ["--num-prompts=6", "--input-len=5", "--output-len=4", "--request-rate=50"],
+        + ["--dataset-name=random", "--num-prompts=6", "--random-input-len=5"]
+        + ["--random-output-len=4", "--request-rate=50", "--max-concurrency=4"]
+        + ["--percentile-metrics=ttft,tpot,itl,e2el", "--metric-percentiles=50,99"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -248,9 +250,12 @@ def test_bench_serving_against_the_running_server(server):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"requests ok / failed\s+6 / 0", proc.stdout), proc.stdout
-    for label in ("output throughput", "TTFT median", "TTFT p99", "ITL median", "ITL p99"):
-        assert re.search(rf"{label} \S+\s+\d+\.\d", proc.stdout), proc.stdout
+    assert "============ Serving Benchmark Result ============" in proc.stdout, proc.stdout
+    assert re.search(r"^Successful requests:\s+6 *$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^Total generated tokens:\s+24 *$", proc.stdout, re.M), proc.stdout
+    for metric in ("TTFT", "TPOT", "ITL", "E2EL"):
+        for stat in ("Mean", "Median", "P50", "P99"):
+            assert re.search(rf"^{stat} {metric} \(ms\):\s+\d+\.\d\d", proc.stdout, re.M)
 
 
 def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):

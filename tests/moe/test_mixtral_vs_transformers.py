@@ -12,11 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dbo.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe import build_model, load_checkpoint, load_config  # noqa: E402
 from tests.conftest import make_tiny_mixtral  # noqa: E402
+from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata  # noqa: E402
 
-BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 ATOL = 1e-5
 
@@ -27,31 +26,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("mixtral") / "ckpt"
     ref.save_pretrained(path, max_shard_size="20KB")
     return path, ref
-
-
-def make_metadata(query_lens, seq_lens, block_tables, num_padding=0):
-    """Hand-built metadata: request r owns blocks block_tables[r]; token j of its context sits at
-    slot block_tables[r][j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE."""
-    qsl = [0]
-    slots = []
-    for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
-        qsl.append(qsl[-1] + q)
-        for pos in range(s - q, s):
-            slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-    slots += [-1] * num_padding
-    width = max(len(b) for b in block_tables)
-    table = [b + [0] * (width - len(b)) for b in block_tables]
-    return CommonAttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(table, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_reqs=len(query_lens),
-        num_actual_tokens=qsl[-1],
-        num_tokens=qsl[-1] + num_padding,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
 
 
 def test_prefill_then_decode_matches_transformers(checkpoint):
@@ -73,7 +47,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint):
         [s[:n] for s, n in zip(seqs, prompt_lens, strict=True)] + [torch.zeros(2, dtype=torch.long)]
     )
     pos = torch.cat([torch.arange(n) for n in prompt_lens] + [torch.zeros(2, dtype=torch.long)])
-    meta = make_metadata(prompt_lens, prompt_lens, block_tables, num_padding=2)
+    meta = make_paged_metadata(prompt_lens, prompt_lens, block_tables, num_padding=2)
     hidden = model(ids, pos, meta)
     assert hidden.shape == (sum(prompt_lens) + 2, 32)
     logits = model.compute_logits(hidden)
@@ -86,7 +60,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint):
         seq_lens = [n + step + 1 for n in prompt_lens]
         ids = torch.stack([s[n - 1] for s, n in zip(seqs, seq_lens, strict=True)])
         pos = torch.tensor([n - 1 for n in seq_lens])
-        meta = make_metadata([1, 1], seq_lens, block_tables)
+        meta = make_paged_metadata([1, 1], seq_lens, block_tables)
         logits = model.compute_logits(model(ids, pos, meta))
         for r in range(2):
             torch.testing.assert_close(logits[r], expected[r][seq_lens[r] - 1], atol=ATOL, rtol=0)
@@ -98,7 +72,7 @@ def test_padding_rows_write_no_cache(checkpoint):
     load_checkpoint(model, path)
     caches = model.allocate_kv_caches(4, BLOCK_SIZE)
     model.bind_kv_caches(caches)
-    meta = make_metadata([2], [2], [[1]], num_padding=3)
+    meta = make_paged_metadata([2], [2], [[1]], num_padding=3)
     model(torch.tensor([3, 4, 0, 0, 0]), torch.tensor([0, 1, 0, 0, 0]), meta)
     for cache in caches:
         touched = cache.abs().sum(dim=(0, 3, 4)) != 0  # [num_blocks, block_size]
