@@ -32,6 +32,8 @@ from dbo.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
     dbo_yield,
     make_ubatch_contexts,
 )
@@ -58,6 +60,8 @@ __all__ = [
     "dbo_maybe_run_recv_hook",
     "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_compute",
     "dbo_yield",
     "decide_from_gathered",
     "get_timeline_recorder",

@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
+        if groups.rank == 0:
+            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         engine.start_timeline()
         from tqdm import tqdm
 
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec,
                     [steps[i] for steps, _ in everyone],
                     span_cost_ns=statistics.median(c for _, c in everyone),
-                    meta=run_meta(ns, args, model),
+                    meta={**run_meta(ns, args, model), "all2all": engine.all2all_summary()},
                 )
                 for i, spec in enumerate(specs)
             ]

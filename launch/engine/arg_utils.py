@@ -12,8 +12,17 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
-DTYPES = ("float32", "bfloat16")
+ALL2ALL_BACKENDS = (
+    "all_to_all",
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+)
+# --all2all-backend when not given: under --enable-dbo one that never blocks inside the overlapped
+# window (measured: README, "Expert all-to-all backends"), else the plain uneven all-to-all.
+DEFAULT_ALL2ALL_BACKEND = "all_to_all"
+DEFAULT_DBO_ALL2ALL_BACKEND = "deepep_low_latency"
+DTYPES = ("float32", "bfloat16", "float64")
 AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
 MIN_DBO_THRESHOLD = 2
 
@@ -58,7 +67,9 @@ class EngineArgs:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | str = 32  # or "auto": learned (dbo.AdaptiveDBOPolicy)
     dbo_prefill_token_threshold: int | str = 512
-    all2all_backend: str = "all_to_all"
+    all2all_backend: str | None = (
+        None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
+    )
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
@@ -73,6 +84,9 @@ class EngineArgs:
         from moe.platforms.custom_op import parse_custom_ops
 
         parse_custom_ops(self.custom_ops)
+        if self.all2all_backend is None:
+            default = DEFAULT_DBO_ALL2ALL_BACKEND if self.enable_dbo else DEFAULT_ALL2ALL_BACKEND
+            object.__setattr__(self, "all2all_backend", default)  # frozen: resolve the default
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(
                 f"--all2all-backend {self.all2all_backend!r} is not supported; "
@@ -188,7 +202,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         choices=DTYPES,
-        help="weights and activations dtype (float32 for exact comparisons)",
+        help="weights and activations dtype (float32 / float64 for exact comparisons)",
     )
     add(
         "--custom-ops",
@@ -229,7 +243,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.dbo_prefill_token_threshold,
         help="min tokens of a batch with a prefill to microbatch it, or 'auto' (learned)",
     )
-    add("--all2all-backend", default=d.all2all_backend, choices=ALL2ALL_BACKENDS)
+    add(
+        "--all2all-backend",
+        default=None,
+        choices=ALL2ALL_BACKENDS,
+        help=f"expert all-to-all (default: {DEFAULT_DBO_ALL2ALL_BACKEND} with --enable-dbo, "
+        f"else {DEFAULT_ALL2ALL_BACKEND})",
+    )
     add(
         "--distributed-timeout",
         dest="distributed_timeout_s",

@@ -103,7 +103,7 @@ class MemoryStats:
         )
 
 
-def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
+def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfig):
     """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
     behind an emulated link when ``--emulate-link`` is given."""
     link_spec = engine_args.link_spec()
@@ -114,9 +114,13 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
         ep_size=groups.ep_size,
-        num_experts=num_experts,
+        num_experts=config.num_experts,
         timeout=groups.timeout,
         link=None if link_spec is None else EmulatedLink(link_spec),
+        # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
+        # scheduler's token budget, so a low-latency dispatch never overflows its slots
+        hidden_size=config.hidden_size,
+        num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
 
 
@@ -132,7 +136,8 @@ class LLMEngine:
             self.start_timeline()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
-        backend = _make_all2all_backend(engine_args, groups, config.num_experts)
+        backend = _make_all2all_backend(engine_args, groups, config)
+        self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(engine_args.custom_ops)
@@ -181,6 +186,14 @@ class LLMEngine:
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+
+    def all2all_summary(self) -> str:
+        """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed
+        emulation of DeepEP's protocol)``); ``none`` without expert parallelism."""
+        backend = self.all2all_backend
+        if backend is None:
+            return "none (no expert parallelism)"
+        return f"{backend.name} ({backend.implementation})"
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

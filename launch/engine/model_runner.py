@@ -265,10 +265,13 @@ class ModelRunner:
         # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
         # has the same row count on every rank; telling the all-to-all spares it a blocking
         # count exchange in the overlapped window.
+        # Without microbatching every rank runs max(num_tokens, 1) rows (a dummy row when idle):
+        # known from the vote, so e.g. DeepEP's low-latency dispatch sizes its slots without a
+        # message (vLLM's forward-context DP metadata).
         num_padded_tokens_across_dp = (
             [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
             if ubatch_slices
-            else None
+            else [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
         )
         hidden_states = self.wrapper(
             inputs.input_ids,

@@ -19,7 +19,8 @@ from launch.generate import build_parser, check_prompts, load_prompts
         ),
         (
             {"all2all_backend": "nccl"},
-            r"'nccl' is not supported; choose one of \('all_to_all', 'allgather_reducescatter'\)",
+            r"'nccl' is not supported; choose one of \('all_to_all', 'allgather_reducescatter', "
+            r"'deepep_high_throughput', 'deepep_low_latency'\)",
         ),
         ({"dtype": "float16"}, r"--dtype 'float16' is not supported"),
         ({"max_num_seqs": 0}, r"--max-num-seqs must be >= 1, got 0"),
@@ -37,6 +38,20 @@ from launch.generate import build_parser, check_prompts, load_prompts
 def test_bad_engine_args(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         EngineArgs(**kwargs)
+
+
+def test_default_all2all_backend_never_blocks_under_dbo():
+    from distributed import BACKENDS
+
+    dbo = {"enable_dbo": True, "enable_expert_parallel": True, "data_parallel_size": 2}
+    assert EngineArgs(**dbo).all2all_backend == "deepep_low_latency"
+    assert not BACKENDS[EngineArgs(**dbo).all2all_backend].blocks_under_dbo
+    assert EngineArgs().all2all_backend == "all_to_all"
+    for name in BACKENDS:  # an explicit choice is kept, DBO or not
+        assert EngineArgs(**dbo, all2all_backend=name).all2all_backend == name
+        assert EngineArgs(all2all_backend=name).all2all_backend == name
+    ns = build_parser().parse_args(["--enable-dbo"])
+    assert ns.all2all_backend is None  # resolved by EngineArgs, which knows --enable-dbo
 
 
 def test_world_size_must_match_data_parallel_size():

@@ -25,6 +25,10 @@ ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
         (2, "allgather_reducescatter"),
         (4, "all_to_all"),
         (4, "allgather_reducescatter"),
+        (2, "deepep_high_throughput"),
+        (2, "deepep_low_latency"),
+        (4, "deepep_high_throughput"),
+        (4, "deepep_low_latency"),
     ],
 )
 def test_greedy_dbo_generation_equals_transformers(
@@ -49,6 +53,12 @@ def test_greedy_dbo_generation_equals_transformers(
     summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
     assert summary, proc.stdout
     assert int(summary.group(2)) > 0, proc.stdout
+    # the start-up line and the summary name the backend and what runs it (no CUDA here)
+    expected = "torch.distributed emulation of DeepEP's protocol"
+    if not backend.startswith("deepep"):
+        expected = "torch.distributed"
+    assert proc.stdout.count(f"expert all-to-all: {backend} ({expected})") == 1, proc.stdout
+    assert f"all2all {backend} ({expected})" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
