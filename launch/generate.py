@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
+        if groups.rank == 0:
+            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         for index in range(groups.dp_rank, len(prompts), groups.dp_size):
             engine.add_request(
                 Request(
@@ -160,10 +162,13 @@ def report(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "
         f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
+        f"all2all {engine.all2all_summary()}; "
         f"start-up {startup_s:.2f} s (process start to first step, rank 0)"
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )
+    if engine.dbo_summary():
+        print(f"{PROG}: {engine.dbo_summary()}", flush=True)
     print(f"{PROG}: rank 0 memory: {engine.memory.summary()}", flush=True)
 
 

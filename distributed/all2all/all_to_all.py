@@ -45,6 +45,7 @@ class AllToAllBackend(All2AllBackend):
     """Uneven ``all_to_all_single`` dispatch / combine (see the module docstring)."""
 
     name = "all_to_all"
+    blocks_under_dbo = True  # its count exchange stays: row counts depend on the routing
 
     def dispatch(
         self,
@@ -148,10 +149,10 @@ class AllToAllBackend(All2AllBackend):
         )  # fmt: skip
 
         def finalize() -> Tensor:
-            out = torch.zeros(
-                metadata.num_tokens, hidden_size, dtype=torch.float32, device=recv.device
-            )
-            out.index_add_(0, metadata.send_token_idx.to(recv.device), recv.view(dtype).float())
+            acc_dtype = torch.promote_types(dtype, torch.float32)  # float64 stays float64
+            out = torch.zeros(metadata.num_tokens, hidden_size, dtype=acc_dtype, device=recv.device)
+            rows = recv.view(dtype).to(acc_dtype)
+            out.index_add_(0, metadata.send_token_idx.to(recv.device), rows)
             return out.to(dtype)
 
         row_bytes = send.shape[1]

@@ -82,6 +82,18 @@ class ServerMetrics:
             buckets=STEP_TIME_BUCKETS,
             registry=r,
         )
+        self.dbo_crossover_tokens = Gauge(
+            f"{PREFIX}_adaptive_crossover_tokens",
+            "Tokens per rank from which adaptive DBO found microbatching to pay, per batch kind "
+            "with --dbo-*-token-threshold auto (+Inf: never so far, NaN: not yet measured)",
+            ["kind"],
+            registry=r,
+        )
+        self.dbo_exploration_steps = Gauge(
+            f"{PREFIX}_adaptive_exploration_steps",
+            "Engine steps the adaptive DBO policy spent exploring (rank 0)",
+            registry=r,
+        )
         for dp_rank in range(dp_size):
             self.update_rank(dp_rank, num_running=0, num_waiting=0, num_preemptions=0)
         self._num_steps = 0
@@ -110,6 +122,14 @@ class ServerMetrics:
             self.ubatched_steps.inc()
         self.ubatched_step_fraction.set(self._num_ubatched / self._num_steps)
         self.step_time.observe(step_time_s)
+
+    def set_dbo_adaptive(
+        self, *, crossover_tokens: dict[str, float], num_exploration_steps: int
+    ) -> None:
+        """The adaptive DBO policy's learned crossover per kind ("decode" / "prefill")."""
+        for kind, value in crossover_tokens.items():
+            self.dbo_crossover_tokens.labels(kind=kind).set(value)
+        self.dbo_exploration_steps.set(num_exploration_steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -177,6 +177,11 @@ class ServeLoop:
             self.metrics.record_step(
                 is_ubatched=reports[0].is_ubatched, step_time_s=reports[0].step_time_s
             )
+            # rank 0's policy: every rank's is identical (fed the same combined vote data)
+            self.metrics.set_dbo_adaptive(
+                crossover_tokens=self.engine.dbo_crossover_tokens(),
+                num_exploration_steps=self.engine.stats.num_dbo_exploration_steps,
+            )
 
     def _apply(self, orders: ControlOrders) -> None:
         # assignments before aborts: a request aborted right after it was sent comes in one order

@@ -63,11 +63,11 @@ def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):
 
 
 def assert_dbo_on_equals_off_equals_reference(
-    on_per_rank, off_per_rank, reference, prompts, label: str = ""
+    on_per_rank, off_per_rank, reference, prompts, label: str = "", atol: float = 1e-5
 ):
     """Each rank's DBO-on steps were all microbatched, DBO-off none; both gave the same tokens and
-    logits (atol 1e-5), equal to ``reference``'s logits on prompt + generated tokens. ``label``
-    prefixes the failure messages."""
+    logits (``atol``: 1e-5 suits float32), equal to ``reference``'s logits on prompt + generated
+    tokens (computed in the reference's dtype). ``label`` prefixes the failure messages."""
 
     def msg(m: str) -> str:
         return f"{label}: {m}" if label else m
@@ -80,10 +80,11 @@ def assert_dbo_on_equals_off_equals_reference(
         for index, logits in on_logits.items():
             logits = torch.from_numpy(logits)
             torch.testing.assert_close(
-                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5, msg=msg
+                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=atol, msg=msg
             )
             full = prompts[index] + on_tokens[index]
             with torch.no_grad():
                 ref = reference(torch.tensor([full])).logits[0]
             # rows: every prompt position, then one row per decode step (positions P, P+1)
-            torch.testing.assert_close(logits, ref[: len(full)], rtol=0, atol=1e-5, msg=msg)
+            ref = ref[: len(full)].to(logits.dtype)
+            torch.testing.assert_close(logits, ref, rtol=0, atol=atol, msg=msg)

@@ -7,8 +7,8 @@ row. Float32 logits must equal transformers' (1e-5, as on one rank) and DBO on m
 The DBO engine records a timeline: each shared-experts span must lie inside the window between its
 ubatch issuing the combine and taking its result (its ``combine_window`` span).
 
-The end-to-end case runs ``torchrun -m launch.generate`` per architecture (DP=2, EP, DBO, float32)
-and compares the greedy tokens with transformers' ``generate``.
+The end-to-end case runs ``torchrun -m launch.generate`` per architecture and DeepEP backend (DP=2,
+EP, DBO, float32) and compares the greedy tokens with transformers' ``generate``.
 """
 
 from __future__ import annotations
@@ -107,9 +107,10 @@ def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepep_low_latency", "deepep_high_throughput"])
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_generate_dp2_ep_dbo_greedy_equals_transformers(
-    tmp_path, tiny_arch_dirs, tiny_prompts, tiny_prompts_file, model_type
+    tmp_path, tiny_arch_dirs, tiny_prompts, tiny_prompts_file, model_type, backend
 ):
     import transformers
 
@@ -121,6 +122,7 @@ def test_generate_dp2_ep_dbo_greedy_equals_transformers(
         f"--output={out}",
         "--max-tokens=8",
         "--data-parallel-size=2",
+        f"--all2all-backend={backend}",
         *DBO_FLAGS,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

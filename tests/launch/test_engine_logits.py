@@ -20,34 +20,55 @@ from tests.helpers.engine import (
 )
 
 
-def _rank_fn(rank, world_size, model_dir, prompts, backend):
+def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
     from distributed import init_distributed
     from launch.engine.llm_engine import LLMEngine, resolve_model
 
     results = {}
-    groups = None
-    for enable_dbo in (True, False):
-        args = dbo_test_engine_args(model_dir, world_size, enable_dbo, all2all_backend=backend)
-        if groups is None:
-            groups = init_distributed(
-                data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    groups = init_distributed(
+        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    )
+    # one spawn for every backend: process start-up dominates the cost of this test
+    for backend in backends:
+        for enable_dbo in (True, False):
+            args = dbo_test_engine_args(
+                model_dir, world_size, enable_dbo, all2all_backend=backend, dtype=dtype
             )
-        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
-        results[enable_dbo] = run_engine_steps(engine, prompts, groups.dp_rank, groups.dp_size)
+            engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+            results[backend, enable_dbo] = run_engine_steps(
+                engine, prompts, groups.dp_rank, groups.dp_size
+            )
     return results
 
 
+ALL2ALL_BACKENDS = (
+    "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
+)  # fmt: skip
+# float64 logits of a few units: our engine and transformers differ only by summation order
+FLOAT64_ATOL = 1e-10
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("world_size", "backend"), [(2, "all_to_all"), (4, "allgather_reducescatter")]
-)
-def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size, backend):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size):
+    """Every all-to-all backend, DBO on and off, equals transformers in float64."""
     from transformers import MixtralForCausalLM
 
     per_rank = run_distributed(
-        _rank_fn, world_size, tiny_mixtral_dir, tiny_prompts, backend, timeout_s=240
-    )
-    reference = MixtralForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
-    assert_dbo_on_equals_off_equals_reference(
-        [r[True] for r in per_rank], [r[False] for r in per_rank], reference, tiny_prompts
-    )
+        _rank_fn, world_size, tiny_mixtral_dir, tiny_prompts, ALL2ALL_BACKENDS, "float64",
+        timeout_s=400,
+    )  # fmt: skip
+    reference = MixtralForCausalLM.from_pretrained(
+        tiny_mixtral_dir,
+        dtype=torch.float64,
+        experts_implementation="eager",  # no fp64 grouped GEMM
+    ).eval()
+    for backend in ALL2ALL_BACKENDS:
+        assert_dbo_on_equals_off_equals_reference(
+            [r[backend, True] for r in per_rank],
+            [r[backend, False] for r in per_rank],
+            reference,
+            tiny_prompts,
+            label=backend,
+            atol=FLOAT64_ATOL,
+        )

@@ -2,8 +2,9 @@
 by the checks of this module, the last of which stops it with SIGTERM.
 
 The KV cache is made small (``--num-gpu-blocks-override``) so that 32 concurrent requests force
-preemption, and the DBO thresholds low so that steps are microbatched; every greedy response must
-still equal offline ``launch.generate`` for the same prompt.
+preemption, the prefill DBO threshold low so that steps are microbatched and the decode threshold
+``auto`` (adaptive DBO explores both arms); every greedy response must still equal offline
+``launch.generate`` for the same prompt.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ENGINE_FLAGS = (
     "--dtype=float32",
     "--enable-expert-parallel",
     "--enable-dbo",
-    "--dbo-decode-token-threshold=2",
+    "--dbo-decode-token-threshold=auto",
     "--dbo-prefill-token-threshold=4",
     f"--max-model-len={MAX_MODEL_LEN}",
     "--block-size=4",
@@ -162,6 +163,10 @@ def test_32_concurrent_requests_equal_offline_generate(server, offline_outputs):
     assert _metric(metrics, "moe_dbo_num_preemptions") > 0  # the small KV cache was exercised
     assert _metric(metrics, "moe_dbo_engine_ubatched_steps_total") > 0
     assert _metric(metrics, "moe_dbo_generation_tokens_total") >= sum(map(len, offline_outputs))
+    # the adaptive decode policy reports its crossover (a number, +Inf or NaN) and its exploration
+    assert re.search(r'^moe_dbo_adaptive_crossover_tokens\{kind="decode"\} \S+$', metrics, re.M)
+    assert 'moe_dbo_adaptive_crossover_tokens{kind="prefill"}' not in metrics  # static here
+    assert _metric(metrics, "moe_dbo_adaptive_exploration_steps") > 0
 
 
 def test_streaming_returns_the_same_tokens(server, offline_outputs):
