@@ -30,6 +30,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
+from launch.engine.output_paths import check_output_paths
 
 PROG = "launch.bench"
 NETWORKS = ("loopback", "netns")
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.max_model_len = ns.max_model_len or limits["max_model_len"]
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
         model = resolve_bench_model(args, model_overrides(ns))
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)

@@ -26,9 +26,11 @@ from launch.engine.arg_utils import (
     print_error,
 )
 from launch.engine.llm_engine import LLMEngine, resolve_model
+from launch.engine.output_paths import check_output_paths
 
 PROG = "launch.serve"
 EMBEDDED_MODEL_NAME = "moe-dbo-embedded"
+MAX_SHUTDOWN_TIMEOUT_S = 3600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         args.check_world_size(world_size)
         if not 0 <= ns.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-        if ns.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
+        if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
+            raise ValueError(
+                f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] s, "
+                f"got {ns.shutdown_timeout}"
+            )
+        check_output_paths(timeline_dir=args.timeline_dir)
         model = resolve_model(args)
         from launch.serving.detokenizer import load_tokenizer
 

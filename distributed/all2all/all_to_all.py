@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.base import (
+    All2AllBackend,
+    DispatchMetadata,
+    DispatchResult,
+    accumulation_dtype,
+)
 from distributed.all2all.token_packing import localize_topk, pack_rows, token_rank_mask, unpack_rows
 from distributed.collectives import all_to_all_single
 from distributed.comm_handle import CommHandle
@@ -148,10 +153,10 @@ class AllToAllBackend(All2AllBackend):
         )  # fmt: skip
 
         def finalize() -> Tensor:
-            out = torch.zeros(
-                metadata.num_tokens, hidden_size, dtype=torch.float32, device=recv.device
-            )
-            out.index_add_(0, metadata.send_token_idx.to(recv.device), recv.view(dtype).float())
+            acc_dtype = accumulation_dtype(dtype)
+            out = torch.zeros(metadata.num_tokens, hidden_size, dtype=acc_dtype, device=recv.device)
+            rows = recv.view(dtype).to(acc_dtype)
+            out.index_add_(0, metadata.send_token_idx.to(recv.device), rows)
             return out.to(dtype)
 
         row_bytes = send.shape[1]

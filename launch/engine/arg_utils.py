@@ -7,12 +7,15 @@ rank within seconds with the same one-line message instead of leaving a peer wai
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
 ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
-DTYPES = ("float32", "bfloat16")
+# float64 is for exactness tests (transformers builds the same checkpoint in float64), not serving.
+DTYPES = ("float32", "bfloat16", "float64")
+MAX_DISTRIBUTED_TIMEOUT_S = 86400.0  # a day: beyond it a hung peer is a hang, whatever the flag
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,7 +25,8 @@ class EngineArgs:
     Raises:
         ValueError: naming the offending value and what is accepted, if the flags contradict each
             other (``--enable-dbo`` without ``--enable-expert-parallel`` or with one DP rank, a
-            non-positive size, an unknown backend or dtype).
+            non-positive size, an unknown backend or dtype, a seed outside the 64-bit signed range,
+            a non-finite or out-of-range timeout).
     """
 
     model: str | None = None
@@ -71,10 +75,17 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.distributed_timeout_s <= 0:
+        if not (
+            math.isfinite(self.distributed_timeout_s)
+            and 0 < self.distributed_timeout_s <= MAX_DISTRIBUTED_TIMEOUT_S
+        ):
             raise ValueError(
-                f"--distributed-timeout must be > 0 s, got {self.distributed_timeout_s}"
+                f"--distributed-timeout must be in (0, {MAX_DISTRIBUTED_TIMEOUT_S:g}] s, "
+                f"got {self.distributed_timeout_s}"
             )
+        from launch.engine.request import check_seed
+
+        check_seed(self.seed, "--seed")
         if self.enable_dbo and self.data_parallel_size < 2:
             raise ValueError(
                 "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
@@ -121,7 +132,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         choices=DTYPES,
-        help="weights and activations dtype (float32 for exact comparisons)",
+        help="weights and activations dtype (float32 for comparisons; float64 for the exactness "
+        "tests against transformers)",
     )
     add(
         "--custom-ops",

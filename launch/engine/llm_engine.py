@@ -206,7 +206,9 @@ class LLMEngine:
             self.stats.num_dummy_steps += out.num_tokens == 0
             self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
-        finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        finished = self.scheduler.update_from_output(
+            scheduler_output, out.sampled_token_ids, out.failed_request_ids
+        )
         for request in finished:
             self.model_runner.release(request.request_id)
         return finished, True

@@ -45,6 +45,9 @@ class ModelInputs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutput:
     sampled_token_ids: dict[int, int]  # request_id -> token
+    # request_id -> why sampling failed for that request alone (its own parameters or data); the
+    # scheduler finishes it with that error while the step and every other request go on
+    failed_request_ids: dict[int, str]
     has_work_across_dp: tuple[bool, ...]
     ran_model: bool
     is_ubatched: bool
@@ -163,11 +166,12 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
         forward = self.run_forward(scheduler_output)
-        sampled = {}
+        sampled, failed = {}, {}
         if forward.hidden_states is not None:
-            sampled = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
+            sampled, failed = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
         return StepOutput(
             sampled_token_ids=sampled,
+            failed_request_ids=failed,
             has_work_across_dp=forward.has_work_across_dp,
             ran_model=forward.hidden_states is not None,
             is_ubatched=forward.is_ubatched,
@@ -249,24 +253,47 @@ class ModelRunner:
             is_ubatched=decision.should_ubatch,
         )
 
-    def _sample(self, hidden_states, inputs: ModelInputs, scheduler_output) -> dict[int, int]:
+    def _sample(
+        self, hidden_states, inputs: ModelInputs, scheduler_output
+    ) -> tuple[dict[int, int], dict[int, str]]:
+        """(request_id -> sampled token, request_id -> error) for every sampled row.
+
+        Whatever fails because of one request (its seed, its logits, the sampler on its row) fails
+        that request alone: it is returned as an error and the step goes on for every other request,
+        so the DP lockstep is never broken by one request's data.
+        """
         if not inputs.sampled_request_ids:
-            return {}
+            return {}, {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+            # host syncs: one per step for all rows (argmax and the NaN check)
+            argmax = logits.argmax(dim=-1).tolist()
+            has_nan = torch.isnan(logits).any(dim=-1).tolist()
         params = {
             s.request.request_id: s.request.sampling_params for s in scheduler_output.scheduled
         }
         sampled: dict[int, int] = {}
+        failed: dict[int, str] = {}
         for row, request_id in enumerate(inputs.sampled_request_ids):
-            temperature = params[request_id].temperature
-            if temperature == 0:
-                sampled[request_id] = int(torch.argmax(logits[row]))
-                continue
-            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
-            generator = self._generator(request_id, params[request_id].seed)
-            sampled[request_id] = int(torch.multinomial(probs, 1, generator=generator))
-        return sampled
+            if has_nan[row]:
+                failed[request_id] = "the model produced NaN logits for this request"
+            elif params[request_id].is_greedy:
+                sampled[request_id] = argmax[row]
+            else:
+                try:
+                    sampled[request_id] = self._sample_row(
+                        logits[row], request_id, params[request_id]
+                    )
+                except Exception as e:  # noqa: BLE001 - one request's sampling: fail it alone
+                    failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
+        return sampled, failed
+
+    def _sample_row(self, logits: torch.Tensor, request_id: int, params) -> int:
+        """Sample one token from ``logits`` [vocab_size] at ``params.temperature`` with the
+        request's generator (host sync). Raises whatever torch raises on this row's data."""
+        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        generator = self._generator(request_id, params.seed)
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def _generator(self, request_id: int, seed: int | None) -> torch.Generator:
         if request_id not in self._generators:

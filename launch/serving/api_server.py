@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions`` (whole response, or server-sent events ending in
 ``data: [DONE]`` with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Requests go to the engine loop through an ``EngineBridge``; bad requests are answered 400 with an
-OpenAI error object, requests during shutdown 503.
+OpenAI error object, requests during shutdown 503; every other error answer is an OpenAI error
+object too (``launch.serving.http_errors``). A failure of one request (its sampling in the engine,
+its detokenization here) ends that request alone with an error; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.detokenizer import IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
+from launch.serving.http_errors import (
+    MAX_LINE_BYTES,
+    json_error,
+    openai_error_middleware,
+    read_json_body,
+)
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import (
     CompletionRequest,
@@ -45,8 +54,8 @@ class ServerConfig:
     output_timeout_s: float = OUTPUT_TIMEOUT_S
 
 
-def _error(message: str, status: int, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, status=status, param=param), status=status)
+_error = json_error
+logger = logging.getLogger("launch.serving")
 
 
 class CompletionsHandler:
@@ -60,11 +69,14 @@ class CompletionsHandler:
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            try:
-                body = await http_request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ProtocolError(f"the request body is not valid JSON ({e})") from None
+            body = await read_json_body(http_request)
             request = parse_completion_request(body, model_name=config.model_name)
+            if request.stop and config.tokenizer is None:
+                raise ProtocolError(
+                    "'stop' strings need the checkpoint's tokenizer (tokenizer.json) and this "
+                    "model has none; use 'stop_token_ids'",
+                    param="stop",
+                )
             prompt_ids = self._prompt_ids(request)
             check_prompt_ids(
                 prompt_ids,
@@ -157,7 +169,13 @@ class CompletionsHandler:
                 status = 503 if "shut down" in output.error else 500
                 await _send(response, error_body(output.error, status=status))
                 break
-            delta = text.add(output.new_token_ids, is_last=output.is_last)
+            try:
+                delta = text.add(output.new_token_ids, is_last=output.is_last)
+            except Exception as e:  # noqa: BLE001 - this request's detokenizing fails it alone
+                logger.exception("detokenizing request %d failed", request_id)
+                message = f"detokenizing failed: {type(e).__name__}: {e}"
+                await _send(response, error_body(message, status=500))
+                break
             finish_reason = "stop" if text.stopped else output.finish_reason
             chunk = completion_body(
                 request_id=f"cmpl-{request_id}",
@@ -202,7 +220,7 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     handler = CompletionsHandler(config, bridge)
-    app = web.Application()
+    app = web.Application(middlewares=[openai_error_middleware])
     app.router.add_post("/v1/completions", handler)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -240,7 +258,13 @@ class HTTPServerThread:
         try:
             self.bridge = EngineBridge(loop)
             app = build_app(self.config, self.bridge)
-            self._runner = web.AppRunner(app, shutdown_timeout=5.0, access_log=None)
+            self._runner = web.AppRunner(
+                app,
+                shutdown_timeout=5.0,
+                access_log=None,
+                max_line_size=MAX_LINE_BYTES,
+                max_field_size=MAX_LINE_BYTES,
+            )
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)
             loop.run_until_complete(site.start())

@@ -8,10 +8,11 @@ for something other than their default (``n``, ``best_of``, ``echo``, ``logprobs
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
-from launch.engine.request import SamplingParams
+from launch.engine.request import MAX_SEED, MIN_SEED, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
@@ -50,6 +51,18 @@ class CompletionRequest:
         )
 
 
+def _short(value) -> str:
+    """repr of ``value`` cut to 80 characters (a number of thousands of digits, or a deeply nested
+    list, stays one readable line)."""
+    if _is_int(value) and abs(value) >= 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit, deep nesting
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -59,24 +72,33 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default, what: str):
     if value is None:
         return default
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ProtocolError(f"'{name}' must be {what}, got {value!r}", param=name)
+        raise ProtocolError(f"'{name}' must be {what}, got {_short(value)}", param=name)
     return value
 
 
-def _parse_prompt(prompt) -> str | list[int]:
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def _parse_prompt(original) -> str | list[int]:
+    prompt = original
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str) or _is_token_list(p) for p in prompt)
+    ):
         raise ProtocolError(
             f"a batch of {len(prompt)} prompts is not supported; send one prompt per request",
             param="prompt",
         )
     raise ProtocolError(
-        "'prompt' must be a string or a list of token ids (ints), got " + repr(prompt)[:80],
+        "'prompt' must be a string or a list of token ids (ints), got " + _short(original),
         param="prompt",
     )
 
@@ -101,14 +123,20 @@ def parse_completion_request(body, *, model_name: str) -> CompletionRequest:
         )
     for name, default in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
         if body.get(name, default) not in (default, None):
-            raise ProtocolError(f"'{name}' = {body[name]!r} is not supported", param=name)
+            raise ProtocolError(f"'{name}' = {_short(body[name])} is not supported", param=name)
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
     max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS, "an integer >= 1")
     if max_tokens < 1:
-        raise ProtocolError(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
-    temperature = float(_get(body, "temperature", (int, float), 1.0, "a number in [0, 2]"))
-    if not 0.0 <= temperature <= 2.0:
+        raise ProtocolError(
+            f"'max_tokens' must be >= 1, got {_short(max_tokens)}", param="max_tokens"
+        )
+    temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
+    try:
+        temperature = float(temperature)  # an int of thousands of digits overflows a float
+    except OverflowError:
+        temperature = math.inf
+    if not 0.0 <= temperature <= 2.0:  # also refuses NaN and inf (Python's json reads both)
         raise ProtocolError(
             f"'temperature' must be in [0, 2], got {temperature}", param="temperature"
         )
@@ -117,7 +145,7 @@ def parse_completion_request(body, *, model_name: str) -> CompletionRequest:
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise ProtocolError(
             f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, "
-            f"got {stop!r}",
+            f"got {_short(stop)}",
             param="stop",
         )
     stop_token_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
@@ -127,13 +155,24 @@ def parse_completion_request(body, *, model_name: str) -> CompletionRequest:
         prompt=_parse_prompt(body["prompt"]),
         max_tokens=max_tokens,
         temperature=temperature,
-        seed=_get(body, "seed", (int,), None, "an integer"),
+        seed=_parse_seed(body),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_get(body, "ignore_eos", (bool,), False, "a boolean"),
         stream=_get(body, "stream", (bool,), False, "a boolean"),
         return_token_ids=_get(body, "return_token_ids", (bool,), False, "a boolean"),
     )
+
+
+def _parse_seed(body: dict) -> int | None:
+    """vLLM's bound: torch.iinfo(torch.long), which torch.Generator.manual_seed accepts."""
+    seed = _get(body, "seed", (int,), None, "an integer")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ProtocolError(
+            f"'seed' must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {_short(seed)}",
+            param="seed",
+        )
+    return seed
 
 
 def check_prompt_ids(
@@ -145,24 +184,31 @@ def check_prompt_ids(
         raise ProtocolError("the prompt is empty", param="prompt")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ProtocolError(f"token id {bad} is outside [0, {vocab_size})", param="prompt")
+        raise ProtocolError(f"token id {_short(bad)} is outside [0, {vocab_size})", param="prompt")
     num_prompt = len(prompt_token_ids)
+    if max_tokens > max_model_len:
+        raise ProtocolError(
+            f"'max_tokens' {_short(max_tokens)} exceeds this model's maximum context length "
+            f"({max_model_len} tokens)",
+            param="max_tokens",
+        )
     if num_prompt + max_tokens > max_model_len:
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-            f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+            f"requested {_short(num_prompt + max_tokens)} tokens ({num_prompt} in the prompt, "
+            f"{_short(max_tokens)} in the completion). Please reduce the prompt or max_tokens.",
             param="prompt" if num_prompt >= max_model_len else "max_tokens",
         )
 
 
 def error_body(message: str, *, status: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    kinds = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+    kinds = {503: "service_unavailable"}
+    kind = "invalid_request_error" if 400 <= status < 500 else kinds.get(status, "server_error")
     return {
         "error": {
             "message": message,
-            "type": kinds.get(status, "server_error"),
+            "type": kind,
             "param": param,
             "code": status,
         }

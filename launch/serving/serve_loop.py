@@ -145,6 +145,9 @@ class ServeLoop:
         shutting_down = not bridge.is_accepting
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
         for request_id in aborts:
+            if self.router.owner.get(request_id) is not None and self.metrics is not None:
+                # still open in the engine: it ends here (client gone, or a stop string matched)
+                self.metrics.requests_finished.labels(finish_reason="abort").inc()
             self.router.close(request_id)
         assignments = tuple((self.router.route(r.request_id), r) for r in new)
         if self.metrics is not None:
@@ -238,6 +241,8 @@ class ServeLoop:
             self._num_sent.pop(request.request_id, None)
         else:
             self._num_sent[request.request_id] = len(request.output_token_ids)
+        if request.finish_reason == "error":  # failed by its own data; the others go on
+            return [RequestOutput(request_id=request.request_id, error=request.error)]
         return [
             RequestOutput(
                 request_id=request.request_id,

@@ -23,8 +23,12 @@ MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
 GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-def _has_grouped_mm() -> bool:
-    return hasattr(torch, "_grouped_mm")
+# torch._grouped_mm takes float32, bfloat16 and float16 only; float64 (exactness tests) loops.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _has_grouped_mm(dtype: torch.dtype) -> bool:
+    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_MM_DTYPES
 
 
 @CustomOp.register("experts")
@@ -139,8 +143,9 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
-        if not _has_grouped_mm():
+        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``); the
+        per-expert loop for dtypes ``torch._grouped_mm`` does not take (float64)."""
+        if not _has_grouped_mm(hidden_states.dtype):
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         self._check(hidden_states, topk_ids, topk_weights)
         out = torch.zeros_like(hidden_states)
