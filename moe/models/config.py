@@ -169,8 +169,10 @@ class MoEModelConfig:
         """
         from moe.models.hf_config import parse_hf_config
 
+        if not isinstance(d, Mapping):
+            raise ValueError(f"config.json must be a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             archs = d.get("architectures")
             raise ValueError(
                 f"unsupported model (model_type={model_type!r}, architectures={archs!r}); "
