@@ -104,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, rank, e)
 
     from distributed import destroy_distributed, init_distributed
+    from distributed.liveness import Heartbeat, describe_failure
 
     groups = init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
     )
+    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         for index in range(groups.dp_rank, len(prompts), groups.dp_size):
@@ -132,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if groups.rank == 0:
             report(gathered, engine, elapsed, ns.output)
     except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
-        fail(PROG, rank, f"{type(e).__name__}: {e}", status=1)
+        fail(PROG, rank, describe_failure(e, heartbeat), status=1)
     finally:
+        heartbeat.stop()
         destroy_distributed()
     return 0
 

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
     )
+    from distributed.liveness import Heartbeat, describe_failure
+
+    # names the peer that stopped answering when a collective times out
+    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     # control traffic (requests, outputs, shutdown) on a gloo group of its own
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         num_failed = loop.run()
     except Exception as e:  # noqa: BLE001 - a dead peer, a failed step: end with one clear line
-        message = f"{type(e).__name__}: {e}"
+        message = describe_failure(e, heartbeat)
         if http is not None:
             http.bridge.fail_all(f"the engine failed: {message}")
             http.stop(timeout_s=5.0)
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    heartbeat.stop()
     destroy_distributed()
     print(
         f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),

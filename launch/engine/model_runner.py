@@ -28,6 +28,7 @@ from dbo import (
     should_ubatch_locally,
 )
 from dbo.timeline.recorder import blocking_comm_span, timeline_span
+from distributed.comm_handle import comm_error
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.scheduler import SchedulerOutput
@@ -201,14 +202,19 @@ class ModelRunner:
         )
         g = self.groups
         with blocking_comm_span("dp_vote"):
-            decision = coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
-                num_tokens=num_tokens,
-                has_work=has_work,
-                vote=vote,
-                dp_group=g.dp_group,
-                dp_rank=g.dp_rank,
-                dp_size=g.dp_size,
-            )
+            try:
+                decision = coordinate_batch_across_dp(  # blocking collective (group timeout)
+                    num_tokens=num_tokens,
+                    has_work=has_work,
+                    vote=vote,
+                    dp_group=g.dp_group,
+                    dp_rank=g.dp_rank,
+                    dp_size=g.dp_size,
+                )
+            except RuntimeError as exc:  # gloo's timeout names no collective: say which
+                raise comm_error(
+                    "the DP vote (all_reduce over the DP group)", g.rank, g.timeout, exc
+                ) from exc
         has_work_across_dp = tuple(decision.has_work_across_dp)
         # Without EP there is no collective inside the model: an idle rank need not run a dummy.
         needs_dummy = any(has_work_across_dp) and g.ep_size > 1

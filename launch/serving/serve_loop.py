@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from distributed.comm_handle import comm_error
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
 from launch.serving.engine_bridge import EngineBridge, NewRequest, RequestOutput
@@ -123,9 +124,7 @@ class ServeLoop:
                     "the server shut down (SIGTERM) before this request finished "
                     f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
                 )
-            parts: list = [None] * self.dp_size
-            # blocking collective over the gloo control group (timeout: the group's timeout)
-            dist.all_gather_object(parts, (dispatch, report), group=self.control_group)
+            parts = self._exchange(dispatch, report)
             dispatch = parts[0][0]
             reports = [part[1] for part in parts]
             if self.dp_rank == 0:
@@ -136,6 +135,18 @@ class ServeLoop:
             num_new = len(dispatch.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
+
+    def _exchange(self, dispatch: Dispatch | None, report: RankReport) -> list:
+        """Every rank's (dispatch, report): one blocking all_gather_object over the control group
+        (timeout: the group's). Raises TimeoutError / RuntimeError naming the exchange."""
+        parts: list = [None] * self.dp_size
+        try:
+            dist.all_gather_object(parts, (dispatch, report), group=self.control_group)
+        except RuntimeError as exc:  # gloo's timeout names no collective: say which
+            timeout = self.engine.groups.timeout
+            op = "the serve loop's control exchange (all_gather_object over the control group)"
+            raise comm_error(op, self.dp_rank, timeout, exc) from exc
+        return parts
 
     def _make_dispatch(self, any_work: bool) -> Dispatch:
         bridge = self.bridge
