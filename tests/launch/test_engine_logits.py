@@ -1,71 +1,24 @@
 """Teacher-forced logits over DP+EP ranks: DBO on equals DBO off, and both equal transformers.
 
-Each rank builds two engines on the same tiny checkpoint (DBO on and off, both with expert
+Each rank builds two float64 engines on the same tiny checkpoint (DBO on and off, both with expert
 parallelism), runs the prefill of its prompts and two greedy decode steps, and returns the logits
 of every computed row. The thresholds are lowered so that the DBO engine microbatches every step
-(a prefill request is cut across the two ubatches). transformers' MixtralForCausalLM, fed the same
-prompt + generated tokens, gives the reference logits.
+(a prefill request is cut across the two ubatches). transformers' MixtralForCausalLM in float64,
+fed the same prompt + generated tokens, gives the reference logits; tolerances in
+``tests.helpers.precision`` (float64: 1e-9 of the largest |logit|, on any CPU).
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.distributed import run_distributed
-
-NUM_DECODE_STEPS = 2
-
-
-def _run_engine_steps(engine, prompts, dp_rank, dp_size):
-    from launch.engine.request import Request, SamplingParams
-
-    for index in range(dp_rank, len(prompts), dp_size):
-        engine.add_request(
-            Request(
-                request_id=index,
-                prompt_token_ids=list(prompts[index]),
-                sampling_params=SamplingParams(max_tokens=NUM_DECODE_STEPS + 2),
-            )
-        )
-    logits: dict[int, list[torch.Tensor]] = {}
-    ubatched = []
-    for _ in range(1 + NUM_DECODE_STEPS):
-        scheduler_output = engine.scheduler.schedule()
-        forward = engine.model_runner.run_forward(scheduler_output)
-        ubatched.append(forward.is_ubatched)
-        qsl = forward.inputs.attn_metadata.query_start_loc.tolist()
-        with torch.inference_mode():
-            rows = engine.model.compute_logits(forward.hidden_states[: qsl[-1]])
-        sampled = {}
-        for i, item in enumerate(scheduler_output.scheduled):
-            request_logits = rows[qsl[i] : qsl[i + 1]]
-            logits.setdefault(item.request.request_id, []).append(request_logits.clone())
-            sampled[item.request.request_id] = int(request_logits[-1].argmax())
-        engine.scheduler.update_from_output(scheduler_output, sampled)
-    tokens = {r.request_id: r.output_token_ids[:NUM_DECODE_STEPS] for r in engine.scheduler.running}
-    # numpy, not tensors: tensors cross the result queue through shared memory that dies with the rank
-    return {i: torch.cat(v).numpy() for i, v in logits.items()}, tokens, ubatched
-
-
-def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):
-    """float32, EP over all ranks, thresholds low enough that every tiny step is microbatched."""
-    from launch.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        **{
-            "model": model_dir,
-            "dtype": "float32",
-            "data_parallel_size": world_size,
-            "enable_expert_parallel": True,
-            "enable_dbo": enable_dbo,
-            "dbo_decode_token_threshold": 2,
-            "dbo_prefill_token_threshold": 4,
-            "max_num_batched_tokens": 4096,
-            "distributed_timeout_s": 60,
-            **overrides,
-        }
-    )
+from tests.helpers.engine import (
+    assert_dbo_on_equals_off_equals_reference,
+    dbo_test_engine_args,
+    run_engine_steps,
+)
+from tests.helpers.precision import FLOAT64_REL, reference_model
 
 
 def _rank_fn(rank, world_size, model_dir, prompts, backend):
@@ -81,7 +34,7 @@ def _rank_fn(rank, world_size, model_dir, prompts, backend):
                 data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
             )
         engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
-        results[enable_dbo] = _run_engine_steps(engine, prompts, groups.dp_rank, groups.dp_size)
+        results[enable_dbo] = run_engine_steps(engine, prompts, groups.dp_rank, groups.dp_size)
     return results
 
 
@@ -90,39 +43,13 @@ def _rank_fn(rank, world_size, model_dir, prompts, backend):
     ("world_size", "backend"), [(2, "all_to_all"), (4, "allgather_reducescatter")]
 )
 def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size, backend):
-    from transformers import MixtralForCausalLM
-
     per_rank = run_distributed(
         _rank_fn, world_size, tiny_mixtral_dir, tiny_prompts, backend, timeout_s=240
     )
-    reference = MixtralForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
     assert_dbo_on_equals_off_equals_reference(
-        [r[True] for r in per_rank], [r[False] for r in per_rank], reference, tiny_prompts
+        [r[True] for r in per_rank],
+        [r[False] for r in per_rank],
+        reference_model(tiny_mixtral_dir),
+        tiny_prompts,
+        reference_rel=FLOAT64_REL,
     )
-
-
-def assert_dbo_on_equals_off_equals_reference(
-    on_per_rank, off_per_rank, reference, prompts, label: str = ""
-):
-    """Each rank's DBO-on steps were all microbatched, DBO-off none; both gave the same tokens and
-    logits (atol 1e-5), equal to ``reference``'s logits on prompt + generated tokens. ``label``
-    prefixes the failure messages."""
-
-    def msg(m: str) -> str:
-        return f"{label}: {m}" if label else m
-
-    for (on_logits, on_tokens, on_ubatched), (off_logits, off_tokens, off_ubatched) in zip(
-        on_per_rank, off_per_rank, strict=True
-    ):
-        assert all(on_ubatched) and not any(off_ubatched), label
-        assert on_tokens == off_tokens, label
-        for index, logits in on_logits.items():
-            logits = torch.from_numpy(logits)
-            torch.testing.assert_close(
-                logits, torch.from_numpy(off_logits[index]), rtol=0, atol=1e-5, msg=msg
-            )
-            full = prompts[index] + on_tokens[index]
-            with torch.no_grad():
-                ref = reference(torch.tensor([full])).logits[0]
-            # rows: every prompt position, then one row per decode step (positions P, P+1)
-            torch.testing.assert_close(logits, ref[: len(full)], rtol=0, atol=1e-5, msg=msg)
