@@ -57,6 +57,10 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
         return json_error(_http_exception_message(request, e), e.status)
     except asyncio.CancelledError:  # the client went away: nothing to answer
         raise
+    except ConnectionResetError:  # the client went away mid-stream: not a server error
+        logger.debug("client of %s %s went away", request.method, request.path[:200])
+        # aiohttp's attempt to send this on the closed transport fails quietly (ConnectionError)
+        return json_error("the client closed the connection", 499)
     except Exception:  # noqa: BLE001 - the catch-all 500; the traceback goes to the server log
         logger.exception("unhandled error in %s %s", request.method, request.path[:200])
         return json_error("internal server error (logged on the server)", 500)
