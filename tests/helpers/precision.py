@@ -10,8 +10,8 @@ in the model dtype, so that comparison is bounded by float32 rounding: 2**-17 (~
 of the largest |logit| (measured: 2e-7).
 
 float32 results are compared with the float64 reference at 2**-14 (~512 float32 ulps) of the
-largest |logit|: summation-order rounding measured 2e-7 to 3e-6 relative on the CPUs seen (the
-latter on an AMD EPYC with avx512, where a 1e-5 absolute bound failed); a real error (a wrong
+largest |logit|: summation-order rounding measured 3e-7 to 8e-7 relative on one rank here, ~3e-6
+on two ranks on an AMD EPYC with avx512 (where a 1e-5 absolute bound failed); a real error (a wrong
 weight, mask or route) is orders of magnitude larger. Bugs too small for that bound are the float64
 tests' job.
 """
