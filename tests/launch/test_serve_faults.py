@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import hf_greedy
 from tests.helpers.precision import reference_model
-from tests.helpers.serve import get, post, start_server
+from tests.helpers.serve import get, launch_server, post, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -193,3 +193,21 @@ def _wait_for(server, pattern: str, timeout: float) -> str:
             return match.group(0)
         time.sleep(0.1)
     raise AssertionError(f"no {pattern!r} in the log within {timeout} s:\n{server.log()[-3000:]}")
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (("--timeline-dir=/proc/nonexist",), r"--timeline-dir '/proc/nonexist' is not writable"),
+        (("--shutdown-timeout=nan",), r"--shutdown-timeout must be in \[0, 3600\] s, got nan"),
+        (("--seed=18446744073709551616",), r"--seed must be in \[-2\*\*63, 2\*\*63 - 1\]"),
+    ],
+)
+def test_bad_flags_are_refused_before_the_server_starts(tmp_path, args, pattern):
+    log_path = tmp_path / "log"
+    proc = launch_server(2, *args, log_path=log_path)
+    assert proc.wait(timeout=120) != 0
+    log = log_path.read_text()
+    errors = re.findall(r"^launch\.serve \[rank \d\]: error: .*$", log, re.M)
+    assert errors and all(re.search(pattern, line) for line in errors), log[-3000:]
+    assert "serving" not in log
