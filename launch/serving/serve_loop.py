@@ -220,7 +220,7 @@ class ServeLoop:
                     )
                 )
                 self._num_sent[new.request_id] = 0
-            except ValueError as e:  # rank 0 checks requests first; this is a last line of defence
+            except Exception as e:  # noqa: BLE001 - rank 0 checked it first; fail this request alone
                 self._error_outputs.append(RequestOutput(request_id=new.request_id, error=str(e)))
         for request_id in dispatch.aborts:
             if self.engine.abort_request(request_id) is not None:
