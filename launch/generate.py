@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from distributed.parallel_state import TorchrunEnv
 from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)  # validates
         check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
         model = resolve_model(args)

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from distributed.parallel_state import TorchrunEnv
 from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         if not 0 <= ns.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
         if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
