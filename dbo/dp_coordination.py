@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-# columns of the gathered [dp_size, 4] int64 table
-_NUM_TOKENS, _PADDED_NUM_TOKENS, _VOTE, _HAS_WORK = range(4)
-_NUM_COLUMNS = 4
+# columns of the gathered [dp_size, 3] int64 table
+_NUM_TOKENS, _VOTE, _HAS_WORK = range(3)
+_NUM_COLUMNS = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,8 +27,8 @@ class DPMicrobatchDecision:
     Fields:
         should_ubatch: all ranks microbatch this step (identical on every rank).
         num_tokens_across_dp: ``[dp_size]`` each DP rank's real token count.
-        num_tokens_padded: if ``should_ubatch``, the max padded token count over DP (every rank
-            pads to it); else this rank's own padded count.
+        num_tokens_padded: if ``should_ubatch``, the max token count over DP (every rank pads to
+            it); else this rank's own count.
         has_work_across_dp: ``[dp_size]`` whether each rank has any scheduled request.
     """
 
@@ -76,32 +76,33 @@ def decide_from_gathered(rows: Tensor, dp_rank: int) -> DPMicrobatchDecision:
     """Turn the gathered per-rank table into this rank's decision (pure; no communication).
 
     Args:
-        rows: ``[dp_size, 4]`` int64 (any integer dtype, any device), one row per DP rank:
-            ``(num_tokens, padded_num_tokens, vote, has_work)`` with vote/has_work 0 or 1.
+        rows: ``[dp_size, 3]`` int64 (any integer dtype, any device), one row per DP rank:
+            ``(num_tokens, vote, has_work)`` with vote/has_work 0 or 1.
         dp_rank: this rank's row, in ``[0, dp_size)``.
 
     Raises:
         ValueError: on a wrong shape or an out-of-range ``dp_rank``.
     """
     if rows.dim() != 2 or rows.shape[1] != _NUM_COLUMNS or rows.shape[0] < 1:
-        raise ValueError(f"rows must be [dp_size >= 1, 4], got shape {tuple(rows.shape)}")
+        raise ValueError(
+            f"rows must be [dp_size >= 1, {_NUM_COLUMNS}], got shape {tuple(rows.shape)}"
+        )
     dp_size = rows.shape[0]
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
     table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
     num_tokens = [int(r[_NUM_TOKENS]) for r in table]
-    padded = [int(r[_PADDED_NUM_TOKENS]) for r in table]
     has_work = [bool(r[_HAS_WORK]) for r in table]
     should_ubatch = all(bool(r[_VOTE]) for r in table)
-    max_padded = max(padded)
-    # with every rank padded to max_padded, the split point is max_padded // 2; a rank whose real
-    # tokens all lie before it would run an empty second ubatch
-    if should_ubatch and max_padded // 2 >= min(num_tokens):
+    max_num_tokens = max(num_tokens)
+    # with every rank padded to max_num_tokens, the split point is max_num_tokens // 2; a rank whose
+    # real tokens all lie before it would run an empty second ubatch
+    if should_ubatch and max_num_tokens // 2 >= min(num_tokens):
         should_ubatch = False
     return DPMicrobatchDecision(
         should_ubatch=should_ubatch,
         num_tokens_across_dp=num_tokens,
-        num_tokens_padded=max_padded if should_ubatch else padded[dp_rank],
+        num_tokens_padded=max_num_tokens if should_ubatch else num_tokens[dp_rank],
         has_work_across_dp=has_work,
     )
 
@@ -121,9 +122,9 @@ def coordinate_batch_across_dp(
     dp_rank: int,
     dp_size: int,
 ) -> DPMicrobatchDecision:
-    """Exchange every DP rank's ``(num_tokens, num_tokens, vote, has_work)`` and decide.
+    """Exchange every DP rank's ``(num_tokens, vote, has_work)`` and decide.
 
-    One ``all_reduce`` of a ``[dp_size, 4]`` int64 table over ``dp_group`` (each rank fills its own
+    One ``all_reduce`` of a ``[dp_size, 3]`` int64 table over ``dp_group`` (each rank fills its own
     row; on an NCCL group the table lives on the current CUDA device). ``dp_size == 1`` skips
     communication. Every rank gets the same ``should_ubatch``.
 
@@ -137,7 +138,7 @@ def coordinate_batch_across_dp(
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     rows = torch.zeros(dp_size, _NUM_COLUMNS, dtype=torch.int64)
-    rows[dp_rank] = torch.tensor([num_tokens, num_tokens, int(vote), int(has_work)])
+    rows[dp_rank] = torch.tensor([num_tokens, int(vote), int(has_work)])
     if dp_size > 1:
         if dp_group is None:
             raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")

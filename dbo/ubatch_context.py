@@ -27,7 +27,7 @@ __all__ = [
     "dbo_current_ubatch_id",
     "dbo_enabled",
     "dbo_maybe_run_recv_hook",
-    "dbo_num_tokens_across_dp",
+    "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
     "dbo_yield",
     "make_ubatch_contexts",
@@ -144,18 +144,19 @@ class UBatchContext:
     one's yields return at once). Leaving with an exception aborts the group instead.
     """
 
-    __slots__ = ("id", "_group", "num_tokens_across_dp")
+    __slots__ = ("id", "_group", "num_padded_tokens_across_dp")
 
     def __init__(
         self,
         ubatch_id: int,
         group: _UBatchGroup,
-        num_tokens_across_dp: tuple[int, ...] | None = None,
+        num_padded_tokens_across_dp: tuple[int, ...] | None = None,
     ) -> None:
         self.id = ubatch_id
         self._group = group
-        # every DP rank's row count of this ubatch, when the DP ranks agreed on it (else None)
-        self.num_tokens_across_dp = num_tokens_across_dp
+        # every DP rank's padded row count of this ubatch, when the DP ranks agreed on it
+        # (else None)
+        self.num_padded_tokens_across_dp = num_padded_tokens_across_dp
 
     def __repr__(self) -> str:
         return f"UBatchContext(id={self.id}, num_ubatches={self._group.num_ubatches})"
@@ -249,24 +250,26 @@ def make_ubatch_contexts(
     num_ubatches: int = 2,
     *,
     timeout_s: float,
-    num_tokens_across_dp: Sequence[Sequence[int]] | None = None,
+    num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
 ) -> list[UBatchContext]:
     """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
 
-    ``num_tokens_across_dp[i]``, when given, is every DP rank's row count of ubatch ``i`` (the
-    same on all ranks after DP padding); the MoE layer reads it with ``dbo_num_tokens_across_dp``.
+    ``num_padded_tokens_across_dp[i]``, when given, is every DP rank's padded row count of ubatch
+    ``i`` (the same on all ranks after DP padding); the MoE layer reads it with
+    ``dbo_num_padded_tokens_across_dp``. (``DPMicrobatchDecision.num_tokens_across_dp`` is another
+    thing: each rank's real token count.)
 
     Raises:
-        ValueError: if ``num_ubatches < 1``, ``timeout_s <= 0`` or ``num_tokens_across_dp`` does
-            not have one entry per ubatch.
+        ValueError: if ``num_ubatches < 1``, ``timeout_s <= 0`` or
+            ``num_padded_tokens_across_dp`` does not have one entry per ubatch.
     """
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if num_tokens_across_dp is not None and len(num_tokens_across_dp) != num_ubatches:
+    if num_padded_tokens_across_dp is not None and len(num_padded_tokens_across_dp) != num_ubatches:
         raise ValueError(
-            f"num_tokens_across_dp has {len(num_tokens_across_dp)} entries for "
+            f"num_padded_tokens_across_dp has {len(num_padded_tokens_across_dp)} entries for "
             f"{num_ubatches} ubatches"
         )
     group = _UBatchGroup(num_ubatches, float(timeout_s))
@@ -275,8 +278,8 @@ def make_ubatch_contexts(
             i,
             group,
             None
-            if num_tokens_across_dp is None
-            else tuple(int(n) for n in num_tokens_across_dp[i]),
+            if num_padded_tokens_across_dp is None
+            else tuple(int(n) for n in num_padded_tokens_across_dp[i]),
         )
         for i in range(num_ubatches)
     ]
@@ -327,8 +330,8 @@ def dbo_maybe_run_recv_hook() -> None:
         ctx.maybe_run_recv_hook()
 
 
-def dbo_num_tokens_across_dp() -> tuple[int, ...] | None:
-    """Every DP rank's row count of the current ubatch, when the DP ranks agreed on it; None when
-    DBO is off or the wrapper was not told (the all-to-all then exchanges the counts itself)."""
+def dbo_num_padded_tokens_across_dp() -> tuple[int, ...] | None:
+    """Every DP rank's padded row count of the current ubatch, when the DP ranks agreed on it; None
+    when DBO is off or the wrapper was not told (the all-to-all then exchanges the counts itself)."""
     ctx = _current()
-    return None if ctx is None else ctx.num_tokens_across_dp
+    return None if ctx is None else ctx.num_padded_tokens_across_dp

@@ -51,7 +51,7 @@ class UBatchWrapper:
         attn_metadata: CommonAttentionMetadata,
         ubatch_slices: Sequence[UBatchSlice] | None = None,
         *,
-        num_tokens_across_dp: Sequence[Sequence[int]] | None = None,
+        num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
     ) -> Tensor:
         """Run the model, on ubatch threads when ``ubatch_slices`` is given.
 
@@ -60,8 +60,9 @@ class UBatchWrapper:
             positions: ``[num_tokens]`` int64.
             attn_metadata: metadata of the whole batch; sliced per ubatch here.
             ubatch_slices: from ``make_ubatch_slices``; ``None`` or empty runs without DBO.
-            num_tokens_across_dp: per ubatch, every DP rank's row count of it (known after the DP
-                ranks agreed to pad to the same size); exposed as ``dbo_num_tokens_across_dp()``.
+            num_padded_tokens_across_dp: per ubatch, every DP rank's padded row count of it (known
+                after the DP ranks agreed to pad to the same size); exposed as
+                ``dbo_num_padded_tokens_across_dp()``.
 
         Returns:
             ``model_fn``'s outputs of all ubatches concatenated along dim 0, in ubatch order.
@@ -74,7 +75,9 @@ class UBatchWrapper:
             return self.model_fn(input_ids, positions, attn_metadata)
         metadata = split_attn_metadata(ubatch_slices, attn_metadata)
         contexts = make_ubatch_contexts(
-            len(ubatch_slices), timeout_s=self.timeout_s, num_tokens_across_dp=num_tokens_across_dp
+            len(ubatch_slices),
+            timeout_s=self.timeout_s,
+            num_padded_tokens_across_dp=num_padded_tokens_across_dp,
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)

@@ -15,6 +15,7 @@ from distributed.all2all.registry import (
     DispatchResult,
     make_all2all_backend,
 )
+from distributed.comm_handle import CollectiveHandle, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
@@ -30,7 +31,9 @@ __all__ = [
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
+    "CollectiveHandle",
     "CommHandle",
+    "CompletedHandle",
     "DispatchMetadata",
     "DispatchResult",
     "EmulatedLink",

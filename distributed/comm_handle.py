@@ -1,9 +1,10 @@
-"""One return shape for asynchronous communication: ``CommHandle[T]``.
+"""One return shape for asynchronous communication: the ``CommHandle[T]`` protocol.
 
-A handle wraps the ``Work`` of one in-flight collective and a ``finalize`` step that turns the
-received buffer into the caller's value (unpacking rows, scattering back to token order). The
-handle, not the backend, owns everything that changes after issue, so a backend object holds no
-per-call state and two ubatch threads can share it.
+Two handles satisfy it: ``CollectiveHandle`` wraps the ``Work`` of one in-flight collective and a
+``finalize`` step that turns the received buffer into the caller's value (unpacking rows,
+scattering back to token order); ``CompletedHandle`` holds a value that needed no communication.
+The handle, not the backend, owns everything that changes after issue, so a backend object holds
+no per-call state and two ubatch threads can share it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 from distributed.link_emulation import sleep_until
 
@@ -20,6 +21,60 @@ if TYPE_CHECKING:
     from torch.distributed import Work
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+@runtime_checkable
+class CommHandle(Protocol[T_co]):
+    """What callers of an asynchronous communication get back, whose result is a ``T_co``.
+
+    Attributes:
+        issued_at_ns: ``time.perf_counter_ns()`` when the communication was issued.
+        completed_at_ns: ``perf_counter_ns()`` when the data had arrived; None until known.
+        num_bytes: payload bytes this rank sends to other ranks (0: nothing was sent).
+        notify_ns: ``(start, end)`` ``perf_counter_ns`` of a blocking count exchange run before
+            the payload was issued (DeepEP's notify step), or None if there was none.
+    """
+
+    @property
+    def issued_at_ns(self) -> int: ...
+
+    @property
+    def completed_at_ns(self) -> int | None: ...
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    @property
+    def notify_ns(self) -> tuple[int, int] | None: ...
+
+    def is_completed(self) -> bool:
+        """Whether the data has arrived (never blocks)."""
+        ...
+
+    def wait(self) -> T_co:
+        """Block until the data has arrived; the result (idempotent: the same object each call)."""
+        ...
+
+
+class CompletedHandle(Generic[T]):
+    """A ``CommHandle`` whose value is ready at construction (no communication: ``num_bytes`` 0,
+    no notify step)."""
+
+    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns")
+
+    def __init__(self, value: T):
+        self._value = value
+        self.issued_at_ns = time.perf_counter_ns()
+        self.completed_at_ns: int | None = self.issued_at_ns
+        self.num_bytes = 0
+        self.notify_ns: tuple[int, int] | None = None
+
+    def wait(self) -> T:
+        return self._value
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:
@@ -48,8 +103,8 @@ def wait_work(work: Work | None, *, op: str, rank: int, timeout: datetime.timede
         raise comm_error(op, rank, timeout, exc) from exc
 
 
-class CommHandle(Generic[T]):
-    """Handle of one asynchronous collective whose result is a ``T``.
+class CollectiveHandle(Generic[T]):
+    """The ``CommHandle`` of one asynchronous collective whose result is a ``T``.
 
     Attributes:
         issued_at_ns: ``time.perf_counter_ns()`` when the collective was issued.

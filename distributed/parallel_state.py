@@ -154,22 +154,7 @@ def init_distributed(
     if backend == "nccl":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
-
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
-            raise RuntimeError(
-                f"a default process group already exists as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
-                f"{env.world_size}; call destroy_distributed() first"
-            )
-    else:
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
+    _init_default_group(env, backend, timeout)
     all_ranks = list(range(env.world_size))
     # Two separate communicators: DP-wide votes and expert all-to-alls never interleave on one tag
     # sequence, even when two ubatch threads issue them.
@@ -188,6 +173,29 @@ def init_distributed(
         ep_size=ep_size,
         ep_group=ep_group,
         device=device,
+        timeout=timeout,
+    )
+
+
+def _init_default_group(env: TorchrunEnv, backend: str, timeout: datetime.timedelta) -> None:
+    """Create the default process group, or check that the existing one is this rank's.
+
+    Raises:
+        RuntimeError: if a default group already exists with a different rank / world size.
+    """
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            raise RuntimeError(
+                f"a default process group already exists as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {env.rank} of "
+                f"{env.world_size}; call destroy_distributed() first"
+            )
+        return
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
         timeout=timeout,
     )
 

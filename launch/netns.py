@@ -137,13 +137,14 @@ def torchrun_commands(ns: Namespaces, nnodes: int, port: int, args: list[str]) -
     ]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print("launch.netns: error: put the torchrun arguments after '--'", file=sys.stderr)
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="launch.netns", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch.netns",
+        usage="%(prog)s [options] -- TORCHRUN_ARGS...",
+        description=__doc__.splitlines()[0],
+        epilog="Everything after '--' goes to torchrun in each namespace "
+        "(e.g. '-- -m launch.bench --data-parallel-size 2 --enable-expert-parallel').",
+    )
     parser.add_argument("--nnodes", type=int, default=2, help="nodes = namespaces = ranks")
     parser.add_argument("--rate-mbit", type=float, default=400.0, help="tbf rate per direction")
     parser.add_argument(
@@ -154,32 +155,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--queue-ms", type=float, default=100.0, help="tbf queueing latency limit")
     parser.add_argument("--master-port", type=int, default=29511)
-    ns_args = parser.parse_args(argv[:split])
-    job = argv[split + 1 :]
+    return parser
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(namespace options, torchrun arguments); exits 0 on ``--help``, 2 on bad input."""
+    parser = _parser()
+    split = argv.index("--") if "--" in argv else len(argv)
+    ns_args = parser.parse_args(argv[:split])  # --help prints and exits here
+    if split == len(argv):
+        parser.error("put the torchrun arguments after '--'")
     if ns_args.nnodes < 2 or ns_args.rate_mbit <= 0:
         parser.error(
             f"need --nnodes >= 2 and --rate-mbit > 0, got {ns_args.nnodes}, {ns_args.rate_mbit}"
         )
+    return ns_args, argv[split + 1 :]
+
+
+def _host_error() -> str | None:
+    """Why this host cannot build the namespaces (not root, no iproute2), or None."""
     if os.geteuid() != 0:
-        print("launch.netns: error: needs root (CAP_NET_ADMIN) to create network namespaces, "
-              "veth pairs and tc qdiscs; run it with sudo", file=sys.stderr)  # fmt: skip
-        return 2
+        return ("needs root (CAP_NET_ADMIN) to create network namespaces, veth pairs and tc "
+                "qdiscs; run it with sudo")  # fmt: skip
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        print(f"launch.netns: error: iproute2 tools not found: {missing}", file=sys.stderr)
-        return 2
-    if "launch.bench" in job and "--network" not in job:
-        job += ["--network", "netns"]
-    burst = ns_args.burst_bytes or max(16 * 1024, int(ns_args.rate_mbit * 1e6 / 8 / 1000))
-    net = Namespaces(nnodes=ns_args.nnodes, rate_mbit=ns_args.rate_mbit, burst_bytes=burst,
-                     queue_ms=ns_args.queue_ms)  # fmt: skip
+    return f"iproute2 tools not found: {missing}" if missing else None
+
+
+def _run_job(net: Namespaces, ns_args: argparse.Namespace, burst: int, job: list[str]) -> int:
+    """Create the namespaces, start one torchrun per node, wait for all; their worst status.
+    Every process is stopped and the namespaces deleted on the way out (also on a signal)."""
     procs: list[subprocess.Popen] = []
-
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)  # unwinds into the finally below
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         net.create()
         achieved = net.measure_mbit(0, 1)
@@ -202,6 +207,26 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         net.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns_args, job = _parse(sys.argv[1:] if argv is None else argv)
+    error = _host_error()
+    if error is not None:
+        print(f"launch.netns: error: {error}", file=sys.stderr)
+        return 2
+    if "launch.bench" in job and "--network" not in job:
+        job += ["--network", "netns"]
+    burst = ns_args.burst_bytes or max(16 * 1024, int(ns_args.rate_mbit * 1e6 / 8 / 1000))
+    net = Namespaces(nnodes=ns_args.nnodes, rate_mbit=ns_args.rate_mbit, burst_bytes=burst,
+                     queue_ms=ns_args.queue_ms)  # fmt: skip
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds into _run_job's finally
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return _run_job(net, ns_args, burst, job)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """OpenAI-compatible server over DP ranks: ``torchrun --nproc-per-node N -m launch.serve``.
 
-Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.api_server``) and routes
-each new request to the least-loaded DP rank; all ranks then run ``launch.serve_loop.ServeLoop`` in
-lockstep. Input errors are reported as one line on every rank before any process group exists;
+Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.serving.api_server``)
+and assigns each new request to the least-loaded DP rank (``launch.serving.load_balancer``); all
+ranks then run ``launch.serving.serve_loop.ServeLoop`` in lockstep. Input errors are reported as one line on every rank before any process group exists;
 a failure while starting (a port in use, a bad checkpoint) is shared so that every rank exits with
 it; a rank that dies later ends the others through their next collective (an error, or the
 ``--distributed-timeout``), never a hang. SIGTERM (or Ctrl-C) stops accepting requests, lets
@@ -74,21 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        args = engine_args_from_namespace(ns)
-        args.check_world_size(world_size)
-        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
-        if not 0 <= ns.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-        if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
-            raise ValueError(
-                f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] s, "
-                f"got {ns.shutdown_timeout}"
-            )
-        check_output_paths(timeline_dir=args.timeline_dir)
-        model = resolve_model(args)
-        from launch.serving.detokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.model)
+        args, model, tokenizer = _check_inputs(ns, world_size)
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
     stop = _install_stop_handlers()
@@ -96,21 +82,75 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from distributed import destroy_distributed, init_distributed
+    from distributed.liveness import Heartbeat
 
     groups = init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
     )
-    from distributed.liveness import Heartbeat, describe_failure
-
     # names the peer that stopped answering when a collective times out
     heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     # control traffic (requests, outputs, shutdown) on a gloo group of its own
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
     )
-    http = metrics = None
+    engine, http, metrics = _start(ns, args, model, tokenizer, groups, control_group)
+    from launch.serving.serve_loop import ServeLoop
+
+    loop = ServeLoop(
+        engine=engine,
+        control_group=control_group,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        stop_requested=stop.is_set,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        bridge=None if http is None else http.bridge,
+        metrics=metrics,
+    )
+    _serve(loop, http, rank, heartbeat)
+    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    heartbeat.stop()
+    destroy_distributed()
+    print(
+        f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
+        flush=True,
+    )
+    return 0
+
+
+def _check_inputs(ns: argparse.Namespace, world_size: int):
+    """(EngineArgs, ResolvedModel, tokenizer or None), before any process group exists.
+
+    Raises:
+        ValueError / OSError: a bad flag, model or tokenizer (one line, naming the value).
+    """
+    args = engine_args_from_namespace(ns)
+    args.check_world_size(world_size)
+    TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
+    if not 0 <= ns.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
+        raise ValueError(
+            f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] s, "
+            f"got {ns.shutdown_timeout}"
+        )
+    check_output_paths(timeline_dir=args.timeline_dir)
+    model = resolve_model(args)
+    from launch.serving.detokenizer import load_tokenizer
+
+    return args, model, load_tokenizer(args.model)
+
+
+def _start(ns, args, model, tokenizer, groups, control_group):
+    """Build this rank's engine (and on rank 0 the HTTP server); (engine, http, metrics).
+
+    A failure on any rank is shared over ``control_group`` so that every rank exits with it.
+    """
+    import torch.distributed as dist
+
+    rank = groups.rank
+    engine = http = metrics = None
     error = None
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
@@ -132,24 +172,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{groups.dp_size} DP rank(s)" + (", DBO on" if args.enable_dbo else ""),
             flush=True,
         )
-    from launch.serving.serve_loop import ServeLoop
+    return engine, http, metrics
 
-    loop = ServeLoop(
-        engine=engine,
-        control_group=control_group,
-        dp_rank=groups.dp_rank,
-        dp_size=groups.dp_size,
-        stop_requested=stop.is_set,
-        shutdown_timeout_s=ns.shutdown_timeout,
-        bridge=None if http is None else http.bridge,
-        metrics=metrics,
-    )
+
+def _serve(loop, http, rank: int, heartbeat) -> None:
+    """Run the serve loop until every rank is told to exit; a failure ends this rank with one
+    line (after failing rank 0's open requests), naming the silent rank(s) on a timeout."""
+    from distributed.liveness import describe_failure
+
     try:
         num_failed = loop.run()
     except Exception as e:  # noqa: BLE001 - a dead peer, a failed step: end with one clear line
         message = describe_failure(e, heartbeat)
         if http is not None:
-            http.bridge.fail_all(f"the engine failed: {message}")
+            http.bridge.fail_all(RuntimeError(f"the engine failed: {message}"))
             http.stop(timeout_s=5.0)
         _die(rank, message)
     if http is not None:
@@ -158,14 +194,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROG}: shut down; {num_failed} in-flight request(s) failed with an error",
             flush=True,
         )
-    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
-    heartbeat.stop()
-    destroy_distributed()
-    print(
-        f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
-        flush=True,
-    )
-    return 0
 
 
 def _model_name(ns: argparse.Namespace) -> str:

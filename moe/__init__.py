@@ -25,8 +25,9 @@ from moe.model_loader.loader import (
     load_config,
 )
 from moe.models.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
-from moe.models.config import SUPPORTED_ARCHITECTURES, MoEModelConfig
+from moe.models.config import MoEModelConfig
 from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moe.models.hf_config import SUPPORTED_ARCHITECTURES
 from moe.models.mixtral import MixtralForCausalLM
 from moe.models.olmoe import OlmoeForCausalLM
 from moe.models.qwen2_moe import Qwen2MoeForCausalLM

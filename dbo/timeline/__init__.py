@@ -1,5 +1,6 @@
-"""Overlap timeline: the recorder the engine writes spans to (``recorder``), merging the ranks'
-spans into one Chrome trace (``trace``), overlap metrics (``metrics``) and a PNG (``plot``)."""
+"""Overlap timeline: the recorder the engine writes spans to (``recorder``), the track names it
+writes and the readers sort by (``tracks``), merging the ranks' spans into one Chrome trace
+(``trace``), overlap metrics (``metrics``) and a PNG (``plot``)."""
 
 from dbo.timeline.recorder import (
     TimelineRecorder,

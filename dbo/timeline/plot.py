@@ -31,7 +31,7 @@ def plot_steps(spans: Sequence[Span], steps: Sequence[int], path: str | Path) ->
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from dbo.timeline.trace import _track_order
+    from dbo.timeline.tracks import track_order
 
     wanted = set(steps)
     windows = [
@@ -49,7 +49,7 @@ def plot_steps(spans: Sequence[Span], steps: Sequence[int], path: str | Path) ->
         )
 
     chosen = [s for s in spans if in_window(s)]
-    lanes = sorted({(s.rank, s.track) for s in chosen}, key=lambda k: (k[0], _track_order(k[1])))
+    lanes = sorted({(s.rank, s.track) for s in chosen}, key=lambda k: (k[0], track_order(k[1])))
     row = {lane: i for i, lane in enumerate(lanes)}
     fig, ax = plt.subplots(figsize=(14, 0.45 * len(lanes) + 1.5))
     for s in chosen:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dbo.timeline.tracks import STEP_TRACK, track_name
 from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled, set_baton_observer
 
 
@@ -143,7 +144,6 @@ CAT_COMM = "comm"
 CAT_WAIT = "wait"
 CAT_BATON = "baton"
 CAT_STEP = "step"
-STEP_TRACK = "engine step"
 
 _recorder: TimelineRecorder | None = None
 _local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
@@ -164,7 +164,7 @@ def get_timeline_recorder() -> TimelineRecorder | None:
 
 
 def _track(kind: str) -> str:
-    return f"ubatch{dbo_current_ubatch_id()} {kind}" if dbo_enabled() else f"main {kind}"
+    return track_name(kind, dbo_current_ubatch_id() if dbo_enabled() else None)
 
 
 def _profiler_on() -> bool:
@@ -244,7 +244,7 @@ def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> No
     if rec is not None:
         rec.add_span(
             "baton pass", cat=CAT_BATON, start_ns=handed_at_ns, end_ns=woke_at_ns,
-            track=f"ubatch{ubatch_id} compute",
+            track=track_name("compute", ubatch_id),
         )  # fmt: skip
 
 

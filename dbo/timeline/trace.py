@@ -10,26 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dbo.timeline.metrics import Span, spans_from_chrome_trace
+from dbo.timeline.tracks import lane_name, track_order
 
 _RANK_FILE = re.compile(r"rank(\d+)\.json$")
-
-
-_KIND_ORDER = {"compute": "0", "comm": "1"}
-
-
-def _track_order(track: str) -> tuple:
-    """engine step, main compute/comm, ubatch0 compute/comm, ubatch1 ..., then extra lanes."""
-    base, _, lane = track.partition(" #")
-    if base == "engine step":
-        key: tuple = (0, 0, "")
-    elif base.startswith("main "):
-        key = (1, 0, _KIND_ORDER.get(base[5:], base))
-    elif base.startswith("ubatch"):
-        head, _, kind = base.partition(" ")
-        key = (2, int(head[6:]) if head[6:].isdigit() else 0, _KIND_ORDER.get(kind, kind))
-    else:
-        key = (3, 0, base)
-    return (*key, int(lane or 1))
 
 
 def load_rank_spans(directory: str | Path) -> list[Span]:
@@ -68,7 +51,7 @@ def assign_lanes(spans: Sequence[Span]) -> dict[int, str]:
             lane = len(lane_ends)
             lane_ends.append(0)
         lane_ends[lane] = span.end_ns
-        out[i] = span.track if lane == 0 else f"{span.track} #{lane + 1}"
+        out[i] = lane_name(span.track, lane)
     return out
 
 
@@ -86,7 +69,7 @@ def merge(spans: Sequence[Span]) -> dict:
         events.append(
             {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}
         )
-        tracks = sorted({lanes[i] for i, s in enumerate(spans) if s.rank == rank}, key=_track_order)
+        tracks = sorted({lanes[i] for i, s in enumerate(spans) if s.rank == rank}, key=track_order)
         for tid, track in enumerate(tracks, 1):
             tids[(rank, track)] = tid
             events.append(

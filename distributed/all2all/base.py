@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.token_packing import RowLayout
-from distributed.comm_handle import CommHandle, wait_work
+from distributed.comm_handle import CollectiveHandle, CommHandle, wait_work
 from distributed.link_emulation import EmulatedLink, sleep_until
 
 
@@ -285,7 +285,7 @@ class All2AllBackend(ABC):
         if self.link is not None:
             link_bytes = max(num_bytes, num_bytes if num_recv_bytes is None else num_recv_bytes)
             link_deadline_ns = self.link.deadline_ns(issued_at_ns, link_bytes)
-        handle: CommHandle = CommHandle(
+        handle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,
             timeout=self.timeout,

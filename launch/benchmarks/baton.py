@@ -1,12 +1,12 @@
 """Measure the cost of one baton pass between two ubatch threads.
 
-Run ``python -m dbo.bench_baton [num_yields]`` (pin to one core with ``taskset -c 0`` to see the
+Run ``python -m launch.benchmarks.baton [num_yields]`` (pin to one core with ``taskset -c 0`` to see the
 same-core cost). Prints microseconds per pass (one ``dbo_yield`` hands the baton over once).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import threading
 import time
 
@@ -31,11 +31,19 @@ def measure_pass_us(num_yields: int, *, timeout_s: float = 30.0) -> float:
     return (time.perf_counter() - start) / (2 * num_yields) * 1e6
 
 
-def main(argv: list[str]) -> None:
-    num_yields = int(argv[0]) if argv else 20_000
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="launch.benchmarks.baton", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "num_yields", type=int, nargs="?", default=20_000, help="yields per thread per run"
+    )
+    num_yields = parser.parse_args(argv).num_yields
+    if num_yields < 1:
+        parser.error(f"num_yields must be >= 1, got {num_yields}")
     for _ in range(3):
         print(f"baton pass: {measure_pass_us(num_yields):.1f} us ({2 * num_yields} passes)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

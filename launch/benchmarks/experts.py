@@ -32,7 +32,9 @@ def _time(fn, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="launch.benchmarks.experts", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)

@@ -7,10 +7,9 @@ one at which no DP rank has work.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,15 +59,9 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     if args.model is None:
         config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
     else:
-        config_path = Path(args.model) / "config.json"
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
-        try:
-            hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
-        config = MoEModelConfig.from_hf_config(hf_config)
-        check_checkpoint(args.model)
+        config = check_checkpoint(args.model)  # parses config.json (moe.model_loader.load_config)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -84,9 +77,7 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
 class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
-    num_dummy_steps: int = 0
     num_preemptions: int = 0
-    step_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +101,23 @@ class MemoryStats:
         )
 
 
+def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
+    """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
+    behind an emulated link when ``--emulate-link`` is given."""
+    link_spec = engine_args.link_spec()
+    if groups.ep_size == 1:
+        return None
+    return make_all2all_backend(
+        engine_args.all2all_backend,
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        num_experts=num_experts,
+        timeout=groups.timeout,
+        link=None if link_spec is None else EmulatedLink(link_spec),
+    )
+
+
 class LLMEngine:
     """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
 
@@ -120,20 +128,9 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
             self.start_timeline()
-        link_spec = engine_args.link_spec()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
-        backend = None
-        if groups.ep_size > 1:
-            backend = make_all2all_backend(
-                engine_args.all2all_backend,
-                ep_group=groups.ep_group,
-                ep_rank=groups.ep_rank,
-                ep_size=groups.ep_size,
-                num_experts=config.num_experts,
-                timeout=groups.timeout,
-                link=None if link_spec is None else EmulatedLink(link_spec),
-            )
+        backend = _make_all2all_backend(engine_args, groups, config.num_experts)
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(engine_args.custom_ops)
@@ -182,6 +179,19 @@ class LLMEngine:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """This rank's running requests (scheduled in the last step or about to be), in order."""
+        return tuple(self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
     def abort_request(self, request_id: int) -> Request | None:
         """Drop a request of this rank (its blocks and sampling state); None if not here."""
         self.model_runner.release(request_id)
@@ -203,8 +213,6 @@ class LLMEngine:
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
-            self.stats.num_dummy_steps += out.num_tokens == 0
-            self.stats.step_tokens.append(out.num_tokens)
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(
             scheduler_output, out.sampled_token_ids, out.failed_request_ids

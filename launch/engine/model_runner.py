@@ -240,7 +240,7 @@ class ModelRunner:
         # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
         # has the same row count on every rank; telling the all-to-all spares it a blocking
         # count exchange in the overlapped window.
-        num_tokens_across_dp = (
+        num_padded_tokens_across_dp = (
             [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
             if ubatch_slices
             else None
@@ -250,7 +250,7 @@ class ModelRunner:
             inputs.positions,
             inputs.attn_metadata,
             ubatch_slices,
-            num_tokens_across_dp=num_tokens_across_dp,
+            num_padded_tokens_across_dp=num_padded_tokens_across_dp,
         )
         return ForwardOutput(
             hidden_states=hidden_states,

@@ -58,6 +58,11 @@ _error = json_error
 logger = logging.getLogger("launch.serving")
 
 
+def _error_status(error: Exception) -> int:
+    """HTTP status of a failed request's output: 503 if the server shut down, else 500."""
+    return 503 if isinstance(error, ServerShuttingDown) else 500
+
+
 class CompletionsHandler:
     """``POST /v1/completions`` for one ``EngineBridge``."""
 
@@ -128,7 +133,9 @@ class CompletionsHandler:
         except asyncio.TimeoutError:
             return RequestOutput(
                 request_id=request_id,
-                error=f"no output from the engine for {self.config.output_timeout_s:g} s",
+                error=TimeoutError(
+                    f"no output from the engine for {self.config.output_timeout_s:g} s"
+                ),
             )
 
     async def _whole(self, request, request_id, num_prompt, outputs, text) -> web.Response:
@@ -136,8 +143,7 @@ class CompletionsHandler:
         while True:
             output = await self._next(outputs, request_id)
             if output.error is not None:
-                status = 503 if "shut down" in output.error else 500
-                return _error(output.error, status)
+                return _error(str(output.error), _error_status(output.error))
             token_ids += output.new_token_ids
             text.add(output.new_token_ids, is_last=output.is_last)
             if output.is_last or text.stopped:
@@ -166,8 +172,8 @@ class CompletionsHandler:
         while True:
             output = await self._next(outputs, request_id)
             if output.error is not None:
-                status = 503 if "shut down" in output.error else 500
-                await _send(response, error_body(output.error, status=status))
+                status = _error_status(output.error)
+                await _send(response, error_body(str(output.error), status=status))
                 break
             try:
                 delta = text.add(output.new_token_ids, is_last=output.is_last)

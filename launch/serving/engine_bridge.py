@@ -31,13 +31,14 @@ class RequestOutput:
     """Tokens generated for a request since its previous output.
 
     ``finish_reason`` ("stop", "length" or "abort") is set on a request's last output; ``error``
-    (a message) on the last output of a request that failed.
+    on the last output of a request that failed (``ServerShuttingDown``: the HTTP answer is 503;
+    any other exception: 500; its text is the message).
     """
 
     request_id: int
     new_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
-    error: str | None = None
+    error: Exception | None = None
 
     @property
     def is_last(self) -> bool:
@@ -45,7 +46,8 @@ class RequestOutput:
 
 
 class ServerShuttingDown(RuntimeError):
-    """``submit`` after ``stop_accepting``: the server answers 503."""
+    """``submit`` after ``stop_accepting``, or a request failed at shutdown: the server answers
+    503."""
 
 
 class EngineBridge:
@@ -137,10 +139,10 @@ class EngineBridge:
         with self._lock:
             self._accepting = False
 
-    def fail_all(self, message: str) -> int:
-        """End every open request with ``message`` as its error; how many there were."""
+    def fail_all(self, error: Exception) -> int:
+        """End every open request with ``error``; how many there were."""
         with self._lock:
             open_ids = list(self._outputs)
         for request_id in open_ids:
-            self.deliver(RequestOutput(request_id=request_id, error=message))
+            self.deliver(RequestOutput(request_id=request_id, error=error))
         return len(open_ids)

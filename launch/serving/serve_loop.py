@@ -2,7 +2,7 @@
 
 Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
 group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
-expert all-to-all): rank 0 a ``Dispatch`` (new requests, each routed to the least-loaded DP rank,
+expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to the least-loaded DP rank,
 aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its last step, its
 queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of them decide
 alike whether to run an engine step (some rank has work) or to idle, and when to stop.
@@ -16,21 +16,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from distributed.comm_handle import comm_error
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
-from launch.serving.engine_bridge import EngineBridge, NewRequest, RequestOutput
+from launch.serving.engine_bridge import (
+    EngineBridge,
+    NewRequest,
+    RequestOutput,
+    ServerShuttingDown,
+)
+from launch.serving.load_balancer import DPLoadBalancer
 from launch.serving.metrics import ServerMetrics
 
 HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Dispatch:
+class ControlOrders:
     """Rank 0's orders for one iteration."""
 
     assignments: tuple[tuple[int, NewRequest], ...] = ()  # (dp_rank, request)
@@ -51,30 +57,6 @@ class RankReport:
     ran_step: bool = False
     is_ubatched: bool = False
     step_time_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Router:
-    """Least-loaded routing: a new request goes to the DP rank with the fewest open requests
-    (assigned by rank 0 and not yet finished), the lowest rank on a tie."""
-
-    dp_size: int
-    num_open: list[int] = field(default_factory=list)
-    owner: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.num_open = [0] * self.dp_size
-
-    def route(self, request_id: int) -> int:
-        dp_rank = min(range(self.dp_size), key=lambda r: (self.num_open[r], r))
-        self.num_open[dp_rank] += 1
-        self.owner[request_id] = dp_rank
-        return dp_rank
-
-    def close(self, request_id: int) -> None:
-        dp_rank = self.owner.pop(request_id, None)
-        if dp_rank is not None:
-            self.num_open[dp_rank] -= 1
 
 
 class ServeLoop:
@@ -107,7 +89,7 @@ class ServeLoop:
         self.bridge = bridge
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
-        self.router = Router(dp_size)
+        self.load_balancer = DPLoadBalancer(dp_size)
         self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
         self._shutdown_deadline: float | None = None
         self._error_outputs: list[RequestOutput] = []
@@ -118,37 +100,39 @@ class ServeLoop:
         any_work = False
         num_failed = 0
         while True:
-            dispatch = self._make_dispatch(any_work) if self.dp_rank == 0 else None
-            if dispatch is not None and dispatch.should_exit:
+            orders = self._make_orders(any_work) if self.dp_rank == 0 else None
+            if orders is not None and orders.should_exit:
                 num_failed = self.bridge.fail_all(
-                    "the server shut down (SIGTERM) before this request finished "
-                    f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    ServerShuttingDown(
+                        "the server shut down (SIGTERM) before this request finished "
+                        f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
+                    )
                 )
-            parts = self._exchange(dispatch, report)
-            dispatch = parts[0][0]
+            parts = self._exchange(orders, report)
+            orders = parts[0][0]
             reports = [part[1] for part in parts]
             if self.dp_rank == 0:
                 self._collect(reports)
-            if dispatch.should_exit:
+            if orders.should_exit:
                 return num_failed
-            self._apply(dispatch)
-            num_new = len(dispatch.assignments)
+            self._apply(orders)
+            num_new = len(orders.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
 
-    def _exchange(self, dispatch: Dispatch | None, report: RankReport) -> list:
-        """Every rank's (dispatch, report): one blocking all_gather_object over the control group
+    def _exchange(self, orders: ControlOrders | None, report: RankReport) -> list:
+        """Every rank's (orders, report): one blocking all_gather_object over the control group
         (timeout: the group's). Raises TimeoutError / RuntimeError naming the exchange."""
         parts: list = [None] * self.dp_size
         try:
-            dist.all_gather_object(parts, (dispatch, report), group=self.control_group)
+            dist.all_gather_object(parts, (orders, report), group=self.control_group)
         except RuntimeError as exc:  # gloo's timeout names no collective: say which
             timeout = self.engine.groups.timeout
             op = "the serve loop's control exchange (all_gather_object over the control group)"
             raise comm_error(op, self.dp_rank, timeout, exc) from exc
         return parts
 
-    def _make_dispatch(self, any_work: bool) -> Dispatch:
+    def _make_orders(self, any_work: bool) -> ControlOrders:
         bridge = self.bridge
         if self.stop_requested() and bridge.is_accepting:
             bridge.stop_accepting()
@@ -156,11 +140,11 @@ class ServeLoop:
         shutting_down = not bridge.is_accepting
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
         for request_id in aborts:
-            if self.router.owner.get(request_id) is not None and self.metrics is not None:
+            if self.load_balancer.owner.get(request_id) is not None and self.metrics is not None:
                 # still open in the engine: it ends here (client gone, or a stop string matched)
                 self.metrics.requests_finished.labels(finish_reason="abort").inc()
-            self.router.close(request_id)
-        assignments = tuple((self.router.route(r.request_id), r) for r in new)
+            self.load_balancer.close(request_id)
+        assignments = tuple((self.load_balancer.assign(r.request_id), r) for r in new)
         if self.metrics is not None:
             self.metrics.requests_received.inc(len(new))
             for dp_rank, _ in assignments:
@@ -172,7 +156,7 @@ class ServeLoop:
         )
         if shutting_down and not should_exit and not any_work and not new:
             time.sleep(min(self.heartbeat_s, 0.05))  # waiting for outputs in transit, not spinning
-        return Dispatch(
+        return ControlOrders(
             assignments=assignments,
             aborts=tuple(aborts),
             is_shutting_down=shutting_down,
@@ -187,7 +171,7 @@ class ServeLoop:
                 self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
             for output in report.outputs:
                 if output.is_last:
-                    self.router.close(output.request_id)
+                    self.load_balancer.close(output.request_id)
                 self.bridge.deliver(output)
                 if self.metrics is not None:
                     self.metrics.generation_tokens.inc(len(output.new_token_ids))
@@ -206,9 +190,9 @@ class ServeLoop:
                 is_ubatched=reports[0].is_ubatched, step_time_s=reports[0].step_time_s
             )
 
-    def _apply(self, dispatch: Dispatch) -> None:
-        # assignments before aborts: a request aborted right after it was sent comes in one dispatch
-        for dp_rank, new in dispatch.assignments:
+    def _apply(self, orders: ControlOrders) -> None:
+        # assignments before aborts: a request aborted right after it was sent comes in one order
+        for dp_rank, new in orders.assignments:
             if dp_rank != self.dp_rank:
                 continue
             try:
@@ -221,8 +205,8 @@ class ServeLoop:
                 )
                 self._num_sent[new.request_id] = 0
             except Exception as e:  # noqa: BLE001 - rank 0 checked it first; fail this request alone
-                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=str(e)))
-        for request_id in dispatch.aborts:
+                self._error_outputs.append(RequestOutput(request_id=new.request_id, error=e))
+        for request_id in orders.aborts:
             if self.engine.abort_request(request_id) is not None:
                 self._num_sent.pop(request_id, None)
 
@@ -234,7 +218,7 @@ class ServeLoop:
         step_time_s = time.perf_counter() - start
         outputs = list(self._error_outputs)
         self._error_outputs.clear()
-        for request in [*self.engine.scheduler.running, *finished]:
+        for request in [*self.engine.running_requests, *finished]:
             outputs += self._new_output(request)
         return self._report(
             ran_step=True,
@@ -253,7 +237,8 @@ class ServeLoop:
         else:
             self._num_sent[request.request_id] = len(request.output_token_ids)
         if request.finish_reason == "error":  # failed by its own data; the others go on
-            return [RequestOutput(request_id=request.request_id, error=request.error)]
+            error = RuntimeError(request.error)
+            return [RequestOutput(request_id=request.request_id, error=error)]
         return [
             RequestOutput(
                 request_id=request.request_id,
@@ -263,13 +248,13 @@ class ServeLoop:
         ]
 
     def _report(self, *, ran_step: bool, outputs=(), **step) -> RankReport:
-        scheduler = self.engine.scheduler
+        engine = self.engine
         if not ran_step and self._error_outputs:
             outputs, self._error_outputs = tuple(self._error_outputs), []
         return RankReport(
             outputs=tuple(outputs),
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
             num_preemptions=self.engine.stats.num_preemptions,
             wants_shutdown=self.stop_requested(),
             ran_step=ran_step,

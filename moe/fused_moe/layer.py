@@ -31,8 +31,9 @@ class FusedMoE(nn.Module):
     output is scaled by sigmoid(gate · x)).
 
     Raises:
-        ValueError: num_experts not divisible by ep_size, ep_rank outside [0, ep_size), or a
-            prepare_finalize that serves a different number of local experts.
+        ValueError: num_experts not divisible by ep_size, ep_rank outside [0, ep_size), a routing
+            config over another number of experts, or a prepare_finalize that serves a different
+            number of local experts.
     """
 
     def __init__(
@@ -41,12 +42,10 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         num_experts: int,
-        top_k: int,
+        routing: RoutingConfig,
         prepare_finalize: FusedMoEPrepareAndFinalize,
         ep_rank: int = 0,
         ep_size: int = 1,
-        renormalize: bool = True,
-        routing: RoutingConfig | None = None,
         fp32_router: bool = False,
         expert_checkpoint_names: dict[str, str] | None = None,
         shared_intermediate_size: int = 0,
@@ -62,14 +61,14 @@ class FusedMoE(nn.Module):
             )
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
+        if routing.num_experts != num_experts:
+            raise ValueError(
+                f"routing is over {routing.num_experts} experts but num_experts={num_experts}"
+            )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
-        self.top_k = top_k
         self.ep_rank = ep_rank
         self.ep_size = ep_size
-        routing = routing or RoutingConfig(
-            num_experts=num_experts, top_k=top_k, renormalize=renormalize
-        )
         kw = {"dtype": dtype, "device": device}
         self.gate = Router(hidden_size, routing, fp32_logits=fp32_router, **kw)
         self.experts = TorchExperts(
@@ -88,12 +87,6 @@ class FusedMoE(nn.Module):
         )
         self.kernel = FusedMoEModularKernel(prepare_finalize, self.experts)
 
-    @property
-    def global_expert_ids(self) -> range:
-        """Global ids of the experts this rank holds."""
-        start = self.experts.global_expert_offset
-        return range(start, start + self.num_local_experts)
-
     def _shared_experts(self, hidden_states: Tensor) -> Tensor:
         out = getattr(self, self.shared_expert_name)(hidden_states)
         if self.shared_expert_gate is not None:
@@ -106,5 +99,5 @@ class FusedMoE(nn.Module):
             routing = self.gate(hidden_states)
         shared = self._shared_experts if self.shared_expert_name else None
         return self.kernel.forward(
-            hidden_states, routing.topk_weights, routing.topk_ids, shared_experts=shared
+            hidden_states, routing.topk_ids, routing.topk_weights, shared_experts=shared
         )

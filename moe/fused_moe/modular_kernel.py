@@ -27,7 +27,7 @@ from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, 
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_tokens_across_dp,
+    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
 )
@@ -70,7 +70,7 @@ def _wait(handle: CommHandle[T], op: str) -> T:
 def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
     """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
     blocking count exchange if the backend made one (``{op}_notify``, comm)."""
-    notify = getattr(handle, "notify_ns", None)
+    notify = handle.notify_ns
     issued_at_ns = max(handle.issued_at_ns, start_ns)
     if notify is None:
         record_span(
@@ -110,8 +110,8 @@ class FusedMoEModularKernel:
     def forward(
         self,
         hidden_states: Tensor,
-        topk_weights: Tensor,
         topk_ids: Tensor,
+        topk_weights: Tensor,
         *,
         shared_experts: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
@@ -119,8 +119,8 @@ class FusedMoEModularKernel:
 
         Args:
             hidden_states: [num_tokens, hidden_size]
-            topk_weights: [num_tokens, num_topk] float32
             topk_ids: [num_tokens, num_topk] int64 GLOBAL expert ids
+            topk_weights: [num_tokens, num_topk] float32
             shared_experts: optional dense MLP run on hidden_states while the combine is in flight.
 
         Returns:
@@ -136,7 +136,7 @@ class FusedMoEModularKernel:
             topk_weights,
             async_op=is_async,
             # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
-            num_tokens_across_ep=dbo_num_tokens_across_dp(),
+            num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
         )
         _record_issue("dispatch", issue_ns, dispatch)
         if is_async:

@@ -16,42 +16,16 @@ second ``wait()`` is an idempotent no-op.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from distributed import CommHandle, DispatchMetadata, DispatchResult
+from distributed import CommHandle, CompletedHandle, DispatchMetadata, DispatchResult
 
 if TYPE_CHECKING:
     from distributed import All2AllBackend
-
-
-T = TypeVar("T")
-
-
-class CompletedHandle(Generic[T]):
-    """A ``CommHandle``-shaped handle whose value is ready at construction (no communication).
-
-    Same surface as ``distributed.CommHandle``: ``wait()`` (idempotent), ``is_completed()``,
-    ``issued_at_ns``, ``completed_at_ns``, ``num_bytes`` (0: nothing was sent).
-    """
-
-    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes")
-
-    def __init__(self, value: T):
-        self._value = value
-        self.issued_at_ns = time.perf_counter_ns()
-        self.completed_at_ns: int | None = self.issued_at_ns
-        self.num_bytes = 0
-
-    def wait(self) -> T:
-        return self._value
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class FusedMoEPrepareAndFinalize(ABC):
@@ -133,12 +107,12 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
                 dtype=hidden_states.dtype,
             ),
         )
-        return CompletedHandle(result)  # type: ignore[return-value]
+        return CompletedHandle(result)
 
     def finalize(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
     ) -> CommHandle[Tensor]:
-        return CompletedHandle(expert_output)  # type: ignore[return-value]
+        return CompletedHandle(expert_output)
 
 
 class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):

@@ -35,12 +35,12 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 class RoutingResult:
     """Experts chosen for each token.
 
-    topk_weights: [num_tokens, num_topk] float32
     topk_ids:     [num_tokens, num_topk] int64, GLOBAL expert ids in [0, num_experts)
+    topk_weights: [num_tokens, num_topk] float32
     """
 
-    topk_weights: Tensor
     topk_ids: Tensor
+    topk_weights: Tensor
 
     def __post_init__(self) -> None:
         if self.topk_weights.shape != self.topk_ids.shape or self.topk_ids.dim() != 2:
@@ -171,7 +171,7 @@ def select_experts(
         topk_weights = topk_weights / denominator
     if config.routed_scaling_factor != 1.0:
         topk_weights = topk_weights * config.routed_scaling_factor
-    return RoutingResult(topk_weights=topk_weights, topk_ids=topk_ids.to(torch.int64))
+    return RoutingResult(topk_ids=topk_ids.to(torch.int64), topk_weights=topk_weights)
 
 
 @CustomOp.register("router_topk")

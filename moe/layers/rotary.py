@@ -114,11 +114,6 @@ class RotaryEmbedding(CustomOp):
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, rotary_dim // 2]."""
-        cos, sin = self._cos_sin_f32(positions)
-        return cos.to(dtype), sin.to(dtype)
-
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         if self.is_neox_style:

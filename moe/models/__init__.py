@@ -6,7 +6,8 @@ one entry in ``registry.MODEL_REGISTRY``.
 """
 
 from moe.models.causal_lm import MoEForCausalLM
-from moe.models.config import SUPPORTED_ARCHITECTURES, MoEModelConfig
+from moe.models.config import MoEModelConfig
+from moe.models.hf_config import SUPPORTED_ARCHITECTURES
 from moe.models.registry import MODEL_REGISTRY, build_model
 
 __all__ = [

@@ -1,8 +1,9 @@
 """Model configuration parsed from a Hugging Face ``config.json`` dict.
 
 Only the fields the engine needs are kept; unknown keys are ignored. Supported architectures are
-listed in ``SUPPORTED_ARCHITECTURES`` (``model_type`` -> architecture class name); anything else
-raises ``ValueError`` naming them. The per-architecture parsing lives in ``moe.hf_config``.
+listed in ``moe.models.hf_config.SUPPORTED_ARCHITECTURES`` (``model_type`` -> architecture class
+name); anything else raises ``ValueError`` naming them. The per-architecture parsing lives in
+``moe.models.hf_config``, which does not import this module (no import circle).
 """
 
 from __future__ import annotations
@@ -12,15 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.fused_moe.router import SCORING_FUNCS, TOPK_METHODS
+from moe.models.hf_config import SUPPORTED_ARCHITECTURES, parse_hf_config
 
-# model_type -> architecture class name in config.json
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
 ATTENTION_TYPES = ("gqa", "mla")
 
 
@@ -113,6 +107,14 @@ class MoEModelConfig:
                 f"moe_layers has {len(self.moe_layers)} entries, expected num_hidden_layers="
                 f"{self.num_hidden_layers}"
             )
+        self._check_attention()
+        self._check_routing()
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    def _check_attention(self) -> None:
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(
                 f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}"
@@ -132,6 +134,8 @@ class MoEModelConfig:
                 _positive("q_lora_rank", self.q_lora_rank)
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    def _check_routing(self) -> None:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
@@ -146,18 +150,10 @@ class MoEModelConfig:
             raise ValueError(
                 f"shared_intermediate_size must be >= 0, got {self.shared_intermediate_size}"
             )
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
-
-    @property
-    def num_dense_layers(self) -> int:
-        return sum(not s for s in self.moe_layers)
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> MoEModelConfig:
@@ -167,8 +163,6 @@ class MoEModelConfig:
             ValueError: unsupported ``model_type``/``architectures`` (the message names the supported
                 ones), or a missing / invalid field.
         """
-        from moe.models.hf_config import parse_hf_config
-
         if not isinstance(d, Mapping):
             raise ValueError(f"config.json must be a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")

@@ -86,7 +86,6 @@ class DecoderLayer(nn.Module):
                 hidden_size=config.hidden_size,
                 intermediate_size=config.moe_intermediate_size,
                 num_experts=config.num_experts,
-                top_k=config.num_experts_per_tok,
                 prepare_finalize=prepare_finalize,
                 ep_rank=ep_rank,
                 ep_size=ep_size,

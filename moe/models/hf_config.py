@@ -14,8 +14,14 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from moe.models.config import SUPPORTED_ARCHITECTURES
-
+# model_type -> architecture class name in config.json
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 ROPE_TYPES = ("default", "yarn")
 _REQUIRED = object()
 

@@ -9,7 +9,6 @@ class Platform:
 
     name: str = "unspecified"
     dispatch_key: str = "native"
-    device_type: str = "cpu"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dispatch_key={self.dispatch_key!r})"
@@ -18,10 +17,8 @@ class Platform:
 class CpuPlatform(Platform):
     name = "cpu"
     dispatch_key = "cpu"
-    device_type = "cpu"
 
 
 class CudaPlatform(Platform):
     name = "cuda"
     dispatch_key = "cuda"
-    device_type = "cuda"

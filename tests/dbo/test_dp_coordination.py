@@ -15,7 +15,7 @@ from tests.helpers.distributed import run_distributed
 
 
 def rows(*per_rank):
-    """(num_tokens, padded_num_tokens, vote, has_work) per rank -> [dp_size, 4] int64."""
+    """(num_tokens, vote, has_work) per rank -> [dp_size, 3] int64."""
     return torch.tensor(per_rank, dtype=torch.int64)
 
 
@@ -32,7 +32,7 @@ def test_should_ubatch_locally_uses_the_threshold_of_the_batch_kind():
 
 
 def test_all_vote_yes_pads_to_the_max():
-    table = rows((8, 8, 1, 1), (6, 6, 1, 1))
+    table = rows((8, 1, 1), (6, 1, 1))
     assert decide_from_gathered(table, 0) == DPMicrobatchDecision(
         should_ubatch=True,
         num_tokens_across_dp=[8, 6],
@@ -43,7 +43,7 @@ def test_all_vote_yes_pads_to_the_max():
 
 
 def test_one_no_vote_means_nobody_ubatches():
-    table = rows((8, 8, 1, 1), (6, 6, 0, 1), (9, 9, 1, 1))
+    table = rows((8, 1, 1), (6, 0, 1), (9, 1, 1))
     decisions = [decide_from_gathered(table, r) for r in range(3)]
     assert [d.should_ubatch for d in decisions] == [False] * 3
     assert [d.num_tokens_padded for d in decisions] == [8, 6, 9]  # each rank's own count
@@ -52,32 +52,22 @@ def test_one_no_vote_means_nobody_ubatches():
 
 def test_abort_when_a_second_ubatch_would_be_empty():
     # padded to 16, split point 8: rank 1's 8 real tokens all fall in its first ubatch
-    decision = decide_from_gathered(rows((16, 16, 1, 1), (8, 8, 1, 1)), 1)
+    decision = decide_from_gathered(rows((16, 1, 1), (8, 1, 1)), 1)
     assert not decision.should_ubatch
     assert decision.num_tokens_padded == 8
     # one more real token on rank 1 and its second ubatch has a real token
-    assert decide_from_gathered(rows((16, 16, 1, 1), (9, 9, 1, 1)), 1).should_ubatch
+    assert decide_from_gathered(rows((16, 1, 1), (9, 1, 1)), 1).should_ubatch
     # a rank without work (dummy batch of 0 tokens) can never ubatch
-    idle = decide_from_gathered(rows((64, 64, 1, 1), (0, 0, 1, 0)), 0)
+    idle = decide_from_gathered(rows((64, 1, 1), (0, 1, 0)), 0)
     assert not idle.should_ubatch
     assert idle.has_work_across_dp == [True, False]
 
 
-def test_padding_column_is_what_gets_maxed():
-    # ranks already padded (e.g. to a graph size): the max is over the padded column, the empty
-    # second ubatch check over the real counts
-    table = rows((10, 12, 1, 1), (7, 8, 1, 1))
-    decision = decide_from_gathered(table, 1)
-    assert decision.should_ubatch and decision.num_tokens_padded == 12
-    assert decision.num_tokens_across_dp == [10, 7]
-    assert not decide_from_gathered(rows((10, 14, 1, 1), (7, 8, 1, 1)), 1).should_ubatch
-
-
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 4\], got shape \(2, 3\)"):
-        decide_from_gathered(torch.zeros(2, 3, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 3\], got shape \(2, 4\)"):
+        decide_from_gathered(torch.zeros(2, 4, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
-        decide_from_gathered(rows((1, 1, 1, 1), (1, 1, 1, 1)), 2)
+        decide_from_gathered(rows((1, 1, 1), (1, 1, 1)), 2)
     with pytest.raises(ValueError, match="dp_group is required"):
         coordinate_batch_across_dp(
             num_tokens=4, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=2

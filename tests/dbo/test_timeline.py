@@ -19,7 +19,7 @@ from dbo import (
     set_timeline_recorder,
     timeline_span,
 )
-from tests.dbo.test_ubatch_slicing import make_metadata
+from tests.helpers.attention_metadata import make_slicing_metadata
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_spans_of_ubatch_threads_go_to_their_tracks(recorder):
         dbo_yield()
         return input_ids
 
-    md = make_metadata([3, 3], [3, 3])
+    md = make_slicing_metadata([3, 3], [3, 3])
     input_ids = torch.arange(6)
     slices = make_ubatch_slices(md.query_start_loc, 6)
     UBatchWrapper(model_fn, timeout_s=5)(input_ids, input_ids, md, slices)

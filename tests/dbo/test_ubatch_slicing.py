@@ -6,32 +6,7 @@ import pytest
 import torch
 
 from dbo import CommonAttentionMetadata, UBatchSlice, make_ubatch_slices, split_attn_metadata
-
-
-def make_metadata(query_lens, seq_lens, num_tokens=None, num_blocks_per_req=3):
-    """Metadata with block_table row r = [10r, 10r+1, ...] and slot_mapping[t] = 100 + t (real
-    tokens) / -1 (padding), so slices are easy to recognise."""
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    num_actual = qsl[-1]
-    num_tokens = num_actual if num_tokens is None else num_tokens
-    slots = [100 + t for t in range(num_actual)] + [-1] * (num_tokens - num_actual)
-    num_reqs = len(query_lens)
-    return CommonAttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.arange(num_reqs * num_blocks_per_req, dtype=torch.int32).reshape(
-            num_reqs, num_blocks_per_req
-        )
-        * 10,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_reqs=num_reqs,
-        num_actual_tokens=num_actual,
-        num_tokens=num_tokens,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-    )
+from tests.helpers.attention_metadata import make_slicing_metadata
 
 
 def positions_of(md: CommonAttentionMetadata) -> list[int]:
@@ -46,7 +21,7 @@ def positions_of(md: CommonAttentionMetadata) -> list[int]:
 
 def test_prefill_request_cut_in_the_middle():
     # r0: fresh prefill of 6 tokens, r1: decode (11 cached), r2: 3 new tokens on 5 cached
-    md = make_metadata([6, 1, 3], [6, 12, 8])
+    md = make_slicing_metadata([6, 1, 3], [6, 12, 8])
     slices = make_ubatch_slices(md.query_start_loc, 10)
     assert slices == [
         UBatchSlice(request_slice=slice(0, 1), token_slice=slice(0, 5)),
@@ -75,7 +50,7 @@ def test_prefill_request_cut_in_the_middle():
 
 def test_padding_rows_go_to_the_last_ubatch():
     # r0: 3 new tokens on 1 cached, r1: 2 new tokens on 7 cached; padded from 5 to 8 rows
-    md = make_metadata([3, 2], [4, 9], num_tokens=8)
+    md = make_slicing_metadata([3, 2], [4, 9], num_tokens=8)
     slices = make_ubatch_slices([0, 3, 5], 8)
     assert slices == [
         UBatchSlice(request_slice=slice(0, 2), token_slice=slice(0, 4)),
@@ -96,7 +71,7 @@ def test_padding_rows_go_to_the_last_ubatch():
 
 
 def test_decode_only_batch_splits_between_requests():
-    md = make_metadata([1, 1, 1, 1], [5, 7, 2, 9])
+    md = make_slicing_metadata([1, 1, 1, 1], [5, 7, 2, 9])
     slices = make_ubatch_slices(md.query_start_loc, 4)
     assert [(s.request_slice, s.token_slice) for s in slices] == [
         (slice(0, 2), slice(0, 2)),
@@ -120,7 +95,7 @@ def test_odd_count_and_split_on_a_request_boundary():
 
 
 def test_one_request_over_three_ubatches():
-    md = make_metadata([9], [9])
+    md = make_slicing_metadata([9], [9])
     slices = make_ubatch_slices([0, 9], 9, num_ubatches=3)
     assert [s.token_slice for s in slices] == [slice(0, 3), slice(3, 6), slice(6, 9)]
     parts = split_attn_metadata(slices, md)
@@ -144,7 +119,7 @@ def test_errors():
         UBatchSlice(request_slice=slice(None, 1), token_slice=slice(0, 1))
     normalised = UBatchSlice(request_slice=slice(0, 1), token_slice=slice(0, torch.tensor(4)))
     assert normalised.token_slice == slice(0, 4) and type(normalised.num_tokens) is int
-    md = make_metadata([2, 2], [2, 2])
+    md = make_slicing_metadata([2, 2], [2, 2])
     bad = [UBatchSlice(request_slice=slice(0, 2), token_slice=slice(0, 2))]
     with pytest.raises(ValueError, match="does not cover exactly"):
         split_attn_metadata(bad, md)
@@ -154,7 +129,7 @@ def test_errors():
 
 
 def test_metadata_validation():
-    md = make_metadata([2, 3], [4, 3])
+    md = make_slicing_metadata([2, 3], [4, 3])
     fields = {f: getattr(md, f) for f in CommonAttentionMetadata.__dataclass_fields__}
     with pytest.raises(ValueError, match="query_start_loc must be a 1-D torch.int32"):
         CommonAttentionMetadata(**{**fields, "query_start_loc": md.query_start_loc.long()})

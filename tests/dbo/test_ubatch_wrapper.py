@@ -14,7 +14,7 @@ from dbo import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_tokens_across_dp,
+    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
     make_ubatch_slices,
@@ -105,21 +105,21 @@ def test_without_slices_calls_the_model_directly():
     assert seen == [(True, False)]
 
 
-def test_each_ubatch_sees_its_num_tokens_across_dp():
+def test_each_ubatch_sees_its_num_padded_tokens_across_dp():
     seen = {}
 
     def model_fn(input_ids, positions, md):
-        seen[dbo_current_ubatch_id()] = dbo_num_tokens_across_dp()
+        seen[dbo_current_ubatch_id()] = dbo_num_padded_tokens_across_dp()
         return input_ids
 
     input_ids, positions, md, _ = make_batch()
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
     counts = [(s.num_tokens, s.num_tokens) for s in slices]
     UBatchWrapper(model_fn, timeout_s=5)(
-        input_ids, positions, md, slices, num_tokens_across_dp=counts
+        input_ids, positions, md, slices, num_padded_tokens_across_dp=counts
     )
     assert seen == {0: counts[0], 1: counts[1]}
-    assert dbo_num_tokens_across_dp() is None  # outside a ubatch
+    assert dbo_num_padded_tokens_across_dp() is None  # outside a ubatch
     UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions, md, slices)
     assert seen == {0: None, 1: None}
 

@@ -8,7 +8,13 @@ import time
 import pytest
 import torch
 
-from distributed import CommHandle, EmulatedLink, LinkSpec, init_distributed, make_all2all_backend
+from distributed import (
+    CollectiveHandle,
+    EmulatedLink,
+    LinkSpec,
+    init_distributed,
+    make_all2all_backend,
+)
 from tests.helpers.distributed import run_distributed
 
 
@@ -36,7 +42,7 @@ def test_transfers_share_the_link_one_after_the_other():
 
 def test_handle_completes_no_earlier_than_the_deadline():
     issued = time.perf_counter_ns()
-    handle = CommHandle(
+    handle = CollectiveHandle(
         op="test", rank=0, timeout=datetime.timedelta(seconds=5), work=None,
         finalize=lambda: 7, issued_at_ns=issued, num_bytes=0,
         link_deadline_ns=issued + 30_000_000,

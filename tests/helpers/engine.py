@@ -1,11 +1,6 @@
-"""Engines and teacher-forced logits shared by the logits tests (one rank and DP+EP with DBO).
-
-``dbo_test_engine_args`` builds float64 engines (exactness) with DBO thresholds low enough that
-every tiny step is microbatched; ``run_engine_steps`` returns every computed logit row of a
-prefill and two greedy decode steps; ``assert_dbo_on_equals_off_equals_reference`` compares them
-with the tolerances of ``tests.helpers.precision``. ``make_metadata`` hand-builds paged-attention
-metadata for the single-rank model tests.
-"""
+"""Engine-level helpers shared by the multi-rank logits tests: run a few teacher-forced steps,
+the DBO test configuration (float64: exactness), and the DBO on == DBO off == reference check with
+the tolerances of ``tests.helpers.precision``."""
 
 from __future__ import annotations
 
@@ -14,32 +9,12 @@ import torch
 from tests.helpers.precision import FLOAT64_REL, assert_logits_close
 
 NUM_DECODE_STEPS = 2
-BLOCK_SIZE = 4
-
-
-def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):
-    """float64, EP over all ranks, thresholds low enough that every tiny step is microbatched."""
-    from launch.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        **{
-            "model": model_dir,
-            "dtype": "float64",
-            "data_parallel_size": world_size,
-            "enable_expert_parallel": True,
-            "enable_dbo": enable_dbo,
-            "dbo_decode_token_threshold": 2,
-            "dbo_prefill_token_threshold": 4,
-            "max_num_batched_tokens": 4096,
-            "distributed_timeout_s": 60,
-            **overrides,
-        }
-    )
 
 
 def run_engine_steps(engine, prompts, dp_rank, dp_size):
-    """Prefill this rank's prompts, then NUM_DECODE_STEPS greedy decodes: (logit rows per request
-    as numpy, the tokens generated per request, whether each step was microbatched)."""
+    """Prefill this DP rank's share of ``prompts`` (every ``dp_size``-th from ``dp_rank``), then
+    ``NUM_DECODE_STEPS`` greedy decode steps; (logits rows per request id as numpy, the greedy
+    tokens per request id, whether each step was microbatched)."""
     from launch.engine.request import Request, SamplingParams
 
     for index in range(dp_rank, len(prompts), dp_size):
@@ -65,17 +40,37 @@ def run_engine_steps(engine, prompts, dp_rank, dp_size):
             logits.setdefault(item.request.request_id, []).append(request_logits.clone())
             sampled[item.request.request_id] = int(request_logits[-1].argmax())
         engine.scheduler.update_from_output(scheduler_output, sampled)
-    tokens = {r.request_id: r.output_token_ids[:NUM_DECODE_STEPS] for r in engine.scheduler.running}
+    tokens = {r.request_id: r.output_token_ids[:NUM_DECODE_STEPS] for r in engine.running_requests}
     # numpy, not tensors: tensors cross the result queue through shared memory that dies with the rank
     return {i: torch.cat(v).numpy() for i, v in logits.items()}, tokens, ubatched
+
+
+def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):
+    """float64, EP over all ranks, thresholds low enough that every tiny step is microbatched."""
+    from launch.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        **{
+            "model": model_dir,
+            "dtype": "float64",
+            "data_parallel_size": world_size,
+            "enable_expert_parallel": True,
+            "enable_dbo": enable_dbo,
+            "dbo_decode_token_threshold": 2,
+            "dbo_prefill_token_threshold": 4,
+            "max_num_batched_tokens": 4096,
+            "distributed_timeout_s": 60,
+            **overrides,
+        }
+    )
 
 
 def assert_dbo_on_equals_off_equals_reference(
     on_per_rank, off_per_rank, reference, prompts, *, reference_rel: float, label: str = ""
 ):
     """Each rank's DBO-on steps were all microbatched, DBO-off none; both gave the same tokens and
-    float64 logits (FLOAT64_REL), within ``reference_rel`` of ``reference``'s logits on prompt +
-    generated tokens. ``label`` prefixes the failure messages."""
+    float64 logits (FLOAT64_REL of the largest |logit|), within ``reference_rel`` of
+    ``reference``'s logits on prompt + generated tokens. ``label`` prefixes the failure messages."""
 
     def msg(m: str) -> str:
         return f"{label}: {m}" if label else m
@@ -95,30 +90,3 @@ def assert_dbo_on_equals_off_equals_reference(
                 ref = reference(torch.tensor([full])).logits[0]
             # rows: every prompt position, then one row per decode step (positions P, P+1)
             assert_logits_close(logits, ref[: len(full)], rel=reference_rel, msg=msg)
-
-
-def make_metadata(query_lens, seq_lens, block_tables, num_padding=0):
-    """Hand-built metadata: request r owns blocks block_tables[r]; token j of its context sits at
-    slot block_tables[r][j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE."""
-    from dbo.attention_metadata import CommonAttentionMetadata
-
-    qsl = [0]
-    slots = []
-    for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
-        qsl.append(qsl[-1] + q)
-        for pos in range(s - q, s):
-            slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-    slots += [-1] * num_padding
-    width = max(len(b) for b in block_tables)
-    table = [b + [0] * (width - len(b)) for b in block_tables]
-    return CommonAttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor(table, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_reqs=len(query_lens),
-        num_actual_tokens=qsl[-1],
-        num_tokens=qsl[-1] + num_padding,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )

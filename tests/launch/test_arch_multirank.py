@@ -27,8 +27,8 @@ from tests.helpers.engine import (
     dbo_test_engine_args,
     run_engine_steps,
 )
+from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
 from tests.helpers.precision import reference_model, reference_rel
-from tests.launch.test_generate_e2e import DBO_FLAGS, read_outputs, torchrun
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
 

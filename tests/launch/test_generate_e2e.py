@@ -7,41 +7,14 @@ so that the tiny batches are microbatched, and the summary line must report micr
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
+from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
 
 ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
-
-
-def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        torchrun_command(nproc, "launch.generate", *args),
-        cwd=REPO,
-        env={**os.environ, **TORCHRUN_ENV},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def read_outputs(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-DBO_FLAGS = (
-    "--dtype=float64",  # exact: greedy tokens equal transformers' float64 ones on any CPU
-    "--enable-expert-parallel",
-    "--enable-dbo",
-    "--dbo-decode-token-threshold=2",
-    "--dbo-prefill-token-threshold=4",
-)
 
 
 @pytest.mark.slow

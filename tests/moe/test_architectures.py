@@ -28,7 +28,7 @@ from moe import (  # noqa: E402
 )
 from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
 from tests.conftest import TINY_CONFIGS, make_tiny_model  # noqa: E402
-from tests.helpers.engine import BLOCK_SIZE, make_metadata  # noqa: E402
+from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata  # noqa: E402
 from tests.helpers.precision import (  # noqa: E402
     FLOAT32_REL,
     FLOAT64_REL,
@@ -56,7 +56,7 @@ def _teacher_forced(model, seqs, prompt_lens, num_decode):
     ids = torch.cat([s[:n] for s, n in zip(seqs, prompt_lens, strict=True)])
     pos = torch.cat([torch.arange(n) for n in prompt_lens])
     logits = model.compute_logits(
-        model(ids, pos, make_metadata(prompt_lens, prompt_lens, block_tables))
+        model(ids, pos, make_paged_metadata(prompt_lens, prompt_lens, block_tables))
     )
     rows = [[logits[:7]], [logits[7:10]]]
     for step in range(num_decode):
@@ -64,7 +64,7 @@ def _teacher_forced(model, seqs, prompt_lens, num_decode):
         ids = torch.stack([s[n - 1] for s, n in zip(seqs, seq_lens, strict=True)])
         pos = torch.tensor([n - 1 for n in seq_lens])
         logits = model.compute_logits(
-            model(ids, pos, make_metadata([1, 1], seq_lens, block_tables))
+            model(ids, pos, make_paged_metadata([1, 1], seq_lens, block_tables))
         )
         for r in range(2):
             rows[r].append(logits[r : r + 1])

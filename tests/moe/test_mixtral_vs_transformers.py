@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from moe import build_model, load_checkpoint, load_config  # noqa: E402
 from tests.conftest import make_tiny_mixtral  # noqa: E402
-from tests.helpers.engine import BLOCK_SIZE, make_metadata  # noqa: E402
+from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata  # noqa: E402
 from tests.helpers.precision import (  # noqa: E402
     FLOAT32_REL,
     FLOAT64_REL,
@@ -57,7 +57,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint, dtype, rel):
         [s[:n] for s, n in zip(seqs, prompt_lens, strict=True)] + [torch.zeros(2, dtype=torch.long)]
     )
     pos = torch.cat([torch.arange(n) for n in prompt_lens] + [torch.zeros(2, dtype=torch.long)])
-    meta = make_metadata(prompt_lens, prompt_lens, block_tables, num_padding=2)
+    meta = make_paged_metadata(prompt_lens, prompt_lens, block_tables, num_padding=2)
     hidden = model(ids, pos, meta)
     assert hidden.shape == (sum(prompt_lens) + 2, 32)
     logits = model.compute_logits(hidden)
@@ -70,7 +70,7 @@ def test_prefill_then_decode_matches_transformers(checkpoint, dtype, rel):
         seq_lens = [n + step + 1 for n in prompt_lens]
         ids = torch.stack([s[n - 1] for s, n in zip(seqs, seq_lens, strict=True)])
         pos = torch.tensor([n - 1 for n in seq_lens])
-        meta = make_metadata([1, 1], seq_lens, block_tables)
+        meta = make_paged_metadata([1, 1], seq_lens, block_tables)
         logits = model.compute_logits(model(ids, pos, meta))
         for r in range(2):
             assert_logits_close(logits[r], expected[r][seq_lens[r] - 1], rel=rel)
@@ -82,7 +82,7 @@ def test_padding_rows_write_no_cache(checkpoint):
     load_checkpoint(model, path)
     caches = model.allocate_kv_caches(4, BLOCK_SIZE)
     model.bind_kv_caches(caches)
-    meta = make_metadata([2], [2], [[1]], num_padding=3)
+    meta = make_paged_metadata([2], [2], [[1]], num_padding=3)
     model(torch.tensor([3, 4, 0, 0, 0]), torch.tensor([0, 1, 0, 0, 0]), meta)
     for cache in caches:
         touched = cache.abs().sum(dim=(0, 3, 4)) != 0  # [num_blocks, block_size]

@@ -35,7 +35,7 @@ def make_experts(num_local_experts=E, seed=0):
     return experts
 
 
-def dense_reference(experts, x, topk_weights, topk_ids):
+def dense_reference(experts, x, topk_ids, topk_weights):
     """Per token, per slot: w * W2 (silu(W1 x) * W3 x); ids -1 skipped."""
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
@@ -52,34 +52,34 @@ def routed(num_tokens, seed=1):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, H, generator=gen)
     routing = select_experts(torch.randn(num_tokens, E, generator=gen), K)
-    return x, routing.topk_weights, routing.topk_ids
+    return x, routing.topk_ids, routing.topk_weights
 
 
 @torch.no_grad()
 def test_noep_kernel_matches_dense_reference():
     experts = make_experts()
     kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), experts)
-    x, w, ids = routed(13)
+    x, ids, w = routed(13)
     torch.testing.assert_close(
-        kernel.forward(x, w, ids), dense_reference(experts, x, w, ids), atol=1e-5, rtol=1e-5
+        kernel.forward(x, ids, w), dense_reference(experts, x, ids, w), atol=1e-5, rtol=1e-5
     )
 
 
 @torch.no_grad()
 def test_shared_experts_are_added():
     kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), make_experts())
-    x, w, ids = routed(5)
-    out = kernel.forward(x, w, ids, shared_experts=lambda t: 2 * t)
-    torch.testing.assert_close(out, kernel.forward(x, w, ids) + 2 * x)
+    x, ids, w = routed(5)
+    out = kernel.forward(x, ids, w, shared_experts=lambda t: 2 * t)
+    torch.testing.assert_close(out, kernel.forward(x, ids, w) + 2 * x)
 
 
 @torch.no_grad()
 def test_experts_skip_minus_one_and_accept_zero_tokens():
     experts = make_experts(num_local_experts=2)
-    x, w, _ = routed(6)
+    x, _, w = routed(6)
     ids = torch.tensor([[0, -1], [-1, -1], [1, 0], [-1, 1], [1, -1], [0, 1]])
     torch.testing.assert_close(
-        experts.apply(x, ids, w), dense_reference(experts, x, w, ids), atol=1e-5, rtol=1e-5
+        experts.apply(x, ids, w), dense_reference(experts, x, ids, w), atol=1e-5, rtol=1e-5
     )
     assert experts.apply(x, ids, w)[1].abs().sum() == 0
     assert experts.apply(x[:0], ids[:0], w[:0]).shape == (0, H)
@@ -93,11 +93,12 @@ def test_kernel_rejects_mismatched_local_expert_count():
 
 
 class _LazyHandle:
-    """CommHandle-shaped: completes on the first wait() and logs which ubatch completed it."""
+    """A CommHandle: completes on the first wait() and logs which ubatch completed it."""
 
     def __init__(self, log, name, value):
         self.log, self.name, self.value = log, name, value
         self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
+        self.notify_ns = None
 
     def is_completed(self):
         return self.completed_at_ns is not None
@@ -136,8 +137,8 @@ def test_dbo_schedule_follows_the_yield_protocol():
     log: list = []
     experts = make_experts()
     kernel = FusedMoEModularKernel(_RecordingPrepareFinalize(log), experts)
-    x, w, ids = routed(8)
-    expected = dense_reference(experts, x, w, ids) + 0.5 * x
+    x, ids, w = routed(8)
+    expected = dense_reference(experts, x, ids, w) + 0.5 * x
 
     def shared(t):
         log.append(("shared", dbo_current_ubatch_id()))
@@ -151,7 +152,7 @@ def test_dbo_schedule_follows_the_yield_protocol():
         try:
             with contexts[i]:
                 rows = slice(4 * i, 4 * i + 4)
-                outputs[i] = kernel.forward(x[rows], w[rows], ids[rows], shared_experts=shared)
+                outputs[i] = kernel.forward(x[rows], ids[rows], w[rows], shared_experts=shared)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -178,7 +179,7 @@ def test_dbo_schedule_follows_the_yield_protocol():
     ]
 
     log.clear()
-    kernel.forward(x, w, ids)  # DBO off: synchronous, nothing to hand over
+    kernel.forward(x, ids, w)  # DBO off: synchronous, nothing to hand over
     assert [e[:4] for e in log if e[0] == "issue"] == [
         ("issue", "D0", 0, False),
         ("issue", "C0", 0, False),
