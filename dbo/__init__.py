@@ -1,6 +1,14 @@
-"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision, the ping-pong protocol
+"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision (static thresholds or the
+adaptive policy), the ping-pong protocol
 between ubatch threads, the wrapper that runs a model on ubatches, and a timeline recorder."""
 
+from dbo.adaptive_policy import (
+    AdaptiveDBOPolicy,
+    AdaptivePolicyConfig,
+    Bucket,
+    PolicyChoice,
+    format_crossover,
+)
 from dbo.attention_metadata import CommonAttentionMetadata
 from dbo.dp_coordination import (
     DPMicrobatchDecision,
@@ -24,6 +32,8 @@ from dbo.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
     dbo_yield,
     make_ubatch_contexts,
 )
@@ -31,6 +41,11 @@ from dbo.ubatch_slicing import UBatchSlice, make_ubatch_slices, split_attn_metad
 from dbo.ubatch_wrapper import UBatchWrapper
 
 __all__ = [
+    "AdaptiveDBOPolicy",
+    "AdaptivePolicyConfig",
+    "Bucket",
+    "PolicyChoice",
+    "format_crossover",
     "CommonAttentionMetadata",
     "DPMicrobatchDecision",
     "TimelineRecorder",
@@ -45,6 +60,8 @@ __all__ = [
     "dbo_maybe_run_recv_hook",
     "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_compute",
     "dbo_yield",
     "decide_from_gathered",
     "get_timeline_recorder",

@@ -4,6 +4,11 @@ Every DP rank votes; the ranks microbatch only if all vote yes, because the expe
 collective over all EP ranks and every rank must hit the same yield points. Then all ranks pad to
 the largest token count, and if that padding would leave some rank's second ubatch without a real
 token, nobody microbatches (vLLM's ``is_second_ubatch_empty``).
+
+With the adaptive policy (``dbo.adaptive_policy``) the same all-reduce also carries each rank's
+batch kind, whether it could microbatch at all, and its measured time of the previous step; every
+rank then feeds the identical combined table to its own copy of the policy, so all ranks choose
+alike without another collective.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-# columns of the gathered [dp_size, 3] int64 table
-_NUM_TOKENS, _VOTE, _HAS_WORK = range(3)
-_NUM_COLUMNS = 3
+from dbo.adaptive_policy import AdaptiveDBOPolicy, Bucket, PolicyChoice
+
+# columns of the gathered [dp_size, 6] int64 table
+_NUM_TOKENS, _VOTE, _HAS_WORK, _IS_DECODE_ONLY, _CAN_UBATCH, _PREV_STEP_US = range(6)
+NUM_VOTE_COLUMNS = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,12 +37,15 @@ class DPMicrobatchDecision:
         num_tokens_padded: if ``should_ubatch``, the max token count over DP (every rank pads to
             it); else this rank's own count.
         has_work_across_dp: ``[dp_size]`` whether each rank has any scheduled request.
+        adaptive: the adaptive policy's choice if it governed this step (its kind is ``auto``),
+            else None; ``should_ubatch`` may still be False if the choice was infeasible.
     """
 
     should_ubatch: bool
     num_tokens_across_dp: list[int]
     num_tokens_padded: int
     has_work_across_dp: list[bool]
+    adaptive: PolicyChoice | None = None
 
     def __post_init__(self) -> None:
         if len(self.num_tokens_across_dp) != len(self.has_work_across_dp):
@@ -72,38 +82,69 @@ def should_ubatch_locally(
     return num_tokens >= threshold
 
 
-def decide_from_gathered(rows: Tensor, dp_rank: int) -> DPMicrobatchDecision:
-    """Turn the gathered per-rank table into this rank's decision (pure; no communication).
+def decide_from_gathered(
+    rows: Tensor,
+    dp_rank: int,
+    *,
+    policy: AdaptiveDBOPolicy | None = None,
+    adaptive_kinds: frozenset[str] = frozenset(),
+) -> DPMicrobatchDecision:
+    """Turn the gathered per-rank table into this rank's decision (no communication).
+
+    Static kinds: microbatch iff every rank voted yes. A kind in ``adaptive_kinds`` (the step's
+    kind is "prefill" if any rank with work has a prefill): microbatch iff every rank can and
+    ``policy`` chooses to. Either way, not if some rank's second ubatch would be empty. With a
+    ``policy``, the slowest rank's previous step time is first recorded into it, and the step that
+    runs now is noted for the next call; the policy's state changes only as a function of the
+    table, so ranks that hold the same table stay identical.
 
     Args:
-        rows: ``[dp_size, 3]`` int64 (any integer dtype, any device), one row per DP rank:
-            ``(num_tokens, vote, has_work)`` with vote/has_work 0 or 1.
+        rows: ``[dp_size, 6]`` int64 (any integer dtype, any device), one row per DP rank:
+            ``(num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us)``; flags 0 or
+            1, ``prev_step_us`` the rank's time of its previous step
+            in microseconds (0: not measured).
         dp_rank: this rank's row, in ``[0, dp_size)``.
+        policy: the adaptive policy (one per rank, fed the same tables on every rank).
+        adaptive_kinds: the kinds ("decode", "prefill") whose threshold is ``auto``.
 
     Raises:
-        ValueError: on a wrong shape or an out-of-range ``dp_rank``.
+        ValueError: on a wrong shape, an out-of-range ``dp_rank``, or adaptive kinds without policy.
     """
-    if rows.dim() != 2 or rows.shape[1] != _NUM_COLUMNS or rows.shape[0] < 1:
+    if rows.dim() != 2 or rows.shape[1] != NUM_VOTE_COLUMNS or rows.shape[0] < 1:
         raise ValueError(
-            f"rows must be [dp_size >= 1, {_NUM_COLUMNS}], got shape {tuple(rows.shape)}"
+            f"rows must be [dp_size >= 1, {NUM_VOTE_COLUMNS}], got shape {tuple(rows.shape)}"
         )
     dp_size = rows.shape[0]
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    if adaptive_kinds and policy is None:
+        raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
     table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
     num_tokens = [int(r[_NUM_TOKENS]) for r in table]
     has_work = [bool(r[_HAS_WORK]) for r in table]
     should_ubatch = all(bool(r[_VOTE]) for r in table)
+    choice = None
+    if policy is not None:
+        policy.record(max(int(r[_PREV_STEP_US]) for r in table) / 1000.0)
+        if any(has_work):
+            is_decode_only = all(bool(r[_IS_DECODE_ONLY]) for r in table if r[_HAS_WORK])
+            bucket = Bucket.of(num_tokens=max(num_tokens), is_decode_only=is_decode_only)
+            if bucket.kind in adaptive_kinds:
+                choice = policy.choose(bucket)
+                should_ubatch = choice.use_ubatch and all(bool(r[_CAN_UBATCH]) for r in table)
     max_num_tokens = max(num_tokens)
     # with every rank padded to max_num_tokens, the split point is max_num_tokens // 2; a rank whose
     # real tokens all lie before it would run an empty second ubatch
     if should_ubatch and max_num_tokens // 2 >= min(num_tokens):
         should_ubatch = False
+    if choice is not None:
+        policy.begin_step(choice.bucket, should_ubatch)
     return DPMicrobatchDecision(
         should_ubatch=should_ubatch,
         num_tokens_across_dp=num_tokens,
         num_tokens_padded=max_num_tokens if should_ubatch else num_tokens[dp_rank],
         has_work_across_dp=has_work,
+        adaptive=choice,
     )
 
 
@@ -121,24 +162,43 @@ def coordinate_batch_across_dp(
     dp_group: ProcessGroup | None,
     dp_rank: int,
     dp_size: int,
+    is_decode_only: bool = True,
+    can_ubatch: bool | None = None,
+    prev_step_us: int = 0,
+    policy: AdaptiveDBOPolicy | None = None,
+    adaptive_kinds: frozenset[str] = frozenset(),
 ) -> DPMicrobatchDecision:
-    """Exchange every DP rank's ``(num_tokens, vote, has_work)`` and decide.
+    """Exchange every DP rank's row (see ``decide_from_gathered``) and decide.
 
-    One ``all_reduce`` of a ``[dp_size, 3]`` int64 table over ``dp_group`` (each rank fills its own
+    One ``all_reduce`` of a ``[dp_size, 6]`` int64 table over ``dp_group`` (each rank fills its own
     row; on an NCCL group the table lives on the current CUDA device). ``dp_size == 1`` skips
-    communication. Every rank gets the same ``should_ubatch``.
+    communication. Every rank gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``)
+    says whether this rank could microbatch at all, for the adaptive policy; ``prev_step_us`` is
+    this rank's measured time of its previous step (0: none).
 
     Raises:
-        ValueError: on an out-of-range ``dp_rank``, a missing ``dp_group`` with ``dp_size > 1`` or a
-            group whose size is not ``dp_size``.
+        ValueError: on an out-of-range ``dp_rank``, a negative count, a missing ``dp_group`` with
+            ``dp_size > 1`` or a group whose size is not ``dp_size``.
         RuntimeError/TimeoutError: from the collective (the group's timeout applies).
     """
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need dp_size >= 1 and 0 <= dp_rank < dp_size, got {dp_rank}/{dp_size}")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    rows = torch.zeros(dp_size, _NUM_COLUMNS, dtype=torch.int64)
-    rows[dp_rank] = torch.tensor([num_tokens, int(vote), int(has_work)])
+    if num_tokens < 0 or prev_step_us < 0:
+        raise ValueError(
+            f"num_tokens and prev_step_us must be >= 0, got {num_tokens}, {prev_step_us}"
+        )
+    can_ubatch = vote if can_ubatch is None else can_ubatch
+    rows = torch.zeros(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64)
+    rows[dp_rank] = torch.tensor(
+        [
+            num_tokens,
+            int(vote),
+            int(has_work),
+            int(is_decode_only),
+            int(can_ubatch),
+            prev_step_us,
+        ]
+    )
     if dp_size > 1:
         if dp_group is None:
             raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")
@@ -147,4 +207,4 @@ def coordinate_batch_across_dp(
             raise ValueError(f"dp_group has {group_size} ranks, expected dp_size={dp_size}")
         rows = rows.to(_collective_device(dp_group))
         dist.all_reduce(rows, group=dp_group)  # blocking wait (timeout: the group's timeout)
-    return decide_from_gathered(rows, dp_rank)
+    return decide_from_gathered(rows, dp_rank, policy=policy, adaptive_kinds=adaptive_kinds)

@@ -9,13 +9,24 @@ The current context is thread-local. Every blocking wait has a timeout (``Timeou
 the wait). A failure in one ubatch marks the group aborted and wakes the others, which raise
 ``UBatchAborted`` at their next wait; ``UBatchWrapper`` re-raises the original error once.
 All ``dbo_*`` functions are no-ops (or 0/False) when no context is current (DBO off).
+
+On CUDA (contexts made with a CUDA ``device``) each context also carries ``UBatchStreams``
+(``dbo.cuda_streams``): an event is recorded on the current stream before every hand-over and the
+next owner's stream waits on it, so the GPU runs the kernels in the order the baton passes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from dbo.cuda_streams import UBatchStreams
 
 # Extra time a baton wait gives the holder after its timeout, so that a holder blocked in a
 # collective reports that collective's timeout (naming it) rather than this wait's (<= 1 s).
@@ -29,9 +40,12 @@ __all__ = [
     "dbo_maybe_run_recv_hook",
     "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_compute",
     "dbo_yield",
     "make_ubatch_contexts",
     "set_baton_observer",
+    "set_num_padded_tokens_across_dp",
 ]
 
 # Called as observer(ubatch_id, handed_at_ns, woke_at_ns) by a ubatch thread that just received the
@@ -72,6 +86,8 @@ class _UBatchGroup:
         self.error: BaseException | None = None
         self.last_progress_ns = time.perf_counter_ns()
         self.handed_at_ns: int | None = None  # when the baton last went to another ubatch
+        # CUDA: the event the last owner recorded before handing on (None on CPU)
+        self.handed_event: torch.cuda.Event | None = None
 
     # next_unfinished, hand_on, raise_if_aborted and abort are called with self.lock held
 
@@ -144,19 +160,20 @@ class UBatchContext:
     one's yields return at once). Leaving with an exception aborts the group instead.
     """
 
-    __slots__ = ("id", "_group", "num_padded_tokens_across_dp")
+    __slots__ = ("id", "_group", "num_padded_tokens_across_dp", "streams")
 
     def __init__(
         self,
         ubatch_id: int,
         group: _UBatchGroup,
         num_padded_tokens_across_dp: tuple[int, ...] | None = None,
+        streams: UBatchStreams | None = None,
     ) -> None:
         self.id = ubatch_id
         self._group = group
-        # every DP rank's padded row count of this ubatch, when the DP ranks agreed on it
-        # (else None)
+        # every DP rank's row count of this ubatch, when the DP ranks agreed on it (else None)
         self.num_padded_tokens_across_dp = num_padded_tokens_across_dp
+        self.streams = streams  # CUDA streams and events; None on CPU
 
     def __repr__(self) -> str:
         return f"UBatchContext(id={self.id}, num_ubatches={self._group.num_ubatches})"
@@ -178,11 +195,19 @@ class UBatchContext:
         _local.context = self
         try:
             self._group.wait_for_baton(self.id, "to start")
+            if self.streams is not None:
+                self.streams.enter()
+                self.streams.wait_after_yield(self._group.handed_event)
         except BaseException as error:
             _local.context = None
             self._finish_after_error(error)
             raise
         return self
+
+    def _record_hand_over(self) -> None:
+        """CUDA: record this ubatch's enqueued work for the next owner (call with the lock held)."""
+        if self.streams is not None:
+            self._group.handed_event = self.streams.record_before_yield()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -196,6 +221,7 @@ class UBatchContext:
             if exc is None:
                 with self._group.lock:
                     self._group.finished[self.id] = True
+                    self._record_hand_over()
                     self._group.hand_on(self.id)
             else:
                 self._finish_after_error(exc)
@@ -224,9 +250,12 @@ class UBatchContext:
         group = self._group
         with group.lock:
             group.raise_if_aborted(self.id)
+            self._record_hand_over()
             if group.hand_on(self.id) == self.id:
                 return  # every other ubatch has finished: nobody to wait for
         group.wait_for_baton(self.id, "at a dbo_yield")
+        if self.streams is not None:
+            self.streams.wait_after_yield(group.handed_event)
 
     def register_recv_hook(self, hook: Callable[[], None]) -> None:
         """Give ``hook`` to the next ubatch in the ring (this one if all others have finished)."""
@@ -251,13 +280,14 @@ def make_ubatch_contexts(
     *,
     timeout_s: float,
     num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
+    device: torch.device | None = None,
 ) -> list[UBatchContext]:
     """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
 
-    ``num_padded_tokens_across_dp[i]``, when given, is every DP rank's padded row count of ubatch
-    ``i`` (the same on all ranks after DP padding); the MoE layer reads it with
-    ``dbo_num_padded_tokens_across_dp``. (``DPMicrobatchDecision.num_tokens_across_dp`` is another
-    thing: each rank's real token count.)
+    With a CUDA ``device`` each context gets ``UBatchStreams`` (``dbo.cuda_streams``).
+
+    ``num_padded_tokens_across_dp[i]``, when given, is every DP rank's row count of ubatch ``i`` (the
+    same on all ranks after DP padding); the MoE layer reads it with ``dbo_num_padded_tokens_across_dp``.
 
     Raises:
         ValueError: if ``num_ubatches < 1``, ``timeout_s <= 0`` or
@@ -273,6 +303,11 @@ def make_ubatch_contexts(
             f"{num_ubatches} ubatches"
         )
     group = _UBatchGroup(num_ubatches, float(timeout_s))
+    streams: list = [None] * num_ubatches
+    if device is not None and device.type == "cuda":
+        from dbo.cuda_streams import make_ubatch_streams
+
+        streams = make_ubatch_streams(num_ubatches, device)
     return [
         UBatchContext(
             i,
@@ -280,6 +315,7 @@ def make_ubatch_contexts(
             None
             if num_padded_tokens_across_dp is None
             else tuple(int(n) for n in num_padded_tokens_across_dp[i]),
+            streams[i],
         )
         for i in range(num_ubatches)
     ]
@@ -315,6 +351,22 @@ def dbo_yield() -> None:
         ctx.yield_()
 
 
+def dbo_switch_to_comm() -> None:
+    """CUDA: continue the current ubatch on its comm stream, after its enqueued compute work (vLLM's
+    ``dbo_switch_to_comm``). No-op on CPU or when DBO is off."""
+    ctx = _current()
+    if ctx is not None and ctx.streams is not None:
+        ctx.streams.switch_to(ctx.streams.comm_stream)
+
+
+def dbo_switch_to_compute() -> None:
+    """CUDA: continue the current ubatch on the compute stream, after its enqueued communication.
+    No-op on CPU or when DBO is off."""
+    ctx = _current()
+    if ctx is not None and ctx.streams is not None:
+        ctx.streams.switch_to(ctx.streams.compute_stream)
+
+
 def dbo_register_recv_hook(hook: Callable[[], None]) -> None:
     """Give ``hook`` (typically a collective's ``wait``) to the OTHER ubatch, which runs it at its
     next ``dbo_maybe_run_recv_hook()`` or when it leaves its context (no-op when DBO is off)."""
@@ -331,7 +383,30 @@ def dbo_maybe_run_recv_hook() -> None:
 
 
 def dbo_num_padded_tokens_across_dp() -> tuple[int, ...] | None:
-    """Every DP rank's padded row count of the current ubatch, when the DP ranks agreed on it; None
-    when DBO is off or the wrapper was not told (the all-to-all then exchanges the counts itself)."""
+    """Every DP rank's row count of the current forward, when the DP ranks agreed on it: the
+    current ubatch's under DBO, else the whole batch's set by ``set_num_padded_tokens_across_dp`` (vLLM's
+    forward-context DP metadata); None when nobody told (the all-to-all then exchanges the counts
+    itself, or assumes its capacity)."""
     ctx = _current()
-    return None if ctx is None else ctx.num_padded_tokens_across_dp
+    if ctx is not None:
+        return ctx.num_padded_tokens_across_dp
+    return getattr(_local, "num_padded_tokens_across_dp", None)
+
+
+@contextlib.contextmanager
+def set_num_padded_tokens_across_dp(
+    num_padded_tokens_across_dp: Sequence[int] | None,
+) -> Iterator[None]:
+    """Within the block, ``dbo_num_padded_tokens_across_dp()`` outside any ubatch context returns
+    ``num_padded_tokens_across_dp`` (every DP rank's row count of a batch run without microbatching)."""
+    previous = getattr(_local, "num_padded_tokens_across_dp", None)
+    counts = (
+        None
+        if num_padded_tokens_across_dp is None
+        else tuple(int(n) for n in num_padded_tokens_across_dp)
+    )
+    _local.num_padded_tokens_across_dp = counts
+    try:
+        yield
+    finally:
+        _local.num_padded_tokens_across_dp = previous

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dbo.attention_metadata import CommonAttentionMetadata
-from dbo.ubatch_context import UBatchContext, make_ubatch_contexts
+from dbo.ubatch_context import UBatchContext, make_ubatch_contexts, set_num_padded_tokens_across_dp
 from dbo.ubatch_slicing import UBatchSlice, split_attn_metadata
 
 ModelFn = Callable[[Tensor, Tensor, CommonAttentionMetadata], Tensor]
@@ -60,9 +60,9 @@ class UBatchWrapper:
             positions: ``[num_tokens]`` int64.
             attn_metadata: metadata of the whole batch; sliced per ubatch here.
             ubatch_slices: from ``make_ubatch_slices``; ``None`` or empty runs without DBO.
-            num_padded_tokens_across_dp: per ubatch, every DP rank's padded row count of it (known
-                after the DP ranks agreed to pad to the same size); exposed as
-                ``dbo_num_padded_tokens_across_dp()``.
+            num_padded_tokens_across_dp: per ubatch, every DP rank's row count of it (known after the DP
+                ranks agreed to pad to the same size); exposed as ``dbo_num_padded_tokens_across_dp()``.
+                Without slices, one entry: every DP rank's row count of the whole batch.
 
         Returns:
             ``model_fn``'s outputs of all ubatches concatenated along dim 0, in ubatch order.
@@ -72,12 +72,15 @@ class UBatchWrapper:
             ``TimeoutError`` if a ubatch thread makes no progress for ``timeout_s`` plus the grace.
         """
         if not ubatch_slices:
-            return self.model_fn(input_ids, positions, attn_metadata)
+            counts = num_padded_tokens_across_dp[0] if num_padded_tokens_across_dp else None
+            with set_num_padded_tokens_across_dp(counts):
+                return self.model_fn(input_ids, positions, attn_metadata)
         metadata = split_attn_metadata(ubatch_slices, attn_metadata)
         contexts = make_ubatch_contexts(
             len(ubatch_slices),
             timeout_s=self.timeout_s,
             num_padded_tokens_across_dp=num_padded_tokens_across_dp,
+            device=input_ids.device,  # CUDA: streams and events per ubatch (dbo.cuda_streams)
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)

@@ -100,6 +100,8 @@ def wait_work(work: Work | None, *, op: str, rank: int, timeout: datetime.timede
         # blocking wait (timeout: the group timeout) on one collective
         work.wait(timeout=timeout)
     except Exception as exc:
+        if isinstance(exc, (TimeoutError, RuntimeError)) and str(exc).startswith(f"{op} "):
+            raise  # already reported by a wait on the same operation (a wrapped completion)
         raise comm_error(op, rank, timeout, exc) from exc
 
 

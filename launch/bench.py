@@ -1,9 +1,13 @@
 """DBO benchmark on the engine's own path: ``torchrun --nproc-per-node N -m launch.bench``.
 
 For each batch shape (``--batches decode:16,prefill:1024``: tokens per rank per step) it warms up,
-then runs ``--reps`` steps with DBO off and ``--reps`` with DBO on, INTERLEAVED (off, on, on, off,
-...) through ``LLMEngine.step`` (scheduler, model runner, DP vote, UBatchWrapper), recording the
-timeline of every step. A step's time is the slowest rank's (ranks run in lockstep). Rank 0 prints
+then runs ``--reps`` steps per arm, INTERLEAVED in rotating order, through ``LLMEngine.step``
+(scheduler, model runner, DP vote, UBatchWrapper), recording the timeline of every step. Arms
+(``--arms``, default ``off,on,adaptive``): DBO off; DBO on with the numeric thresholds given (an
+``auto`` one counts as the minimum, 2: always microbatch); adaptive (both thresholds ``auto``: the
+engine's ``dbo.AdaptiveDBOPolicy``, which learns from adaptive steps only). After the warm-up the
+adaptive arm runs consecutive steps until the policy has decided the shape's bucket; those and any
+later re-exploration steps are reported apart from its measured steps. A step's time is the slowest rank's (ranks run in lockstep). Rank 0 prints
 a table (medians, with min-max) and writes ``--output`` (JSON list of records). Metrics follow
 ``launch.timeline_metrics``: C and M from DBO-off steps, exposed communication from both, the
 overlap ratio from DBO-on steps.
@@ -35,6 +39,24 @@ from launch.engine.output_paths import check_output_paths
 
 PROG = "launch.bench"
 NETWORKS = ("loopback", "netns")
+ARMS = ("off", "on", "adaptive")
+MAX_EXPLORATION_STEPS = 24  # consecutive adaptive steps allowed to decide a bucket
+
+
+def parse_arms(text: str) -> tuple[str, ...]:
+    """``"off,on,adaptive"`` -> arms in that order; off and on are required (the baselines).
+
+    Raises:
+        ValueError: an unknown or repeated arm, or off / on missing.
+    """
+    arms = tuple(a.strip() for a in text.split(","))
+    if (
+        any(a not in ARMS for a in arms)
+        or len(set(arms)) != len(arms)
+        or not {"off", "on"} <= set(arms)
+    ):
+        raise ValueError(f"--arms {text!r}: need off and on, optionally adaptive, each once")
+    return arms
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch shapes: decode:T / prefill:T, T = tokens per rank per step")  # fmt: skip
     add("--warmup", type=int, default=2, help="unmeasured steps per mode and shape")
     add("--reps", type=int, default=5, help="measured steps per mode and shape")
+    add("--arms", default=",".join(ARMS), help="interleaved arms: off,on[,adaptive]")
     add("--output", default=None, help="JSON file for the records (rank 0)")
     add("--network", default="loopback", choices=NETWORKS, help="label of the link in use")
     add("--hidden-size", type=int, default=None, help="override the embedded model's hidden size")
@@ -110,34 +133,83 @@ def span_cost_ns(num_spans: int = 20_000) -> float:
     return max(recorded - (time.perf_counter_ns() - start), 0) / num_spans
 
 
-def measure_step(engine, workload: Workload, enable_dbo: bool) -> dict:
-    """Run one engine step with DBO on or off; return this rank's metrics of it (a dict)."""
+def balanced_order(arms: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The arms' order in round ``rep``: a Williams design (every rotation, forwards and
+    backwards: off on ad, on ad off, ad off on, ad on off, ...), so slow drift (growing KV) and
+    any after-effect of the previous step (e.g. of a DBO step on the next) weigh on every arm
+    alike."""
+    n = len(arms)
+    rotated = arms[rep % n :] + arms[: rep % n]
+    return rotated if (rep // n) % 2 == 0 else rotated[::-1]
+
+
+def set_arm(engine, arm: str, args) -> None:
+    """Switch the engine's model runner to ``arm`` (see the module docstring)."""
+
+    def static(threshold):
+        return 2 if threshold == "auto" else threshold
+
+    if arm == "adaptive":
+        thresholds = ("auto", "auto")
+    else:
+        thresholds = (
+            static(args.dbo_decode_token_threshold),
+            static(args.dbo_prefill_token_threshold),
+        )
+    engine.model_runner.set_dbo(
+        enable_dbo=arm != "off",
+        dbo_decode_token_threshold=thresholds[0],
+        dbo_prefill_token_threshold=thresholds[1],
+    )
+
+
+def measure_step(engine, workload: Workload, arm: str, args) -> dict:
+    """Run one engine step of ``arm``; return this rank's metrics of it (a dict)."""
     from dbo.timeline.metrics import spans_from_recorder, step_metrics
 
-    engine.model_runner.set_enable_dbo(enable_dbo)
+    set_arm(engine, arm, args)
     workload.before_step()
     first = len(engine.timeline)
     engine.step()
     spans = spans_from_recorder(engine.timeline, first)
     (metrics,) = step_metrics(spans)
-    return {**metrics.as_dict(), "dbo": enable_dbo, "num_spans": len(spans)}
+    (step_span,) = (s for s in spans if s.cat == "step")
+    return {
+        **metrics.as_dict(),
+        "arm": arm,
+        "dbo": arm != "off",
+        "exploring": step_span.args.get("dbo_policy") == "explore",
+        "num_spans": len(spans),
+    }
 
 
-def run_batch(engine, spec: BatchSpec, ns, vocab_size: int, progress) -> list[dict]:
-    """Warm-up and interleaved measured steps of one batch shape; this rank's step dicts."""
-    num_steps = 2 * (ns.warmup + ns.reps)
+def run_batch(engine, spec: BatchSpec, ns, args, vocab_size: int, progress) -> list[dict]:
+    """Warm-up, the adaptive arm's exploration, interleaved measured steps of one batch shape;
+    this rank's step dicts of the exploration and measured steps (the same sequence on every
+    rank: the policy's state is identical on every rank)."""
+    arms = parse_arms(ns.arms)
+    num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
     workload = Workload(engine, spec, num_steps=num_steps, vocab_size=vocab_size, seed=ns.seed)
     workload.prepare()
-    measured = []
-    for i in range(ns.warmup + ns.reps):
-        # ABBA order (off, on, on, off, ...) so slow drift (growing KV) weighs on both modes alike
-        for enable_dbo in (False, True) if i % 2 == 0 else (True, False):
-            step = measure_step(engine, workload, enable_dbo)
-            if i >= ns.warmup:
-                measured.append(step)
+    kept = []
+    for _ in range(ns.warmup):
+        for arm in arms:
+            step = measure_step(engine, workload, arm, args)
+            if step["exploring"]:  # the policy's cost, reported with the exploration steps
+                kept.append(step)
+            progress.update(1)
+    if "adaptive" in arms:
+        for _ in range(MAX_EXPLORATION_STEPS):
+            step = measure_step(engine, workload, "adaptive", args)
+            if not step["exploring"]:
+                break
+            kept.append(step)
+    for i in range(ns.reps):
+        for arm in balanced_order(arms, i):
+            kept.append({**measure_step(engine, workload, arm, args), "round": i})
             progress.update(1)
     workload.drain()
-    return measured
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         specs = parse_batches(ns.batches)
+        arms = parse_arms(ns.arms)
         if ns.warmup < 0 or ns.reps < 1:
             raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
-        limits = Workload.limits(specs, 2 * (ns.warmup + ns.reps))
+        num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
+        limits = Workload.limits(specs, num_steps)
         ns.enable_dbo = True  # the benchmark switches DBO per step
         ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])
         ns.max_num_batched_tokens = max(ns.max_num_batched_tokens, limits["max_num_batched_tokens"])
@@ -178,15 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
+        if groups.rank == 0:
+            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         engine.start_timeline()
         from tqdm import tqdm
 
-        total = len(specs) * 2 * (ns.warmup + ns.reps)
+        total = len(specs) * len(arms) * (ns.warmup + ns.reps)
         with tqdm(total=total, desc=PROG, disable=groups.rank != 0, file=sys.stderr) as progress:
             per_spec = []
             for spec in specs:
                 progress.set_postfix_str(spec.label)
-                per_spec.append(run_batch(engine, spec, ns, model.config.vocab_size, progress))
+                per_spec.append(
+                    run_batch(engine, spec, ns, args, model.config.vocab_size, progress)
+                )
         engine.write_timeline()
         everyone: list = [None] * groups.world_size
         dist.all_gather_object(everyone, (per_spec, cost_ns))  # blocking collective (timeout)
@@ -196,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec,
                     [steps[i] for steps, _ in everyone],
                     span_cost_ns=statistics.median(c for _, c in everyone),
-                    meta=run_meta(ns, args, model),
+                    meta={**run_meta(ns, args, model), "all2all": engine.all2all_summary()},
                 )
                 for i, spec in enumerate(specs)
             ]

@@ -1,14 +1,17 @@
-"""Load generator for ``launch.serve``: ``python -m launch.bench_serving``.
+"""Load generator for ``launch.serve``: ``python -m launch.bench_serving``, with ``vllm bench serve``'s flags.
 
-Sends ``--num-prompts`` streaming completion requests (random token-id prompts of ``--input-len``
-tokens, exactly ``--output-len`` generated tokens each via ``ignore_eos``) to a loopback server, at
-``--request-rate`` requests/s (Poisson arrivals; ``inf``: all at once) with at most
-``--max-concurrency`` in flight, and reports throughput, time to first token (TTFT) and
-inter-token latency (ITL), median and p99, after vLLM's ``benchmarks/benchmark_serving.py``.
+Sends ``--num-prompts`` streaming completion requests from vLLM's random dataset (random token-id
+prompts of ``--random-input-len`` tokens, ``--random-output-len`` generated tokens each via
+``ignore_eos``, lengths spread by ``--random-range-ratio``, a shared ``--random-prefix-len``) at
+``--request-rate`` requests/s (gamma arrivals of shape ``--burstiness``, 1 = Poisson; ``inf``: all at
+once) with at most ``--max-concurrency`` in flight, and prints vLLM's "Serving Benchmark Result"
+block (``--percentile-metrics``, ``--metric-percentiles``) so both tools can be read side by side.
 
-Without ``--base-url`` it launches the server twice with torchrun (``--nproc-per-node N``, EP on),
-DBO off then on, runs the same load against each, and prints both side by side with the on/off
-ratio. Extra server flags go in ``--server-args``. Loopback only.
+Without ``--base-url`` (or ``--host``/``--port``) it launches the server twice with torchrun
+(``--nproc-per-node N``, EP on), DBO off then on, runs the same load against each, and prints both
+blocks and a side-by-side table with the on/off ratio. Extra server flags go in ``--server-args``.
+Loopback only. The old spellings ``--input-len`` / ``--output-len`` still work. ``--backend
+openai-chat`` sends the prompts' text (``--tokenizer DIR``) as chat messages instead.
 """
 
 from __future__ import annotations
@@ -17,92 +20,38 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from launch.benchmarks.serving import (
+    METRIC_HEADERS,
+    BenchResult,
+    RandomRequest,
+    RequestResult,
+    arrival_gaps,
+    percentile,
+    random_requests,
+)
+
+__all__ = ["BenchResult", "RequestResult", "main", "percentile", "run_load"]
 
 PROG = "launch.bench_serving"
 SERVING_LINE = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+)")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestResult:
-    ok: bool
-    num_output_tokens: int = 0
-    ttft_s: float = 0.0
-    itls_s: tuple[float, ...] = ()  # gaps between consecutive streamed tokens
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BenchResult:
-    num_ok: int
-    num_failed: int
-    duration_s: float
-    num_output_tokens: int
-    num_input_tokens: int
-    ttft_s: tuple[float, ...]
-    itl_s: tuple[float, ...]
-    ubatched_step_fraction: float | None
-    first_error: str = ""
-
-    def rows(self) -> dict[str, str]:
-        def ms(values, q):
-            return f"{percentile(values, q) * 1e3:.1f}" if values else "n/a"
-
-        frac = self.ubatched_step_fraction
-        return {
-            "requests ok / failed": f"{self.num_ok} / {self.num_failed}",
-            "duration (s)": f"{self.duration_s:.2f}",
-            "request throughput (req/s)": f"{self.num_ok / self.duration_s:.2f}",
-            "output throughput (tok/s)": f"{self.num_output_tokens / self.duration_s:.1f}",
-            "total throughput (tok/s)": (
-                f"{(self.num_output_tokens + self.num_input_tokens) / self.duration_s:.1f}"
-            ),
-            "TTFT median (ms)": ms(self.ttft_s, 50),
-            "TTFT p99 (ms)": ms(self.ttft_s, 99),
-            "ITL median (ms)": ms(self.itl_s, 50),
-            "ITL p99 (ms)": ms(self.itl_s, 99),
-            "steps microbatched (%)": "n/a" if frac is None else f"{100 * frac:.0f}",
-        }
-
-
-def percentile(values, q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation, as numpy's default."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    return (
-        statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
-        if q < 100
-        else ordered[-1]
-    )
-
-
-async def _one_request(session, url: str, prompt: list[int], output_len: int) -> RequestResult:
-    body = {
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+async def _one_request(session, url: str, body: dict) -> RequestResult:
     start = time.perf_counter()
     last = None
     ttft = 0.0
     itls: list[float] = []
     num_tokens = 0
+    usage = None
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -116,7 +65,10 @@ async def _one_request(session, url: str, prompt: list[int], output_len: int) ->
                 chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     return RequestResult(ok=False, error=chunk["error"]["message"])
-                new = len(chunk["choices"][0].get("token_ids") or ())
+                if not chunk["choices"]:  # stream_options.include_usage: the last chunk
+                    usage = chunk.get("usage") or usage
+                    continue
+                new = _num_new_tokens(chunk["choices"][0])
                 if new == 0:
                     continue
                 now = time.perf_counter()
@@ -128,53 +80,89 @@ async def _one_request(session, url: str, prompt: list[int], output_len: int) ->
                 num_tokens += new
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
-    return RequestResult(ok=True, num_output_tokens=num_tokens, ttft_s=ttft, itls_s=tuple(itls))
+    if usage is not None:  # chat chunks carry text, not token ids: the server's count
+        num_tokens = usage["completion_tokens"]
+    return RequestResult(
+        ok=True,
+        num_output_tokens=num_tokens,
+        num_prompt_tokens=None if usage is None else usage["prompt_tokens"],
+        ttft_s=ttft,
+        itls_s=tuple(itls),
+        latency_s=time.perf_counter() - start,
+    )
+
+
+def _num_new_tokens(choice: dict) -> int:
+    """Tokens in one streamed choice: its ``token_ids`` (completions), or one per chat chunk
+    with content (as vLLM's openai-chat backend counts chunks)."""
+    if "delta" in choice:
+        return int(bool(choice["delta"].get("content")))
+    return len(choice.get("token_ids") or ())
+
+
+def _body(request: RandomRequest, model: str | None, tokenizer) -> dict:
+    """A completions body with the token ids, or (with a tokenizer) a chat body whose one user
+    message is the ids' text, as vLLM's random dataset does for chat."""
+    common = {"temperature": 0, "ignore_eos": True, "stream": True}
+    if tokenizer is None:
+        body = {"prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+                "return_token_ids": True, **common}  # fmt: skip
+    else:
+        text = tokenizer.decode(request.prompt_token_ids)
+        body = {"messages": [{"role": "user", "content": text}],
+                "max_completion_tokens": request.output_len,
+                "stream_options": {"include_usage": True}, **common}  # fmt: skip
+    return body if model is None else {**body, "model": model}
 
 
 async def run_load(
     base_url: str,
+    requests: list[RandomRequest],
     *,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
     request_rate: float,
-    max_concurrency: int,
+    burstiness: float = 1.0,
+    max_concurrency: int | None,
     seed: int,
+    endpoint: str = "/v1/completions",
+    model: str | None = None,
+    tokenizer=None,
 ) -> BenchResult:
-    """Send the requests; gather per-request timings into a BenchResult."""
+    """Send the requests; gather per-request timings into a BenchResult. With ``tokenizer``
+    (``launch.serving.detokenizer.Tokenizer``) they go to a chat endpoint as text."""
     import aiohttp
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 100) for _ in range(input_len)] for _ in range(num_prompts)]
-    gaps = [0.0 if request_rate == float("inf") else rng.expovariate(request_rate) for _ in prompts]
-    limit = asyncio.Semaphore(max_concurrency)
+    gaps = arrival_gaps(len(requests), request_rate=request_rate, burstiness=burstiness, seed=seed)
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
     timeout = aiohttp.ClientTimeout(total=600)  # every request wait is bounded
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def limited(prompt):
+        async def limited(request):
             async with limit:
-                return await _one_request(session, base_url + "/v1/completions", prompt, output_len)
+                body = _body(request, model, tokenizer)
+                return await _one_request(session, base_url + endpoint, body)
 
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps, strict=True):
+        for request, gap in zip(requests, gaps, strict=True):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt)))
+            tasks.append(asyncio.create_task(limited(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         async with session.get(base_url + "/metrics") as response:
             metrics = await response.text()
-    ok = [r for r in results if r.ok]
+    ok = [(q, r) for q, r in zip(requests, results, strict=True) if r.ok]
     failed = [r for r in results if not r.ok]
     match = re.search(r"^moe_dbo_engine_ubatched_step_fraction (\S+)$", metrics, re.M)
     return BenchResult(
         num_ok=len(ok),
         num_failed=len(failed),
         duration_s=duration,
-        num_output_tokens=sum(r.num_output_tokens for r in ok),
-        num_input_tokens=input_len * len(ok),
-        ttft_s=tuple(r.ttft_s for r in ok),
-        itl_s=tuple(x for r in ok for x in r.itls_s),
+        num_output_tokens=sum(r.num_output_tokens for _, r in ok),
+        num_input_tokens=sum(r.num_prompt_tokens or len(q.prompt_token_ids) for q, r in ok),
+        ttft_s=tuple(r.ttft_s for _, r in ok),
+        itl_s=tuple(x for _, r in ok for x in r.itls_s),
+        tpot_s=tuple(r.tpot_s for _, r in ok if r.tpot_s is not None),
+        e2el_s=tuple(r.latency_s for _, r in ok),
         ubatched_step_fraction=float(match.group(1)) if match else None,
         first_error=failed[0].error if failed else "",
     )
@@ -230,42 +218,120 @@ def print_table(columns: dict[str, BenchResult]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None, help="bench this running server (loopback) only")
+    p.add_argument("--host", default=None, help="with --port: the server at http://HOST:PORT")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--backend", default="vllm", choices=("vllm", "openai", "openai-chat"),
+                   help="openai-chat: chat completions (needs --tokenizer)")  # fmt: skip
+    p.add_argument("--endpoint", default=None,
+                   help="/v1/completions, or /v1/chat/completions with openai-chat")  # fmt: skip
+    p.add_argument("--model", default=None, help="model name sent with each request")
+    p.add_argument("--tokenizer", default=None,
+                   help="checkpoint dir whose tokenizer.json turns prompts into chat text "
+                   "(default: --model)")  # fmt: skip
     p.add_argument("--nproc", type=int, default=2, help="DP ranks of the launched servers")
     p.add_argument("--server-args", default="", help="extra flags for the launched servers")
+    p.add_argument("--dataset-name", default="random", choices=("random",))
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=32,
+                   help="prompt tokens per request")  # fmt: skip
+    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32,
+                   help="generated tokens per request (ignore_eos)")  # fmt: skip
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)")  # fmt: skip
+    p.add_argument("--random-prefix-len", type=int, default=0, help="shared prefix tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: burst)")
-    p.add_argument("--max-concurrency", type=int, default=64, help="max requests in flight")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help=f"comma-separated, of {','.join(METRIC_HEADERS)}")  # fmt: skip
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--ignore-eos", action="store_true", help="accepted for vLLM; always on")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
+def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Raise ValueError naming the first bad flag; the parsed metric lists."""
+    for flag, value in (("--num-prompts", ns.num_prompts), ("--random-input-len", ns.input_len),
+                        ("--random-output-len", ns.output_len), ("--nproc", ns.nproc),
+                        ("--max-concurrency", ns.max_concurrency or 1)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if ns.random_prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {ns.random_prefix_len}")
+    if not ns.request_rate > 0 or not ns.burstiness > 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    is_chat = ns.backend == "openai-chat"
+    ns.endpoint = ns.endpoint or ("/v1/chat/completions" if is_chat else "/v1/completions")
+    expected = "/v1/chat/completions" if is_chat else "/v1/completions"
+    if ns.endpoint != expected:
+        raise ValueError(f"--endpoint must be {expected} with --backend {ns.backend}")
+    metrics = tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip())
+    unknown = [m for m in metrics if m not in METRIC_HEADERS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: {unknown} not in {', '.join(METRIC_HEADERS)}")
+    try:
+        percentiles = tuple(float(p) for p in ns.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: not numbers: {ns.metric_percentiles!r}") from None
+    if not all(0 < p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles must be in (0, 100], got {ns.metric_percentiles}")
+    if ns.host is not None or ns.port is not None:
+        ns.base_url = f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}"
+    if ns.base_url and not re.match(r"^http://(127\.0\.0\.1|localhost)(:\d+)?$", ns.base_url):
+        raise ValueError("--base-url must be a loopback http URL")
+    return metrics, percentiles
+
+
+def _chat_tokenizer(ns: argparse.Namespace):
+    """The tokenizer that turns prompts into chat text (openai-chat only), else None."""
+    if ns.backend != "openai-chat":
+        return None
+    from launch.serving.detokenizer import load_tokenizer
+
+    path = ns.tokenizer or ns.model
+    tokenizer = None if path is None else load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(
+            f"--backend openai-chat needs --tokenizer DIR with a tokenizer.json, got {path}"
+        )
+    return tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    for flag, value in (("--num-prompts", ns.num_prompts), ("--input-len", ns.input_len),
-                        ("--output-len", ns.output_len), ("--max-concurrency", ns.max_concurrency),
-                        ("--nproc", ns.nproc)):  # fmt: skip
-        if value < 1:
-            print(f"{PROG}: error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
-    if not ns.request_rate > 0:
-        print(f"{PROG}: error: --request-rate must be > 0, got {ns.request_rate}", file=sys.stderr)
-        return 2
-    if ns.base_url and not re.match(r"^http://(127\.0\.0\.1|localhost)(:\d+)?$", ns.base_url):
-        print(f"{PROG}: error: --base-url must be a loopback http URL", file=sys.stderr)
+    try:
+        metrics, percentiles = _check(ns)
+        requests = random_requests(
+            num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
+            range_ratio=ns.random_range_ratio, prefix_len=ns.random_prefix_len,
+            vocab_low=3, vocab_high=100, seed=ns.seed,
+        )  # fmt: skip
+        tokenizer = _chat_tokenizer(ns)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     load = dict(
-        num_prompts=ns.num_prompts,
-        input_len=ns.input_len,
-        output_len=ns.output_len,
+        tokenizer=tokenizer,
         request_rate=ns.request_rate,
+        burstiness=ns.burstiness,
         max_concurrency=ns.max_concurrency,
         seed=ns.seed,
+        endpoint=ns.endpoint,
+        model=ns.model,
     )
-    print(f"{PROG}: {json.dumps(load)}", flush=True)
+    settings = {**vars(ns), "request_rate": str(ns.request_rate)}
+    print(f"{PROG}: {json.dumps(settings)}", flush=True)
+    summary = dict(
+        percentile_metrics=metrics,
+        metric_percentiles=percentiles,
+        max_concurrency=ns.max_concurrency,
+    )
     if ns.base_url:
-        print_table({"server": asyncio.run(run_load(ns.base_url, **load))})
+        result = asyncio.run(run_load(ns.base_url, requests, **load))
+        print(result.summary(**summary))
+        if result.first_error:
+            print(f"first error: {result.first_error}")
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     columns = {}
@@ -274,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             flags = shlex.split(ns.server_args) + dbo
             proc, url = launch_server(ns.nproc, flags, Path(tmp) / f"{len(columns)}.log")
             try:
-                columns[name] = asyncio.run(run_load(url, **load))
+                columns[name] = asyncio.run(run_load(url, requests, **load))
             finally:
                 stop_server(proc)
+            print(f"{name}:\n{columns[name].summary(**summary)}", flush=True)
     print_table(columns)
     return 0
 

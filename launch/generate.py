@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
+        if groups.rank == 0:
+            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         for index in range(groups.dp_rank, len(prompts), groups.dp_size):
             engine.add_request(
                 Request(
@@ -173,11 +175,14 @@ def report(results, engine: LLMEngine, elapsed: float, output: str | None) -> No
     print(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "
-        f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO)"
+        f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
+        f"all2all {engine.all2all_summary()}"
         + (f"; {num_failed} prompt(s) failed (see 'error' in the output)" if num_failed else "")
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )
+    if engine.dbo_summary():
+        print(f"{PROG}: {engine.dbo_summary()}", flush=True)
     print(f"{PROG}: rank 0 memory: {engine.memory.summary()}", flush=True)
 
 

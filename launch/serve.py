@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may take to finish after SIGTERM before they fail "
         "(keep it below torchrun's 30 s grace before it kills the workers)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="jinja2 chat template file for /v1/chat/completions (default: the checkpoint's, "
+        "from tokenizer_config.json or chat_template.jinja)",
+    )
     add_engine_args(parser)
     return parser
 
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        args, model, tokenizer = _check_inputs(ns, world_size)
+        args, model, tokenizer, chat_template = _check_inputs(ns, world_size)
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
     stop = _install_stop_handlers()
@@ -95,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
     )
-    engine, http, metrics = _start(ns, args, model, tokenizer, groups, control_group)
+    engine, http, metrics = _start(
+        ns, args, model, tokenizer, groups, control_group, chat_template=chat_template
+    )
     from launch.serving.serve_loop import ServeLoop
 
     loop = ServeLoop(
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_inputs(ns: argparse.Namespace, world_size: int):
-    """(EngineArgs, ResolvedModel, tokenizer or None), before any process group exists.
+    """(EngineArgs, ResolvedModel, tokenizer or None, chat template or None), before any process
+    group exists.
 
     Raises:
         ValueError / OSError: a bad flag, model or tokenizer (one line, naming the value).
@@ -137,12 +146,14 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
         )
     check_output_paths(timeline_dir=args.timeline_dir)
     model = resolve_model(args)
+    from launch.serving.chat_template import load_chat_template
     from launch.serving.detokenizer import load_tokenizer
 
-    return args, model, load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
+    return args, model, tokenizer, load_chat_template(args.model, ns.chat_template)
 
 
-def _start(ns, args, model, tokenizer, groups, control_group):
+def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=None):
     """Build this rank's engine (and on rank 0 the HTTP server); (engine, http, metrics).
 
     A failure on any rank is shared over ``control_group`` so that every rank exits with it.
@@ -155,7 +166,7 @@ def _start(ns, args, model, tokenizer, groups, control_group):
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if rank == 0:
-            http, metrics = _start_http(ns, model, tokenizer, engine)
+            http, metrics = _start_http(ns, model, tokenizer, chat_template, engine)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = f"[rank {rank}] {type(e).__name__}: {e}"
     errors: list = [None] * groups.world_size
@@ -200,7 +211,7 @@ def _model_name(ns: argparse.Namespace) -> str:
     return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
 
 
-def _start_http(ns, model, tokenizer, engine: LLMEngine):
+def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine):
     from launch.serving.api_server import HTTPServerThread, ServerConfig
     from launch.serving.metrics import ServerMetrics
 
@@ -213,6 +224,7 @@ def _start_http(ns, model, tokenizer, engine: LLMEngine):
         tokenizer=tokenizer,
         metrics=metrics,
         kv_capacity_tokens=kv.num_blocks * kv.block_size,
+        chat_template=chat_template,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

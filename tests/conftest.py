@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
+
+
+def pytest_configure(config):
+    # Graph mode compiles seconds per graph: engines in tests run eagerly unless a test asks for
+    # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
+    os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
+
 
 TINY_MIXTRAL = dict(
     vocab_size=128,

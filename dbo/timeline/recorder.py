@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dbo.timeline.tracks import STEP_TRACK, track_name
+from dbo.timeline.tracks import POLICY_TRACK, STEP_TRACK, track_name
 from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled, set_baton_observer
 
 
@@ -144,6 +144,7 @@ CAT_COMM = "comm"
 CAT_WAIT = "wait"
 CAT_BATON = "baton"
 CAT_STEP = "step"
+CAT_POLICY = "policy"  # an adaptive-DBO exploration step (neither compute nor communication)
 
 _recorder: TimelineRecorder | None = None
 _local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
@@ -236,6 +237,16 @@ def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None
             span_name(name), cat=CAT_COMM, start_ns=start_ns, end_ns=end_ns,
             track=_track("comm"), args=args,
         )  # fmt: skip
+
+
+def record_policy_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+    """Mark an adaptive-DBO step (e.g. ``explore on``) on the ``dbo policy`` track; a no-op
+    without a recorder."""
+    rec = _recorder
+    if rec is not None and end_ns >= start_ns:
+        rec.add_span(
+            name, cat=CAT_POLICY, start_ns=start_ns, end_ns=end_ns, track=POLICY_TRACK, args=args
+        )
 
 
 def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> None:

@@ -1,14 +1,16 @@
 """Timeline track names: the recorder writes them, the Chrome-trace merger and the plot sort by them.
 
-A track is ``engine step`` (one span per engine step), ``main {kind}`` (DBO off) or
+A track is ``engine step`` (one span per engine step), ``dbo policy`` (adaptive DBO's exploration
+steps), ``main {kind}`` (DBO off) or
 ``ubatch{i} {kind}`` (DBO on, ubatch ``i``), with ``kind`` ``compute`` or ``comm``. When spans
 of one track overlap, the merger moves the later ones to extra lanes ``<track> #k`` (k >= 2).
-Display order: engine step, main compute/comm, ubatch0 compute/comm, ubatch1 ..., anything else.
+Display order: engine step, dbo policy, main compute/comm, ubatch0 compute/comm, ubatch1 ..., anything else.
 """
 
 from __future__ import annotations
 
 STEP_TRACK = "engine step"
+POLICY_TRACK = "dbo policy"
 _KIND_ORDER = {"compute": "0", "comm": "1"}
 _LANE_SEP = " #"
 
@@ -29,6 +31,8 @@ def track_order(track: str) -> tuple:
     base, _, lane = track.partition(_LANE_SEP)
     if base == STEP_TRACK:
         key: tuple = (0, 0, "")
+    elif base == POLICY_TRACK:
+        key = (0, 1, "")
     elif base.startswith("main "):
         key = (1, 0, _KIND_ORDER.get(base[5:], base))
     elif base.startswith("ubatch"):

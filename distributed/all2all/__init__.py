@@ -6,7 +6,14 @@ from distributed.all2all.allgather_reducescatter import (
     AllGatherDispatchMetadata,
     AllGatherReduceScatterBackend,
 )
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.base import (
+    All2AllBackend,
+    BatchedDispatchResult,
+    DispatchMetadata,
+    DispatchResult,
+)
+from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
+from distributed.all2all.deepep_low_latency import DeepEPLowLatencyBackend
 from distributed.all2all.registry import BACKENDS, make_all2all_backend
 
 __all__ = [
@@ -16,6 +23,9 @@ __all__ = [
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
+    "BatchedDispatchResult",
+    "DeepEPHighThroughputBackend",
+    "DeepEPLowLatencyBackend",
     "DispatchMetadata",
     "DispatchResult",
     "make_all2all_backend",

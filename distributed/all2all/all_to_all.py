@@ -19,12 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import (
-    All2AllBackend,
-    DispatchMetadata,
-    DispatchResult,
-    accumulation_dtype,
-)
+from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.token_packing import localize_topk, pack_rows, token_rank_mask, unpack_rows
 from distributed.collectives import all_to_all_single
 from distributed.comm_handle import CommHandle
@@ -50,6 +45,7 @@ class AllToAllBackend(All2AllBackend):
     """Uneven ``all_to_all_single`` dispatch / combine (see the module docstring)."""
 
     name = "all_to_all"
+    blocks_under_dbo = True  # its count exchange stays: row counts depend on the routing
 
     def dispatch(
         self,
@@ -153,7 +149,7 @@ class AllToAllBackend(All2AllBackend):
         )  # fmt: skip
 
         def finalize() -> Tensor:
-            acc_dtype = accumulation_dtype(dtype)
+            acc_dtype = torch.promote_types(dtype, torch.float32)  # float64 stays float64
             out = torch.zeros(metadata.num_tokens, hidden_size, dtype=acc_dtype, device=recv.device)
             rows = recv.view(dtype).to(acc_dtype)
             out.index_add_(0, metadata.send_token_idx.to(recv.device), rows)

@@ -17,12 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import (
-    All2AllBackend,
-    DispatchMetadata,
-    DispatchResult,
-    accumulation_dtype,
-)
+from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.token_packing import localize_topk, pack_rows, unpack_rows
 from distributed.collectives import all_gather_into, reduce_scatter_sum
 from distributed.comm_handle import CommHandle
@@ -136,9 +131,9 @@ class AllGatherReduceScatterBackend(All2AllBackend):
         assert isinstance(metadata, AllGatherDispatchMetadata)  # checked above; narrows the type
         max_tokens, hidden_size = metadata.max_tokens_across_ep, metadata.hidden_size
         device = expert_output.device
-        # float32 buffer (float64 for float64): the reduction over ranks accumulates in at least
-        # fp32 (and gloo reduces fp32 and fp64).
-        acc_dtype = accumulation_dtype(metadata.dtype)
+        # float32 buffer (float64 for float64): the reduction over ranks accumulates in it (and
+        # gloo reduces fp32 and fp64, not bf16).
+        acc_dtype = torch.promote_types(metadata.dtype, torch.float32)
         padded = torch.zeros(self.ep_size * max_tokens, hidden_size, dtype=acc_dtype, device=device)
         padded.index_copy_(0, metadata.kept_row_idx.to(device), expert_output.to(acc_dtype))
         out = torch.empty(max_tokens, hidden_size, dtype=acc_dtype, device=device)
@@ -153,6 +148,6 @@ class AllGatherReduceScatterBackend(All2AllBackend):
             pending=pending,
             finalize=finalize,
             issued_at_ns=issued_at_ns,
-            num_bytes=(self.ep_size - 1) * max_tokens * hidden_size * 4,
+            num_bytes=(self.ep_size - 1) * max_tokens * hidden_size * acc_dtype.itemsize,
             async_op=async_op,
         )

@@ -78,6 +78,35 @@ class DispatchResult:
             )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchedDispatchResult:
+    """Tokens received by this EP rank, grouped per local expert (DeepEP low-latency layout; vLLM's
+    ``BatchedExperts`` activation format).
+
+    Attributes:
+        hidden_states: ``[num_local_experts, max_tokens_per_expert, hidden_size]``, dtype of the
+            dispatched input; only the first ``expert_num_tokens[l]`` rows of expert ``l`` are
+            valid (the rest is unspecified).
+        expert_num_tokens: ``[num_local_experts]`` torch.int32 valid rows per local expert.
+        metadata: pass it back to ``combine``, with the experts' UNWEIGHTED outputs in the same
+            layout (combine applies the top-k weights).
+    """
+
+    hidden_states: Tensor
+    expert_num_tokens: Tensor
+    metadata: DispatchMetadata
+
+    def __post_init__(self) -> None:
+        if self.hidden_states.dim() != 3 or self.expert_num_tokens.shape != (
+            self.hidden_states.shape[0],
+        ):
+            raise ValueError(
+                f"hidden_states must be [num_local_experts, max_tokens, hidden] and "
+                f"expert_num_tokens [num_local_experts], got {list(self.hidden_states.shape)} and "
+                f"{list(self.expert_num_tokens.shape)}"
+            )
+
+
 class All2AllBackend(ABC):
     """Expert-parallel dispatch / combine over ``ep_group``.
 
@@ -99,6 +128,13 @@ class All2AllBackend(ABC):
     """
 
     name: ClassVar[str]
+    # "standard": dispatch gives ``DispatchResult`` rows, the experts apply the top-k weights;
+    # "batched": ``BatchedDispatchResult`` per expert, combine applies them (vLLM's formats)
+    activation_format: ClassVar[str] = "standard"
+    # which code moves the bytes (start-up log and summary line)
+    implementation: str = "torch.distributed"
+    # whether dispatch blocks on a count exchange even when num_tokens_across_ep is given
+    blocks_under_dbo: ClassVar[bool] = False
 
     def __init__(
         self,

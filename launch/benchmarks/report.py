@@ -20,8 +20,8 @@ def make_record(
     """One result record of a batch shape.
 
     Args:
-        steps_per_rank: per rank, its measured step dicts (``StepMetrics`` fields + ``dbo`` +
-            ``num_spans``) in the same interleaved order on every rank.
+        steps_per_rank: per rank, its step dicts (``StepMetrics`` fields + ``arm`` ("off", "on",
+            "adaptive") + ``dbo`` + ``exploring`` + ``num_spans``) in the same order on every rank.
         span_cost_ns: cost of recording one span (for the timeline overhead estimate).
         meta: run description copied into the record.
 
@@ -34,8 +34,12 @@ def make_record(
     # one entry per measured step: the same step on every rank
     aligned = list(zip(*steps_per_rank, strict=True))
 
-    def per_mode(enable_dbo: bool) -> list[tuple[dict, ...]]:
-        return [ranks for ranks in aligned if ranks[0]["dbo"] is enable_dbo]
+    def per_arm(arm: str, exploring: bool = False) -> list[tuple[dict, ...]]:
+        return [
+            ranks
+            for ranks in aligned
+            if ranks[0]["arm"] == arm and ranks[0].get("exploring", False) is exploring
+        ]
 
     def slowest(mode) -> list[float]:
         return [max(r["step_ms"] for r in ranks) for ranks in mode]
@@ -43,7 +47,7 @@ def make_record(
     def mean_of(mode, key: str) -> list[float]:
         return [statistics.fmean(r[key] for r in ranks) for ranks in mode]
 
-    off, on = per_mode(False), per_mode(True)
+    off, on = per_arm("off"), per_arm("on")
     step_off, step_on = slowest(off), slowest(on)
     compute_ms, comm_ms = _median(mean_of(off, "compute_ms")), _median(mean_of(off, "comm_ms"))
     ideal_speedup = (compute_ms + comm_ms) / max(compute_ms, comm_ms, 1e-9)
@@ -78,14 +82,60 @@ def make_record(
         "baton_pass_us_median": _median(batons),
         "timeline_overhead_pct": _median(overhead),
         "reps": len(on),
+        **adaptive_fields(
+            per_arm("adaptive"), per_arm("adaptive", exploring=True), off, on, step_off, step_on
+        ),
         **{k: v for k, v in meta.items() if k != "reps"},
+    }
+
+
+def _paired_ratio(measured, best) -> float:
+    """Median over rounds of adaptive / ``best`` arm's step in the same round (pairing cancels
+    the machine's slow swings in speed, which a ratio of medians does not); nan without rounds."""
+    by_round = {ranks[0].get("round"): max(r["step_ms"] for r in ranks) for ranks in best}
+    ratios = [
+        max(r["step_ms"] for r in ranks) / by_round[ranks[0].get("round")]
+        for ranks in measured
+        if by_round.get(ranks[0].get("round"), 0) > 0
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def adaptive_fields(measured, exploring, off, on, step_off, step_on) -> dict:
+    """The adaptive arm's fields: ``step_ms_adaptive`` (median of its steps after exploration),
+    ``adaptive_choice`` ("on" / "off" / "mixed": whether those steps microbatched),
+    ``adaptive_vs_best`` = step_ms_adaptive / min(step_ms_on, step_ms_off), ``best_static_arm``
+    (which of on / off had the lower median here), ``adaptive_vs_best_paired`` (the median of
+    per-round ratios adaptive / best static arm), and its exploration
+    steps apart (``adaptive_exploration_steps``, ``step_ms_adaptive_exploring``). Empty without
+    the arm."""
+    if not measured and not exploring:
+        return {}
+    step_ms = [max(r["step_ms"] for r in ranks) for ranks in measured]
+    ubatched = {ranks[0]["is_ubatched"] for ranks in measured}
+    choice = "mixed" if len(ubatched) > 1 else ("on" if ubatched == {True} else "off")
+    best = min(_median(step_off), _median(step_on))
+    best_arm = "on" if _median(step_on) < _median(step_off) else "off"
+    return {
+        "step_ms_adaptive": _median(step_ms),
+        "step_ms_adaptive_min": min(step_ms, default=0.0),
+        "step_ms_adaptive_max": max(step_ms, default=0.0),
+        "adaptive_choice": choice if measured else "exploring",
+        "best_static_arm": best_arm,  # the faster static arm in this run (noise included)
+        "adaptive_vs_best": _median(step_ms) / best if measured and best > 0 else float("nan"),
+        "adaptive_vs_best_paired": _paired_ratio(measured, on if best_arm == "on" else off),
+        "adaptive_reps": len(measured),
+        "adaptive_exploration_steps": len(exploring),
+        "step_ms_adaptive_exploring": _median(
+            [max(r["step_ms"] for r in ranks) for ranks in exploring]
+        ),
     }
 
 
 def format_table(records: Sequence[dict]) -> str:
     """Fixed-width table of the records (step times: median [min-max] of the slowest rank)."""
     header = (
-        f"{'batch':<14}{'off ms':>24}{'on ms':>24}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
+        f"{'batch':<14}{'off ms':>28}{'on ms':>28}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
         f"{'exp off':>9}{'exp on':>8}{'overlap':>8}{'ideal x':>8}{'DBO':>5}{'baton us':>9}"
         f"{'tl %':>6}"
     )
@@ -94,11 +144,36 @@ def format_table(records: Sequence[dict]) -> str:
         off = f"{r['step_ms_off']:.2f} [{r['step_ms_off_min']:.2f}-{r['step_ms_off_max']:.2f}]"
         on = f"{r['step_ms_on']:.2f} [{r['step_ms_on_min']:.2f}-{r['step_ms_on_max']:.2f}]"
         lines.append(
-            f"{r['batch']:<14}{off:>24}{on:>24}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
+            f"{r['batch']:<14}{off:>28}{on:>28}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
             f"{r['comm_ms']:>8.2f}{r['exposed_comm_ms_off']:>9.2f}{r['exposed_comm_ms_on']:>8.2f}"
             f"{r['overlap_ratio']:>8.2f}{r['ideal_speedup']:>8.2f}"
             f"{'yes' if r['dbo_engaged'] else 'no':>5}{r['baton_pass_us_median']:>9.1f}"
             f"{r['timeline_overhead_pct']:>6.2f}"
+        )
+    if any("step_ms_adaptive" in r for r in records):
+        lines += ["", format_adaptive_table(records)]
+    return "\n".join(lines)
+
+
+def format_adaptive_table(records: Sequence[dict]) -> str:
+    """The adaptive arm against the better static arm (step times: median of the slowest rank)."""
+    header = (
+        f"{'batch':<14}{'off ms':>10}{'on ms':>10}{'adaptive ms':>30}{'choice':>10}{'best':>6}"
+        f"{'ad/best':>9}{'paired':>8}{'explore steps':>15}{'explore ms':>12}"
+    )
+    lines = [header]
+    for r in records:
+        if "step_ms_adaptive" not in r:
+            continue
+        ad = (
+            f"{r['step_ms_adaptive']:.2f} [{r['step_ms_adaptive_min']:.2f}-"
+            f"{r['step_ms_adaptive_max']:.2f}]"
+        )
+        lines.append(
+            f"{r['batch']:<14}{r['step_ms_off']:>10.2f}{r['step_ms_on']:>10.2f}{ad:>30}"
+            f"{r['adaptive_choice']:>10}{r['best_static_arm']:>6}{r['adaptive_vs_best']:>8.3f}x"
+            f"{r['adaptive_vs_best_paired']:>7.3f}x"
+            f"{r['adaptive_exploration_steps']:>15}{r['step_ms_adaptive_exploring']:>12.2f}"
         )
     return "\n".join(lines)
 

@@ -8,14 +8,42 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
+ALL2ALL_BACKENDS = (
+    "all_to_all",
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+)
+# --all2all-backend when not given: under --enable-dbo one that never blocks inside the overlapped
+# window (measured: README, "Expert all-to-all backends"), else the plain uneven all-to-all.
+DEFAULT_ALL2ALL_BACKEND = "all_to_all"
+DEFAULT_DBO_ALL2ALL_BACKEND = "deepep_low_latency"
 # float64 is for exactness tests (transformers builds the same checkpoint in float64), not serving.
 DTYPES = ("float32", "bfloat16", "float64")
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0  # a day: beyond it a hung peer is a hang, whatever the flag
+AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
+MIN_DBO_THRESHOLD = 2
+
+
+def dbo_threshold(text: str) -> int | str:
+    """argparse type of ``--dbo-*-token-threshold``: an integer or ``auto``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse reports it as one line).
+    """
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {text!r}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,12 +69,18 @@ class EngineArgs:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
-    dbo_decode_token_threshold: int = 32
-    dbo_prefill_token_threshold: int = 512
-    all2all_backend: str = "all_to_all"
+    dbo_decode_token_threshold: int | str = 32  # or "auto": learned (dbo.AdaptiveDBOPolicy)
+    dbo_prefill_token_threshold: int | str = 512
+    all2all_backend: str | None = (
+        None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
+    )
     distributed_timeout_s: float = 120.0
     timeline_dir: str | None = None
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
+    # graph mode (vLLM's names): compiled/captured pieces per padding bucket, see moe.compilation
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: the platform's default buckets
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +88,9 @@ class EngineArgs:
         from moe.platforms.custom_op import parse_custom_ops
 
         parse_custom_ops(self.custom_ops)
+        if self.all2all_backend is None:
+            default = DEFAULT_DBO_ALL2ALL_BACKEND if self.enable_dbo else DEFAULT_ALL2ALL_BACKEND
+            object.__setattr__(self, "all2all_backend", default)  # frozen: resolve the default
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(
                 f"--all2all-backend {self.all2all_backend!r} is not supported; "
@@ -64,11 +101,17 @@ class EngineArgs:
             ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
             ("--block-size", self.block_size, 1),
             ("--data-parallel-size", self.data_parallel_size, 1),
-            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold, 2),
-            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold, 2),
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        for flag, value in (
+            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
+            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
+        ):
+            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
+                raise ValueError(
+                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
+                )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -92,11 +135,21 @@ class EngineArgs:
                 f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
             )
         self.link_spec()  # raises ValueError on a malformed --emulate-link
+        self.graph_capture_sizes()  # raises ValueError on bad capture sizes
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
                 "no all-to-all to overlap"
             )
+
+    @property
+    def adaptive_dbo_kinds(self) -> frozenset[str]:
+        """Batch kinds ("decode", "prefill") whose DBO threshold is ``auto``."""
+        kinds = (
+            ("decode", self.dbo_decode_token_threshold),
+            ("prefill", self.dbo_prefill_token_threshold),
+        )
+        return frozenset(kind for kind, value in kinds if value == AUTO)
 
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
@@ -106,6 +159,28 @@ class EngineArgs:
 
         return LinkSpec.parse(self.emulate_link)
 
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """The padding buckets of graph mode, ascending; ``()`` with ``--enforce-eager``.
+
+        ``--cudagraph-capture-sizes`` as given (sorted, deduplicated), else the default buckets
+        (``moe.compilation.default_capture_sizes``) up to ``--max-cudagraph-capture-size``
+        (default: ``--max-num-batched-tokens``, at most the default's largest).
+
+        Raises:
+            ValueError: a size < 1, or sizes above ``--max-cudagraph-capture-size``.
+        """
+        from moe.compilation.config import resolve_capture_sizes  # torch-free module
+
+        if self.enforce_eager or (
+            self.cudagraph_capture_sizes is None and not graph_mode_by_default()
+        ):
+            return ()
+        return resolve_capture_sizes(
+            self.cudagraph_capture_sizes,
+            max_capture_size=self.max_cudagraph_capture_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the launcher started exactly ``--data-parallel-size`` ranks."""
         if world_size != self.data_parallel_size:
@@ -114,6 +189,12 @@ class EngineArgs:
                 f"{world_size} rank(s) torchrun started (--nproc-per-node x --nnodes); "
                 "they must be equal (one DP rank per process)"
             )
+
+
+def graph_mode_by_default() -> bool:
+    """Whether graph mode is on when no graph flag is given: yes, unless the environment sets
+    ``MOE_DBO_GRAPH_MODE=0`` (the test suite does, so that only the graph-mode tests compile)."""
+    return os.environ.get("MOE_DBO_GRAPH_MODE", "1") != "0"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -163,17 +244,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
     add(
         "--dbo-decode-token-threshold",
-        type=int,
+        type=dbo_threshold,
         default=d.dbo_decode_token_threshold,
-        help="min tokens of a decode-only batch to microbatch it",
+        help="min tokens of a decode-only batch to microbatch it, or 'auto': the engine learns "
+        "per batch size whether microbatching pays (explores both, keeps the faster)",
     )
     add(
         "--dbo-prefill-token-threshold",
-        type=int,
+        type=dbo_threshold,
         default=d.dbo_prefill_token_threshold,
-        help="min tokens of a batch with a prefill to microbatch it",
+        help="min tokens of a batch with a prefill to microbatch it, or 'auto' (learned)",
     )
-    add("--all2all-backend", default=d.all2all_backend, choices=ALL2ALL_BACKENDS)
+    add(
+        "--all2all-backend",
+        default=None,
+        choices=ALL2ALL_BACKENDS,
+        help=f"expert all-to-all (default: {DEFAULT_DBO_ALL2ALL_BACKEND} with --enable-dbo, "
+        f"else {DEFAULT_ALL2ALL_BACKEND})",
+    )
     add(
         "--distributed-timeout",
         dest="distributed_timeout_s",
@@ -189,12 +277,63 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="emulate a slower link for the expert all-to-all: bytes move through the backend, "
         "and each collective completes no earlier than issue + latency + bytes / bandwidth",
     )
+    add_graph_mode_args(parser)
+
+
+def add_graph_mode_args(parser: argparse.ArgumentParser) -> None:
+    """``--enforce-eager``, ``--cudagraph-capture-sizes``, ``--max-cudagraph-capture-size`` and the
+    ``-cc/--compilation-config`` JSON subset (vLLM's spellings)."""
+    add = parser.add_argument
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (no compiled / captured graphs)",
+    )
+    add(
+        "--cudagraph-capture-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="padding buckets (tokens per forward, per ubatch under DBO) that get a graph; "
+        "larger batches run eagerly",
+    )
+    add(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="largest default bucket (ignored when --cudagraph-capture-sizes is given)",
+    )
+    add(
+        "-cc",
+        "--compilation-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s compilation config, the subset {"cudagraph_capture_sizes": [...], '
+        '"max_cudagraph_capture_size": N}',
+    )
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it)."""
+    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it, or for a
+    ``--compilation-config`` that is not the supported JSON subset)."""
     fields = EngineArgs.__dataclass_fields__
-    return EngineArgs(**{name: getattr(ns, name) for name in fields if hasattr(ns, name)})
+    values = {name: getattr(ns, name) for name in fields if hasattr(ns, name)}
+    compilation_config = getattr(ns, "compilation_config", None)
+    if compilation_config is not None:
+        from moe.compilation.config import parse_compilation_config
+
+        parsed = parse_compilation_config(compilation_config)
+        for key, value in parsed.items():
+            if values.get(key) is not None:
+                raise ValueError(
+                    f"--compilation-config sets {key} and --{key.replace('_', '-')} is given too; "
+                    "they are mutually exclusive"
+                )
+            values[key] = value
+    if values.get("cudagraph_capture_sizes") is not None:
+        values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
+    return EngineArgs(**values)
 
 
 def print_error(prog: str, rank: int | None, message: object) -> None:

@@ -19,6 +19,7 @@ from dbo.timeline.recorder import timeline_step
 from distributed import EmulatedLink, make_all2all_backend
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
+from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.model_runner import ModelRunner
 from launch.engine.request import Request
@@ -78,6 +79,7 @@ class EngineStats:
     num_steps: int = 0  # steps in which this rank ran the model (real or dummy batch)
     num_ubatched_steps: int = 0
     num_preemptions: int = 0
+    num_dbo_exploration_steps: int = 0  # steps the adaptive DBO policy spent exploring
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +103,7 @@ class MemoryStats:
         )
 
 
-def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
+def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfig):
     """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
     behind an emulated link when ``--emulate-link`` is given."""
     link_spec = engine_args.link_spec()
@@ -112,9 +114,13 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, num_experts: int):
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
         ep_size=groups.ep_size,
-        num_experts=num_experts,
+        num_experts=config.num_experts,
         timeout=groups.timeout,
         link=None if link_spec is None else EmulatedLink(link_spec),
+        # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
+        # scheduler's token budget, so a low-latency dispatch never overflows its slots
+        hidden_size=config.hidden_size,
+        num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
 
 
@@ -130,7 +136,8 @@ class LLMEngine:
             self.start_timeline()
         dtype = getattr(torch, engine_args.dtype)
         config = model.config
-        backend = _make_all2all_backend(engine_args, groups, config.num_experts)
+        backend = _make_all2all_backend(engine_args, groups, config)
+        self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(engine_args.custom_ops)
@@ -168,13 +175,25 @@ class LLMEngine:
             max_model_len=model.max_model_len,
             eos_token_ids=config.eos_token_ids,
         )
+        # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
+        runner_model, self.graph_stats = build_graph_mode(
+            self.model, engine_args, show_progress=groups.rank == 0
+        )
         self.model_runner = ModelRunner(
-            model=self.model,
+            model=runner_model,
             kv_cache_manager=self.kv_cache_manager,
             engine_args=engine_args,
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+
+    def all2all_summary(self) -> str:
+        """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed
+        emulation of DeepEP's protocol)``); ``none`` without expert parallelism."""
+        backend = self.all2all_backend
+        if backend is None:
+            return "none (no expert parallelism)"
+        return f"{backend.name} ({backend.implementation})"
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -192,6 +211,12 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of this rank's KV cache blocks in use (vLLM's ``kv_cache_usage_perc``)."""
+        kv = self.kv_cache_manager
+        return 1.0 - kv.num_free_blocks / kv.num_blocks
+
     def abort_request(self, request_id: int) -> Request | None:
         """Drop a request of this rank (its blocks and sampling state); None if not here."""
         self.model_runner.release(request_id)
@@ -208,15 +233,27 @@ class LLMEngine:
                 is_ubatched=out.is_ubatched,
                 ran_model=out.ran_model,
             )
+            if out.adaptive is not None:  # marks exploration steps in the timeline
+                step_args.update(
+                    dbo_policy="explore" if out.adaptive.is_exploring else "exploit",
+                    dbo_bucket=out.adaptive.bucket.label,
+                )
         if not any(out.has_work_across_dp):
             return [], False
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
+            self.stats.num_dbo_exploration_steps += (
+                out.adaptive is not None and out.adaptive.is_exploring
+            )
         self.stats.num_preemptions += len(scheduler_output.preempted)
         finished = self.scheduler.update_from_output(
             scheduler_output, out.sampled_token_ids, out.failed_request_ids
         )
+        if out.sampled_logprobs:
+            by_id = {s.request.request_id: s.request for s in scheduler_output.scheduled}
+            for request_id, logprobs in out.sampled_logprobs.items():
+                by_id[request_id].output_logprobs.append(logprobs)
         for request in finished:
             self.model_runner.release(request.request_id)
         return finished, True
@@ -229,6 +266,28 @@ class LLMEngine:
             finished += done_now
             if not any_work:
                 return finished
+
+    def dbo_crossover_tokens(self) -> dict[str, float]:
+        """Per kind with an ``auto`` threshold ("decode" / "prefill"): the tokens per rank from
+        which the adaptive policy found microbatching to pay (``inf`` never, ``nan`` not yet
+        known); identical on every DP rank."""
+        policy = self.model_runner.adaptive_policy
+        return {
+            kind: policy.crossover_tokens(kind) for kind in sorted(self.args.adaptive_dbo_kinds)
+        }
+
+    def dbo_summary(self) -> str:
+        """One line for the summary: the learned crossover per adaptive kind (empty if none)."""
+        from dbo import format_crossover
+
+        crossover = self.dbo_crossover_tokens()
+        if not crossover:
+            return ""
+        parts = ", ".join(f"{kind} {format_crossover(v)}" for kind, v in crossover.items())
+        return (
+            f"adaptive DBO crossover: {parts} "
+            f"({self.stats.num_dbo_exploration_steps} exploration steps)"
+        )
 
     def start_timeline(self) -> TimelineRecorder:
         """Record a timeline from now on (spans of every step, for ``write_timeline`` or for

@@ -3,7 +3,9 @@
 Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md``):
 1. every DP rank votes whether to microbatch (token count against the decode or prefill
    threshold) and the votes are gathered over the DP group; microbatching happens only if all
-   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``);
+   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``).
+   With a threshold ``auto`` the same vote carries this rank's time of its previous step, and
+   ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
 2. flat inputs and the common attention metadata are built (padding rows have slot -1);
 3. with microbatching the token range is cut in two ``UBatchSlice`` s and ``UBatchWrapper`` runs
    the model on two threads that ping-pong inside the MoE layers; otherwise the model runs once;
@@ -15,22 +17,28 @@ because the expert all-to-all is a collective over all EP ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from dbo import (
+    AdaptiveDBOPolicy,
     CommonAttentionMetadata,
+    DPMicrobatchDecision,
+    PolicyChoice,
     UBatchWrapper,
     coordinate_batch_across_dp,
     make_ubatch_slices,
     should_ubatch_locally,
 )
-from dbo.timeline.recorder import blocking_comm_span, timeline_span
+from dbo.timeline.recorder import blocking_comm_span, record_policy_span, timeline_span
 from distributed.comm_handle import comm_error
-from launch.engine.arg_utils import EngineArgs
+from launch.engine.arg_utils import AUTO, MIN_DBO_THRESHOLD, EngineArgs
 from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.sampler import TokenLogprobs, apply_top_p, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
 
 
@@ -54,6 +62,9 @@ class StepOutput:
     is_ubatched: bool
     num_tokens: int  # this rank's real tokens
     num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
+    # request_id -> logprobs of its sampled token, for the requests that asked for them
+    sampled_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    adaptive: PolicyChoice | None = None  # the adaptive policy's choice, if it governed the step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +73,7 @@ class ForwardOutput:
     inputs: ModelInputs | None
     has_work_across_dp: tuple[bool, ...]
     is_ubatched: bool
+    adaptive: PolicyChoice | None = None
 
 
 def build_model_inputs(
@@ -150,6 +162,11 @@ class ModelRunner:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
         self._generators: dict[int, torch.Generator] = {}
+        # Learns per batch shape whether microbatching pays; used for the kinds whose threshold is
+        # "auto". Kept across set_dbo() calls, so the benchmark can interleave it with static arms.
+        self.adaptive_policy = AdaptiveDBOPolicy()
+        self.clock_ns = time.perf_counter_ns  # step timer of the adaptive policy (tests fake it)
+        self._prev_step_us = 0  # this rank's time of its previous step, sent in the next vote
 
     def set_enable_dbo(self, enable_dbo: bool) -> None:
         """Switch DBO on or off for the following steps (the benchmark interleaves both).
@@ -157,7 +174,35 @@ class ModelRunner:
         Raises:
             ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
         """
-        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo)
+        self.set_dbo(enable_dbo=enable_dbo)
+
+    def set_dbo(self, *, enable_dbo: bool, **thresholds: int | str) -> None:
+        """Switch DBO and its thresholds (``dbo_decode_token_threshold=…``, ``…prefill…``: an int or
+        "auto") for the following steps, e.g. the benchmark's off / on / adaptive arms.
+
+        Raises:
+            ValueError: as EngineArgs raises it for the new values.
+        """
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo, **thresholds)
+
+    def _local_vote(self, num_tokens: int, is_decode_only: bool) -> tuple[bool, bool]:
+        """(vote, can_ubatch): the static threshold vote (an ``auto`` kind votes whenever it can)
+        and whether this rank could microbatch at all."""
+        a = self.args
+        can_ubatch = a.enable_dbo and num_tokens >= MIN_DBO_THRESHOLD
+        if not can_ubatch:
+            return False, False
+
+        def numeric(threshold: int | str) -> int:
+            return MIN_DBO_THRESHOLD if threshold == AUTO else threshold
+
+        vote = should_ubatch_locally(
+            num_tokens=num_tokens,
+            is_decode_only=is_decode_only,
+            decode_token_threshold=numeric(a.dbo_decode_token_threshold),
+            prefill_token_threshold=numeric(a.dbo_prefill_token_threshold),
+        )
+        return vote, True
 
     def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         # inference_mode is thread-local: each ubatch thread must enter it itself.
@@ -167,11 +212,14 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
         forward = self.run_forward(scheduler_output)
-        sampled, failed = {}, {}
+        sampled, logprobs, failed = {}, {}, {}
         if forward.hidden_states is not None:
-            sampled, failed = self._sample(forward.hidden_states, forward.inputs, scheduler_output)
+            sampled, logprobs, failed = self._sample(
+                forward.hidden_states, forward.inputs, scheduler_output
+            )
         return StepOutput(
             sampled_token_ids=sampled,
+            sampled_logprobs=logprobs,
             failed_request_ids=failed,
             has_work_across_dp=forward.has_work_across_dp,
             ran_model=forward.hidden_states is not None,
@@ -180,6 +228,7 @@ class ModelRunner:
             num_tokens_padded=0
             if forward.inputs is None
             else forward.inputs.attn_metadata.num_tokens,
+            adaptive=forward.adaptive,
         )
 
     def run_forward(self, scheduler_output: SchedulerOutput) -> ForwardOutput:
@@ -190,31 +239,12 @@ class ModelRunner:
         """
         num_tokens = scheduler_output.num_tokens
         has_work = num_tokens > 0
-        vote = (
-            self.args.enable_dbo
-            and has_work
-            and should_ubatch_locally(
-                num_tokens=num_tokens,
-                is_decode_only=scheduler_output.is_decode_only,
-                decode_token_threshold=self.args.dbo_decode_token_threshold,
-                prefill_token_threshold=self.args.dbo_prefill_token_threshold,
-            )
-        )
         g = self.groups
-        with blocking_comm_span("dp_vote"):
-            try:
-                decision = coordinate_batch_across_dp(  # blocking collective (group timeout)
-                    num_tokens=num_tokens,
-                    has_work=has_work,
-                    vote=vote,
-                    dp_group=g.dp_group,
-                    dp_rank=g.dp_rank,
-                    dp_size=g.dp_size,
-                )
-            except RuntimeError as exc:  # gloo's timeout names no collective: say which
-                raise comm_error(
-                    "the DP vote (all_reduce over the DP group)", g.rank, g.timeout, exc
-                ) from exc
+        decision = self._vote(scheduler_output)
+        # The step time the policy compares: from here to the end of the forward, i.e. what
+        # microbatching changes (padding, slicing, the model), not the vote's wait for peers.
+        start_ns = self.clock_ns()
+        self._prev_step_us = 0
         has_work_across_dp = tuple(decision.has_work_across_dp)
         # Without EP there is no collective inside the model: an idle rank need not run a dummy.
         needs_dummy = any(has_work_across_dp) and g.ep_size > 1
@@ -224,6 +254,7 @@ class ModelRunner:
                 inputs=None,
                 has_work_across_dp=has_work_across_dp,
                 is_ubatched=False,
+                adaptive=decision.adaptive,
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = build_model_inputs(
@@ -240,10 +271,13 @@ class ModelRunner:
         # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
         # has the same row count on every rank; telling the all-to-all spares it a blocking
         # count exchange in the overlapped window.
+        # Without microbatching every rank runs max(num_tokens, 1) rows (a dummy row when idle):
+        # known from the vote, so e.g. DeepEP's low-latency dispatch sizes its slots without a
+        # message (vLLM's forward-context DP metadata).
         num_padded_tokens_across_dp = (
             [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
             if ubatch_slices
-            else None
+            else [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
         )
         hidden_states = self.wrapper(
             inputs.input_ids,
@@ -252,24 +286,69 @@ class ModelRunner:
             ubatch_slices,
             num_padded_tokens_across_dp=num_padded_tokens_across_dp,
         )
+        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
+        # clock (host-device sync), or the policy would time the launches only.
+        self._end_step_timing(start_ns, decision)
         return ForwardOutput(
             hidden_states=hidden_states,
             inputs=inputs,
             has_work_across_dp=has_work_across_dp,
             is_ubatched=decision.should_ubatch,
+            adaptive=decision.adaptive,
         )
+
+    def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
+        """This rank's vote and previous step time, all-reduced over DP, and the decision (the
+        adaptive policy's for ``auto`` kinds)."""
+        num_tokens = scheduler_output.num_tokens
+        has_work = num_tokens > 0
+        vote, can_ubatch = self._local_vote(num_tokens, scheduler_output.is_decode_only)
+        g = self.groups
+        with blocking_comm_span("dp_vote"), _naming_dp_vote_errors(g):
+            return coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
+                num_tokens=num_tokens,
+                has_work=has_work,
+                vote=vote,
+                dp_group=g.dp_group,
+                dp_rank=g.dp_rank,
+                dp_size=g.dp_size,
+                is_decode_only=scheduler_output.is_decode_only or not has_work,
+                can_ubatch=can_ubatch,
+                prev_step_us=self._prev_step_us,
+                policy=self.adaptive_policy,
+                adaptive_kinds=self.args.adaptive_dbo_kinds
+                if self.args.enable_dbo
+                else frozenset(),
+            )
+
+    def _end_step_timing(self, start_ns: int, decision: DPMicrobatchDecision) -> None:
+        """Keep this step's time for the next vote; mark an exploration step on the timeline."""
+        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
+        # clock (host-device sync), or the policy would time the launches only.
+        end_ns = self.clock_ns()
+        self._prev_step_us = max((end_ns - start_ns) // 1000, 1)
+        choice = decision.adaptive
+        if choice is not None and choice.is_exploring:
+            arm = "on" if decision.should_ubatch else "off"
+            record_policy_span(
+                f"explore {arm}",
+                start_ns=start_ns,
+                end_ns=end_ns,
+                args={"bucket": choice.bucket.label, "ubatch": decision.should_ubatch},
+            )
 
     def _sample(
         self, hidden_states, inputs: ModelInputs, scheduler_output
-    ) -> tuple[dict[int, int], dict[int, str]]:
-        """(request_id -> sampled token, request_id -> error) for every sampled row.
+    ) -> tuple[dict[int, int], dict[int, TokenLogprobs], dict[int, str]]:
+        """(request_id -> sampled token, request_id -> logprobs of those that asked for them (from
+        the raw logits: vLLM's default), request_id -> error) for every sampled row.
 
         Whatever fails because of one request (its seed, its logits, the sampler on its row) fails
         that request alone: it is returned as an error and the step goes on for every other request,
         so the DP lockstep is never broken by one request's data.
         """
         if not inputs.sampled_request_ids:
-            return {}, {}
+            return {}, {}, {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
             # host syncs: one per step for all rows (argmax and the NaN check)
@@ -280,10 +359,12 @@ class ModelRunner:
         }
         sampled: dict[int, int] = {}
         failed: dict[int, str] = {}
+        logprob_rows: list[int] = []  # rows whose request asked for logprobs
         for row, request_id in enumerate(inputs.sampled_request_ids):
             if has_nan[row]:
                 failed[request_id] = "the model produced NaN logits for this request"
-            elif params[request_id].is_greedy:
+                continue
+            if params[request_id].is_greedy:
                 sampled[request_id] = argmax[row]
             else:
                 try:
@@ -292,12 +373,19 @@ class ModelRunner:
                     )
                 except Exception as e:  # noqa: BLE001 - one request's sampling: fail it alone
                     failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
-        return sampled, failed
+                    continue
+            if params[request_id].logprobs is not None:
+                logprob_rows.append(row)
+        if not logprob_rows:
+            return sampled, {}, failed
+        return sampled, _logprobs_of(logits, logprob_rows, inputs, sampled, params), failed
 
     def _sample_row(self, logits: torch.Tensor, request_id: int, params) -> int:
-        """Sample one token from ``logits`` [vocab_size] at ``params.temperature`` with the
-        request's generator (host sync). Raises whatever torch raises on this row's data."""
+        """Sample one token from ``logits`` [vocab_size] at ``params.temperature`` within
+        ``params.top_p`` with the request's generator (host sync). Raises whatever torch raises on
+        this row's data."""
         probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        probs = apply_top_p(probs, params.top_p)
         generator = self._generator(request_id, params.seed)
         return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -311,3 +399,24 @@ class ModelRunner:
     def release(self, request_id: int) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+
+
+@contextlib.contextmanager
+def _naming_dp_vote_errors(groups):
+    """Re-raise a failed DP vote naming it (gloo's timeout names no collective)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        op = "the DP vote (all_reduce over the DP group)"
+        raise comm_error(op, groups.rank, groups.timeout, exc) from exc
+
+
+def _logprobs_of(
+    logits: torch.Tensor, rows: list[int], inputs: ModelInputs, sampled, params
+) -> dict[int, TokenLogprobs]:
+    """Logprobs of the sampled tokens of ``rows`` (of ``logits``: [num_sampled, vocab_size])."""
+    wanted = [inputs.sampled_request_ids[i] for i in rows]
+    token_ids = torch.tensor([sampled[r] for r in wanted], dtype=torch.int64)
+    with timeline_span("logprobs"):
+        logprobs = compute_logprobs(logits[rows], token_ids, [params[r].logprobs for r in wanted])
+    return dict(zip(wanted, logprobs, strict=True))

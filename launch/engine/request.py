@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from launch.engine.sampler import MAX_LOGPROBS, TokenLogprobs
+
 # vLLM's rules (``vllm.sampling_params``): a temperature below this epsilon means greedy decoding
 # (dividing logits by ~1e-38 or less overflows float32 and sampling would see inf/nan).
 SAMPLING_EPS = 1e-5
@@ -44,7 +46,8 @@ class SamplingParams:
 
     Raises:
         ValueError: if ``max_tokens`` is not an int >= 1, ``temperature`` is not a finite number
-            >= 0, or ``seed`` is outside [-2**63, 2**63 - 1].
+            >= 0, ``seed`` is outside [-2**63, 2**63 - 1], ``top_p`` outside (0, 1] or
+            ``logprobs`` outside [0, 20].
     """
 
     max_tokens: int = 16
@@ -52,6 +55,8 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed when sampling
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
+    top_p: float = 1.0  # nucleus sampling: keep the most likely tokens holding this much mass
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if (
@@ -62,6 +67,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check_temperature(self.temperature)
         check_seed(self.seed)
+        if not 0.0 < self.top_p <= 1.0:  # also refuses nan
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
@@ -86,6 +95,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(
+        default_factory=list
+    )  # if sampling_params.logprobs
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "length", "stop", "abort" or "error" once finished

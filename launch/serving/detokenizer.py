@@ -18,8 +18,14 @@ class Tokenizer:
 
         self._tokenizer = HFTokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a rendered chat template already holds its special tokens, so
+        it is encoded with ``add_special_tokens=False`` (as vLLM and transformers do)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (how logprobs name tokens)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from launch.engine.request import SamplingParams
+from launch.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +38,7 @@ class RequestOutput:
 
     request_id: int
     new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token if the request asked
     finish_reason: str | None = None
     error: Exception | None = None
 
@@ -64,14 +66,18 @@ class EngineBridge:
     # HTTP thread (event loop) side
 
     def submit(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        outputs: asyncio.Queue[RequestOutput] | None = None,
     ) -> tuple[int, asyncio.Queue[RequestOutput]]:
-        """Queue a request for the engine; its id and the queue its outputs arrive on.
+        """Queue a request for the engine; its id and the queue its outputs arrive on
+        (``outputs`` if given: several requests may share one, e.g. the ``n`` choices).
 
         Raises:
             ServerShuttingDown: once the server stopped accepting requests.
         """
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs = asyncio.Queue() if outputs is None else outputs
         with self._lock:  # with stop_accepting: a request is either refused or tracked
             if not self._accepting:
                 raise ServerShuttingDown("the server is shutting down and accepts no new requests")

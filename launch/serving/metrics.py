@@ -57,6 +57,12 @@ class ServerMetrics:
         self.num_preemptions = Gauge(
             f"{PREFIX}_num_preemptions", "Preemptions so far per DP rank", ["dp_rank"], registry=r
         )
+        self.kv_cache_usage = Gauge(
+            f"{PREFIX}_kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use per DP rank (1 = full), as vLLM's",
+            ["dp_rank"],
+            registry=r,
+        )
         self.engine_steps = Counter(
             f"{PREFIX}_engine_steps",
             "Lockstep engine steps in which some rank had work",
@@ -76,15 +82,34 @@ class ServerMetrics:
             buckets=STEP_TIME_BUCKETS,
             registry=r,
         )
+        self.dbo_crossover_tokens = Gauge(
+            f"{PREFIX}_adaptive_crossover_tokens",
+            "Tokens per rank from which adaptive DBO found microbatching to pay, per batch kind "
+            "with --dbo-*-token-threshold auto (+Inf: never so far, NaN: not yet measured)",
+            ["kind"],
+            registry=r,
+        )
+        self.dbo_exploration_steps = Gauge(
+            f"{PREFIX}_adaptive_exploration_steps",
+            "Engine steps the adaptive DBO policy spent exploring (rank 0)",
+            registry=r,
+        )
         for dp_rank in range(dp_size):
             self.update_rank(dp_rank, num_running=0, num_waiting=0, num_preemptions=0)
         self._num_steps = 0
         self._num_ubatched = 0
 
     def update_rank(
-        self, dp_rank: int, *, num_running: int, num_waiting: int, num_preemptions: int
+        self,
+        dp_rank: int,
+        *,
+        num_running: int,
+        num_waiting: int,
+        num_preemptions: int,
+        kv_cache_usage: float = 0.0,
     ) -> None:
         label = str(dp_rank)
+        self.kv_cache_usage.labels(dp_rank=label).set(kv_cache_usage)
         self.num_requests_running.labels(dp_rank=label).set(num_running)
         self.num_requests_waiting.labels(dp_rank=label).set(num_waiting)
         self.num_preemptions.labels(dp_rank=label).set(num_preemptions)
@@ -97,6 +122,14 @@ class ServerMetrics:
             self.ubatched_steps.inc()
         self.ubatched_step_fraction.set(self._num_ubatched / self._num_steps)
         self.step_time.observe(step_time_s)
+
+    def set_dbo_adaptive(
+        self, *, crossover_tokens: dict[str, float], num_exploration_steps: int
+    ) -> None:
+        """The adaptive DBO policy's learned crossover per kind ("decode" / "prefill")."""
+        for kind, value in crossover_tokens.items():
+            self.dbo_crossover_tokens.labels(kind=kind).set(value)
+        self.dbo_exploration_steps.set(num_exploration_steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

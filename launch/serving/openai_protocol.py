@@ -3,16 +3,17 @@
 Follows the OpenAI ``POST /v1/completions`` schema and vLLM's extensions to it
 (``stop_token_ids``, ``ignore_eos``, ``return_token_ids``). Fields outside that schema are ignored,
 as vLLM does; fields of the schema that this engine does not implement are rejected when they ask
-for something other than their default (``n``, ``best_of``, ``echo``, ``logprobs``, ``suffix``).
+for something other than their default (``best_of`` > n, ``suffix``, ``echo`` with ``logprobs``).
+The sampling fields are shared with chat completions (``launch.serving.chat_protocol``).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 from launch.engine.request import MAX_SEED, MIN_SEED, SamplingParams
+from launch.engine.sampler import MAX_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
@@ -27,40 +28,57 @@ class ProtocolError(ValueError):
         self.status = status
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CompletionRequest:
-    """One validated completion request; ``prompt`` is a string or a list of token ids."""
+# Sampling fields of OpenAI / vLLM this engine does not implement: refused unless at their
+# neutral value, so that a client never gets silently different sampling.
+UNSUPPORTED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,),
+                        "repetition_penalty": (1,), "logit_bias": ({},), "top_k": (-1, 0),
+                        "min_p": (0,)}  # fmt: skip
+MAX_N = 64  # choices per request (n x prompts), a guard against one request flooding a rank
 
-    prompt: str | list[int]
-    max_tokens: int
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingOptions:
+    """The sampling fields shared by completions and chat completions, checked.
+
+    ``max_tokens`` None (chat without a limit) means: up to the context length.
+    """
+
+    max_tokens: int | None
     temperature: float
+    top_p: float
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    n: int
     stream: bool
-    return_token_ids: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(
+        self, *, index: int, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        """The engine's parameters for choice ``index`` (of ``n``); with a ``seed``, choice i is
+        seeded ``seed + i`` so that the n choices differ yet each is reproducible."""
         return SamplingParams(
-            max_tokens=self.max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
-            seed=self.seed,
+            top_p=self.top_p,
+            seed=None if self.seed is None else self.seed + index,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
         )
 
 
-def _short(value) -> str:
-    """repr of ``value`` cut to 80 characters (a number of thousands of digits, or a deeply nested
-    list, stays one readable line)."""
-    if _is_int(value) and abs(value) >= 10**40:
-        return f"an integer of {len(str(abs(value)))} digits"
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):  # an int past Python's digit limit, deep nesting
-        return f"a {type(value).__name__}"
-    return text if len(text) <= 80 else text[:77] + "..."
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRequest:
+    """One validated completion request: one or more prompts (strings or token-id tuples)."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    options: SamplingOptions
+    logprobs: int | None  # top logprobs per token (0: the sampled token's only)
+    echo: bool
+    return_token_ids: bool
 
 
 def _is_int(value) -> bool:
@@ -76,30 +94,123 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default, what: str):
     return value
 
 
-def _is_token_list(value) -> bool:
-    return isinstance(value, list) and all(_is_int(t) for t in value)
+def _get_int(body: dict, name: str, default, low: int, high: int):
+    value = _get(body, name, (int,), default, f"an integer in [{low}, {high}]")
+    if value is not None and not low <= value <= high:
+        raise ProtocolError(f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+    return value
 
 
-def _parse_prompt(original) -> str | list[int]:
-    prompt = original
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
+def _parse_prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four prompt forms: a string, a list of strings, a list of token ids, or a list of
+    token-id lists."""
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return list(prompt)
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return (tuple(prompt),)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
     if (
         isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str) or _is_token_list(p) for p in prompt)
+        and prompt
+        and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
     ):
-        raise ProtocolError(
-            f"a batch of {len(prompt)} prompts is not supported; send one prompt per request",
-            param="prompt",
-        )
+        return tuple(tuple(p) for p in prompt)
+    if prompt == []:
+        return ((),)  # refused as "the prompt is empty" by check_prompt_ids
     raise ProtocolError(
-        "'prompt' must be a string or a list of token ids (ints), got " + _short(original),
+        "'prompt' must be a string, a list of strings, a list of token ids (ints) or a list of "
+        "token-id lists, got " + _short(prompt),
         param="prompt",
+    )
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """Raise ProtocolError (404, as OpenAI answers) if ``model`` names another model."""
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ProtocolError(
+            f"The model `{model}` does not exist; this server serves `{model_name}`",
+            param="model",
+            status=404,
+        )
+
+
+def _to_float(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int of hundreds of digits
+        return math.inf
+
+
+def _short(value) -> str:
+    """repr of ``value`` cut to 80 characters (a number of thousands of digits, or a deeply nested
+    list, stays one readable line)."""
+    if _is_int(value) and abs(value) >= 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit, deep nesting
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _parse_seed(body: dict) -> int | None:
+    """vLLM's bound: torch.iinfo(torch.long), which torch.Generator.manual_seed accepts."""
+    seed = _get(body, "seed", (int,), None, "an integer")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ProtocolError(
+            f"'seed' must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {_short(seed)}",
+            param="seed",
+        )
+    return seed
+
+
+def parse_sampling_options(
+    body: dict, *, default_max_tokens: int | None, max_tokens_names: tuple[str, ...]
+) -> SamplingOptions:
+    """The sampling fields of a completions or chat body (the first of ``max_tokens_names`` that
+    is set gives ``max_tokens``). Raises ProtocolError naming the field and the accepted values."""
+    for name, neutral in UNSUPPORTED_SAMPLING.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise ProtocolError(
+                f"'{name}' = {body[name]!r} is not supported (only {neutral[0]!r})", param=name
+            )
+    name = next((n for n in max_tokens_names if body.get(n) is not None), max_tokens_names[0])
+    max_tokens = _get(body, name, (int,), default_max_tokens, "an integer >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ProtocolError(f"'{name}' must be >= 1, got {_short(max_tokens)}", param=name)
+    temperature = _to_float(_get(body, "temperature", (int, float), 1.0, "a number in [0, 2]"))
+    if not 0.0 <= temperature <= 2.0:  # also refuses NaN and inf (Python's json reads both)
+        raise ProtocolError(
+            f"'temperature' must be in [0, 2], got {temperature}", param="temperature"
+        )
+    top_p = _to_float(_get(body, "top_p", (int, float), 1.0, "a number in (0, 1]"))
+    if not 0.0 < top_p <= 1.0:
+        raise ProtocolError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    stop = _get(body, "stop", (str, list), [], "a string or a list of up to 4 strings")
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError(
+            f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, "
+            f"got {_short(stop)}",
+            param="stop",
+        )
+    stop_token_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
+    if not all(_is_int(t) for t in stop_token_ids):
+        raise ProtocolError("'stop_token_ids' must be a list of ints", param="stop_token_ids")
+    stream_options = _get(body, "stream_options", (dict,), {}, "an object")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=_parse_seed(body),
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=_get(body, "ignore_eos", (bool,), False, "a boolean"),
+        n=_get_int(body, "n", 1, 1, MAX_N),
+        stream=_get(body, "stream", (bool,), False, "a boolean"),
+        include_usage=bool(stream_options.get("include_usage", False)),
     )
 
 
@@ -114,65 +225,33 @@ def parse_completion_request(body, *, model_name: str) -> CompletionRequest:
         raise ProtocolError("the request body must be a JSON object")
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise ProtocolError(
-            f"The model `{model}` does not exist; this server serves `{model_name}`",
-            param="model",
-            status=404,
-        )
-    for name, default in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
-        if body.get(name, default) not in (default, None):
-            raise ProtocolError(f"'{name}' = {_short(body[name])} is not supported", param=name)
+    check_model(body, model_name)
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ProtocolError(f"'best_of' = {body['best_of']!r} is not supported", param="best_of")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
-    max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS, "an integer >= 1")
-    if max_tokens < 1:
+    options = parse_sampling_options(
+        body, default_max_tokens=DEFAULT_MAX_TOKENS, max_tokens_names=("max_tokens",)
+    )
+    prompts = _parse_prompts(body["prompt"])
+    if len(prompts) * options.n > MAX_N:
         raise ProtocolError(
-            f"'max_tokens' must be >= 1, got {_short(max_tokens)}", param="max_tokens"
+            f"{len(prompts)} prompts x n = {options.n} choices exceed the limit of {MAX_N}",
+            param="n",
         )
-    temperature = _get(body, "temperature", (int, float), 1.0, "a number in [0, 2]")
-    try:
-        temperature = float(temperature)  # an int of thousands of digits overflows a float
-    except OverflowError:
-        temperature = math.inf
-    if not 0.0 <= temperature <= 2.0:  # also refuses NaN and inf (Python's json reads both)
+    logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = _get(body, "echo", (bool,), False, "a boolean")
+    if echo and logprobs is not None:
         raise ProtocolError(
-            f"'temperature' must be in [0, 2], got {temperature}", param="temperature"
+            "'echo' with 'logprobs' (prompt logprobs) is not supported", param="echo"
         )
-    stop = _get(body, "stop", (str, list), [], "a string or a list of up to 4 strings")
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-        raise ProtocolError(
-            f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, "
-            f"got {_short(stop)}",
-            param="stop",
-        )
-    stop_token_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
-    if not all(_is_int(t) for t in stop_token_ids):
-        raise ProtocolError("'stop_token_ids' must be a list of ints", param="stop_token_ids")
     return CompletionRequest(
-        prompt=_parse_prompt(body["prompt"]),
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=_parse_seed(body),
-        stop=tuple(stop),
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=_get(body, "ignore_eos", (bool,), False, "a boolean"),
-        stream=_get(body, "stream", (bool,), False, "a boolean"),
+        prompts=prompts,
+        options=options,
+        logprobs=logprobs,
+        echo=echo,
         return_token_ids=_get(body, "return_token_ids", (bool,), False, "a boolean"),
     )
-
-
-def _parse_seed(body: dict) -> int | None:
-    """vLLM's bound: torch.iinfo(torch.long), which torch.Generator.manual_seed accepts."""
-    seed = _get(body, "seed", (int,), None, "an integer")
-    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-        raise ProtocolError(
-            f"'seed' must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {_short(seed)}",
-            param="seed",
-        )
-    return seed
 
 
 def check_prompt_ids(
@@ -195,8 +274,8 @@ def check_prompt_ids(
     if num_prompt + max_tokens > max_model_len:
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {_short(num_prompt + max_tokens)} tokens ({num_prompt} in the prompt, "
-            f"{_short(max_tokens)} in the completion). Please reduce the prompt or max_tokens.",
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
             param="prompt" if num_prompt >= max_model_len else "max_tokens",
         )
 
@@ -213,29 +292,3 @@ def error_body(message: str, *, status: int, param: str | None = None) -> dict:
             "code": status,
         }
     }
-
-
-def completion_body(
-    *,
-    request_id: str,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    finish_reason: str | None,
-    usage: dict | None,
-    created: int | None = None,
-) -> dict:
-    """A ``text_completion`` object (a whole response, or one streamed chunk) with one choice."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body

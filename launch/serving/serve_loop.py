@@ -53,6 +53,7 @@ class RankReport:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    kv_cache_usage: float = 0.0  # fraction of this rank's KV blocks in use
     wants_shutdown: bool = False  # this rank got SIGTERM
     ran_step: bool = False
     is_ubatched: bool = False
@@ -140,9 +141,6 @@ class ServeLoop:
         shutting_down = not bridge.is_accepting
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
         for request_id in aborts:
-            if self.load_balancer.owner.get(request_id) is not None and self.metrics is not None:
-                # still open in the engine: it ends here (client gone, or a stop string matched)
-                self.metrics.requests_finished.labels(finish_reason="abort").inc()
             self.load_balancer.close(request_id)
         assignments = tuple((self.load_balancer.assign(r.request_id), r) for r in new)
         if self.metrics is not None:
@@ -184,10 +182,16 @@ class ServeLoop:
                     num_running=report.num_running,
                     num_waiting=report.num_waiting,
                     num_preemptions=report.num_preemptions,
+                    kv_cache_usage=report.kv_cache_usage,
                 )
         if self.metrics is not None and reports[0].ran_step:
             self.metrics.record_step(
                 is_ubatched=reports[0].is_ubatched, step_time_s=reports[0].step_time_s
+            )
+            # rank 0's policy: every rank's is identical (fed the same combined vote data)
+            self.metrics.set_dbo_adaptive(
+                crossover_tokens=self.engine.dbo_crossover_tokens(),
+                num_exploration_steps=self.engine.stats.num_dbo_exploration_steps,
             )
 
     def _apply(self, orders: ControlOrders) -> None:
@@ -209,6 +213,10 @@ class ServeLoop:
         for request_id in orders.aborts:
             if self.engine.abort_request(request_id) is not None:
                 self._num_sent.pop(request_id, None)
+                # reported so that rank 0 counts it (requests_finished{finish_reason="abort"})
+                self._error_outputs.append(
+                    RequestOutput(request_id=request_id, finish_reason="abort")
+                )
 
     def _step(self) -> RankReport:
         stats = self.engine.stats
@@ -243,6 +251,7 @@ class ServeLoop:
             RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=tuple(request.output_token_ids[num_sent:]),
+                new_logprobs=tuple(request.output_logprobs[num_sent:]),
                 finish_reason=request.finish_reason,
             )
         ]
@@ -256,6 +265,7 @@ class ServeLoop:
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
             num_preemptions=self.engine.stats.num_preemptions,
+            kv_cache_usage=engine.kv_cache_usage,
             wants_shutdown=self.stop_requested(),
             ran_step=ran_step,
             **step,

@@ -4,6 +4,9 @@ Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_exp
 H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
 
 ``forward_native`` loops over the local experts (one gather + three GEMMs each);
+``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
+batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
+returning UNWEIGHTED outputs (that combine weights);
 ``forward_cpu`` sorts the pairs by expert once and runs each projection as ONE grouped GEMM over
 the per-expert row groups (``torch._grouped_mm``, which torch >= 2.8 provides on CPU); where torch
 lacks it, it is the reference loop. ``python -m moe.bench_experts`` measures both.
@@ -23,12 +26,12 @@ MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
 GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-# torch._grouped_mm takes float32, bfloat16 and float16 only; float64 (exactness tests) loops.
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch._grouped_mm's dtypes; float64 (exact comparisons) takes the reference loop
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _has_grouped_mm(dtype: torch.dtype) -> bool:
-    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_MM_DTYPES
+def _has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
 
 
 @CustomOp.register("experts")
@@ -143,9 +146,8 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``); the
-        per-expert loop for dtypes ``torch._grouped_mm`` does not take (float64)."""
-        if not _has_grouped_mm(hidden_states.dtype):
+        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
+        if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         self._check(hidden_states, topk_ids, topk_weights)
         out = torch.zeros_like(hidden_states)
@@ -163,4 +165,40 @@ class TorchExperts(CustomOp):
         y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
         y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
         out.index_add_(0, token_idx, y)
+        return out
+
+    def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
+        """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
+
+        Args:
+            hidden_states: ``[E, M, H]``, dtype of the weights; rows past the count of their
+                expert are ignored (DeepEP leaves them unspecified).
+            expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``.
+
+        Returns:
+            ``[E, M, H]`` in hidden_states' dtype: ``out[l, :n_l] = W2_l (silu(W1_l x) * W3_l x)``,
+            rows past ``n_l`` zero.
+
+        Raises:
+            ValueError: on a shape mismatch or a count outside ``[0, M]``.
+        """
+        num_experts, max_tokens = self.num_local_experts, hidden_states.shape[1]
+        if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
+            raise ValueError(
+                f"hidden_states must be [{num_experts}, max_tokens, {self.hidden_size}], got "
+                f"{tuple(hidden_states.shape)}"
+            )
+        # blocking host sync: the per-expert row counts size the GEMMs
+        counts = expert_num_tokens.tolist()
+        if len(counts) != num_experts or not all(0 <= n <= max_tokens for n in counts):
+            raise ValueError(
+                f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
+            )
+        out = torch.zeros_like(hidden_states)
+        for expert, count in enumerate(counts):  # a loop over experts, not over tokens
+            if count == 0:
+                continue
+            x = hidden_states[expert, :count]
+            h = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t())
+            out[expert, :count] = h @ self.w2[expert].t()
         return out

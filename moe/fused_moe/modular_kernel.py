@@ -29,9 +29,11 @@ from dbo.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
     dbo_yield,
 )
-from distributed import CommHandle
+from distributed import BatchedDispatchResult, CommHandle
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
@@ -130,14 +132,16 @@ class FusedMoEModularKernel:
         # Complete the other ubatch's in-flight transfer before issuing ours (vLLM order).
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
+        dbo_switch_to_comm()  # CUDA under DBO: issue on this ubatch's comm stream (else no-op)
         dispatch = self.prepare_finalize.prepare(
             hidden_states,
             topk_ids,
             topk_weights,
             async_op=is_async,
-            # under DBO the DP ranks agreed on every ubatch's size: no count exchange needed
+            # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
             num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
         )
+        dbo_switch_to_compute()
         _record_issue("dispatch", issue_ns, dispatch)
         if is_async:
             dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
@@ -146,13 +150,21 @@ class FusedMoEModularKernel:
         _record_comm("dispatch", dispatch)
 
         with timeline_span("experts"):
-            expert_output = self.experts.apply(
-                result.hidden_states, result.topk_ids, result.topk_weights
-            )
+            if isinstance(result, BatchedDispatchResult):
+                # DeepEP low-latency layout: per-expert rows, weights applied by the combine
+                expert_output = self.experts.apply_batched(
+                    result.hidden_states, result.expert_num_tokens
+                )
+            else:
+                expert_output = self.experts.apply(
+                    result.hidden_states, result.topk_ids, result.topk_weights
+                )
 
         dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
+        dbo_switch_to_comm()
         combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
+        dbo_switch_to_compute()
         _record_issue("combine", issue_ns, combine)
         shared_output = None
         if shared_experts is not None:

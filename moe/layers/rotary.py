@@ -131,13 +131,23 @@ class RotaryEmbedding(CustomOp):
         cos, sin = self._cos_sin_f32(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
-    def forward_cpu(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+    def _table(self, device: torch.device) -> Tensor:
         cache = self._cos_sin_cache
-        if cache is None or cache.device != positions.device:
-            table = torch.arange(self.max_position_embeddings, device=positions.device)
+        if cache is None or cache.device != device:
+            table = torch.arange(self.max_position_embeddings, device=device)
             cache = torch.cat(self._cos_sin_f32(table), dim=-1)
             self._cos_sin_cache = cache
+        return cache
+
+    def forward_cpu(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        cache = self._table(positions.device)
         if positions.numel() and int(positions.max()) >= cache.shape[0]:  # host sync: bound check
             return self.forward_native(positions, query, key)
-        cos, sin = cache[positions].chunk(2, dim=-1)
+        return self.forward_table(positions, query, key)
+
+    def forward_table(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """``forward_cpu`` without its bound check (no host sync, so it traces into a graph): the
+        caller guarantees ``0 <= positions < max_position_embeddings`` (the engine does: prompts
+        and outputs stop at ``max_model_len`` <= ``max_position_embeddings``)."""
+        cos, sin = self._table(positions.device)[positions].chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -98,8 +98,8 @@ class MoEForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """hidden_states [num_tokens, hidden_size] -> logits [num_tokens, vocab_size], float32
-        (float64 when the model runs in float64, for exactness tests)."""
+        """hidden_states [num_tokens, hidden_size] -> logits [num_tokens, vocab_size] float32
+        (float64 for a float64 model: exact comparisons)."""
         logits = self.lm_head(hidden_states)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

@@ -15,8 +15,9 @@ from tests.helpers.distributed import run_distributed
 
 
 def rows(*per_rank):
-    """(num_tokens, vote, has_work) per rank -> [dp_size, 3] int64."""
-    return torch.tensor(per_rank, dtype=torch.int64)
+    """(num_tokens, vote, has_work) per rank -> the [dp_size, 6] int64 vote table (decode-only,
+    can_ubatch = vote, no step time: the static columns)."""
+    return torch.tensor([(*r, 1, r[1], 0) for r in per_rank], dtype=torch.int64)
 
 
 def test_should_ubatch_locally_uses_the_threshold_of_the_batch_kind():
@@ -64,8 +65,8 @@ def test_abort_when_a_second_ubatch_would_be_empty():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 3\], got shape \(2, 4\)"):
-        decide_from_gathered(torch.zeros(2, 4, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 6\], got shape \(2, 3\)"):
+        decide_from_gathered(torch.zeros(2, 3, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
         decide_from_gathered(rows((1, 1, 1), (1, 1, 1)), 2)
     with pytest.raises(ValueError, match="dp_group is required"):

@@ -17,7 +17,7 @@ from distributed import (
     BACKENDS,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
-    DispatchResult,
+    BatchedDispatchResult,
     init_distributed,
     make_all2all_backend,
 )
@@ -37,11 +37,16 @@ TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (3e-2, 3e-2)}
 # ---------------------------------------------------------------- inputs and reference experts
 
 
-def make_inputs(seed: int, rank: int, num_tokens: int, num_topk: int, num_experts: int, dtype):
-    """Rank ``rank``'s (hidden_states, topk_ids, topk_weights); -1 in some slots when num_topk > 1."""
+def make_inputs(
+    seed: int, rank: int, num_tokens: int, num_topk: int, num_experts: int, dtype, skew=False
+):
+    """Rank ``rank``'s (hidden_states, topk_ids, topk_weights); -1 in some slots when num_topk > 1.
+    ``skew``: every token picks experts 0, 1, … (all on the first ranks: the others get nothing)."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     hidden_states = torch.randn(num_tokens, HIDDEN_SIZE, generator=gen).to(dtype)
     topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :num_topk]
+    if skew:
+        topk_ids = torch.arange(num_topk).expand(num_tokens, num_topk).clone()
     topk_weights = torch.rand(num_tokens, num_topk, generator=gen)
     topk_weights /= topk_weights.sum(dim=1, keepdim=True)
     if num_topk > 1 and num_tokens > 1:
@@ -78,13 +83,18 @@ def assert_close(actual, expected, *, atol: float, rtol: float) -> None:
 # ---------------------------------------------------------------- per-rank checks
 
 
+def _case_inputs(case, rank, seed=None):
+    return make_inputs(
+        case["seed"] if seed is None else seed, rank, case["counts"][rank], case["num_topk"],
+        case["num_experts"], case["dtype"], skew=case.get("skew", False),
+    )  # fmt: skip
+
+
 def _expected_rows(case, ep_rank, num_local_experts):
     """Rows ep_rank must receive, in (source rank, token) order, with local ids and weights."""
     rows = ([], [], [])
-    for src, num_tokens in enumerate(case["counts"]):
-        x, ids, w = make_inputs(
-            case["seed"], src, num_tokens, case["num_topk"], case["num_experts"], case["dtype"]
-        )
+    for src in range(len(case["counts"])):
+        x, ids, w = _case_inputs(case, src)
         local_ids, local_w = localize_topk(ids, w, ep_rank, num_local_experts=num_local_experts)
         keep = (local_ids >= 0).any(dim=1)
         for store, value in zip(rows, (x[keep], local_ids[keep], local_w[keep]), strict=True):
@@ -92,15 +102,73 @@ def _expected_rows(case, ep_rank, num_local_experts):
     return tuple(torch.cat(parts) for parts in rows)
 
 
-def _assert_same_result(a: DispatchResult, b: DispatchResult) -> None:
+def _expected_batched_rows(case, ep_rank, num_local_experts) -> list[torch.Tensor]:
+    """Per local expert, the rows it must receive (DeepEP low latency: once per (token, expert)),
+    in (source rank, token) order."""
+    first = ep_rank * num_local_experts
+    rows: list[list[torch.Tensor]] = [[] for _ in range(num_local_experts)]
+    for src in range(len(case["counts"])):
+        x, ids, _ = _case_inputs(case, src)
+        for local in range(num_local_experts):
+            rows[local].append(x[(ids == first + local).any(dim=1)])
+    return [torch.cat(parts) for parts in rows]
+
+
+def _valid_batched(result: BatchedDispatchResult) -> list[torch.Tensor]:
+    counts = result.expert_num_tokens.tolist()
+    return [result.hidden_states[local, :n] for local, n in enumerate(counts)]
+
+
+def _assert_same_result(a, b) -> None:
+    if isinstance(a, BatchedDispatchResult):
+        assert torch.equal(a.expert_num_tokens, b.expert_num_tokens)
+        for rows_a, rows_b in zip(_valid_batched(a), _valid_batched(b), strict=True):
+            assert torch.equal(rows_a, rows_b)
+        return
     for name in ("hidden_states", "topk_ids", "topk_weights"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+def run_experts(result, scales, first_expert: int) -> torch.Tensor:
+    """The reference experts on a dispatch result, in its format: weighted rows (standard) or
+    unweighted per-expert outputs with rows past the counts left at zero (batched)."""
+    if isinstance(result, BatchedDispatchResult):
+        out = torch.zeros(result.hidden_states.shape, dtype=torch.float32)
+        for local, rows in enumerate(_valid_batched(result)):
+            out[local, : rows.shape[0]] = rows.float() * scales[first_expert + local]
+        return out.to(result.hidden_states.dtype)
+    return apply_experts(
+        result.hidden_states, result.topk_ids, result.topk_weights, scales, first_expert
+    ).to(result.hidden_states.dtype)
+
+
+def _check_received(result, case, ep_rank, backend) -> int:
+    """Assert ``result`` holds exactly the rows ``ep_rank`` must receive; return their count."""
+    dtype = case["dtype"]
+    if isinstance(result, BatchedDispatchResult):
+        assert result.hidden_states.dtype == dtype
+        assert result.expert_num_tokens.dtype == torch.int32
+        capacity = result.metadata.num_max_dispatch_tokens_per_rank
+        assert result.hidden_states.shape == (
+            backend.num_local_experts, backend.ep_size * capacity, HIDDEN_SIZE
+        )  # fmt: skip
+        expected = _expected_batched_rows(case, ep_rank, backend.num_local_experts)
+        for rows, exp in zip(_valid_batched(result), expected, strict=True):
+            assert torch.equal(rows, exp)
+        return int(result.expert_num_tokens.sum())
+    exp_x, exp_ids, exp_w = _expected_rows(case, ep_rank, backend.num_local_experts)
+    assert result.hidden_states.dtype == dtype and result.topk_ids.dtype == torch.int64
+    assert result.topk_weights.dtype == torch.float32
+    assert torch.equal(result.hidden_states, exp_x)
+    assert torch.equal(result.topk_ids, exp_ids)
+    assert torch.equal(result.topk_weights, exp_w)
+    return result.metadata.num_recv_tokens
+
+
 def _run_case(backend, case, ep_rank) -> dict:
     dtype, seed = case["dtype"], case["seed"]
-    num_topk, num_experts = case["num_topk"], case["num_experts"]
-    x, ids, w = make_inputs(seed, ep_rank, case["counts"][ep_rank], num_topk, num_experts, dtype)
+    num_experts = case["num_experts"]
+    x, ids, w = _case_inputs(case, ep_rank)
     scales = expert_scales(seed, num_experts)
     first_expert = ep_rank * backend.num_local_experts
 
@@ -110,18 +178,11 @@ def _run_case(backend, case, ep_rank) -> dict:
     result = handle.wait()
     assert handle.wait() is result
     assert handle.completed_at_ns is not None and handle.completed_at_ns >= handle.issued_at_ns
-    exp_x, exp_ids, exp_w = _expected_rows(case, ep_rank, backend.num_local_experts)
-    assert result.hidden_states.dtype == dtype and result.topk_ids.dtype == torch.int64
-    assert result.topk_weights.dtype == torch.float32
-    assert torch.equal(result.hidden_states, exp_x)
-    assert torch.equal(result.topk_ids, exp_ids)
-    assert torch.equal(result.topk_weights, exp_w)
+    num_recv_tokens = _check_received(result, case, ep_rank, backend)
 
     # experts → sync combine equals the single-process reference
     def experts(res):
-        return apply_experts(
-            res.hidden_states, res.topk_ids, res.topk_weights, scales, first_expert
-        ).to(dtype)
+        return run_experts(res, scales, first_expert)
 
     combine = backend.combine(experts(result), result.metadata)
     out = combine.wait()
@@ -132,9 +193,7 @@ def _run_case(backend, case, ep_rank) -> dict:
     assert_close(out, reference, atol=atol, rtol=rtol)
 
     # async, two "ubatches" in flight and waited in reverse order: same as sync
-    x2, ids2, w2 = make_inputs(
-        seed + 1, ep_rank, case["counts"][ep_rank], num_topk, num_experts, dtype
-    )
+    x2, ids2, w2 = _case_inputs(case, ep_rank, seed=seed + 1)
     h_a = backend.dispatch(x, ids, w, async_op=True)
     h_b = backend.dispatch(x2, ids2, w2, async_op=True)
     res_b, res_a = h_b.wait(), h_a.wait()
@@ -151,15 +210,16 @@ def _run_case(backend, case, ep_rank) -> dict:
         assert h.completed_at_ns is not None and h.completed_at_ns >= h.issued_at_ns
         assert h.num_bytes >= 0
 
-    # token counts known to the caller (as under DBO): same rows; allgather skips its count exchange
+    # token counts known to the caller (as under DBO): same rows; only the backends whose count
+    # exchange depends on the routing (all_to_all, DeepEP HT's notify) still block on one
     h_known = backend.dispatch(x, ids, w, async_op=True, num_tokens_across_ep=case["counts"])
     _assert_same_result(h_known.wait(), result)
-    assert (h_known.notify_ns is None) == (backend.name == "allgather_reducescatter")
+    assert (h_known.notify_ns is None) == (not backend.blocks_under_dbo)
     wrong = list(case["counts"])
     wrong[ep_rank] += 1
     with pytest.raises(ValueError, match=r"num_tokens_across_ep=.* entry \d+ equal to this rank"):
         backend.dispatch(x, ids, w, num_tokens_across_ep=wrong)
-    return {"num_recv_tokens": result.metadata.num_recv_tokens}
+    return {"num_recv_tokens": num_recv_tokens, "skew": case.get("skew", False)}
 
 
 def _all2all_rank(rank: int, world_size: int, cases: list[dict]) -> list:
@@ -175,6 +235,8 @@ def _all2all_rank(rank: int, world_size: int, cases: list[dict]) -> list:
             ep_size=groups.ep_size,
             num_experts=case["num_experts"],
             timeout=groups.timeout,
+            # DeepEP LL: sized for the largest rank, which dispatches at the capacity limit
+            num_max_dispatch_tokens_per_rank=max(1, *case["counts"]),
         )
         summaries.append(_run_case(backend, case, groups.ep_rank))
     if world_size == 2:
@@ -201,7 +263,9 @@ def _with_fallback_collectives(groups, case) -> dict:
             "allgather_reducescatter", ep_group=groups.ep_group, ep_rank=groups.ep_rank,
             ep_size=groups.ep_size, num_experts=case["num_experts"], timeout=groups.timeout,
         )  # fmt: skip
-        return _run_case(backend, {**case, "counts": [3, 5], "num_topk": 2}, groups.ep_rank)
+        return _run_case(
+            backend, {**case, "counts": [3, 5], "num_topk": 2, "skew": False}, groups.ep_rank
+        )
     finally:
         for name, fn in saved.items():
             if fn is None:
@@ -237,10 +301,15 @@ def _cross_thread_waits(groups) -> dict:
     return checked
 
 
+# Backends that exchange a header before the payload, which checks the row format: DeepEP's low
+# latency protocol has none (like DeepEP, it requires every rank to pass the same shapes).
+CHECKS_ROW_FORMAT = [name for name in BACKENDS if name != "deepep_low_latency"]
+
+
 def _mismatch_and_timeout(groups) -> dict:
     """Row-format mismatch → ValueError on every rank; a peer that never joins → TimeoutError."""
     errors = {}
-    for name in BACKENDS:
+    for name in CHECKS_ROW_FORMAT:
         backend = make_all2all_backend(
             name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
             timeout=groups.timeout,
@@ -267,11 +336,16 @@ def _mismatch_and_timeout(groups) -> dict:
 
 
 def _cases(world_size: int) -> list[dict]:
-    counts = {2: [[5, 0], [0, 0]], 4: [[7, 0, 3, 12], [1, 2, 0, 0]]}[world_size]
+    # per world size: (counts, num_topk, skew); the skewed case sends every token to experts
+    # 0..num_topk-1, so the last ranks receive nothing and one expert's slots fill to capacity
+    specs = {
+        2: [([5, 0], 3, False), ([0, 0], 1, False), ([4, 6], 1, True)],
+        4: [([7, 0, 3, 12], 3, False), ([1, 2, 0, 0], 1, False), ([3, 5, 0, 2], 2, True)],
+    }[world_size]
     cases = []
     for backend in BACKENDS:
         for dtype in (torch.float32, torch.bfloat16):
-            for i, (case_counts, num_topk) in enumerate(zip(counts, (3, 1), strict=True)):
+            for i, (case_counts, num_topk, skew) in enumerate(specs):
                 cases.append(
                     {
                         "backend": backend,
@@ -279,6 +353,7 @@ def _cases(world_size: int) -> list[dict]:
                         "counts": case_counts,
                         "num_topk": num_topk,
                         "num_experts": 8,
+                        "skew": skew,
                         "seed": 10 * i + (dtype == torch.bfloat16),
                     }
                 )
@@ -288,14 +363,14 @@ def _cases(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_experts_combine_matches_reference(world_size):
     cases = _cases(world_size)
-    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=90)
+    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240)
     for rank, summaries in enumerate(results):
         assert len(summaries) == len(cases) + 3 * (world_size == 2)
         if world_size == 2:
             assert summaries[-3] == dict.fromkeys(BACKENDS, True)  # cross-thread waits
             assert summaries[-2]["num_recv_tokens"] > 0  # fallback collectives
             errors = summaries[-1]
-            for name in BACKENDS:
+            for name in CHECKS_ROW_FORMAT:
                 assert "differ across EP ranks" in errors[name], (rank, errors)
             if rank == 0:
                 assert "all_to_all dispatch count exchange on rank 0" in errors["timeout"]
@@ -303,6 +378,11 @@ def test_dispatch_experts_combine_matches_reference(world_size):
     # rank 1 of the first 2-rank case has 0 tokens of its own but receives some
     if world_size == 2:
         assert results[1][0]["num_recv_tokens"] > 0
+    # skewed routing: the last rank receives nothing, the first receives every token
+    for i, case in enumerate(cases):
+        if case["skew"]:
+            assert results[-1][i]["num_recv_tokens"] == 0, (case, results[-1][i])
+            assert results[0][i]["num_recv_tokens"] > 0, (case, results[0][i])
 
 
 # ---------------------------------------------------------------- single-process unit tests
@@ -341,7 +421,9 @@ def _local_backend(name: str = "all_to_all", num_experts: int = 4):
 
 
 def test_make_all2all_backend_names_accepted_backends():
-    assert sorted(BACKENDS) == ["all_to_all", "allgather_reducescatter"]
+    assert list(BACKENDS) == [
+        "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
+    ]  # fmt: skip
     assert BACKENDS["all_to_all"] is AllToAllBackend
     assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterBackend
     with pytest.raises(ValueError, match=r"unknown all2all backend 'deepep'.*'all_to_all'"):
@@ -371,7 +453,8 @@ def test_dispatch_and_combine_reject_bad_inputs(name):
     with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):
         backend.dispatch(x.long(), ids, w)
     result = backend.dispatch(x, ids, w).wait()
-    with pytest.raises(ValueError, match=r"expert_output must be floating \[3, 4\]"):
+    expected = r"\[3, 4\]" if backend.activation_format == "standard" else r"\[4, 128, 4\]"
+    with pytest.raises(ValueError, match=rf"expert_output must be floating {expected}"):
         backend.combine(torch.zeros(2, 4), result.metadata)
     other = _local_backend(next(n for n in BACKENDS if n != name))
     with pytest.raises(ValueError, match=r"metadata must come from dispatch on this"):
@@ -384,7 +467,65 @@ def test_single_rank_backend_round_trip(name):
     x, ids, w = make_inputs(3, 0, 6, 2, 4, torch.float32)
     scales = expert_scales(3, 4)
     result = backend.dispatch(x, ids, w, async_op=True).wait()
-    out = backend.combine(apply_experts(
-        result.hidden_states, result.topk_ids, result.topk_weights, scales, 0
-    ), result.metadata).wait()  # fmt: skip
+    out = backend.combine(run_experts(result, scales, 0), result.metadata).wait()
     assert_close(out, apply_experts(x, ids, w, scales, 0), atol=1e-6, rtol=1e-6)
+
+
+def _local_buffer(capacity: int):
+    from distributed.all2all.deepep_buffer import TorchDistributedBuffer
+
+    return TorchDistributedBuffer(
+        None, rank=0, num_ranks=1, timeout=datetime.timedelta(seconds=5),
+        num_max_dispatch_tokens_per_rank=capacity,
+    )  # fmt: skip
+
+
+def test_low_latency_hook_completes_the_receive():
+    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after hook()."""
+    buffer = _local_buffer(4)
+    x = torch.arange(12.0).view(3, 4)
+    ids = torch.tensor([[1, 0], [1, -1], [0, 1]])
+    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+        x, ids, 4, 2, use_fp8=False, return_recv_hook=True
+    )
+    assert recv_count.tolist() == [0, 0] and not bool(handle.is_received)
+    hook()
+    assert recv_count.tolist() == [2, 3]
+    assert torch.equal(recv_x[0, :2], x[[0, 2]]) and torch.equal(recv_x[1, :3], x)
+    hook()  # idempotent
+    weights = torch.tensor([[0.5, 0.25], [1.0, 0.0], [2.0, 3.0]])
+    combined, _, hook = buffer.low_latency_combine(
+        2 * recv_x, ids, weights, handle, return_recv_hook=True
+    )
+    hook()
+    expected = 2 * x * torch.tensor([[0.75], [1.0], [5.0]])
+    assert torch.equal(combined, expected)
+
+
+def test_low_latency_capacity_limit():
+    """At its limit a dispatch fills one expert's slots; one token more is refused, naming both."""
+    backend = make_all2all_backend(
+        "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
+        timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=5,
+    )  # fmt: skip
+    x, w = torch.randn(5, 3), torch.ones(5, 1)
+    ids = torch.zeros(5, 1, dtype=torch.long)  # every token to expert 0
+    result = backend.dispatch(x, ids, w).wait()
+    assert result.expert_num_tokens.tolist() == [5, 0, 0, 0]
+    assert torch.equal(result.hidden_states[0], x)
+    with pytest.raises(
+        ValueError,
+        match=r"dispatch of 6 tokens per rank exceeds num_max_dispatch_tokens_per_rank=5",
+    ):
+        backend.dispatch(torch.randn(6, 3), torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1))
+    with pytest.raises(ValueError, match=r"dispatch of 7 tokens per rank exceeds .*=5"):
+        backend.dispatch_capacity(5, [5, 7])  # another rank's agreed count is checked too
+    assert backend.dispatch_capacity(3, [3, 2]) == 3  # the call's slots: the agreed max
+    assert backend.dispatch_capacity(0, [0, 0]) == 1 and backend.dispatch_capacity(2, None) == 5
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank must be >= 1, got 0"):
+        make_all2all_backend(
+            "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
+            timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
+        _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)

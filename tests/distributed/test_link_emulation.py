@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed import (
+    BACKENDS,
     CollectiveHandle,
     EmulatedLink,
     LinkSpec,
@@ -60,7 +61,7 @@ def _delayed_rank(rank: int, world_size: int) -> list[dict]:
     groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
     spec = LinkSpec(latency_us=LATENCY_US, gbps=GBPS)
     out = []
-    for name in ("all_to_all", "allgather_reducescatter"):
+    for name in BACKENDS:  # DeepEP's protocols bill their transfers on the same link
         backend = make_all2all_backend(
             name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=groups.ep_size,
             num_experts=4, timeout=groups.timeout, link=EmulatedLink(spec),

@@ -113,3 +113,32 @@ def stream(base_url: str, body: dict, *, timeout: float = 120) -> list:
             payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def run_offline_generate(
+    tmp: Path, model_dir: str, prompts: list[list[int]], *flags: str, timeout: float = 180
+) -> list[list[int]]:
+    """Greedy ``launch.generate`` on 2 ranks (``flags`` as given) over ``prompts``; the output
+    token ids of each prompt, in order."""
+    prompts_file, out = tmp / "prompts.jsonl", tmp / "out.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    proc = subprocess.run(
+        torchrun_command(
+            2,
+            "launch.generate",
+            f"--model={model_dir}",
+            f"--prompts={prompts_file}",
+            f"--output={out}",
+            "--data-parallel-size=2",
+            *flags,
+        ),
+        cwd=REPO,
+        env={**os.environ, **TORCHRUN_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"launch.generate failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()]

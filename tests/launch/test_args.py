@@ -19,17 +19,39 @@ from launch.generate import build_parser, check_prompts, load_prompts
         ),
         (
             {"all2all_backend": "nccl"},
-            r"'nccl' is not supported; choose one of \('all_to_all', 'allgather_reducescatter'\)",
+            r"'nccl' is not supported; choose one of \('all_to_all', 'allgather_reducescatter', "
+            r"'deepep_high_throughput', 'deepep_low_latency'\)",
         ),
         ({"dtype": "float16"}, r"--dtype 'float16' is not supported"),
         ({"max_num_seqs": 0}, r"--max-num-seqs must be >= 1, got 0"),
-        ({"dbo_decode_token_threshold": 1}, r"--dbo-decode-token-threshold must be >= 2"),
+        (
+            {"dbo_decode_token_threshold": 1},
+            r"--dbo-decode-token-threshold must be an integer >= 2 or 'auto', got 1",
+        ),
+        (
+            {"dbo_prefill_token_threshold": "fast"},
+            r"--dbo-prefill-token-threshold must be an integer >= 2 or 'auto', got 'fast'",
+        ),
         ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
     ],
 )
 def test_bad_engine_args(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         EngineArgs(**kwargs)
+
+
+def test_default_all2all_backend_never_blocks_under_dbo():
+    from distributed import BACKENDS
+
+    dbo = {"enable_dbo": True, "enable_expert_parallel": True, "data_parallel_size": 2}
+    assert EngineArgs(**dbo).all2all_backend == "deepep_low_latency"
+    assert not BACKENDS[EngineArgs(**dbo).all2all_backend].blocks_under_dbo
+    assert EngineArgs().all2all_backend == "all_to_all"
+    for name in BACKENDS:  # an explicit choice is kept, DBO or not
+        assert EngineArgs(**dbo, all2all_backend=name).all2all_backend == name
+        assert EngineArgs(all2all_backend=name).all2all_backend == name
+    ns = build_parser().parse_args(["--enable-dbo"])
+    assert ns.all2all_backend is None  # resolved by EngineArgs, which knows --enable-dbo
 
 
 def test_world_size_must_match_data_parallel_size():
@@ -43,6 +65,23 @@ def test_parser_errors_are_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "invalid choice: 'bogus'" in err
+
+
+def test_dbo_thresholds_take_a_number_or_auto(capsys):
+    from launch.engine.arg_utils import engine_args_from_namespace
+
+    ns = build_parser().parse_args(
+        ["--dbo-decode-token-threshold", "auto", "--dbo-prefill-token-threshold", "256"]
+    )
+    args = engine_args_from_namespace(ns)
+    assert args.dbo_decode_token_threshold == "auto" and args.dbo_prefill_token_threshold == 256
+    assert args.adaptive_dbo_kinds == frozenset({"decode"})
+    assert EngineArgs().adaptive_dbo_kinds == frozenset()
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--dbo-decode-token-threshold", "fast"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected an integer >= 2 or 'auto', got 'fast'" in err
 
 
 def test_load_prompts_names_the_bad_line(tmp_path):

@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+from launch.bench import balanced_order, parse_arms
+from launch.benchmarks.report import make_record
 from launch.benchmarks.workload import BatchSpec, parse_batches
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 
@@ -25,6 +27,54 @@ def test_parse_batches():
     ]
     with pytest.raises(ValueError, match="bad entry 'mixed:4'"):
         parse_batches("mixed:4")
+
+
+def test_arms_and_their_balanced_order():
+    assert parse_arms("off,on,adaptive") == ("off", "on", "adaptive")
+    for bad in ("off,adaptive", "off,on,on", "off,on,dbo"):
+        with pytest.raises(ValueError, match="need off and on, optionally adaptive, each once"):
+            parse_arms(bad)
+    arms = ("off", "on", "adaptive")
+    rounds = [balanced_order(arms, i) for i in range(6)]
+    # every arm runs once per round, and over 6 rounds each arm follows each other arm as often
+    assert all(sorted(r) == sorted(arms) for r in rounds)
+    follows = [(r[k - 1], r[k]) for r in rounds for k in (1, 2)]
+    assert len(set(follows)) == 6 and all(follows.count(p) == 2 for p in set(follows))
+
+
+def _step(arm, step_ms, *, is_ubatched=False, exploring=False):
+    zeros = dict.fromkeys(("exposed_comm_ms", "overlap_ratio", "baton_pass_us_median"), 0.0)
+    return {**zeros, "compute_ms": 1.0, "comm_ms": 1.0, "arm": arm, "dbo": arm != "off", "exploring": exploring, "step_ms": step_ms,
+            "is_ubatched": is_ubatched, "num_baton_passes": 0, "num_spans": 1}  # fmt: skip
+
+
+def test_record_of_the_adaptive_arm_against_the_better_static_one():
+    per_rank = [
+        [
+            _step("adaptive", 50.0, exploring=True),
+            _step("adaptive", 40.0, is_ubatched=True, exploring=True),
+            {**_step("off", 10.0 + r), "round": 0},
+            {**_step("on", 8.0 + r, is_ubatched=True), "round": 0},
+            {**_step("adaptive", 8.4 + r, is_ubatched=True), "round": 0},
+            {**_step("adaptive", 18.0 + r, is_ubatched=True), "round": 1},  # a slow round:
+            {**_step("on", 16.0 + r, is_ubatched=True), "round": 1},  # every arm is slower
+            {**_step("off", 20.0 + r), "round": 1},
+        ]
+        for r in range(2)
+    ]
+    record = make_record(
+        BatchSpec(kind="decode", num_tokens_per_rank=64), per_rank, span_cost_ns=0.0, meta={}
+    )
+    # the slowest rank (rank 1) is the step: off 11 / 21, on 9 / 17, adaptive 9.4 / 19
+    assert (record["step_ms_off"], record["step_ms_on"]) == (16.0, 13.0)
+    assert record["step_ms_adaptive"] == pytest.approx((9.4 + 19) / 2)
+    assert record["adaptive_choice"] == "on" and record["adaptive_reps"] == 2
+    assert record["best_static_arm"] == "on"
+    assert record["adaptive_vs_best"] == pytest.approx(14.2 / 13.0)
+    assert record["adaptive_vs_best_paired"] == pytest.approx((9.4 / 9 + 19 / 17) / 2)
+    assert record["adaptive_exploration_steps"] == 2
+    assert record["step_ms_adaptive_exploring"] == pytest.approx(45.0)
+    assert record["reps"] == 2 and record["speedup"] == pytest.approx(16 / 13)
 
 
 @pytest.mark.slow
@@ -49,6 +99,13 @@ def test_short_bench_run_writes_json_and_png(tmp_path):
         assert r["speedup"] > 0 and 0 <= r["overlap_ratio"] <= 1
         assert r["dbo_engaged"] and r["comm_ms"] > 0.2  # the link's latency is in M
         assert r["emulate_link"] == "latency_us=200,gbps=1" and r["reps"] == 2
-    assert "speedup" in proc.stdout and "no overlaps on any track" in proc.stdout
+        # the adaptive arm: explored both arms (4 steps each by default), then measured reps
+        assert r["adaptive_exploration_steps"] >= 8 and r["adaptive_reps"] == 2
+        assert r["adaptive_choice"] in ("on", "off", "mixed") and r["adaptive_vs_best"] > 0
+    assert (
+        "ad/best" in proc.stdout
+        and "speedup" in proc.stdout
+        and "no overlaps on any track" in proc.stdout
+    )
     assert (timeline / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"rank0.json", "rank1.json", "timeline.json"} <= {p.name for p in timeline.iterdir()}

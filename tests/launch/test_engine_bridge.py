@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from launch.engine.request import SamplingParams
-from launch.serving.api_server import _error_status
 from launch.serving.engine_bridge import EngineBridge, ServerShuttingDown
+from launch.serving.serving_engine import EngineError
 
 
 def test_fail_all_delivers_the_typed_error_and_shutdown_maps_to_503():
@@ -25,6 +25,6 @@ def test_fail_all_delivers_the_typed_error_and_shutdown_maps_to_503():
         assert bridge.num_in_flight == 0
 
     asyncio.run(scenario())
-    assert _error_status(ServerShuttingDown("any text")) == 503
+    assert EngineError(ServerShuttingDown("any text")).status == 503
     # the text no longer decides: an engine error that mentions "shut down" is still a 500
-    assert _error_status(ValueError("the model shut down a layer")) == 500
+    assert EngineError(ValueError("the model shut down a layer")).status == 500

@@ -59,7 +59,7 @@ def _rank_fn(rank, world_size, model_dir):
     )
     results = {}
     for poisoned in (False, True):
-        args = dbo_test_engine_args(model_dir, world_size, enable_dbo=True)
+        args = dbo_test_engine_args(model_dir, world_size, enable_dbo=True, dtype="float64")
         engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
         if poisoned:
             sample_row = engine.model_runner._sample_row

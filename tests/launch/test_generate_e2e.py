@@ -25,6 +25,10 @@ ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
         (2, "allgather_reducescatter"),
         (4, "all_to_all"),
         (4, "allgather_reducescatter"),
+        (2, "deepep_high_throughput"),
+        (2, "deepep_low_latency"),
+        (4, "deepep_high_throughput"),
+        (4, "deepep_low_latency"),
     ],
 )
 def test_greedy_dbo_generation_equals_transformers(
@@ -49,6 +53,44 @@ def test_greedy_dbo_generation_equals_transformers(
     summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
     assert summary, proc.stdout
     assert int(summary.group(2)) > 0, proc.stdout
+    # the start-up line and the summary name the backend and what runs it (no CUDA here)
+    expected = "torch.distributed emulation of DeepEP's protocol"
+    if not backend.startswith("deepep"):
+        expected = "torch.distributed"
+    assert proc.stdout.count(f"expert all-to-all: {backend} ({expected})") == 1, proc.stdout
+    assert f"all2all {backend} ({expected})" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_adaptive_dbo_generation_equals_transformers(
+    tmp_path, tiny_mixtral_dir, tiny_prompts, tiny_prompts_file, transformers_greedy
+):
+    """``auto`` thresholds: the policy explores both arms (off, on, on, off, ...) while generating;
+    the tokens must equal transformers' greedy ones (which DBO off and DBO on also equal)."""
+    out = tmp_path / "out.jsonl"
+    proc = torchrun(
+        2,
+        f"--model={tiny_mixtral_dir}",
+        f"--prompts={tiny_prompts_file}",
+        f"--output={out}",
+        "--max-tokens=8",
+        "--data-parallel-size=2",
+        "--dtype=float32",
+        "--enable-expert-parallel",
+        "--enable-dbo",
+        "--dbo-decode-token-threshold=auto",
+        "--dbo-prefill-token-threshold=auto",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["output_token_ids"] for r in read_outputs(out)] == transformers_greedy
+    summary = re.search(r"(\d+) steps, (\d+) microbatched", proc.stdout)
+    assert summary and 0 < int(summary.group(2)) < int(summary.group(1)), proc.stdout
+    crossover = re.search(
+        r"adaptive DBO crossover: decode (>= \d+ tokens|never|unknown), "
+        r"prefill (>= \d+ tokens|never|unknown) \((\d+) exploration steps\)",
+        proc.stdout,
+    )
+    assert crossover and int(crossover.group(3)) > 0, proc.stdout
 
 
 @pytest.mark.slow

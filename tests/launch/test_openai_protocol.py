@@ -8,16 +8,33 @@ from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, pars
 
 def test_defaults_and_vllm_extensions():
     r = parse_completion_request({"prompt": [[1, 2]]}, model_name="m")
-    assert r.prompt == [1, 2] and r.max_tokens == 16 and r.temperature == 1.0
-    assert not r.stream and not r.return_token_ids and r.stop == ()
+    o = r.options
+    assert r.prompts == ((1, 2),) and o.max_tokens == 16 and o.temperature == 1.0
+    assert not o.stream and not r.return_token_ids and o.stop == () and o.n == 1
+    assert r.logprobs is None and not r.echo and o.top_p == 1.0
     r = parse_completion_request(
         {"prompt": "hi", "model": "m", "stop": "x", "stop_token_ids": [7], "seed": 3,
-         "ignore_eos": True, "return_token_ids": True, "stream": True, "top_p": 0.9},
+         "ignore_eos": True, "return_token_ids": True, "stream": True, "top_p": 0.9, "n": 2,
+         "logprobs": 3, "stream_options": {"include_usage": True}},
         model_name="m",
     )  # fmt: skip
-    params = r.sampling_params()
-    assert r.stop == ("x",) and params.stop_token_ids == (7,) and params.seed == 3
-    assert params.ignore_eos and r.return_token_ids and r.stream
+    params = r.options.sampling_params(index=1, max_tokens=5, logprobs=r.logprobs)
+    assert r.options.stop == ("x",) and params.stop_token_ids == (7,) and params.seed == 4
+    assert params.ignore_eos and r.return_token_ids and r.options.stream and params.top_p == 0.9
+    assert params.logprobs == 3 and params.max_tokens == 5 and r.options.include_usage
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("a b", ("a b",)),
+        (["a", "b c"], ("a", "b c")),
+        ([5, 6], ((5, 6),)),
+        ([[5, 6], [7]], ((5, 6), (7,))),
+    ],
+)
+def test_the_four_prompt_forms(prompt, prompts):
+    assert parse_completion_request({"prompt": prompt}, model_name="m").prompts == prompts
 
 
 @pytest.mark.parametrize(
@@ -25,11 +42,17 @@ def test_defaults_and_vllm_extensions():
     [
         ([1, 2], "must be a JSON object"),
         ({"prompt": [1, True]}, "list of token ids"),
-        ({"prompt": ["a", "b"]}, "batch of 2 prompts"),
+        ({"prompt": ["a", [1]]}, "a list of token-id lists"),
+        ({"prompt": [1], "n": 0}, r"'n' must be in \[1, 64\]"),
+        ({"prompt": [[1]] * 33, "n": 2}, "33 prompts x n = 2 choices exceed"),
+        ({"prompt": [1], "logprobs": 21}, r"'logprobs' must be in \[0, 20\]"),
+        ({"prompt": [1], "top_p": 0}, r"'top_p' must be in \(0, 1\]"),
+        ({"prompt": [1], "frequency_penalty": 0.5}, "'frequency_penalty' = 0.5 is not supported"),
+        ({"prompt": [1], "logit_bias": {"5": 1}}, "'logit_bias' .* is not supported"),
         ({"prompt": [1], "max_tokens": "3"}, "'max_tokens' must be an integer"),
         ({"prompt": [1], "stream": 1}, "'stream' must be a boolean"),
         ({"prompt": [1], "stop": ["a"] * 5}, "up to 4"),
-        ({"prompt": [1], "echo": True}, "'echo' = True is not supported"),
+        ({"prompt": [1], "echo": True, "logprobs": 1}, "'echo' with 'logprobs'"),
     ],
 )
 def test_malformed_requests_name_the_field(body, pattern):

@@ -2,8 +2,9 @@
 by the checks of this module, the last of which stops it with SIGTERM.
 
 The KV cache is made small (``--num-gpu-blocks-override``) so that 32 concurrent requests force
-preemption, and the DBO thresholds low so that steps are microbatched; every greedy response must
-still equal offline ``launch.generate`` for the same prompt.
+preemption, the prefill DBO threshold low so that steps are microbatched and the decode threshold
+``auto`` (adaptive DBO explores both arms); every greedy response must still equal offline
+``launch.generate`` for the same prompt.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ENGINE_FLAGS = (
     "--dtype=float32",
     "--enable-expert-parallel",
     "--enable-dbo",
-    "--dbo-decode-token-threshold=2",
+    "--dbo-decode-token-threshold=auto",
     "--dbo-prefill-token-threshold=4",
     f"--max-model-len={MAX_MODEL_LEN}",
     "--block-size=4",
@@ -162,6 +163,10 @@ def test_32_concurrent_requests_equal_offline_generate(server, offline_outputs):
     assert _metric(metrics, "moe_dbo_num_preemptions") > 0  # the small KV cache was exercised
     assert _metric(metrics, "moe_dbo_engine_ubatched_steps_total") > 0
     assert _metric(metrics, "moe_dbo_generation_tokens_total") >= sum(map(len, offline_outputs))
+    # the adaptive decode policy reports its crossover (a number, +Inf or NaN) and its exploration
+    assert re.search(r'^moe_dbo_adaptive_crossover_tokens\{kind="decode"\} \S+$', metrics, re.M)
+    assert 'moe_dbo_adaptive_crossover_tokens{kind="prefill"}' not in metrics  # static here
+    assert _metric(metrics, "moe_dbo_adaptive_exploration_steps") > 0
 
 
 def test_streaming_returns_the_same_tokens(server, offline_outputs):
@@ -214,7 +219,7 @@ BAD_REQUESTS = {
     "token outside vocab": ({"prompt": [5, 128]}, 400, r"token id 128 is outside \[0, 128\)"),
     "empty prompt": ({"prompt": []}, 400, "the prompt is empty"),
     "unknown model": ({"prompt": [5], "model": "gpt-x"}, 404, "does not exist"),
-    "n=2": ({"prompt": [5], "n": 2}, 400, "'n' = 2 is not supported"),
+    "n=0": ({"prompt": [5], "n": 0}, 400, r"'n' must be in \[1, 64\]"),
 }
 
 
@@ -240,7 +245,9 @@ def test_models_and_health(server, model_dir):
 def test_bench_serving_against_the_running_server(server):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
-        + ["--num-prompts=6", "--input-len=5", "--output-len=4", "--request-rate=50"],
+        + ["--dataset-name=random", "--num-prompts=6", "--random-input-len=5"]
+        + ["--random-output-len=4", "--request-rate=50", "--max-concurrency=4"]
+        + ["--percentile-metrics=ttft,tpot,itl,e2el", "--metric-percentiles=50,99"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -248,9 +255,12 @@ def test_bench_serving_against_the_running_server(server):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"requests ok / failed\s+6 / 0", proc.stdout), proc.stdout
-    for label in ("output throughput", "TTFT median", "TTFT p99", "ITL median", "ITL p99"):
-        assert re.search(rf"{label} \S+\s+\d+\.\d", proc.stdout), proc.stdout
+    assert "============ Serving Benchmark Result ============" in proc.stdout, proc.stdout
+    assert re.search(r"^Successful requests:\s+6 *$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^Total generated tokens:\s+24 *$", proc.stdout, re.M), proc.stdout
+    for metric in ("TTFT", "TPOT", "ITL", "E2EL"):
+        for stat in ("Mean", "Median", "P50", "P99"):
+            assert re.search(rf"^{stat} {metric} \(ms\):\s+\d+\.\d\d", proc.stdout, re.M)
 
 
 def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):

@@ -87,6 +87,39 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
         experts.apply(x, torch.full_like(ids, 2), w)
 
 
+@torch.no_grad()
+def test_batched_experts_equal_the_experts_on_the_same_tokens():
+    """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
+    applied afterwards) gives the same result as ``apply`` on the routed tokens (float64)."""
+    experts = make_experts().double()
+    x, ids, w = routed(11)
+    x, w = x.double(), w.double()
+    max_tokens = 13  # more slots than tokens: rows past each count are garbage, ignored
+    batched = torch.full((E, max_tokens, H), float("nan"), dtype=torch.float64)
+    counts = torch.zeros(E, dtype=torch.int32)
+    where = []  # (token, slot, expert, row)
+    for n in range(x.shape[0]):
+        for k in range(K):
+            e = int(ids[n, k])
+            batched[e, counts[e]] = x[n]
+            where.append((n, k, e, int(counts[e])))
+            counts[e] += 1
+    out = experts.apply_batched(batched, counts)
+    assert out.shape == batched.shape and out.dtype == torch.float64
+    for e in range(E):
+        assert not out[e, counts[e] :].any()  # rows past the count stay zero
+    combined = torch.zeros_like(x)
+    for n, k, e, row in where:
+        combined[n] += w[n, k] * out[e, row]
+    torch.testing.assert_close(combined, experts.apply(x, ids, w), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(combined, experts.forward_native(x, ids, w), rtol=1e-12, atol=1e-12)
+    assert not experts.apply_batched(batched, torch.zeros(E, dtype=torch.int32)).any()
+    with pytest.raises(ValueError, match=r"expert_num_tokens must hold 4 counts in \[0, 13\]"):
+        experts.apply_batched(batched, torch.full((E,), 14, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"hidden_states must be \[4, max_tokens, 16\]"):
+        experts.apply_batched(batched[:2], counts[:2])
+
+
 def test_kernel_rejects_mismatched_local_expert_count():
     with pytest.raises(ValueError, match=r"serves 4 local experts but experts holds 2"):
         FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=4), make_experts(2))
@@ -288,9 +321,61 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
 
 
 def test_ep2_model_matches_single_rank_with_and_without_dbo():
-    backend_names = ["all_to_all", "allgather_reducescatter"]
+    backend_names = [
+        "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
+    ]  # fmt: skip
     results = run_distributed(_ep_rank_main, 2, backend_names, timeout_s=120)
     for per_rank in results:
         assert sorted(per_rank) == sorted(backend_names)
         for diffs in per_rank.values():  # EP, EP + DBO, EP + DBO under inference_mode
             assert max(diffs) < 1e-5, results
+
+
+def _hook_failure_rank(rank, world_size):
+    """Rank 0's DeepEP low-latency receive hook raises inside a DBO step; report each rank's error."""
+    from distributed import init_distributed, make_all2all_backend
+
+    groups = init_distributed(
+        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=3
+    )
+    backend = make_all2all_backend(
+        "deepep_low_latency", ep_group=groups.ep_group, ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size, num_experts=CONFIG.num_experts, timeout=groups.timeout,
+        num_max_dispatch_tokens_per_rank=16,
+    )  # fmt: skip
+    if rank == 0:
+        dispatch = backend.buffer.low_latency_dispatch
+
+        def failing_dispatch(*args, **kwargs):
+            recv_x, recv_count, handle, event, _ = dispatch(*args, **kwargs)
+
+            def hook():
+                raise RuntimeError("injected failure in rank 0's receive hook")
+
+            return recv_x, recv_count, handle, event, hook
+
+        backend.buffer.low_latency_dispatch = failing_dispatch
+    model = build_model(
+        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, all2all_backend=backend
+    )
+    init_random_weights(model, seed=3)
+    model.allocate_kv_caches(8, BLOCK_SIZE)
+    meta = _metadata([5, 3], 0)
+    ids = torch.arange(meta.num_tokens) % CONFIG.vocab_size
+    pos = torch.cat([torch.arange(5), torch.arange(3)])
+    slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            UBatchWrapper(model, timeout_s=3)(ids, pos, meta, slices)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc), time.perf_counter() - start
+    return None, "", time.perf_counter() - start
+
+
+def test_an_exception_in_one_ranks_hook_is_an_error_on_every_rank():
+    (kind0, msg0, _), (kind1, msg1, elapsed1) = run_distributed(_hook_failure_rank, 2, timeout_s=60)
+    assert kind0 == "RuntimeError" and "injected failure in rank 0's receive hook" in msg0
+    # the peer blocks in the next collective rank 0 never joins: an error within the timeout
+    assert kind1 in ("TimeoutError", "RuntimeError"), (kind1, msg1)
+    assert elapsed1 < 3 + 5, elapsed1

@@ -1,0 +1,245 @@
+"""Adaptive DBO: learn, per batch shape, whether microbatching pays (``--dbo-*-token-threshold auto``).
+
+Fixed thresholds (vLLM: 32 decode / 512 prefill tokens) guess where overlap starts to pay; the
+crossover moves by ~100x with the link and the model. This policy measures it instead.
+
+The rule (everything below is a pure function of data every DP rank holds identically):
+- **Buckets.** A step falls in bucket ``(kind, log2_tokens)``: ``kind`` is ``"decode"`` if every DP
+  rank's batch is decode-only, else ``"prefill"``; ``log2_tokens = floor(log2(max num_tokens over
+  DP))``, so a bucket covers ``[2**b, 2**(b+1))`` tokens per rank.
+- **Samples.** A step's time is the slowest DP rank's time from the end of the DP vote to the end
+  of the forward (the ranks run in lockstep, so the slowest one is the step). Each rank writes its
+  own time of the previous step into its row of the DP vote, and the vote's all-reduce hands every
+  rank the same column: no extra collective, and the max is the same on every rank.
+- **Explore.** A new bucket runs ``num_explore_steps`` steps with each arm (microbatching off and
+  on), in the order off, on, on, off, off, on, ... (slow drift weighs on both arms alike).
+- **Exploit.** Then the bucket uses the arm with the lower median of its last ``window`` samples;
+  microbatching is chosen only if its median is below off's by more than ``tie_tolerance``
+  (a tie goes to off: one thread, no padding).
+- **Re-check.** The bucket explores again (both arms' samples dropped) after ``recheck_interval``
+  exploit steps, or as soon as the median of the chosen arm's last ``window`` samples since the
+  decision differs from its median at the decision by more than ``drift_tolerance``.
+- Buckets never seen start with exploration (no prediction from neighbours).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+KINDS = ("decode", "prefill")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptivePolicyConfig:
+    """Knobs of the adaptive rule (see the module docstring).
+
+    Raises:
+        ValueError: a count < 1, ``window < num_explore_steps`` or a tolerance outside ``[0, 1)``.
+    """
+
+    num_explore_steps: int = 4  # samples per arm before a bucket decides
+    window: int = 5  # samples per arm whose median is the arm's estimate
+    tie_tolerance: float = 0.01  # on must beat off by this fraction of off's median
+    # chosen arm's median moving by this fraction: explore again. Not less: on a loaded 2-core
+    # machine the median of 5 step times swings by +-30 % with no change in the workload.
+    drift_tolerance: float = 0.5
+    recheck_interval: int = 500  # exploit steps of a bucket before it explores again
+
+    def __post_init__(self) -> None:
+        for name in ("num_explore_steps", "window", "recheck_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.window < self.num_explore_steps:
+            raise ValueError(
+                f"window ({self.window}) must be >= num_explore_steps ({self.num_explore_steps})"
+            )
+        for name in ("tie_tolerance", "drift_tolerance"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bucket:
+    """A class of batch shapes: ``kind`` ("decode" / "prefill") and ``log2_tokens`` (the bucket
+    covers ``[2**log2_tokens, 2**(log2_tokens + 1))`` tokens per rank)."""
+
+    kind: str
+    log2_tokens: int
+
+    @staticmethod
+    def of(*, num_tokens: int, is_decode_only: bool) -> Bucket:
+        """The bucket of a step whose largest DP rank batch has ``num_tokens`` (>= 1) tokens.
+
+        Raises:
+            ValueError: if ``num_tokens < 1``.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        return Bucket(
+            kind="decode" if is_decode_only else "prefill", log2_tokens=num_tokens.bit_length() - 1
+        )
+
+    @property
+    def min_tokens(self) -> int:
+        return 1 << self.log2_tokens
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.min_tokens}-{2 * self.min_tokens - 1}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyChoice:
+    """The policy's answer for one step: microbatch or not, and whether it is an exploration step."""
+
+    bucket: Bucket
+    use_ubatch: bool
+    is_exploring: bool
+
+
+@dataclass(slots=True)
+class _BucketState:
+    samples: dict[bool, deque] = field(default_factory=dict)  # arm -> last `window` step ms
+    num_round: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    last_explored: bool | None = None
+    choice: bool | None = None  # None while exploring
+    reference_ms: float = 0.0  # chosen arm's median at the decision
+    num_since_decision: int = 0
+    last_decision: bool | None = None  # survives re-exploration (for the crossover)
+
+
+class AdaptiveDBOPolicy:
+    """Per-bucket step-time estimates with microbatching on and off, and the choice between them.
+
+    Identical inputs in identical order give identical choices (no clock, no randomness), so every
+    DP rank that feeds its policy the combined vote data reaches the same decision.
+
+    Use per step: ``record(prev_step_ms)`` with the combined time of the previous step (it is
+    attributed to the bucket and arm that ``begin_step`` named), ``choose(bucket)``, then
+    ``begin_step(bucket, use_ubatch)`` with what actually runs.
+    """
+
+    def __init__(self, config: AdaptivePolicyConfig | None = None) -> None:
+        self.config = config or AdaptivePolicyConfig()
+        self._buckets: dict[Bucket, _BucketState] = {}
+        self._pending: tuple[Bucket, bool] | None = None
+        self.num_exploration_steps = 0
+
+    def _state(self, bucket: Bucket) -> _BucketState:
+        state = self._buckets.get(bucket)
+        if state is None:
+            w = self.config.window
+            state = _BucketState(samples={False: deque(maxlen=w), True: deque(maxlen=w)})
+            self._buckets[bucket] = state
+        return state
+
+    def is_exploring(self, bucket: Bucket) -> bool:
+        return self._state(bucket).choice is None
+
+    def choose(self, bucket: Bucket) -> PolicyChoice:
+        """Exploration arm (fewer samples this round; equal: repeat the last, starting with off)
+        or the decided arm."""
+        state = self._state(bucket)
+        if state.choice is not None:
+            return PolicyChoice(bucket=bucket, use_ubatch=state.choice, is_exploring=False)
+        n_off, n_on = state.num_round[False], state.num_round[True]
+        arm = n_on < n_off if n_on != n_off else bool(state.last_explored)
+        return PolicyChoice(bucket=bucket, use_ubatch=arm, is_exploring=True)
+
+    def begin_step(self, bucket: Bucket, use_ubatch: bool) -> None:
+        """Note what this step runs; the next ``record`` attributes its time to it."""
+        self._pending = (bucket, use_ubatch)
+        if self._state(bucket).choice is None:
+            self.num_exploration_steps += 1
+
+    def cancel_pending(self) -> None:
+        """Forget the pending step (it ran outside the policy, e.g. with DBO forced off)."""
+        self._pending = None
+
+    def record(self, step_ms: float) -> None:
+        """Attribute ``step_ms`` (the slowest rank's time of the step ``begin_step`` named) to its
+        bucket and arm, then decide or re-check. ``step_ms <= 0`` (not measured) is dropped."""
+        pending, self._pending = self._pending, None
+        if pending is None or not step_ms > 0:
+            return
+        bucket, arm = pending
+        state = self._state(bucket)
+        state.samples[arm].append(step_ms)
+        if state.choice is None:
+            state.num_round[arm] += 1
+            state.last_explored = arm
+            if min(state.num_round.values()) >= self.config.num_explore_steps:
+                self._decide(state)
+        elif arm == state.choice:
+            state.num_since_decision += 1
+            self._maybe_recheck(state)
+
+    def _decide(self, state: _BucketState) -> None:
+        med_off = statistics.median(state.samples[False])
+        med_on = statistics.median(state.samples[True])
+        state.choice = med_on < med_off * (1.0 - self.config.tie_tolerance)
+        state.last_decision = state.choice
+        state.reference_ms = med_on if state.choice else med_off
+        state.num_since_decision = 0
+
+    def _maybe_recheck(self, state: _BucketState) -> None:
+        cfg = self.config
+        drifted = False
+        if state.num_since_decision >= cfg.window:
+            median = statistics.median(state.samples[state.choice])
+            drifted = abs(median - state.reference_ms) > cfg.drift_tolerance * state.reference_ms
+        if drifted or state.num_since_decision >= cfg.recheck_interval:
+            for samples in state.samples.values():
+                samples.clear()
+            state.num_round = {False: 0, True: 0}
+            state.last_explored = None
+            state.choice = None
+
+    def crossover_tokens(self, kind: str) -> float:
+        """Tokens per rank from which microbatching pays for ``kind``, as learned so far: the lowest
+        bucket bound such that every decided bucket from there up chose microbatching. ``inf`` if
+        the largest decided bucket chose off, ``nan`` if no bucket of ``kind`` has decided.
+
+        Raises:
+            ValueError: unknown ``kind``.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        decided = sorted(
+            (b.log2_tokens, s.last_decision)
+            for b, s in self._buckets.items()
+            if b.kind == kind and s.last_decision is not None
+        )
+        if not decided:
+            return math.nan
+        crossover = math.inf
+        for log2_tokens, use_ubatch in reversed(decided):
+            if not use_ubatch:
+                break
+            crossover = float(1 << log2_tokens)
+        return crossover
+
+    def summary(self) -> dict[str, dict]:
+        """Per bucket label: the decision (``on``/``off``/``exploring``) and each arm's median ms."""
+        out = {}
+        for bucket in sorted(self._buckets, key=lambda b: (b.kind, b.log2_tokens)):
+            s = self._buckets[bucket]
+            medians = {
+                ("on" if arm else "off"): statistics.median(v) if v else None
+                for arm, v in s.samples.items()
+            }
+            state = "exploring" if s.choice is None else ("on" if s.choice else "off")
+            out[bucket.label] = {"choice": state, "median_ms": medians}
+        return out
+
+
+def format_crossover(value: float) -> str:
+    """``crossover_tokens`` for people: ``>= 64 tokens``, ``never`` (inf), ``unknown`` (nan)."""
+    if math.isnan(value):
+        return "unknown"
+    if math.isinf(value):
+        return "never"
+    return f">= {int(value)} tokens"

@@ -1,0 +1,82 @@
+"""The GPU half of the ubatch protocol: streams and events (vLLM's ``UBatchContext`` on CUDA).
+
+On a GPU the CPU ping-pong alone does not order the kernels: what ubatch 0 enqueued before handing
+over the baton may still be running when ubatch 1 enqueues its next kernels. So each ubatch
+records an event on its current stream before every CPU yield, and the ubatch that takes the baton
+makes its current stream wait on that event before enqueueing more (DeepEP's ``previous_event``
+plays the same role for its kernels). Each ubatch has a comm stream of its own for the all-to-all
+and shares one compute stream (vLLM: ``torch.cuda.current_stream()`` at wrapper entry); the
+``switch_*`` functions move a ubatch between its two streams, each switch ordered by an event.
+
+Written against the documented ``torch.cuda`` stream and event API (``Stream``, ``Event.record``,
+``Stream.wait_event``, ``torch.cuda.set_stream``); it has not run on a GPU yet (CI has none): the
+tests that exercise it are marked ``gpu`` and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UBatchStreams:
+    """One ubatch's CUDA streams and the event it records before each CPU yield.
+
+    Attributes:
+        compute_stream: where attention, router and experts run (shared by the ubatches).
+        comm_stream: this ubatch's stream for dispatch / combine.
+        yield_event: recorded on the current stream before this ubatch hands the baton on.
+        switch_event: recorded on the stream this ubatch leaves when it switches streams.
+    """
+
+    compute_stream: torch.cuda.Stream
+    comm_stream: torch.cuda.Stream
+    yield_event: torch.cuda.Event
+    switch_event: torch.cuda.Event
+
+    def enter(self) -> None:
+        """Make the compute stream this thread's current stream (streams are per thread)."""
+        torch.cuda.set_stream(self.compute_stream)
+
+    def record_before_yield(self) -> torch.cuda.Event:
+        """Record ``yield_event`` on the current stream (all work enqueued so far); return it."""
+        self.yield_event.record(torch.cuda.current_stream())
+        return self.yield_event
+
+    @staticmethod
+    def wait_after_yield(event: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for the work the previous baton owner had enqueued."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def switch_to(self, stream: torch.cuda.Stream) -> None:
+        """Continue on ``stream`` after everything enqueued on the current one (no host sync)."""
+        current = torch.cuda.current_stream()
+        if current == stream:
+            return
+        self.switch_event.record(current)
+        stream.wait_event(self.switch_event)
+        torch.cuda.set_stream(stream)
+
+
+def make_ubatch_streams(num_ubatches: int, device: torch.device) -> list[UBatchStreams]:
+    """Streams for ``num_ubatches`` ubatches on CUDA ``device``: the caller's current stream as the
+    shared compute stream, a new comm stream each.
+
+    Raises:
+        ValueError: if ``device`` is not a CUDA device or CUDA is unavailable.
+    """
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"ubatch streams need an available CUDA device, got {device}")
+    compute_stream = torch.cuda.current_stream(device)
+    return [
+        UBatchStreams(
+            compute_stream=compute_stream,
+            comm_stream=torch.cuda.Stream(device=device),
+            yield_event=torch.cuda.Event(),
+            switch_event=torch.cuda.Event(),
+        )
+        for _ in range(num_ubatches)
+    ]

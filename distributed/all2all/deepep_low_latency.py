@@ -1,0 +1,182 @@
+"""``deepep_low_latency`` backend: our dispatch / combine as calls of DeepEP's low-latency
+``Buffer`` API (``low_latency_dispatch`` / ``low_latency_combine`` with
+``num_max_dispatch_tokens_per_rank`` and ``return_recv_hook=True``), on DeepEP's kernels or on
+our torch.distributed emulation (``deepep_low_latency_protocol``). vLLM's
+``DeepEPLLPrepareAndFinalize`` makes the same calls.
+
+No count exchange: every rank owns a fixed slot of C rows per (rank, expert) in its peers'
+buffers, so a dispatch issues at once and never blocks; the returned handle's ``wait()`` runs
+DeepEP's receive hook, which is what the modular kernel hands to the other ubatch with
+``dbo_register_recv_hook``. Received tokens come grouped per local expert
+(``BatchedDispatchResult``: ``[num_local_experts, ep_size * C, hidden]`` + per-expert counts), the
+experts compute on that layout and combine applies the top-k weights.
+
+Capacity C: the buffer is sized for ``num_max_dispatch_tokens_per_rank`` (the engine derives it
+from ``--max-num-batched-tokens``: no step, microbatched or not, has more rows per rank). A call
+whose token counts on every rank are known (``num_tokens_across_ep``: the DP ranks agreed on them,
+e.g. the ubatch size under DBO) uses their max as its C, the same on every rank without a message;
+otherwise the full capacity. More tokens than the capacity raise ``ValueError`` naming both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from distributed.all2all.base import BatchedDispatchResult, DispatchMetadata
+from distributed.all2all.deepep_buffer import completion_work, make_deepep_buffer
+from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
+from distributed.comm_handle import CommHandle
+from distributed.link_emulation import EmulatedLink
+
+# DeepEP's own tests size the low-latency buffer for 128 tokens per rank
+DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepEPLLDispatchMetadata(DispatchMetadata):
+    """Routing of one LL dispatch.
+
+    Attributes:
+        handle: DeepEP's handle (opaque; combine takes it back).
+        num_max_dispatch_tokens_per_rank: the call's capacity C.
+        topk_ids: ``[num_tokens, num_topk]`` int64 GLOBAL ids as dispatched.
+        topk_weights: ``[num_tokens, num_topk]`` float32, applied by combine.
+    """
+
+    handle: object
+    num_max_dispatch_tokens_per_rank: int
+    topk_ids: Tensor
+    topk_weights: Tensor
+
+
+class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
+    """DeepEP low-latency dispatch / combine (see the module docstring).
+
+    Raises:
+        ValueError: ``num_max_dispatch_tokens_per_rank < 1`` (and ``All2AllBackend``'s checks).
+    """
+
+    name = "deepep_low_latency"
+    activation_format = "batched"
+    blocks_under_dbo = False
+
+    def __init__(
+        self,
+        *,
+        ep_group: ProcessGroup | None,
+        ep_rank: int,
+        ep_size: int,
+        num_experts: int,
+        timeout: datetime.timedelta,
+        link: EmulatedLink | None = None,
+        hidden_size: int = 0,
+        num_max_dispatch_tokens_per_rank: int = DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK,
+        buffer=None,
+    ) -> None:
+        if num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank must be >= 1, got "
+                f"{num_max_dispatch_tokens_per_rank}"
+            )
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        buffer = buffer or make_deepep_buffer(
+            low_latency_mode=True, group=ep_group, rank=ep_rank, num_ranks=ep_size,
+            timeout=timeout, link=link, hidden_size=hidden_size, num_experts=num_experts,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        )  # fmt: skip
+        super().__init__(
+            ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
+            timeout=timeout, link=link, buffer=buffer,
+        )  # fmt: skip
+
+    def dispatch_capacity(self, num_tokens: int, counts: list[int] | None) -> int:
+        """The call's C: the agreed max row count (>= 1) when known, else the full capacity.
+
+        Raises:
+            ValueError: if ``num_tokens`` (or an agreed count) exceeds the capacity.
+        """
+        largest = num_tokens if counts is None else max(counts)
+        if largest > self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"deepep_low_latency: a dispatch of {largest} tokens per rank exceeds "
+                f"num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank} "
+                f"(the buffer's capacity, derived from --max-num-batched-tokens)"
+            )
+        return self.num_max_dispatch_tokens_per_rank if counts is None else max(1, largest)
+
+    def dispatch(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[BatchedDispatchResult]:
+        num_tokens = hidden_states.shape[0]
+        counts = self._check_num_tokens_across_ep(num_tokens_across_ep, num_tokens)
+        layout = self._row_layout(hidden_states, topk_ids, topk_weights)
+        capacity = self.dispatch_capacity(num_tokens, counts)
+        start_ns = time.perf_counter_ns()
+        recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
+            hidden_states,
+            topk_ids,
+            capacity,
+            self.num_experts,
+            use_fp8=False,
+            async_finish=False,
+            return_recv_hook=True,
+        )
+        metadata = DeepEPLLDispatchMetadata(
+            backend=self.name,
+            ep_rank=self.ep_rank,
+            num_tokens=num_tokens,
+            num_recv_tokens=self.ep_size * capacity,  # rows per local expert
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            handle=handle,
+            num_max_dispatch_tokens_per_rank=capacity,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights.float(),
+        )
+
+        def finalize() -> BatchedDispatchResult:
+            return BatchedDispatchResult(
+                hidden_states=recv_x, expert_num_tokens=recv_count, metadata=metadata
+            )
+
+        return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
+                                   finalize, start_ns, async_op)  # fmt: skip
+
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        """``expert_output``: ``[num_local_experts, ep_size * C, hidden]`` UNWEIGHTED expert
+        outputs in the dispatched layout; returns ``[num_tokens, hidden]`` (weighted sum)."""
+        if not isinstance(metadata, DeepEPLLDispatchMetadata) or metadata.ep_rank != self.ep_rank:
+            raise ValueError(
+                f"metadata must come from dispatch on this {self.name!r} backend at ep_rank "
+                f"{self.ep_rank}, got {type(metadata).__name__}"
+            )
+        expected = (self.num_local_experts, metadata.num_recv_tokens, metadata.hidden_size)
+        if expert_output.shape != expected or not expert_output.is_floating_point():
+            raise ValueError(
+                f"expert_output must be floating {list(expected)} (num_local_experts, "
+                f"ep_size * capacity, hidden_size), got {list(expert_output.shape)}"
+            )
+        start_ns = time.perf_counter_ns()
+        combined_x, _, hook = self.buffer.low_latency_combine(
+            expert_output.to(metadata.dtype),
+            metadata.topk_ids,
+            metadata.topk_weights,
+            metadata.handle,
+            return_recv_hook=True,
+        )
+        return self._deepep_handle("deepep_low_latency combine", completion_work(hook),
+                                   lambda: combined_x, start_ns, async_op)  # fmt: skip

@@ -1,0 +1,193 @@
+"""Offline throughput benchmark, ``vllm bench throughput``'s flags and summary line:
+``torchrun --nproc-per-node N -m launch.bench_throughput``.
+
+Every rank builds the same requests (``--dataset-name random|jsonl``, see
+``launch.benchmarks.throughput``), serves its share (request i on DP rank i % dp_size) through
+``LLMEngine`` as ``launch.generate`` does, greedy with eos ignored. An untimed warm-up first runs
+all of this rank's prompts for ``--warmup-output-len`` tokens (0 skips it); then the timed run.
+Rank 0 prints vLLM's line ``Throughput: X requests/s, Y total tokens/s, Z output tokens/s``, our
+detail (steps, microbatched steps, start-up, graph mode) and writes ``--output-json`` (vLLM's keys
+plus ours) and, with ``--output-tokens``, the generated tokens as ``launch.generate`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from launch.benchmarks.throughput import (
+    DATASET_NAMES,
+    ThroughputResult,
+    process_age_s,
+    sample_requests,
+)
+from launch.engine.arg_utils import (
+    OneLineErrorParser,
+    add_engine_args,
+    engine_args_from_namespace,
+    fail,
+)
+from launch.generate import check_prompts, load_prompts
+
+PROG = "launch.bench_throughput"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--dataset-name", default="random", choices=DATASET_NAMES)
+    add("--dataset-path", default=None, help="JSONL of {'prompt_token_ids': [...]} (jsonl)")
+    add("--input-len", type=int, default=128, help="prompt tokens per request (random)")
+    add("--output-len", type=int, default=32, help="tokens generated per request")
+    add("--num-prompts", type=int, default=80, help="number of requests")
+    add(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="length spread r: [len(1-r), len(1+r)]",
+    )
+    add(
+        "--warmup-output-len",
+        type=int,
+        default=2,
+        help="untimed warm-up: tokens per prompt (0: none)",
+    )
+    add("--output-json", default=None, help="write the results as JSON (rank 0)")
+    add("--output-tokens", default=None, help="write the generated tokens as JSONL (rank 0)")
+    add_engine_args(parser)
+    return parser
+
+
+def run_requests(engine, requests, *, first_id: int, max_tokens: int | None, dp) -> list:
+    """Add this DP rank's share of ``requests`` and step until every rank is done."""
+    from launch.engine.request import Request, SamplingParams
+
+    rank, size = dp
+    for index in range(rank, len(requests), size):
+        engine.add_request(
+            Request(
+                request_id=first_id + index,
+                prompt_token_ids=list(requests[index].prompt_token_ids),
+                sampling_params=SamplingParams(
+                    max_tokens=max_tokens or requests[index].output_len, ignore_eos=True
+                ),
+            )
+        )
+    return engine.run_until_done()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args = engine_args_from_namespace(ns)
+        args.check_world_size(world_size)
+        if ns.warmup_output_len < 0:
+            raise ValueError(f"--warmup-output-len must be >= 0, got {ns.warmup_output_len}")
+        from launch.engine.llm_engine import resolve_model
+
+        model = resolve_model(args)
+        requests = sample_requests(
+            dataset_name=ns.dataset_name, dataset_path=ns.dataset_path,
+            num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
+            range_ratio=ns.random_range_ratio, seed=ns.seed,
+            vocab_size=model.config.vocab_size, load_prompts=load_prompts,
+        )  # fmt: skip
+        check_prompts(
+            [r.prompt_token_ids for r in requests],
+            vocab_size=model.config.vocab_size,
+            max_model_len=model.max_model_len,
+        )
+    except (ValueError, OSError) as e:
+        fail(PROG, rank, e)
+
+    from distributed import destroy_distributed, init_distributed
+
+    groups = init_distributed(
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+    )
+    try:
+        result, tokens = benchmark(ns, args, model, requests, groups)
+        if groups.rank == 0:
+            report(result, tokens, ns)
+    except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
+        fail(PROG, rank, f"{type(e).__name__}: {e}", status=1)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def benchmark(ns, args, model, requests, groups):
+    """Build the engine, warm up, run the timed requests; (ThroughputResult, sorted tokens)."""
+    import torch.distributed as dist
+
+    from launch.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_args=args, model=model, groups=groups)
+    startup_s = process_age_s()
+    dp = (groups.dp_rank, groups.dp_size)
+    if ns.warmup_output_len:
+        run_requests(
+            engine, requests, first_id=len(requests), max_tokens=ns.warmup_output_len, dp=dp
+        )
+    num_steps0, num_ubatched0 = engine.stats.num_steps, engine.stats.num_ubatched_steps
+    dist.barrier(group=groups.dp_group)  # blocking (group timeout): start the clock together
+    start = time.perf_counter()
+    finished = run_requests(engine, requests, first_id=0, max_tokens=None, dp=dp)
+    elapsed = time.perf_counter() - start
+    mine = {
+        "elapsed": elapsed,
+        "tokens": [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in finished],
+    }
+    everyone: list = [None] * groups.dp_size
+    dist.all_gather_object(everyone, mine, group=groups.dp_group)  # blocking (group timeout)
+    tokens = sorted((t for part in everyone for t in part["tokens"]), key=lambda t: t[0])
+    elapsed = max(part["elapsed"] for part in everyone)
+    num_output = sum(len(out) for _, _, out in tokens)
+    num_total = num_output + sum(len(prompt) for _, prompt, _ in tokens)
+    capture = engine.graph_stats
+    result = ThroughputResult(
+        model_id=args.model or "embedded",
+        elapsed_time=elapsed,
+        num_requests=len(tokens),
+        total_num_tokens=num_total,
+        total_output_tokens=num_output,
+        requests_per_second=len(tokens) / elapsed,
+        tokens_per_second=num_total / elapsed,
+        output_tokens_per_second=num_output / elapsed,
+        num_steps=engine.stats.num_steps - num_steps0,
+        num_ubatched_steps=engine.stats.num_ubatched_steps - num_ubatched0,
+        startup_s=startup_s,
+        graph_capture_s=0.0 if capture is None else capture.seconds,
+        graph_mode=capture is not None,
+        capture_sizes=[] if capture is None else list(capture.capture_sizes),
+        dtype=args.dtype,
+        data_parallel_size=groups.dp_size,
+        enable_dbo=args.enable_dbo,
+    )
+    engine.write_timeline()
+    return result, tokens
+
+
+def report(result: ThroughputResult, tokens, ns) -> None:
+    print(result.summary_line(), flush=True)
+    print(f"Total num prompt tokens:  {result.total_num_tokens - result.total_output_tokens}")
+    print(f"Total num output tokens:  {result.total_output_tokens}")
+    print(f"{PROG}: {result.detail_line()}", flush=True)
+    if ns.output_json:
+        result.write_json(ns.output_json)
+    if ns.output_tokens:
+        with open(ns.output_tokens, "w", encoding="utf-8") as f:
+            for index, prompt, out in tokens:
+                row = {"index": index, "prompt_token_ids": prompt, "output_token_ids": out}
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Graph mode vs eager on one decode-shaped forward: ``python -m launch.benchmarks.graph_mode``.
+
+Builds the model (``--model`` checkpoint or the embedded one) on one process without EP, and for
+each ``--num-tokens`` n: a decode batch of n requests with ``--context-len`` cached tokens each.
+Times, interleaved (eager, graph, graph, eager, ...), medians of ``--reps``:
+
+- ``pieces``: only what graph mode compiles (``AttnIn``, ``AttnOut`` of every layer and ``Final``),
+  eager modules vs the bucket's compiled graphs (padding included);
+- ``forward``: the whole model forward (attention core and MoE kernel eager in both).
+
+Prints one line per n with both ratios (eager time / graph time: > 1 means graph mode is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _metadata(num_tokens: int, context_len: int, block_size: int):
+    from dbo.attention_metadata import CommonAttentionMetadata
+
+    blocks_per_req = -(-(context_len + 1) // block_size)
+    table = torch.arange(num_tokens * blocks_per_req, dtype=torch.int32).view(num_tokens, -1)
+    slots = table[:, context_len // block_size].long() * block_size + context_len % block_size
+    return CommonAttentionMetadata(
+        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32),
+        seq_lens=torch.full((num_tokens,), context_len + 1, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=slots,
+        num_reqs=num_tokens,
+        num_actual_tokens=num_tokens,
+        num_tokens=num_tokens,
+        max_query_len=1,
+        max_seq_len=context_len + 1,
+    )
+
+
+def _median_ms(fns, reps: int) -> list[float]:
+    times: list[list[float]] = [[] for _ in fns]
+    for rep in range(reps):
+        order = range(len(fns)) if rep % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="launch.benchmarks.graph_mode", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-tokens", type=int, nargs="+", default=[8, 40, 80])
+    p.add_argument("--context-len", type=int, default=64)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    ns = p.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+
+    from launch.engine.arg_utils import EngineArgs
+    from launch.engine.graph_mode import graph_cache_dir
+    from launch.engine.llm_engine import resolve_model
+    from moe import build_model, init_random_weights, load_checkpoint
+    from moe.compilation import GraphModeModel
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", graph_cache_dir())
+    resolved = resolve_model(EngineArgs(model=ns.model, dtype=ns.dtype))
+    dtype = getattr(torch, ns.dtype)
+    model = build_model(resolved.config, dtype=dtype)
+    if ns.model:
+        load_checkpoint(model, ns.model)
+    else:
+        init_random_weights(model, seed=0)
+    block_size = 16
+    num_blocks = max(ns.num_tokens) * (-(-(ns.context_len + 1) // block_size))
+    model.allocate_kv_caches(num_blocks, block_size, dtype=dtype)
+    graph = GraphModeModel(model, tuple(sorted(set(ns.num_tokens))))
+    stats = graph.capture(progress=True)
+    print(f"{stats.num_graphs} graphs in {stats.seconds:.1f} s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for n in ns.num_tokens:
+            meta = _metadata(n, ns.context_len, block_size)
+            ids = torch.randint(3, resolved.config.vocab_size, (n,), generator=gen)
+            pos = torch.full((n,), ns.context_len, dtype=torch.int64)
+            pieces = graph._pieces
+            inputs = [graph._example_inputs(piece, n) for piece in pieces]
+            for x in inputs:
+                for t in x:
+                    if t.is_floating_point():
+                        t.copy_(torch.randn(t.shape, generator=gen))
+
+            def eager_pieces(inputs=inputs, pieces=pieces):
+                for piece, x in zip(pieces, inputs, strict=True):
+                    piece(*x)
+
+            def graph_pieces(inputs=inputs, n=n):
+                for i, x in enumerate(inputs):
+                    graph._run(i, n, *x)
+
+            e_p, g_p = _median_ms([eager_pieces, graph_pieces], ns.reps)
+            args = (ids, pos, meta)
+            e_f, g_f = _median_ms([lambda a=args: model(*a), lambda a=args: graph(*a)], ns.reps)
+            print(
+                f"n={n:4d} {ns.dtype}: pieces eager {e_p:.3f} ms, graph {g_p:.3f} ms, "
+                f"ratio {e_p / g_p:.2f}x | forward eager {e_f:.3f} ms, graph {g_f:.3f} ms, "
+                f"ratio {e_f / g_f:.2f}x",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Side-by-side throughput table: moe-dbo (eager and graph mode) vs vLLM's CPU engine.
+
+    python -m launch.benchmarks.peer_table --vllm-python /tmp/vllm-peer/venv/bin/python \
+        --vllm-runner ../shared/peers/vllm-cpu/run_vllm.py --out-dir /tmp/peer_table \
+        --checkpoint tiny=/tmp/peer/tiny:/tmp/peer/tiny_prompts.jsonl \
+        --checkpoint medium=/tmp/peer/medium:/tmp/peer/medium_prompts.jsonl
+
+For every checkpoint and dtype: ours on 1 rank pinned to core 0 (``taskset -c 0``), eager and graph
+mode, and on 2 ranks DP+EP (DBO off, ``taskset -c 0,1``); vLLM (``run_vllm.py``, a separate
+process and venv: the project never imports vLLM) on core 0 eager and ``--compile``, and on 2
+threads. Greedy, ``--max-tokens`` per prompt, eos ignored. Ours: median output tokens/s of
+``--repeats`` processes (``launch.bench_throughput``, warm-up untimed); vLLM: its own median of
+``--repeats`` warm runs in one process. Prints a markdown table (with ours / vLLM-best ratios and
+how many prompts got identical tokens from both engines) and writes ``OUT_DIR/table.json``.
+Runs one command at a time; on a shared machine the numbers are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM_LINE = re.compile(r"vllm-cpu: .* \(([\d.]+) tokens/s\)")
+
+
+def ours_command(model, prompts, dtype, *, ranks, eager, max_tokens, out_json, out_tokens):
+    cores = "0" if ranks == 1 else ",".join(str(c) for c in range(ranks))
+    cmd = ["taskset", "-c", cores, sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "-m", "launch.bench_throughput", "--model", model,
+           "--dataset-name", "jsonl", "--dataset-path", prompts, "--num-prompts",
+           str(_num_lines(prompts)), "--output-len", str(max_tokens),
+           "--dtype", dtype, "--max-num-seqs", "256", "--output-json", out_json,
+           "--output-tokens", out_tokens,
+           "--num-gpu-blocks-override", str(_num_kv_blocks(prompts, max_tokens))]  # fmt: skip
+    if ranks > 1:
+        cmd += ["--data-parallel-size", str(ranks), "--enable-expert-parallel"]
+    return cmd + (["--enforce-eager"] if eager else [])
+
+
+def _num_lines(path: str) -> int:
+    return sum(1 for line in Path(path).read_text().splitlines() if line.strip())
+
+
+def _num_kv_blocks(path: str, max_tokens: int, block_size: int = 16) -> int:
+    """KV blocks for every prompt + its outputs at once (the default sizes the cache for
+    max-num-seqs full-length requests: ~18 GB on the medium checkpoint)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    lengths = [len(json.loads(line)["prompt_token_ids"]) + max_tokens for line in lines]
+    return sum(-(-n // block_size) for n in lengths) + 16
+
+
+def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
+    out_json, out_tokens = ns.out_dir / f"{tag}.json", ns.out_dir / f"{tag}.tokens.jsonl"
+    values = []
+    for _ in range(ns.repeats):
+        cmd = ours_command(model, prompts, dtype, ranks=ranks, eager=eager,
+                           max_tokens=ns.max_tokens, out_json=str(out_json),
+                           out_tokens=str(out_tokens))  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **_pythonpath()}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-500:]}
+        values.append(json.loads(out_json.read_text())["output_tokens_per_second"])
+    tokens = [json.loads(line)["output_token_ids"] for line in out_tokens.read_text().splitlines()]
+    return {"tokens_per_s": statistics.median(values), "runs": values, "tokens": tokens}
+
+
+def run_vllm(ns, model, prompts, dtype, *, threads, compile_, tag) -> dict:
+    out = ns.out_dir / f"{tag}.json"
+    cmd = ["taskset", "-c", threads.replace("-", ","), ns.vllm_python, ns.vllm_runner, "--model",
+           model, "--prompts", prompts, "--max-tokens", str(ns.max_tokens), "--threads", threads,
+           "--dtype", dtype, "--repeats", str(ns.repeats), "--output-json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd + (["--compile"] if compile_ else []), capture_output=True,
+                          text=True, timeout=3600)  # fmt: skip
+    match = VLLM_LINE.search(proc.stdout)
+    if proc.returncode != 0 or not match:
+        return {"error": (proc.stderr or proc.stdout)[-500:]}
+    return {"tokens_per_s": float(match.group(1)), "tokens": json.loads(out.read_text())}
+
+
+def _pythonpath() -> dict:
+    return {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
+def _fmt(result: dict) -> str:
+    return f"{result['tokens_per_s']:,.1f}" if "tokens_per_s" in result else "failed"
+
+
+def _same(a: dict, b: dict) -> str:
+    if "tokens" not in a or "tokens" not in b:
+        return "-"
+    return (
+        f"{sum(x == y for x, y in zip(a['tokens'], b['tokens'], strict=False))}/{len(b['tokens'])}"
+    )
+
+
+def table_rows(ns) -> list[dict]:
+    rows = []
+    for spec in ns.checkpoint:
+        name, paths = spec.split("=", 1)
+        model, prompts = paths.split(":", 1)
+        for dtype in ns.dtypes:
+            tag = f"{name}_{dtype}"
+            r = {"checkpoint": name, "dtype": dtype}
+            r["vllm_eager"] = run_vllm(
+                ns, model, prompts, dtype, threads="0", compile_=False, tag=f"{tag}_vllm_eager"
+            )
+            r["vllm_compiled"] = run_vllm(
+                ns, model, prompts, dtype, threads="0", compile_=True, tag=f"{tag}_vllm_compiled"
+            )
+            r["ours_eager"] = run_ours(
+                ns, model, prompts, dtype, ranks=1, eager=True, tag=f"{tag}_ours_eager"
+            )
+            r["ours_graph"] = run_ours(
+                ns, model, prompts, dtype, ranks=1, eager=False, tag=f"{tag}_ours_graph"
+            )
+            r["vllm_2threads"] = run_vllm(
+                ns, model, prompts, dtype, threads="0-1", compile_=False, tag=f"{tag}_vllm_2t"
+            )
+            r["ours_2ranks_eager"] = run_ours(
+                ns, model, prompts, dtype, ranks=2, eager=True, tag=f"{tag}_ours_2r_eager"
+            )
+            r["ours_2ranks_graph"] = run_ours(ns, model, prompts, dtype, ranks=2, eager=False, tag=f"{tag}_ours_2r_graph")  # fmt: skip
+            print(format_row(r), flush=True)
+            rows.append(r)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    best = max((r[k].get("tokens_per_s", 0) for k in ("vllm_eager", "vllm_compiled")), default=0)
+    ours = max(r[k].get("tokens_per_s", 0) for k in ("ours_eager", "ours_graph"))
+    two = max(r[k].get("tokens_per_s", 0) for k in ("ours_2ranks_eager", "ours_2ranks_graph"))
+    v2 = r["vllm_2threads"].get("tokens_per_s", 0)
+    return (
+        f"| {r['checkpoint']}, {r['dtype']} | {_fmt(r['vllm_eager'])} / {_fmt(r['vllm_compiled'])} "
+        f"| {_fmt(r['ours_eager'])} / {_fmt(r['ours_graph'])} | {ours / best if best else 0:.2f}x "
+        f"| {_fmt(r['vllm_2threads'])} | {_fmt(r['ours_2ranks_eager'])} / "
+        f"{_fmt(r['ours_2ranks_graph'])} | {two / v2 if v2 else 0:.2f}x "
+        f"| {_same(r['ours_eager'], r['vllm_eager'])} |"
+    )
+
+
+HEADER = (
+    "| checkpoint, dtype | vLLM 1 core eager / compiled | ours 1 rank eager / graph | ours/vLLM "
+    "| vLLM 2 threads | ours 2 ranks eager / graph | ours/vLLM | same tokens |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="launch.benchmarks.peer_table", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--checkpoint", action="append", required=True, help="NAME=MODEL_DIR:PROMPTS")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vllm-python", required=True)
+    p.add_argument("--vllm-runner", required=True)
+    p.add_argument("--out-dir", type=Path, required=True)
+    ns = p.parse_args(argv)
+    ns.out_dir.mkdir(parents=True, exist_ok=True)
+    print(HEADER, flush=True)
+    rows = table_rows(ns)
+    for r in rows:
+        for v in r.values():
+            if isinstance(v, dict):
+                v.pop("tokens", None)
+    (ns.out_dir / "table.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

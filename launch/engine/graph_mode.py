@@ -1,0 +1,55 @@
+"""Start-up of graph mode for an engine: pick the backend, point inductor's cache at our directory,
+compile/capture every bucket with a progress bar (``moe.compilation.GraphModeModel``).
+
+Cache: inductor's FX graph cache and its compiled C++ live in ``TORCHINDUCTOR_CACHE_DIR``; when the
+variable is unset the engine sets it to ``$XDG_CACHE_HOME/moe-dbo/inductor`` (default
+``~/.cache/moe-dbo/inductor``), so a second start with the same shapes loads instead of compiling.
+The graphs take the weights as inputs, so the cache key holds shapes and dtypes, not weight values.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from launch.engine.arg_utils import EngineArgs
+from moe.compilation import CaptureStats, GraphModeModel
+from moe.compilation.backends import has_standalone_compile
+
+
+def graph_cache_dir() -> str:
+    """``TORCHINDUCTOR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moe-dbo/inductor``."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "moe-dbo" / "inductor")
+
+
+def build_graph_mode(
+    model: nn.Module, args: EngineArgs, *, show_progress: bool
+) -> tuple[nn.Module, CaptureStats | None]:
+    """``(GraphModeModel over model, its capture stats)``, or ``(model, None)`` when graph mode is
+    off (``--enforce-eager``) or this torch lacks ``standalone_compile`` (a note on stderr).
+
+    Compiles at start-up only; a forward above the largest bucket later runs eagerly."""
+    capture_sizes = args.graph_capture_sizes()
+    if not capture_sizes:
+        return model, None
+    is_cuda = next(model.parameters()).is_cuda
+    if not is_cuda and not has_standalone_compile():
+        sys.stderr.write(
+            f"graph mode needs torch._inductor.standalone_compile (torch >= 2.8), this is "
+            f"{torch.__version__}: running eagerly\n"
+        )
+        return model, None
+    if not is_cuda:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = graph_cache_dir()
+    graph_model = GraphModeModel(
+        model, capture_sizes, backend="cuda_graph" if is_cuda else "inductor"
+    )
+    stats = graph_model.capture(progress=show_progress)
+    return graph_model, stats

@@ -1,0 +1,91 @@
+"""Graph-mode settings: padding buckets and vLLM's ``--compilation-config`` subset (torch-free).
+
+A bucket is a row count that gets its own graph; a forward of ``n`` rows runs the graph of the
+smallest bucket ``>= n`` on its rows padded with zeros, and eagerly above the largest bucket
+(after vLLM's ``cudagraph_capture_sizes``, see ``shared/seeds/graph-capture-bucketing.md``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+
+# vLLM's default pattern is [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16): 67 graphs per
+# piece. Each inductor graph costs seconds of C++ compilation on a CPU, so the CPU default is
+# coarser: powers of two up to 16, then steps of 16 (padding waste <= 16 rows or 50 %).
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
+COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def resolve_capture_sizes(
+    sizes: tuple[int, ...] | list[int] | None,
+    *,
+    max_capture_size: int | None,
+    max_num_batched_tokens: int,
+) -> tuple[int, ...]:
+    """Ascending, deduplicated buckets: ``sizes`` if given, else the defaults up to
+    ``max_capture_size`` (default: the largest default, capped at ``max_num_batched_tokens``).
+
+    Raises:
+        ValueError: a size < 1, an empty list, ``max_capture_size`` < 1, or given sizes above
+            ``max_capture_size``.
+    """
+    if max_capture_size is not None and max_capture_size < 1:
+        raise ValueError(f"--max-cudagraph-capture-size must be >= 1, got {max_capture_size}")
+    if sizes is not None:
+        if not sizes or any(int(s) < 1 for s in sizes):
+            raise ValueError(f"--cudagraph-capture-sizes must be integers >= 1, got {list(sizes)}")
+        resolved = tuple(sorted({int(s) for s in sizes}))
+        if max_capture_size is not None and resolved[-1] > max_capture_size:
+            raise ValueError(
+                f"--cudagraph-capture-sizes {list(resolved)} exceed "
+                f"--max-cudagraph-capture-size {max_capture_size}"
+            )
+        return resolved
+    limit = max_capture_size or min(DEFAULT_CAPTURE_SIZES[-1], max_num_batched_tokens)
+    resolved = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= limit)
+    if max_capture_size is not None and max_capture_size > DEFAULT_CAPTURE_SIZES[-1]:
+        resolved += tuple(range(DEFAULT_CAPTURE_SIZES[-1] + 32, max_capture_size + 1, 32))
+    return resolved
+
+
+def bucket_for(num_rows: int, capture_sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= ``num_rows``, or None when it exceeds the largest (run eagerly)."""
+    index = bisect.bisect_left(capture_sizes, num_rows)
+    return capture_sizes[index] if index < len(capture_sizes) else None
+
+
+def parse_compilation_config(text: str) -> dict:
+    """``-cc/--compilation-config`` JSON -> ``{"cudagraph_capture_sizes": tuple | absent,
+    "max_cudagraph_capture_size": int | absent}``.
+
+    Raises:
+        ValueError: not a JSON object, a key outside ``COMPILATION_CONFIG_KEYS``, or values of the
+            wrong type.
+    """
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compilation-config {text!r} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--compilation-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(config) - set(COMPILATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--compilation-config keys {unknown} are not supported; supported: "
+            f"{list(COMPILATION_CONFIG_KEYS)}"
+        )
+    out: dict = {}
+    sizes = config.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in sizes
+        ):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of integers, got {sizes!r}")
+        out["cudagraph_capture_sizes"] = tuple(sizes)
+    max_size = config.get("max_cudagraph_capture_size")
+    if max_size is not None:
+        if not isinstance(max_size, int) or isinstance(max_size, bool):
+            raise ValueError(f"max_cudagraph_capture_size must be an integer, got {max_size!r}")
+        out["max_cudagraph_capture_size"] = max_size
+    return out

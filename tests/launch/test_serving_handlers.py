@@ -1,0 +1,98 @@
+"""The chat and completions handlers in process (aiohttp test server, no engine): requests that
+must be refused before anything reaches the engine get a clear 400."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from launch.serving.api_server import ServerConfig, build_app
+from launch.serving.chat_template import load_chat_template
+from launch.serving.detokenizer import load_tokenizer
+from launch.serving.engine_bridge import EngineBridge
+from launch.serving.metrics import ServerMetrics
+from tests.helpers.chat import build_chat_tokenizer
+
+CHAT = {"messages": [{"role": "user", "content": "<7>"}]}
+
+
+def _post(config: ServerConfig, path: str, body: dict) -> tuple[int, dict, int]:
+    """(status, JSON answer, engine requests submitted)."""
+
+    async def go():
+        bridge = EngineBridge(asyncio.get_running_loop())
+        async with TestClient(TestServer(build_app(config, bridge))) as client:
+            response = await client.post(path, json=body)
+            new, _ = bridge.take(0)
+            return response.status, await response.json(), len(new)
+
+    return asyncio.run(go())
+
+
+def _config(tmp_path, *, tokenizer: bool, template: bool) -> ServerConfig:
+    build_chat_tokenizer().save_pretrained(str(tmp_path))
+    if not template:
+        (tmp_path / "chat_template.jinja").unlink()
+    return ServerConfig(
+        model_name="m",
+        max_model_len=64,
+        vocab_size=128,
+        tokenizer=load_tokenizer(str(tmp_path)) if tokenizer else None,
+        metrics=ServerMetrics(dp_size=1),
+        chat_template=load_chat_template(str(tmp_path), None),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "template", "pattern"),
+    [
+        (False, True, "this checkpoint has no tokenizer"),
+        (True, False, "no chat template .* --chat-template FILE"),
+    ],
+)
+def test_chat_without_tokenizer_or_template_is_a_400(tmp_path, tokenizer, template, pattern):
+    status, answer, num_submitted = _post(
+        _config(tmp_path, tokenizer=tokenizer, template=template), "/v1/chat/completions", CHAT
+    )
+    assert status == 400 and num_submitted == 0
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert re.search(pattern, answer["error"]["message"])
+
+
+def test_requests_are_submitted_n_per_prompt_with_their_parameters(tmp_path):
+    config = _config(tmp_path, tokenizer=True, template=True)
+
+    async def go():
+        bridge = EngineBridge(asyncio.get_running_loop())
+        async with TestClient(TestServer(build_app(config, bridge))) as client:
+            body = {"prompt": [[5, 6], [7]], "n": 2, "seed": 3, "top_p": 0.5, "logprobs": 2,
+                    "max_tokens": 4}  # fmt: skip
+            task = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.sleep(0.2)
+            new, _ = bridge.take(0)
+            task.cancel()  # the client goes away: every choice is aborted
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.2)
+            _, aborts = bridge.take(0)
+            chat = asyncio.create_task(
+                client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            )
+            await asyncio.sleep(0.2)
+            chat_new, _ = bridge.take(0)
+            chat.cancel()
+            await asyncio.gather(chat, return_exceptions=True)
+            return new, aborts, chat_new
+
+    new, aborts, chat_new = asyncio.run(go())
+    assert [r.prompt_token_ids for r in new] == [(5, 6), (5, 6), (7,), (7,)]
+    assert [r.sampling_params.seed for r in new] == [3, 4, 3, 4]
+    assert all(r.sampling_params.top_p == 0.5 and r.sampling_params.logprobs == 2 for r in new)
+    assert sorted(aborts) == sorted(r.request_id for r in new)
+    # the chat prompt: rendered by the template, encoded without adding special tokens
+    expected = build_chat_tokenizer().apply_chat_template(
+        CHAT["messages"], add_generation_prompt=True
+    )["input_ids"]
+    assert list(chat_new[0].prompt_token_ids) == expected

@@ -1,0 +1,96 @@
+"""GraphModeModel in one process, float64: equals the eager model, pads without touching the KV
+cache, keeps the MoE kernel (and every DBO yield in it) out of the compiled pieces.
+
+Tolerance: RMSNorm computes its statistics in float32 by design (as transformers), so even a
+float64 model carries float32 roundings there, and the compiled rsqrt/mean round differently from
+eager's (measured: 1-2 float32 ulps of the norm's output). Bound: 16 float32 ulps of the largest
+compared value; everything else runs in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo.attention_metadata import CommonAttentionMetadata
+from moe import build_model, load_checkpoint, load_config, set_custom_ops
+from moe.compilation import GraphModeModel
+from moe.fused_moe.modular_kernel import FusedMoEModularKernel
+
+BLOCK_SIZE = 4
+
+
+def _close(got, want):
+    atol = 16 * torch.finfo(torch.float32).eps * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+def _metadata(query_lens, seq_lens, num_padding):
+    qsl, slots, tables = [0], [], []
+    next_block = 0
+    for q, s in zip(query_lens, seq_lens, strict=True):
+        blocks = list(range(next_block, next_block + -(-s // BLOCK_SIZE)))
+        next_block += len(blocks)
+        tables.append(blocks + [0] * (8 - len(blocks)))
+        qsl.append(qsl[-1] + q)
+        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s - q, s)]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots + [-1] * num_padding, dtype=torch.int64),
+        num_reqs=len(query_lens),
+        num_actual_tokens=qsl[-1],
+        num_tokens=qsl[-1] + num_padding,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _model(path):
+    set_custom_ops("all,-experts")  # torch._grouped_mm has no float64: the experts' reference loop
+    try:
+        model = build_model(load_config(path), dtype=torch.float64)
+    finally:
+        set_custom_ops("all")
+    load_checkpoint(model, path)
+    caches = model.allocate_kv_caches(32, BLOCK_SIZE, dtype=torch.float64)
+    return model, caches
+
+
+@pytest.mark.slow
+def test_graph_mode_equals_eager_in_float64(tiny_mixtral_dir, monkeypatch):
+    eager, eager_caches = _model(tiny_mixtral_dir)
+    graph_lm, graph_caches = _model(tiny_mixtral_dir)
+    graph = GraphModeModel(graph_lm, (16,))
+    calls = []
+    original = FusedMoEModularKernel.forward
+    monkeypatch.setattr(
+        FusedMoEModularKernel,
+        "forward",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    stats = graph.capture(progress=False)
+    assert calls == [] and stats.num_graphs == 3  # AttnIn, AttnOut, Final shared by both layers
+    gen = torch.Generator().manual_seed(0)
+    # prefill 7 + 3 tokens and 2 padding rows of the runner: 12 rows, bucket 16 pads 4 more
+    meta = _metadata([7, 3], [7, 3], num_padding=2)
+    ids = torch.randint(3, 128, (12,), generator=gen)
+    pos = torch.tensor([*range(7), *range(3), 0, 0])
+    with torch.inference_mode():
+        want = eager(ids, pos, meta)
+        calls.clear()
+        got = graph(ids, pos, meta)
+    assert len(calls) == len(graph_lm.model.layers)  # the MoE kernel ran eagerly, once per layer
+    _close(got[:10], want[:10])
+    for g, e in zip(graph_caches, eager_caches, strict=True):
+        _close(g, e)  # the same slots written, padding rows wrote nothing
+        assert torch.equal(g != 0, e != 0)
+    # decode 2 tokens, then a batch above the largest bucket runs the eager model
+    meta = _metadata([1, 1], [8, 4], num_padding=0)
+    ids, pos = torch.randint(3, 128, (2,), generator=gen), torch.tensor([7, 3])
+    with torch.inference_mode():
+        _close(graph(ids, pos, meta), eager(ids, pos, meta))
+        meta = _metadata([17], [17], num_padding=0)
+        ids, pos = torch.randint(3, 128, (17,), generator=gen), torch.arange(17)
+        torch.testing.assert_close(graph(ids, pos, meta), eager(ids, pos, meta), rtol=0, atol=0)
