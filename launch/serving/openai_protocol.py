@@ -63,7 +63,10 @@ class SamplingOptions:
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            seed=None if self.seed is None else self.seed + index,
+            # seed + index wrapped into the 64-bit signed range (seed 2**63 - 1 with n > 1)
+            seed=None
+            if self.seed is None
+            else (self.seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

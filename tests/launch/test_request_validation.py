@@ -63,8 +63,8 @@ def test_temperature_below_vllm_epsilon_is_greedy(temperature, is_greedy):
         ({"temperature": math.nan}, 400, r"'temperature' must be in \[0, 2\], got nan"),
         ({"temperature": 10**400}, 400, r"'temperature' must be in \[0, 2\], got inf"),
         ({"max_tokens": 10**4000}, 400, r"'max_tokens' must be >= 1|exceeds"),
-        ({"prompt": [[[5]]]}, 400, r"list of token ids \(ints\), got \[\[\[5\]\]\]"),
-        ({"prompt": [[5], [[6]]]}, 400, r"list of token ids \(ints\), got \[\[5\], \[\[6\]\]\]"),
+        ({"prompt": [[[5]]]}, 400, r"token-id lists, got \[\[\[5\]\]\]"),
+        ({"prompt": [[5], [[6]]]}, 400, r"token-id lists, got \[\[5\], \[\[6\]\]\]"),
     ],
 )
 def test_protocol_refuses(body, status, pattern):
@@ -72,9 +72,13 @@ def test_protocol_refuses(body, status, pattern):
         request = parse_completion_request({"prompt": [5], **body}, model_name="m")
         from launch.serving.openai_protocol import check_prompt_ids
 
-        check_prompt_ids(
-            request.prompt, max_tokens=request.max_tokens, vocab_size=128, max_model_len=64
-        )
+        for prompt in request.prompts:
+            check_prompt_ids(
+                list(prompt),
+                max_tokens=request.options.max_tokens,
+                vocab_size=128,
+                max_model_len=64,
+            )
     assert info.value.status == status
 
 
@@ -82,8 +86,10 @@ def test_protocol_takes_a_tiny_temperature_as_greedy_and_a_long_seed():
     request = parse_completion_request(
         {"prompt": [5], "temperature": 1e-300, "seed": MAX_SEED}, model_name="m"
     )
-    params = request.sampling_params()
+    params = request.options.sampling_params(index=0, max_tokens=4, logprobs=None)
     assert params.is_greedy and params.seed == MAX_SEED
+    second = request.options.sampling_params(index=1, max_tokens=4, logprobs=None)
+    assert second.seed == MIN_SEED  # n > 1 wraps instead of overflowing the generator
 
 
 @pytest.mark.parametrize(
