@@ -136,7 +136,6 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
     """
     args = engine_args_from_namespace(ns)
     args.check_world_size(world_size)
-    TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
     if not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
@@ -150,7 +149,11 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
     from launch.serving.detokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    return args, model, tokenizer, load_chat_template(args.model, ns.chat_template)
+    chat_template = load_chat_template(args.model, ns.chat_template)
+    # last, so every input error is reported first: a plain `python -m` run gets one line, not a
+    # traceback from init_distributed
+    TorchrunEnv.from_environ()
+    return args, model, tokenizer, chat_template
 
 
 def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=None):
