@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
     from dbo.cuda_streams import UBatchStreams
 
+# Extra time a baton wait gives the holder after its timeout, so that a holder blocked in a
+# collective reports that collective's timeout (naming it) rather than this wait's (<= 1 s).
+BATON_GRACE_S = 1.0
+
 __all__ = [
     "UBatchAborted",
     "UBatchContext",
@@ -124,6 +128,11 @@ class _UBatchGroup:
         """Block until ``ubatch_id`` holds the baton (called WITHOUT self.lock held)."""
         # blocking wait (timeout self.timeout_s): for the baton, or for an abort
         has_permit = self.wake[ubatch_id].acquire(timeout=self.timeout_s)
+        if not has_permit:
+            # The holder may be blocked in a collective whose own timeout (the same length, begun
+            # just after this wait) names the collective: give it a grace to report that first.
+            grace_s = min(self.timeout_s, BATON_GRACE_S)
+            has_permit = self.wake[ubatch_id].acquire(timeout=grace_s)  # blocking wait, grace_s
         woke_at_ns = time.perf_counter_ns()
         with self.lock:
             handed_at_ns = self.handed_at_ns

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+from distributed.parallel_state import TorchrunEnv
 from launch.benchmarks.report import format_table, make_record, write_records
 from launch.benchmarks.workload import BatchSpec, Workload, parse_batches
 from launch.engine.arg_utils import (
@@ -34,6 +35,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
+from launch.engine.output_paths import check_output_paths
 
 PROG = "launch.bench"
 NETWORKS = ("loopback", "netns")
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         ns.max_model_len = ns.max_model_len or limits["max_model_len"]
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
+        check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
         model = resolve_bench_model(args, model_overrides(ns))
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)

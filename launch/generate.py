@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from distributed.parallel_state import TorchrunEnv
 from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
@@ -22,7 +23,8 @@ from launch.engine.arg_utils import (
     fail,
 )
 from launch.engine.llm_engine import LLMEngine, resolve_model
-from launch.engine.request import Request, SamplingParams
+from launch.engine.output_paths import check_output_paths
+from launch.engine.request import MAX_SEED, MIN_SEED, Request, SamplingParams
 from launch.engine.startup import seconds_since_process_start
 
 PROG = "launch.generate"
@@ -33,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default=None, help="JSONL of {'prompt_token_ids': [...]}")
     parser.add_argument("--output", default=None, help="JSONL file rank 0 writes the results to")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="finite, >= 0; below 1e-5 = greedy (vLLM's rule)",
+    )
     add_engine_args(parser)
     return parser
 
@@ -88,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)  # validates
+        check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
         model = resolve_model(args)
         prompts = load_prompts(ns.prompts) if ns.prompts else model.synthetic_prompts()
         check_prompts(
@@ -98,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, rank, e)
 
     from distributed import destroy_distributed, init_distributed
+    from distributed.liveness import Heartbeat, describe_failure
 
     groups = init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
     )
+    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if groups.rank == 0:
@@ -114,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                     request_id=index,
                     prompt_token_ids=list(prompts[index]),
                     sampling_params=SamplingParams(
-                        max_tokens=ns.max_tokens, temperature=ns.temperature, seed=args.seed + index
+                        max_tokens=ns.max_tokens,
+                        temperature=ns.temperature,
+                        seed=prompt_seed(args.seed, index),
                     ),
                 )
             )
@@ -127,17 +140,23 @@ def main(argv: list[str] | None = None) -> int:
         if groups.rank == 0:
             report(gathered, engine, elapsed, ns.output, startup_s=startup_s)
     except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
-        fail(PROG, rank, f"{type(e).__name__}: {e}", status=1)
+        fail(PROG, rank, describe_failure(e, heartbeat), status=1)
     finally:
+        heartbeat.stop()
         destroy_distributed()
     return 0
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """``seed + index`` wrapped into the 64-bit signed range SamplingParams takes."""
+    return (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
 
 
 def gather_to_rank0(finished: list[Request], groups) -> list[Request]:
     """All finished requests of every DP rank, sorted by index (blocking collective, group timeout)."""
     import torch.distributed as dist
 
-    mine = [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in finished]
+    mine = [(r.request_id, r.prompt_token_ids, r.output_token_ids, r.error) for r in finished]
     everyone: list = [None] * groups.dp_size
     dist.all_gather_object(everyone, mine, group=groups.dp_group)
     return sorted((item for part in everyone for item in part), key=lambda item: item[0])
@@ -149,21 +168,21 @@ def report(
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", encoding="utf-8") as f:
-            for index, prompt, out in results:
-                f.write(
-                    json.dumps(
-                        {"index": index, "prompt_token_ids": prompt, "output_token_ids": out}
-                    )
-                    + "\n"
-                )
+            for index, prompt, out, error in results:
+                line = {"index": index, "prompt_token_ids": prompt, "output_token_ids": out}
+                if error is not None:  # this prompt alone failed (e.g. NaN logits)
+                    line["error"] = error
+                f.write(json.dumps(line) + "\n")
     stats = engine.stats
-    num_generated = sum(len(out) for _, _, out in results)
+    num_generated = sum(len(out) for _, _, out, _ in results)
+    num_failed = sum(error is not None for *_, error in results)
     print(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "
         f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
         f"all2all {engine.all2all_summary()}; "
         f"start-up {startup_s:.2f} s (process start to first step, rank 0)"
+        + (f"; {num_failed} prompt(s) failed (see 'error' in the output)" if num_failed else "")
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )

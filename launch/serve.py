@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from distributed.parallel_state import TorchrunEnv
 from launch.engine.arg_utils import (
     OneLineErrorParser,
     add_engine_args,
@@ -26,9 +27,11 @@ from launch.engine.arg_utils import (
     print_error,
 )
 from launch.engine.llm_engine import LLMEngine, resolve_model
+from launch.engine.output_paths import check_output_paths
 
 PROG = "launch.serve"
 EMBEDDED_MODEL_NAME = "moe-dbo-embedded"
+MAX_SHUTDOWN_TIMEOUT_S = 3600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from distributed import destroy_distributed, init_distributed
+    from distributed.liveness import Heartbeat
 
     groups = init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
     )
+    # names the peer that stopped answering when a collective times out
+    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     # control traffic (requests, outputs, shutdown) on a gloo group of its own
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
@@ -110,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         bridge=None if http is None else http.bridge,
         metrics=metrics,
     )
-    _serve(loop, http, rank)
+    _serve(loop, http, rank, heartbeat)
     timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    heartbeat.stop()
     destroy_distributed()
     print(
         f"{PROG} [rank {rank}]: stopped" + (f"; wrote {timeline_path}" if timeline_path else ""),
@@ -131,14 +138,22 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
     args.check_world_size(world_size)
     if not 0 <= ns.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-    if ns.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 s, got {ns.shutdown_timeout}")
+    if not 0 <= ns.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT_S:  # also refuses nan
+        raise ValueError(
+            f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] s, "
+            f"got {ns.shutdown_timeout}"
+        )
+    check_output_paths(timeline_dir=args.timeline_dir)
     model = resolve_model(args)
     from launch.serving.chat_template import load_chat_template
     from launch.serving.detokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    return args, model, tokenizer, load_chat_template(args.model, ns.chat_template)
+    chat_template = load_chat_template(args.model, ns.chat_template)
+    # last, so every input error is reported first: a plain `python -m` run gets one line, not a
+    # traceback from init_distributed
+    TorchrunEnv.from_environ()
+    return args, model, tokenizer, chat_template
 
 
 def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=None):
@@ -174,13 +189,15 @@ def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=N
     return engine, http, metrics
 
 
-def _serve(loop, http, rank: int) -> None:
+def _serve(loop, http, rank: int, heartbeat) -> None:
     """Run the serve loop until every rank is told to exit; a failure ends this rank with one
-    line (after failing rank 0's open requests)."""
+    line (after failing rank 0's open requests), naming the silent rank(s) on a timeout."""
+    from distributed.liveness import describe_failure
+
     try:
         num_failed = loop.run()
     except Exception as e:  # noqa: BLE001 - a dead peer, a failed step: end with one clear line
-        message = f"{type(e).__name__}: {e}"
+        message = describe_failure(e, heartbeat)
         if http is not None:
             http.bridge.fail_all(RuntimeError(f"the engine failed: {message}"))
             http.stop(timeout_s=5.0)

@@ -202,9 +202,8 @@ def hf_greedy(model, prompts, *, max_new_tokens: int = 8, **generate_kwargs) -> 
 
 @pytest.fixture(scope="session")
 def transformers_greedy(tiny_mixtral_dir, tiny_prompts) -> list[list[int]]:
-    """transformers' greedy continuation (8 new tokens, stops at eos) of each prompt, one by one."""
-    import torch
-    from transformers import MixtralForCausalLM
+    """transformers' greedy continuation (8 new tokens, stops at eos) of each prompt, one by one,
+    in float64 (the engine runs that compare with it are float64 too: tokens equal on any CPU)."""
+    from tests.helpers.precision import reference_model
 
-    model = MixtralForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32).eval()
-    return hf_greedy(model, tiny_prompts)
+    return hf_greedy(reference_model(tiny_mixtral_dir), tiny_prompts)

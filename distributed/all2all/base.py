@@ -26,6 +26,12 @@ from distributed.comm_handle import CollectiveHandle, CommHandle, wait_work
 from distributed.link_emulation import EmulatedLink, sleep_until
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype combine sums partial expert outputs in: float32, or float64 for float64 inputs
+    (the exactness tests run the whole model in float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchMetadata:
     """What combine needs to route expert outputs back; opaque to callers.
@@ -201,7 +207,8 @@ class All2AllBackend(ABC):
 
         Returns:
             Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
-            dtype: the sum over ranks of the partial outputs, accumulated in float32.
+            dtype: the sum over ranks of the partial outputs, accumulated in float32 (float64 for
+            float64 inputs).
 
         Raises:
             ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.

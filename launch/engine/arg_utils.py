@@ -7,6 +7,7 @@ rank within seconds with the same one-line message instead of leaving a peer wai
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ ALL2ALL_BACKENDS = (
 # window (measured: README, "Expert all-to-all backends"), else the plain uneven all-to-all.
 DEFAULT_ALL2ALL_BACKEND = "all_to_all"
 DEFAULT_DBO_ALL2ALL_BACKEND = "deepep_low_latency"
+# float64 is for exactness tests (transformers builds the same checkpoint in float64), not serving.
 DTYPES = ("float32", "bfloat16", "float64")
+MAX_DISTRIBUTED_TIMEOUT_S = 86400.0  # a day: beyond it a hung peer is a hang, whatever the flag
 AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
 MIN_DBO_THRESHOLD = 2
 
@@ -50,7 +53,8 @@ class EngineArgs:
     Raises:
         ValueError: naming the offending value and what is accepted, if the flags contradict each
             other (``--enable-dbo`` without ``--enable-expert-parallel`` or with one DP rank, a
-            non-positive size, an unknown backend or dtype).
+            non-positive size, an unknown backend or dtype, a seed outside the 64-bit signed range,
+            a non-finite or out-of-range timeout).
     """
 
     model: str | None = None
@@ -114,10 +118,17 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.distributed_timeout_s <= 0:
+        if not (
+            math.isfinite(self.distributed_timeout_s)
+            and 0 < self.distributed_timeout_s <= MAX_DISTRIBUTED_TIMEOUT_S
+        ):
             raise ValueError(
-                f"--distributed-timeout must be > 0 s, got {self.distributed_timeout_s}"
+                f"--distributed-timeout must be in (0, {MAX_DISTRIBUTED_TIMEOUT_S:g}] s, "
+                f"got {self.distributed_timeout_s}"
             )
+        from launch.engine.request import check_seed
+
+        check_seed(self.seed, "--seed")
         if self.enable_dbo and self.data_parallel_size < 2:
             raise ValueError(
                 "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
@@ -202,7 +213,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         choices=DTYPES,
-        help="weights and activations dtype (float32 / float64 for exact comparisons)",
+        help="weights and activations dtype (float32 for comparisons; float64 for the exactness "
+        "tests against transformers)",
     )
     add(
         "--custom-ops",

@@ -247,7 +247,9 @@ class LLMEngine:
                 out.adaptive is not None and out.adaptive.is_exploring
             )
         self.stats.num_preemptions += len(scheduler_output.preempted)
-        finished = self.scheduler.update_from_output(scheduler_output, out.sampled_token_ids)
+        finished = self.scheduler.update_from_output(
+            scheduler_output, out.sampled_token_ids, out.failed_request_ids
+        )
         if out.sampled_logprobs:
             by_id = {s.request.request_id: s.request for s in scheduler_output.scheduled}
             for request_id, logprobs in out.sampled_logprobs.items():

@@ -18,6 +18,7 @@ because the expert all-to-all is a collective over all EP ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -34,16 +35,20 @@ from dbo import (
     should_ubatch_locally,
 )
 from dbo.timeline.recorder import blocking_comm_span, record_policy_span, timeline_span
+from distributed.comm_handle import comm_error
 from launch.engine.arg_utils import AUTO, MIN_DBO_THRESHOLD, EngineArgs
 from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
-from launch.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
+from launch.engine.sampler import Sampler, SamplingMetadata, TokenLogprobs, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutput:
     sampled_token_ids: dict[int, int]  # request_id -> token
+    # request_id -> why sampling failed for that request alone (its own parameters or data); the
+    # scheduler finishes it with that error while the step and every other request go on
+    failed_request_ids: dict[int, str]
     has_work_across_dp: tuple[bool, ...]
     ran_model: bool
     is_ubatched: bool
@@ -146,12 +151,13 @@ class ModelRunner:
         for request in scheduler_output.preempted:  # their blocks are gone: rows rebuilt later
             self.input_batch.remove_request(request.request_id)
         forward = self.run_forward(scheduler_output)
-        sampled, logprobs = {}, {}
+        sampled, logprobs, failed = {}, {}, {}
         if forward.hidden_states is not None:
-            sampled, logprobs = self._sample(forward.hidden_states, forward.inputs)
+            sampled, logprobs, failed = self._sample(forward.hidden_states, forward.inputs)
         return StepOutput(
             sampled_token_ids=sampled,
             sampled_logprobs=logprobs,
+            failed_request_ids=failed,
             has_work_across_dp=forward.has_work_across_dp,
             ran_model=forward.hidden_states is not None,
             is_ubatched=forward.is_ubatched,
@@ -230,7 +236,7 @@ class ModelRunner:
         has_work = num_tokens > 0
         vote, can_ubatch = self._local_vote(num_tokens, scheduler_output.is_decode_only)
         g = self.groups
-        with blocking_comm_span("dp_vote"):
+        with blocking_comm_span("dp_vote"), _naming_dp_vote_errors(g):
             return coordinate_batch_across_dp(  # blocking collective over DP (group timeout)
                 num_tokens=num_tokens,
                 has_work=has_work,
@@ -265,26 +271,72 @@ class ModelRunner:
 
     def _sample(
         self, hidden_states, inputs: ModelInputs
-    ) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
-        """The token sampled for each request with a logits row, and the logprobs of those that
-        asked for them (from the raw logits: vLLM's default)."""
+    ) -> tuple[dict[int, int], dict[int, TokenLogprobs], dict[int, str]]:
+        """(request_id -> sampled token, request_id -> logprobs of those that asked for them (from
+        the raw logits: vLLM's default), request_id -> error) for every sampled row.
+
+        All rows are sampled in one vectorized call. Whatever fails because of one request (its
+        logits, the sampler on its row) fails that request alone: NaN rows are checked for every
+        step, and only when the batched call raises are the rows sampled one by one to find the
+        ones at fault. The step goes on for every other request, so the DP lockstep is never
+        broken by one request's data.
+        """
         if not inputs.sampled_request_ids:
-            return {}, {}
+            return {}, {}, {}
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-            tokens = self.sampler(logits, inputs.sampling_metadata)
-        sampled = dict(zip(inputs.sampled_request_ids, tokens.tolist(), strict=True))
-        num_logprobs = inputs.sampling_metadata.num_logprobs
-        logprob_rows = (num_logprobs >= 0).nonzero().flatten()
-        if not logprob_rows.numel():
-            return sampled, {}
+            metadata = inputs.sampling_metadata
+            errors = dict.fromkeys(torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist(),
+                                   "the model produced NaN logits for this request")  # fmt: skip
+            tokens, sample_errors = self._sample_isolating_failures(logits, metadata)
+            errors.update(sample_errors)
+        ids = inputs.sampled_request_ids
+        failed = {ids[row]: error for row, error in errors.items()}
+        token_list = tokens.tolist()  # host sync: one per step for all rows
+        sampled = {r: token_list[row] for row, r in enumerate(ids) if row not in errors}
+        wanted_rows = [
+            row for row in (metadata.num_logprobs >= 0).nonzero().flatten().tolist()
+            if row not in errors
+        ]  # fmt: skip
+        if not wanted_rows:
+            return sampled, {}, failed
         with timeline_span("logprobs"):
             logprobs = compute_logprobs(
-                logits[logprob_rows], tokens[logprob_rows], num_logprobs[logprob_rows].tolist()
+                logits[wanted_rows],
+                tokens[wanted_rows],
+                metadata.num_logprobs[wanted_rows].tolist(),
             )
-        wanted = [inputs.sampled_request_ids[i] for i in logprob_rows.tolist()]
-        return sampled, dict(zip(wanted, logprobs, strict=True))
+        wanted = [ids[row] for row in wanted_rows]
+        return sampled, dict(zip(wanted, logprobs, strict=True)), failed
+
+    def _sample_isolating_failures(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """(token ids [num_rows] int64, row -> error). The batched sampler first; if it raises,
+        each row alone, so that only the rows whose own data make it fail are failed."""
+        try:
+            return self.sampler(logits, metadata), {}
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            pass
+        tokens = torch.zeros(logits.shape[0], dtype=torch.int64)
+        errors: dict[int, str] = {}
+        for row in range(logits.shape[0]):  # failure path only, never in a normal step
+            try:
+                tokens[row] = self.sampler(logits[row : row + 1], metadata.select([row]))[0]
+            except Exception as e:  # noqa: BLE001 - one request's sampling: fail it alone
+                errors[row] = f"sampling failed: {type(e).__name__}: {e}"
+        return tokens, errors
 
     def release(self, request_id: int) -> None:
         """Forget a finished or aborted request's per-request state."""
         self.input_batch.remove_request(request_id)
+
+
+@contextlib.contextmanager
+def _naming_dp_vote_errors(groups):
+    """Re-raise a failed DP vote naming it (gloo's timeout names no collective)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        op = "the DP vote (all_reduce over the DP group)"
+        raise comm_error(op, groups.rank, groups.timeout, exc) from exc

@@ -3,22 +3,55 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from launch.engine.sampler import MAX_LOGPROBS, TokenLogprobs
 
+# vLLM's rules (``vllm.sampling_params``): a temperature below this epsilon means greedy decoding
+# (dividing logits by ~1e-38 or less overflows float32 and sampling would see inf/nan).
+SAMPLING_EPS = 1e-5
+# vLLM's protocol bounds a seed by torch.iinfo(torch.long); torch.Generator.manual_seed accepts
+# [-2**63, 2**64), so every seed in this range is one the generator takes.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int | None, name: str = "seed") -> None:
+    """Raise ValueError unless ``seed`` is None or an int in [MIN_SEED, MAX_SEED]."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"{name} must be an integer, got {seed!r}")
+    if not MIN_SEED <= seed <= MAX_SEED:
+        raise ValueError(f"{name} must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {seed}")
+
+
+def check_temperature(temperature: float, name: str = "temperature") -> None:
+    """Raise ValueError unless ``temperature`` is a finite number >= 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"{name} must be a number, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (below {SAMPLING_EPS:g} means greedy), "
+            f"got {temperature}"
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token (vLLM's ``SamplingParams`` rules).
+
+    A temperature below ``SAMPLING_EPS`` (1e-5) means greedy (argmax), as in vLLM.
 
     Raises:
-        ValueError: if ``max_tokens`` < 1, ``temperature`` < 0, ``top_p`` outside (0, 1] or
+        ValueError: if ``max_tokens`` is not an int >= 1, ``temperature`` is not a finite number
+            >= 0, ``seed`` is outside [-2**63, 2**63 - 1], ``top_p`` outside (0, 1] or
             ``logprobs`` outside [0, 20].
     """
 
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy (argmax)
+    temperature: float = 0.0  # below SAMPLING_EPS means greedy (argmax)
     seed: int | None = None  # per-request generator seed when sampling
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
@@ -26,14 +59,22 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_temperature(self.temperature)
+        check_seed(self.seed)
+        if not 0.0 < self.top_p <= 1.0:  # also refuses nan
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
 
 
 class RequestStatus(enum.Enum):
@@ -59,7 +100,8 @@ class Request:
     )  # if sampling_params.logprobs
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+    finish_reason: str | None = None  # "length", "stop", "abort" or "error" once finished
+    error: str | None = None  # why the request failed (finish_reason "error"): its own data only
     num_preemptions: int = 0  # times its KV was freed to be recomputed later
 
     @property

@@ -148,6 +148,18 @@ class SamplingMetadata:
     num_logprobs: Tensor
     is_all_greedy: bool
 
+    def select(self, rows: list[int]) -> SamplingMetadata:
+        """The metadata of ``rows`` only (in that order)."""
+        temperature = self.temperature[rows]
+        return SamplingMetadata(
+            temperature=temperature,
+            top_p=self.top_p[rows],
+            seeds=self.seeds[rows],
+            output_positions=self.output_positions[rows],
+            num_logprobs=self.num_logprobs[rows],
+            is_all_greedy=bool((temperature == 0).all()),
+        )
+
 
 def top_p_mask(scores: Tensor, top_p: Tensor) -> Tensor:
     """Rows of ``scores`` [num_rows, vocab_size] with every token outside the row's top-p nucleus

@@ -174,29 +174,44 @@ class Scheduler:
         return len(self.waiting)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[int, int],
+        failed_request_ids: dict[int, str] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens; return the requests that finished.
 
         ``sampled_token_ids`` maps request_id to the token sampled for every request whose known
-        tokens were all computed this step (a finished prompt or a decode); KeyError if one is missing.
+        tokens were all computed this step (a finished prompt or a decode), except those in
+        ``failed_request_ids`` (request_id -> error), which finish with ``finish_reason`` "error";
+        KeyError if a request is in neither.
         """
+        failed_request_ids = failed_request_ids or {}
         finished: list[Request] = []
         for item in scheduler_output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk: nothing sampled yet
+            error = failed_request_ids.get(request.request_id)
+            if error is not None:
+                request.error = error
+                self._finish(request, "error")
+                finished.append(request)
+                continue
             token = sampled_token_ids[request.request_id]
             request.output_token_ids.append(token)
             reason = self._finish_reason(request, token)
             if reason is not None:
-                request.status = RequestStatus.FINISHED
-                request.finish_reason = reason
-                self.running.remove(request)
-                self.kv_cache_manager.free(request.request_id)
+                self._finish(request, reason)
                 finished.append(request)
         return finished
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.running.remove(request)
+        self.kv_cache_manager.free(request.request_id)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling_params

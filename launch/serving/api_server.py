@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.engine_bridge import EngineBridge
+from launch.serving.http_errors import MAX_LINE_BYTES, openai_error_middleware
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import error_body
 from launch.serving.serving_chat import OpenAIServingChat
@@ -66,7 +67,7 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     created = int(time.time())
-    app = web.Application()
+    app = web.Application(middlewares=[openai_error_middleware])
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)
@@ -108,7 +109,12 @@ class HTTPServerThread:
             # handler_cancellation: a client that disconnects cancels its handler, whose
             # ``finally`` aborts its engine requests (aiohttp >= 3.9 leaves handlers running)
             self._runner = web.AppRunner(
-                app, shutdown_timeout=5.0, access_log=None, handler_cancellation=True
+                app,
+                shutdown_timeout=5.0,
+                access_log=None,
+                handler_cancellation=True,
+                max_line_size=MAX_LINE_BYTES,
+                max_field_size=MAX_LINE_BYTES,
             )
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)

@@ -9,9 +9,10 @@ The sampling fields are shared with chat completions (``launch.serving.chat_prot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from launch.engine.request import SamplingParams
+from launch.engine.request import MAX_SEED, MIN_SEED, SamplingParams
 from launch.engine.sampler import MAX_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -62,7 +63,10 @@ class SamplingOptions:
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            seed=None if self.seed is None else self.seed + index,
+            # seed + index wrapped into the 64-bit signed range (seed 2**63 - 1 with n > 1)
+            seed=None
+            if self.seed is None
+            else (self.seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -89,7 +93,7 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default, what: str):
     if value is None:
         return default
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ProtocolError(f"'{name}' must be {what}, got {value!r}", param=name)
+        raise ProtocolError(f"'{name}' must be {what}, got {_short(value)}", param=name)
     return value
 
 
@@ -119,7 +123,7 @@ def _parse_prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
         return ((),)  # refused as "the prompt is empty" by check_prompt_ids
     raise ProtocolError(
         "'prompt' must be a string, a list of strings, a list of token ids (ints) or a list of "
-        "token-id lists, got " + repr(prompt)[:80],
+        "token-id lists, got " + _short(prompt),
         param="prompt",
     )
 
@@ -135,6 +139,36 @@ def check_model(body: dict, model_name: str) -> None:
         )
 
 
+def _to_float(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int of hundreds of digits
+        return math.inf
+
+
+def _short(value) -> str:
+    """repr of ``value`` cut to 80 characters (a number of thousands of digits, or a deeply nested
+    list, stays one readable line)."""
+    if _is_int(value) and abs(value) >= 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit, deep nesting
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _parse_seed(body: dict) -> int | None:
+    """vLLM's bound: torch.iinfo(torch.long), which torch.Generator.manual_seed accepts."""
+    seed = _get(body, "seed", (int,), None, "an integer")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ProtocolError(
+            f"'seed' must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {_short(seed)}",
+            param="seed",
+        )
+    return seed
+
+
 def parse_sampling_options(
     body: dict, *, default_max_tokens: int | None, max_tokens_names: tuple[str, ...]
 ) -> SamplingOptions:
@@ -148,13 +182,13 @@ def parse_sampling_options(
     name = next((n for n in max_tokens_names if body.get(n) is not None), max_tokens_names[0])
     max_tokens = _get(body, name, (int,), default_max_tokens, "an integer >= 1")
     if max_tokens is not None and max_tokens < 1:
-        raise ProtocolError(f"'{name}' must be >= 1, got {max_tokens}", param=name)
-    temperature = float(_get(body, "temperature", (int, float), 1.0, "a number in [0, 2]"))
-    if not 0.0 <= temperature <= 2.0:
+        raise ProtocolError(f"'{name}' must be >= 1, got {_short(max_tokens)}", param=name)
+    temperature = _to_float(_get(body, "temperature", (int, float), 1.0, "a number in [0, 2]"))
+    if not 0.0 <= temperature <= 2.0:  # also refuses NaN and inf (Python's json reads both)
         raise ProtocolError(
             f"'temperature' must be in [0, 2], got {temperature}", param="temperature"
         )
-    top_p = float(_get(body, "top_p", (int, float), 1.0, "a number in (0, 1]"))
+    top_p = _to_float(_get(body, "top_p", (int, float), 1.0, "a number in (0, 1]"))
     if not 0.0 < top_p <= 1.0:
         raise ProtocolError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     stop = _get(body, "stop", (str, list), [], "a string or a list of up to 4 strings")
@@ -162,7 +196,7 @@ def parse_sampling_options(
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise ProtocolError(
             f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them, "
-            f"got {stop!r}",
+            f"got {_short(stop)}",
             param="stop",
         )
     stop_token_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
@@ -173,7 +207,7 @@ def parse_sampling_options(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        seed=_get(body, "seed", (int,), None, "an integer"),
+        seed=_parse_seed(body),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_get(body, "ignore_eos", (bool,), False, "a boolean"),
@@ -232,8 +266,14 @@ def check_prompt_ids(
         raise ProtocolError("the prompt is empty", param="prompt")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ProtocolError(f"token id {bad} is outside [0, {vocab_size})", param="prompt")
+        raise ProtocolError(f"token id {_short(bad)} is outside [0, {vocab_size})", param="prompt")
     num_prompt = len(prompt_token_ids)
+    if max_tokens > max_model_len:
+        raise ProtocolError(
+            f"'max_tokens' {_short(max_tokens)} exceeds this model's maximum context length "
+            f"({max_model_len} tokens)",
+            param="max_tokens",
+        )
     if num_prompt + max_tokens > max_model_len:
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -245,11 +285,12 @@ def check_prompt_ids(
 
 def error_body(message: str, *, status: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    kinds = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+    kinds = {503: "service_unavailable"}
+    kind = "invalid_request_error" if 400 <= status < 500 else kinds.get(status, "server_error")
     return {
         "error": {
             "message": message,
-            "type": kinds.get(status, "server_error"),
+            "type": kind,
             "param": param,
             "code": status,
         }

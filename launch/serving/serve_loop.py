@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from distributed.comm_handle import comm_error
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
 from launch.serving.engine_bridge import (
@@ -108,9 +109,7 @@ class ServeLoop:
                         f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
                     )
                 )
-            parts: list = [None] * self.dp_size
-            # blocking collective over the gloo control group (timeout: the group's timeout)
-            dist.all_gather_object(parts, (orders, report), group=self.control_group)
+            parts = self._exchange(orders, report)
             orders = parts[0][0]
             reports = [part[1] for part in parts]
             if self.dp_rank == 0:
@@ -121,6 +120,18 @@ class ServeLoop:
             num_new = len(orders.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
+
+    def _exchange(self, orders: ControlOrders | None, report: RankReport) -> list:
+        """Every rank's (orders, report): one blocking all_gather_object over the control group
+        (timeout: the group's). Raises TimeoutError / RuntimeError naming the exchange."""
+        parts: list = [None] * self.dp_size
+        try:
+            dist.all_gather_object(parts, (orders, report), group=self.control_group)
+        except RuntimeError as exc:  # gloo's timeout names no collective: say which
+            timeout = self.engine.groups.timeout
+            op = "the serve loop's control exchange (all_gather_object over the control group)"
+            raise comm_error(op, self.dp_rank, timeout, exc) from exc
+        return parts
 
     def _make_orders(self, any_work: bool) -> ControlOrders:
         bridge = self.bridge
@@ -197,7 +208,7 @@ class ServeLoop:
                     )
                 )
                 self._num_sent[new.request_id] = 0
-            except ValueError as e:  # rank 0 checks requests first; this is a last line of defence
+            except Exception as e:  # noqa: BLE001 - rank 0 checked it first; fail this request alone
                 self._error_outputs.append(RequestOutput(request_id=new.request_id, error=e))
         for request_id in orders.aborts:
             if self.engine.abort_request(request_id) is not None:
@@ -233,6 +244,9 @@ class ServeLoop:
             self._num_sent.pop(request.request_id, None)
         else:
             self._num_sent[request.request_id] = len(request.output_token_ids)
+        if request.finish_reason == "error":  # failed by its own data; the others go on
+            error = RuntimeError(request.error)
+            return [RequestOutput(request_id=request.request_id, error=error)]
         return [
             RequestOutput(
                 request_id=request.request_id,

@@ -77,11 +77,11 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
 
 
 async def read_json(http_request: web.Request):
-    """The decoded body. Raises ProtocolError (400) if it is not valid JSON."""
-    try:
-        return await http_request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"the request body is not valid JSON ({e})") from None
+    """The decoded body. Raises ProtocolError (400) for any body that is not JSON in its charset
+    (``launch.serving.http_errors.read_json_body``)."""
+    from launch.serving.http_errors import read_json_body
+
+    return await read_json_body(http_request)
 
 
 def error_event(e: EngineError) -> dict:
@@ -147,6 +147,12 @@ class OpenAIServing:
         """Submit ``n`` engine requests per prompt (choice ``p * n + j``, as vLLM numbers them);
         ``params(prompt_index, j)`` gives each one's sampling parameters. All outputs arrive on
         the returned queue. Raises ServerShuttingDown (503) before anything is submitted."""
+        if stop and self.config.tokenizer is None:
+            raise ProtocolError(
+                "'stop' strings need the checkpoint's tokenizer (tokenizer.json) and this "
+                "model has none; use 'stop_token_ids'",
+                param="stop",
+            )
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         choices: list[Choice] = []
         try:
@@ -187,7 +193,11 @@ class OpenAIServing:
             choice = by_id[output.request_id]
             if choice.is_finished:
                 continue  # stopped by a stop string; its abort is on its way
-            text = choice.text.add(output.new_token_ids, is_last=output.is_last)
+            try:
+                text = choice.text.add(output.new_token_ids, is_last=output.is_last)
+            except Exception as e:  # noqa: BLE001 - this request's detokenizing fails it alone
+                message = f"detokenizing failed: {type(e).__name__}: {e}"
+                raise EngineError(RuntimeError(message)) from e
             choice.token_ids += output.new_token_ids
             choice.logprobs += output.new_logprobs
             if choice.text.stopped:

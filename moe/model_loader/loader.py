@@ -25,6 +25,9 @@ from moe.models.config import MoEModelConfig
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.*)\.(?P<w>w1|w2|w3)$")
+# safetensors dtype names that load as weights: casting an int or bool tensor (a bool lm_head makes
+# every token 0) or an fp8 one without its scales would load a different model without a word.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +140,14 @@ def _plan(model: nn.Module, directory: Path) -> dict[Path, list[tuple[str, Tenso
 def _check_entry(f, file: Path, keys: set[str], name: str, target: Tensor) -> None:
     if name not in keys:
         raise ValueError(f"tensor {name!r} is missing from {str(file)!r}")
-    shape = tuple(f.get_slice(name).get_shape())
+    tensor_slice = f.get_slice(name)
+    dtype = tensor_slice.get_dtype()
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"tensor {name!r} in {str(file)!r} has dtype {dtype}; weights must be floating point, "
+            f"one of {list(FLOAT_DTYPES)} (quantized checkpoints are not supported)"
+        )
+    shape = tuple(tensor_slice.get_shape())
     if shape != tuple(target.shape):
         raise ValueError(
             f"tensor {name!r} in {str(file)!r} has shape {list(shape)}, "

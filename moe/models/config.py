@@ -163,8 +163,10 @@ class MoEModelConfig:
             ValueError: unsupported ``model_type``/``architectures`` (the message names the supported
                 ones), or a missing / invalid field.
         """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"config.json must be a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             archs = d.get("architectures")
             raise ValueError(
                 f"unsupported model (model_type={model_type!r}, architectures={archs!r}); "

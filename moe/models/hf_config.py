@@ -3,11 +3,14 @@
 Field meanings and defaults follow transformers 5's configuration classes (``MixtralConfig``,
 ``DeepseekV2Config``, ``DeepseekV3Config``, ``Qwen2MoeConfig``, ``OlmoeConfig``); a default is used
 only where transformers has the same one. ``KeyError`` for a missing required field is turned into a
-``ValueError`` naming it by ``MoEModelConfig.from_hf_config``.
+``ValueError`` naming it by ``MoEModelConfig.from_hf_config``. Every field read is type- and
+range-checked (``_int``, ``_float``, ``_bool``): a wrong value is a one-line ``ValueError`` naming
+the field and what is accepted, never a silent truncation (``hidden_size: 64.5``) or a traceback.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,14 +23,68 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
 }
 ROPE_TYPES = ("default", "yarn")
+_REQUIRED = object()
+
+
+def _bad(name: str, what: str, value: Any) -> ValueError:
+    shown = "null" if value is None else repr(value)
+    return ValueError(f"config.json: {name} must be {what}, got {shown[:80]}")
+
+
+def _raw(d: Mapping[str, Any], name: str, default: Any) -> Any:
+    """``d[name]``; ``default`` when absent or null. A required field (``_REQUIRED``): KeyError
+    when absent, None when null (which the caller's type check then refuses)."""
+    value = d.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            if name not in d:
+                raise KeyError(name)
+            return None
+        return default
+    return value
+
+
+def _int(d: Mapping[str, Any], name: str, default: Any = _REQUIRED, *, minimum: int = 1) -> Any:
+    """An integer field >= ``minimum`` (``default`` when absent or null; may be None)."""
+    value = _raw(d, name, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _bad(name, f"an integer >= {minimum}", value)
+    return value
+
+
+def _float(
+    d: Mapping[str, Any], name: str, default: Any = _REQUIRED, *, positive: bool = True
+) -> Any:
+    """A finite number field (> 0 when ``positive``; ``default`` when absent or null)."""
+    value = _raw(d, name, default)
+    if value is None and default is None:
+        return None
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        raise _bad(name, "a finite number" + (" > 0" if positive else ""), value)
+    return float(value)
+
+
+def _bool(d: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = _raw(d, name, default)
+    if not isinstance(value, bool):
+        raise _bad(name, "true or false", value)
+    return value
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = [value] if not isinstance(value, list) else value
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise _bad("eos_token_id", "a token id >= 0 or a list of them", value)
+    return tuple(ids)
 
 
 def _rope(d: Mapping[str, Any], default_theta: float) -> dict[str, Any]:
@@ -36,11 +93,15 @@ def _rope(d: Mapping[str, Any], default_theta: float) -> dict[str, Any]:
     transformers >= 5 writes ``rope_parameters``; older checkpoints (e.g. DeepSeek-V2-Lite's) have a
     top-level ``rope_theta`` and a ``rope_scaling`` dict whose kind is under ``type``.
     """
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    name = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    raw = d.get(name) or {}
+    if not isinstance(raw, dict):
+        raise _bad(name, "an object", raw)
+    params = dict(raw)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
-    theta = float(params.get("rope_theta", d.get("rope_theta", default_theta)))
+    theta = _float(params, "rope_theta", _float(d, "rope_theta", default_theta))
     scaling = None
     if rope_type == "yarn":
         keep = (
@@ -53,27 +114,32 @@ def _rope(d: Mapping[str, Any], default_theta: float) -> dict[str, Any]:
             "attention_factor",
             "truncate",
         )
+        for k in keep[:-1]:  # every yarn parameter but truncate is a number
+            _float(params, k, None, positive=False)
+        _bool(params, "truncate", True)
         scaling = tuple(sorted((k, params[k]) for k in keep if params.get(k) is not None))
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def _common(d: Mapping[str, Any], model_type: str, default_theta: float) -> dict[str, Any]:
-    hidden_size = int(d["hidden_size"])
-    num_heads = int(d["num_attention_heads"])
+    hidden_size = _int(d, "hidden_size")
+    num_heads = _int(d, "num_attention_heads")
+    # present: must be a number (null is not "the default")
+    max_positions = _int(d, "max_position_embeddings") if "max_position_embeddings" in d else 4096
     return {
         "architecture": SUPPORTED_ARCHITECTURES[model_type],
-        "vocab_size": int(d["vocab_size"]),
+        "vocab_size": _int(d, "vocab_size"),
         "hidden_size": hidden_size,
-        "intermediate_size": int(d["intermediate_size"]),
-        "num_hidden_layers": int(d["num_hidden_layers"]),
+        "intermediate_size": _int(d, "intermediate_size"),
+        "num_hidden_layers": _int(d, "num_hidden_layers"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": int(d.get("num_key_value_heads") or num_heads),
-        "head_dim": int(d.get("head_dim") or hidden_size // num_heads),
-        "num_experts_per_tok": int(d["num_experts_per_tok"]),
-        "rms_norm_eps": float(d.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(d.get("max_position_embeddings", 4096)),
+        "num_key_value_heads": _int(d, "num_key_value_heads", num_heads),
+        "head_dim": _int(d, "head_dim", hidden_size // num_heads),
+        "num_experts_per_tok": _int(d, "num_experts_per_tok"),
+        "rms_norm_eps": _float(d, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": max_positions,
         "eos_token_ids": _eos_ids(d.get("eos_token_id")),
-        "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _bool(d, "tie_word_embeddings", False),
         **_rope(d, default_theta),
     }
 
@@ -81,20 +147,20 @@ def _common(d: Mapping[str, Any], model_type: str, default_theta: float) -> dict
 def _mixtral(d: Mapping[str, Any]) -> dict[str, Any]:
     return {
         **_common(d, "mixtral", 1e6),
-        "rms_norm_eps": float(d.get("rms_norm_eps", 1e-5)),
-        "num_experts": int(d["num_local_experts"]),
+        "rms_norm_eps": _float(d, "rms_norm_eps", 1e-5),
+        "num_experts": _int(d, "num_local_experts"),
     }
 
 
 def _deepseek(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     is_v3 = model_type == "deepseek_v3"
-    num_layers = int(d["num_hidden_layers"])
-    first_dense = int(d.get("first_k_dense_replace") or 0)
-    moe_layer_freq = int(d.get("moe_layer_freq") or 1)
+    num_layers = _int(d, "num_hidden_layers")
+    first_dense = _int(d, "first_k_dense_replace", 0, minimum=0)
+    moe_layer_freq = _int(d, "moe_layer_freq", 1)
     if moe_layer_freq != 1:
         raise ValueError(f"moe_layer_freq {moe_layer_freq} is not supported; supported: [1]")
-    n_shared = int(d.get("n_shared_experts") or 0)
-    moe_size = int(d["moe_intermediate_size"])
+    n_shared = _int(d, "n_shared_experts", 0, minimum=0)
+    moe_size = _int(d, "moe_intermediate_size")
     if is_v3:
         topk_method, scoring = "noaux_tc", "sigmoid"
     else:
@@ -103,28 +169,28 @@ def _deepseek(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         raise ValueError(f"scoring_func {d['scoring_func']!r} is not supported for {model_type}")
     fields = {
         **_common(d, model_type, 10000.0),
-        "num_experts": int(d["n_routed_experts"]),
+        "num_experts": _int(d, "n_routed_experts"),
         "moe_intermediate_size": moe_size,
         "moe_layers": tuple(i >= first_dense for i in range(num_layers)),
         "shared_intermediate_size": moe_size * n_shared,
         # transformers' DeepseekV2TopkRouter never renormalises (DeepSeek-V2 checkpoints all set
         # norm_topk_prob false); V3 honours norm_topk_prob (default true)
-        "norm_topk_prob": bool(d.get("norm_topk_prob", True)) if is_v3 else False,
+        "norm_topk_prob": _bool(d, "norm_topk_prob", True) if is_v3 else False,
         "scoring_func": scoring,
         "topk_method": topk_method,
-        "n_group": int(d.get("n_group") or 1),
-        "topk_group": int(d.get("topk_group") or 1),
-        "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0),
+        "n_group": _int(d, "n_group", 1),
+        "topk_group": _int(d, "topk_group", 1),
+        "routed_scaling_factor": _float(d, "routed_scaling_factor", 1.0),
         "attention_type": "mla",
-        "o_bias": bool(d.get("attention_bias", False)),
-        "qkv_bias": bool(d.get("attention_bias", False)),
-        "q_lora_rank": None if d.get("q_lora_rank") is None else int(d["q_lora_rank"]),
-        "kv_lora_rank": int(d["kv_lora_rank"]),
-        "qk_nope_head_dim": int(d["qk_nope_head_dim"]),
-        "qk_rope_head_dim": int(d["qk_rope_head_dim"]),
-        "v_head_dim": int(d["v_head_dim"]),
+        "o_bias": _bool(d, "attention_bias", False),
+        "qkv_bias": _bool(d, "attention_bias", False),
+        "q_lora_rank": _int(d, "q_lora_rank", None),
+        "kv_lora_rank": _int(d, "kv_lora_rank"),
+        "qk_nope_head_dim": _int(d, "qk_nope_head_dim"),
+        "qk_rope_head_dim": _int(d, "qk_rope_head_dim"),
+        "v_head_dim": _int(d, "v_head_dim"),
         # DeepSeek-V2 always rotates interleaved pairs (complex form); V3 when rope_interleave
-        "rope_interleave": bool(d.get("rope_interleave", True)) if is_v3 else True,
+        "rope_interleave": _bool(d, "rope_interleave", True) if is_v3 else True,
     }
     fields["num_key_value_heads"] = fields["num_attention_heads"]  # MLA: one latent for all heads
     fields["head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
@@ -132,38 +198,42 @@ def _deepseek(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def _qwen2_moe(d: Mapping[str, Any]) -> dict[str, Any]:
-    if d.get("use_sliding_window"):
+    if _bool(d, "use_sliding_window", False):
         raise ValueError("qwen2_moe with use_sliding_window=true is not supported")
-    num_layers = int(d["num_hidden_layers"])
-    step = int(d.get("decoder_sparse_step") or 1)
-    mlp_only = {int(i) for i in d.get("mlp_only_layers") or ()}
-    num_experts = int(d["num_experts"])
+    num_layers = _int(d, "num_hidden_layers")
+    step = _int(d, "decoder_sparse_step", 1)
+    mlp_only_raw = d.get("mlp_only_layers") or []
+    if not isinstance(mlp_only_raw, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in mlp_only_raw
+    ):
+        raise _bad("mlp_only_layers", "a list of layer indices", mlp_only_raw)
+    mlp_only = set(mlp_only_raw)
+    num_experts = _int(d, "num_experts", minimum=0)
     return {
         **_common(d, "qwen2_moe", 10000.0),
         "num_experts": num_experts,
-        "moe_intermediate_size": int(d["moe_intermediate_size"]),
+        "moe_intermediate_size": _int(d, "moe_intermediate_size"),
         "moe_layers": tuple(
             i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
         ),
-        "shared_intermediate_size": int(d.get("shared_expert_intermediate_size") or 0),
+        "shared_intermediate_size": _int(d, "shared_expert_intermediate_size", 0, minimum=0),
         "has_shared_expert_gate": bool(d.get("shared_expert_intermediate_size")),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
-        "qkv_bias": bool(d.get("qkv_bias", True)),
+        "norm_topk_prob": _bool(d, "norm_topk_prob", False),
+        "qkv_bias": _bool(d, "qkv_bias", True),
     }
 
 
 def _olmoe(d: Mapping[str, Any]) -> dict[str, Any]:
-    bias = bool(d.get("attention_bias", False))
-    clip = d.get("clip_qkv")
+    bias = _bool(d, "attention_bias", False)
     return {
         **_common(d, "olmoe", 10000.0),
-        "rms_norm_eps": float(d.get("rms_norm_eps", 1e-5)),
-        "num_experts": int(d["num_experts"]),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "rms_norm_eps": _float(d, "rms_norm_eps", 1e-5),
+        "num_experts": _int(d, "num_experts"),
+        "norm_topk_prob": _bool(d, "norm_topk_prob", False),
         "qkv_bias": bias,
         "o_bias": bias,
         "qk_norm": True,
-        "clip_qkv": None if clip is None else float(clip),
+        "clip_qkv": _float(d, "clip_qkv", None),
     }
 
 

@@ -158,6 +158,32 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
             r"prompt 0 has 40 tokens; with --max-model-len 32",
         ),
         "unknown_backend": (2, (*dp2, "--all2all-backend=nvshmem"), r"invalid choice: 'nvshmem'"),
+        # checked before any work (these failed after the process group started, or at the end)
+        "output_not_writable": (
+            2,
+            (*dp2, "--output=/proc/nonexist/out.jsonl"),
+            r"--output '/proc/nonexist/out.jsonl' is not writable",
+        ),
+        "timeline_not_writable": (
+            2,
+            (*dp2, "--timeline-dir=/proc/nonexist"),
+            r"--timeline-dir '/proc/nonexist' is not writable",
+        ),
+        "temperature_nan": (
+            2,
+            (*dp2, "--temperature=nan"),
+            r"temperature must be a finite number >= 0 \(below 1e-05 means greedy\), got nan",
+        ),
+        "seed_overflow": (
+            2,
+            (*dp2, "--seed=18446744073709551616"),
+            r"--seed must be in \[-2\*\*63, 2\*\*63 - 1\] .*got 18446744073709551616",
+        ),
+        "distributed_timeout_inf": (
+            2,
+            (*dp2, "--distributed-timeout=inf"),
+            r"--distributed-timeout must be in \(0, 86400\] s, got inf",
+        ),
     }
 
 
@@ -170,6 +196,11 @@ CASES = [
     "unsupported_arch",
     "prompt_too_long",
     "unknown_backend",
+    "output_not_writable",
+    "timeline_not_writable",
+    "temperature_nan",
+    "seed_overflow",
+    "distributed_timeout_inf",
 ]
 
 

@@ -1,0 +1,92 @@
+"""Every HTTP answer of the server is JSON: OpenAI error objects for 4xx/5xx, whatever the input.
+
+``openai_error_middleware`` turns aiohttp's own errors (404 no such route, 405 wrong method, 413
+body over ``client_max_size``) into OpenAI error objects, and anything unexpected a handler raises
+into a 500 error object, logging its traceback on the server side. ``read_json_body`` decodes a
+request body so that no body (an unknown charset, bytes that are not the charset, invalid or
+deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400.
+
+Not covered: a request that is not HTTP at all, or whose request line / headers exceed
+``MAX_LINE_BYTES``, is refused by aiohttp's parser before any application code runs (plain-text
+400, connection closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import web
+
+from launch.serving.openai_protocol import ProtocolError, error_body
+
+logger = logging.getLogger("launch.serving")
+
+# Request line and header limits handed to aiohttp (its default is 8190 bytes): a long URL reaches
+# the router (and gets a JSON 404) instead of the parser's plain-text 400.
+MAX_LINE_BYTES = 65536
+
+
+def json_error(message: str, status: int, param: str | None = None) -> web.Response:
+    """An OpenAI error object with HTTP ``status``."""
+    return web.json_response(error_body(message, status=status, param=param), status=status)
+
+
+def _http_exception_message(request: web.Request, e: web.HTTPException) -> str:
+    if e.status == 404:
+        return f"{request.method} {request.path[:200]}: no such route"
+    if e.status == 405:
+        allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
+        return f"method {request.method} is not allowed on {request.path[:200]}" + (
+            f" (allowed: {allowed})" if allowed else ""
+        )
+    if e.status == 413:
+        return f"the request body is too large ({e.text or 'over the server limit'})"
+    return e.reason or e.text or f"HTTP {e.status}"
+
+
+@web.middleware
+async def openai_error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Answer aiohttp's HTTP errors and unexpected exceptions with OpenAI error objects."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:  # redirects and the like pass through
+            raise
+        return json_error(_http_exception_message(request, e), e.status)
+    except asyncio.CancelledError:  # the client went away: nothing to answer
+        raise
+    except ConnectionResetError:  # the client went away mid-stream: not a server error
+        logger.debug("client of %s %s went away", request.method, request.path[:200])
+        # aiohttp's attempt to send this on the closed transport fails quietly (ConnectionError)
+        return json_error("the client closed the connection", 499)
+    except Exception:  # noqa: BLE001 - the catch-all 500; the traceback goes to the server log
+        logger.exception("unhandled error in %s %s", request.method, request.path[:200])
+        return json_error("internal server error (logged on the server)", 500)
+
+
+async def read_json_body(request: web.Request):
+    """The request body decoded as JSON.
+
+    Raises:
+        ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
+            JSON nested too deeply, or a number beyond Python's integer digit limit.
+        web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
+    """
+    raw = await request.read()
+    charset = request.charset or "utf-8"
+    try:
+        text = raw.decode(charset)
+    except LookupError:
+        raise ProtocolError(
+            f"unknown charset {charset[:40]!r} in the Content-Type header; send UTF-8"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"the request body is not valid {charset} ({e.reason})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ProtocolError("the request body is JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or an int past Python's digit limit
+        raise ProtocolError(f"the request body is not valid JSON ({str(e)[:200]})") from None
