@@ -62,7 +62,14 @@ def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
         cmd = ours_command(model, prompts, dtype, ranks=ranks, eager=eager,
                            max_tokens=ns.max_tokens, out_json=str(out_json),
                            out_tokens=str(out_tokens))  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **_pythonpath()}
+        # graph mode is off by default on CPU: MOE_DBO_GRAPH_MODE=1 turns on the default buckets
+        graph_mode = "0" if eager else "1"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MOE_DBO_GRAPH_MODE": graph_mode,
+            **_pythonpath(),
+        }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:
             return {"error": proc.stderr[-500:]}

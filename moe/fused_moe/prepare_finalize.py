@@ -1,17 +1,12 @@
-"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points.
+"""Prepare/finalize of the modular fused-MoE kernel: the dispatch before the experts and the
+combine after them, as one class per communication pattern.
 
-    [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
-
-The router runs in ``FusedMoE``; this module owns the other three stages. Prepare and finalize live
-in ONE class (``FusedMoEPrepareAndFinalize``) because they are two halves of one communication
-pattern: finalize must undo exactly what prepare did (send tokens out, bring results back in the
-caller's order), using the metadata prepare returned — nothing is stashed on ``self`` in between.
-(Layout after vLLM's ``FusedMoEModularKernel``.)
-
-DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
-current, prepare/finalize are issued asynchronously, their ``wait`` is handed to the OTHER ubatch as
-a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
-second ``wait()`` is an idempotent no-op.
+Prepare and finalize live in ONE class (``FusedMoEPrepareAndFinalize``) because they are two halves
+of one pattern: finalize must undo exactly what prepare did (send tokens out, bring results back in
+the caller's order), using the metadata prepare returned; nothing is stashed on ``self`` in between
+(vLLM's ``FusedMoEPrepareAndFinalize``). ``NoEPPrepareAndFinalize`` keeps every token local (EP
+size 1); ``All2AllPrepareAndFinalize`` wraps an expert all-to-all backend (``distributed.all2all``)
+whose transfers the kernel overlaps under DBO.
 """
 
 from __future__ import annotations

@@ -69,12 +69,14 @@ def test_graph_flags_with_vllm_spellings(monkeypatch):
     cc = _args("-cc", '{"cudagraph_capture_sizes": [2, 32]}')
     assert cc.graph_capture_sizes() == (2, 32)
     assert _args("--enforce-eager").graph_capture_sizes() == ()
-    assert _args().graph_capture_sizes() == DEFAULT_CAPTURE_SIZES  # on by default
+    assert _args().graph_capture_sizes() == DEFAULT_CAPTURE_SIZES  # on where the variable says so
     with pytest.raises(ValueError, match="mutually exclusive"):
         _args("--cudagraph-capture-sizes", "4", "-cc", '{"cudagraph_capture_sizes": [2]}')
     with pytest.raises(ValueError, match=r"integers >= 1, got \[-1\]"):
         _args("--cudagraph-capture-sizes", "-1")
-    monkeypatch.setenv("MOE_DBO_GRAPH_MODE", "0")  # the test suite's default
+    monkeypatch.setenv("MOE_DBO_GRAPH_MODE", "0")  # the test suite's setting
+    assert _args().graph_capture_sizes() == ()
+    monkeypatch.delenv("MOE_DBO_GRAPH_MODE")  # the default: eager unless sizes are given
     assert _args().graph_capture_sizes() == ()
     assert _args("--cudagraph-capture-sizes", "4").graph_capture_sizes() == (4,)
 
