@@ -52,12 +52,8 @@ class OpenAIServingChat(OpenAIServing):
                 ),
                 stop=options.stop,
             )
-        except ProtocolError as e:
-            config.metrics.requests_rejected.inc()
-            return error_response(str(e), e.status, e.param)
-        except ServerShuttingDown as e:
-            config.metrics.requests_rejected.inc()
-            return error_response(str(e), 503)
+        except (ProtocolError, ServerShuttingDown) as e:
+            return self.reject(e)
         try:
             if options.stream:
                 return await self._stream(http_request, request, choices, outputs, prompt_ids)

@@ -52,12 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 ),
                 stop=options.stop,
             )
-        except ProtocolError as e:
-            config.metrics.requests_rejected.inc()
-            return error_response(str(e), e.status, e.param)
-        except ServerShuttingDown as e:
-            config.metrics.requests_rejected.inc()
-            return error_response(str(e), 503)
+        except (ProtocolError, ServerShuttingDown) as e:
+            return self.reject(e)
         echoed = [
             self._echo_text(request, p, ids)
             for p, ids in zip(request.prompts, prompts, strict=True)

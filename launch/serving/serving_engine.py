@@ -109,6 +109,14 @@ class OpenAIServing:
         self.config = config
         self.bridge = bridge
 
+    def reject(self, error: ProtocolError | ServerShuttingDown) -> web.Response:
+        """The answer to a request refused before it reached the engine, counted as rejected:
+        the protocol error's own status (400, 413, ...), or 503 while shutting down."""
+        self.config.metrics.requests_rejected.inc()
+        if isinstance(error, ServerShuttingDown):
+            return error_response(str(error), 503)
+        return error_response(str(error), error.status, error.param)
+
     def max_tokens_for(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """``max_tokens`` checked against the context and the KV cache; None: all that fits.
 
