@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import TORCHRUN_ENV, torchrun_command
 from tests.helpers.serve import (
     REPO,
     get,
     launch_server,
     post,
+    run_offline_generate,
     start_server,
     stream,
     wait_until_serving,
@@ -74,32 +74,6 @@ def model_dir(tmp_path_factory, tiny_mixtral_dir) -> str:
     return str(path)
 
 
-def _run_offline_generate(tmp: Path, model_dir: str) -> list[list[int]]:
-    """``launch.generate`` (2 ranks, same flags) on the 32 prompts, greedy."""
-    prompts_file, out = tmp / "prompts.jsonl", tmp / "out.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in _prompts()))
-    proc = subprocess.run(
-        torchrun_command(
-            2,
-            "launch.generate",
-            f"--model={model_dir}",
-            f"--prompts={prompts_file}",
-            f"--output={out}",
-            f"--max-tokens={MAX_TOKENS}",
-            "--data-parallel-size=2",
-            *ENGINE_FLAGS,
-        ),
-        cwd=REPO,
-        env={**os.environ, **TORCHRUN_ENV},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model_dir):
     """(server, offline outputs): the server starts while the offline reference runs."""
@@ -114,7 +88,9 @@ def served(tmp_path_factory, model_dir):
         log_path=log,
     )
     try:
-        offline = _run_offline_generate(tmp, model_dir)
+        offline = run_offline_generate(
+            tmp, model_dir, _prompts(), f"--max-tokens={MAX_TOKENS}", *ENGINE_FLAGS
+        )
         srv = wait_until_serving(proc, log)
     except BaseException:
         proc.kill()
