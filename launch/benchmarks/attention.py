@@ -8,11 +8,11 @@ live here, never in tests.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from dbo import CommonAttentionMetadata
+from launch.benchmarks.timing import mean_seconds
 from moe.layers.attention import PagedAttention
 
 PROG = "launch.benchmarks.attention"
@@ -51,14 +51,6 @@ def make_metadata(requests: list[tuple[int, int]]) -> tuple[CommonAttentionMetad
     return md, len(requests) * max_blocks
 
 
-def _time(fn, args: tuple, repeats: int) -> float:
-    fn(*args)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(*args)
-    return (time.perf_counter() - start) / repeats
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -80,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         k = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
         v = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
         with torch.inference_mode():
-            native = _time(op.forward_native, (q, k, v, md), args.repeats)
-            batched = _time(op.forward_cpu, (q, k, v, md), args.repeats)
+            native = mean_seconds(op.forward_native, q, k, v, md, repeats=args.repeats)
+            batched = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
         print(f"{name:34s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {native / batched:15.2f}")
 
 

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from launch.benchmarks.timing import mean_seconds
 from moe.fused_moe.experts import TorchExperts
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
@@ -21,14 +21,6 @@ SHAPES = (
     (512, 32, 512, 256, 6),
     (32, 32, 512, 256, 6),
 )
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
             weights = torch.rand(num_tokens, top_k, generator=gen)
             with torch.no_grad():
                 call = (x, ids, weights)
-                loop = _time(lambda f=experts.forward_native, a=call: f(*a), args.repeats)
-                grouped = _time(lambda f=experts.forward_cpu, a=call: f(*a), args.repeats)
+                loop = mean_seconds(experts.forward_native, *call, repeats=args.repeats)
+                grouped = mean_seconds(experts.forward_cpu, *call, repeats=args.repeats)
             print(
                 f"{str(dtype)[6:]:9} {num_tokens:6} {num_experts:7} {hidden:6} {inter:5} {top_k:4} "
                 f"{loop * 1e3:9.2f} {grouped * 1e3:11.2f} {loop / grouped:13.2f}"

@@ -9,25 +9,18 @@ uses plain ``F.linear`` because the prepacked path measured no faster.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import mkldnn as mkldnn_utils
 
+from launch.benchmarks.timing import mean_seconds
+
 PROG = "launch.benchmarks.linear"
 # (tokens, in_features, out_features): tiny checkpoint decode, medium checkpoint decode and
 # prefill (hidden 1024, expert intermediate 2048)
 SHAPES = ((80, 64, 512), (80, 1024, 2048), (1024, 1024, 2048))
-
-
-def _time(fn, args: tuple, repeats: int) -> float:
-    fn(*args)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(*args)
-    return (time.perf_counter() - start) / repeats
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
             linear = nn.Linear(in_features, out_features, bias=False)
             packed = mkldnn_utils.to_mkldnn(nn.Sequential(linear))
             w_bf16, x_bf16 = linear.weight.bfloat16(), x.bfloat16()
-            fp32 = _time(F.linear, (x, linear.weight), args.repeats)
-            bf16 = _time(F.linear, (x_bf16, w_bf16), args.repeats)
-            prepacked = _time(packed, (x,), args.repeats)
+            fp32 = mean_seconds(F.linear, x, linear.weight, repeats=args.repeats)
+            bf16 = mean_seconds(F.linear, x_bf16, w_bf16, repeats=args.repeats)
+            prepacked = mean_seconds(packed, x, repeats=args.repeats)
             shape = f"{num_tokens} x {in_features} x {out_features}"
             print(
                 f"{shape:20s} {fp32 * 1e3:9.3f} {bf16 * 1e3:9.3f} {prepacked * 1e3:15.3f} "
