@@ -2,19 +2,30 @@
 ``low_latency_combine``), mixed into ``TorchDistributedBuffer``.
 
 Legend: R = num_ranks, E = num_experts, L = E // R local experts, C = the call's
-``num_max_dispatch_tokens_per_rank`` (capacity), H = hidden, T = num_tokens, K = num_topk.
+``num_max_dispatch_tokens_per_rank`` (capacity), H = hidden, T = num_tokens, K = num_topk,
+B = C * min(K, L): the most rows one rank can send to another (a token's top-k experts are
+distinct, so at most min(K, L) of them live on one rank).
 
-Dispatch: a token goes once to each of its top-k experts (not once per rank, as in HT). Each rank
-owns, in every peer's receive buffer, C rows per local expert of that peer, so the send buffer is
-``[R, L * 8 B counts | L * C * H values]``: fixed-size blocks, ONE ``all_to_all_single`` with
-equal splits and no count exchange (the counts travel in the blocks). The hook unpacks: local
-expert l's rows from source rank r land at ``recv_x[l, offset[r, l] : offset[r, l] + n[r, l]]``,
-``offset`` being the exclusive cumulative sum over source ranks (valid rows packed to the front).
-Combine: the reverse, one fixed-size ``[R, L * C * H]`` block per source rank; the source rank
-sums ``topk_weights[t, k] * row`` over its token's top-k (DeepEP's LL combine applies the weights).
+Dispatch: a token goes once to each of its top-k experts (not once per rank, as in HT). What the
+receiver gets is DeepEP's: ``recv_x [L, R * C, H]``, local expert l's rows from source rank r at
+``recv_x[l, offset[r, l] : offset[r, l] + n[r, l]]`` (``offset`` the exclusive cumulative sum over
+source ranks: valid rows packed to the front) and ``recv_count [L]``, valid after the hook. NO
+count exchange: the counts travel IN the payload. Each rank sends every peer one block of a size
+both sides know without a message, ``[L * 8 B counts | B rows]``, its rows for that peer packed
+expert-major (expert l's n[l] rows after those of experts < l); ONE ``all_to_all_single`` of
+these blocks, in flight until the hook unpacks them. A block holds at most B rows, where DeepEP's
+fixed slots hold L * C, and only peers' blocks go through the process group: the rank's own rows
+stay in memory (DeepEP copies them locally too).
 
-The emulated link bills the rows DeepEP's kernels would put on the wire (valid rows to other
-ranks, plus the counts); gloo itself moves the whole fixed-capacity buffer.
+Combine: the reverse with exact sizes, again without a message: a rank returns to each source
+exactly the rows it received from it (known after the dispatch's hook), and the source expects
+exactly the rows it sent. It sums ``topk_weights[t, k] * row`` over its token's top-k (DeepEP's LL
+combine applies the weights).
+
+Buffers put the blocks to send first, the rank's own block in the middle and the received blocks
+after it, so the send part, the receive part and "own block + received blocks" are each one
+contiguous slice (no copy of the own rows). The emulated link bills the bytes DeepEP's kernels
+would put on the wire: valid rows to other ranks, plus the counts.
 """
 
 from __future__ import annotations
@@ -36,8 +47,10 @@ class LowLatencyHandle:
     Attributes:
         num_max_dispatch_tokens_per_rank: the call's capacity C.
         hidden: H. num_experts: E.
-        pair_slot: ``[T, K]`` torch.int64, each (token, top-k slot)'s row in the sender's
-            ``[E * C]`` rows (expert-major); -1 = no expert selected.
+        pair_row: ``[T, K]`` torch.int64, the row of each (token, top-k slot)'s expert output in
+            the combine's receive view (own rows first, then each other rank's in rank order);
+            -1 = no expert selected.
+        num_sent_rows: per rank, the rows this rank sent it (= the rows combine gets back).
         recv_layout: ``[R, L]`` torch.int64 rows received from each source rank per local expert
             (DeepEP's layout range); written by the dispatch's hook.
         is_received: ``[1]`` torch.bool, set by the dispatch's hook once ``recv_layout`` holds.
@@ -46,7 +59,8 @@ class LowLatencyHandle:
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
-    pair_slot: Tensor
+    pair_row: Tensor
+    num_sent_rows: tuple[int, ...]
     recv_layout: Tensor
     is_received: Tensor
 
@@ -55,9 +69,9 @@ def _align8(num_bytes: int) -> int:
     return (num_bytes + 7) // 8 * 8
 
 
-def _pair_slots(topk_idx: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor]:
-    """``(pair_slot [T, K] int64, num_tokens_per_expert [E] int64)``: a pair's slot is
-    ``expert * capacity + position``, the position counting earlier tokens sent to that expert."""
+def _expert_positions(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """``(num_tokens_per_expert [E] int64, position [T, K] int64)``: a pair's position counts
+    the earlier (token, slot) pairs sent to the same expert; -1 where no expert is selected."""
     flat = topk_idx.reshape(-1)
     expert = torch.where(flat >= 0, flat, num_experts)  # -1 -> an extra bucket, dropped below
     order = torch.argsort(expert, stable=True)
@@ -65,17 +79,38 @@ def _pair_slots(topk_idx: Tensor, num_experts: int, capacity: int) -> tuple[Tens
     starts = counts.cumsum(0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[expert[order]]
-    slot = torch.where(flat >= 0, expert * capacity + position, -1)
-    return slot.view(topk_idx.shape), counts[:num_experts]
+    position = torch.where(flat >= 0, position, -1)
+    return counts[:num_experts], position.view(topk_idx.shape)
 
 
-def _valid_rows(layout: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """For ``layout [R, L]`` row counts: ``(rank, local_expert, row_in_block, packed_row)`` of
-    every valid row, ``packed_row`` = its row in ``recv_x[local_expert]`` (source-rank order)."""
-    offsets = layout.cumsum(0) - layout
+def _exclusive_cumsum(counts: Tensor, dim: int) -> Tensor:
+    return counts.cumsum(dim) - counts
+
+
+def _valid_rows(layout: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """For ``layout [R, L]`` row counts: ``(rank, local_expert, row_in_expert, block_row,
+    packed_row)`` of every valid row: ``block_row`` its row in the source rank's block
+    (expert-major), ``packed_row`` its row in ``recv_x[local_expert]`` (source-rank order)."""
     row = torch.arange(capacity, device=layout.device)
-    rank, local_expert, row_in_block = (row < layout.unsqueeze(-1)).nonzero(as_tuple=True)
-    return rank, local_expert, row_in_block, offsets[rank, local_expert] + row_in_block
+    rank, local_expert, row_in_expert = (row < layout.unsqueeze(-1)).nonzero(as_tuple=True)
+    block_row = _exclusive_cumsum(layout, 1)[rank, local_expert] + row_in_expert
+    packed_row = _exclusive_cumsum(layout, 0)[rank, local_expert] + row_in_expert
+    return rank, local_expert, row_in_expert, block_row, packed_row
+
+
+def _slot_order(rank: int, num_ranks: int, *, own_first: bool, device) -> Tensor:
+    """``[R]`` int64: each rank's slot among the blocks of a buffer, the other ranks in rank order
+    and this rank's own block last (send side) or first (receive side)."""
+    others = [p for p in range(num_ranks) if p != rank]
+    order = [rank, *others] if own_first else [*others, rank]
+    slots = torch.empty(num_ranks, dtype=torch.int64, device=device)
+    slots[torch.tensor(order, device=device)] = torch.arange(num_ranks, device=device)
+    return slots
+
+
+def _peer_splits(sizes: list[int], rank: int) -> list[int]:
+    """Split sizes for ``all_to_all_single`` that leave this rank's own part out (0)."""
+    return [0 if p == rank else n for p, n in enumerate(sizes)]
 
 
 class LowLatencyProtocol:
@@ -109,11 +144,11 @@ class LowLatencyProtocol:
         async_finish: bool = False,
         return_recv_hook: bool = False,
     ) -> tuple[Tensor, Tensor, LowLatencyHandle, EmulatedEventOverlap, EmulatedTransfer | None]:
-        """Send each (token, expert) pair into the expert's fixed slot on its rank.
+        """Send each (token, expert) pair to the expert's rank (see the module docstring).
 
         Args:
             x: ``[T, H]`` floating (DeepEP: bfloat16), ``T <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: ``[T, K]`` int64 global expert ids, -1 = none.
+            topk_idx: ``[T, K]`` int64 global expert ids, distinct per token, -1 = none.
             num_max_dispatch_tokens_per_rank: C, the same on every rank.
             use_fp8: must be False (the emulation carries ``x``'s dtype).
 
@@ -124,62 +159,31 @@ class LowLatencyProtocol:
             after ``hook()``; otherwise at return. ``hook`` is None without it.
 
         Raises:
-            ValueError: ``use_fp8`` / FP8 options, T above C, C above the buffer's capacity.
+            ValueError: ``use_fp8`` / FP8 options, T above C, C above the buffer's capacity, a
+                token naming one expert twice.
         """
         if use_fp8 or round_scale or use_ue8m0:
             raise ValueError("the emulated buffer carries x's dtype: use_fp8 must be False")
-        num_tokens, hidden = x.shape
         capacity = num_max_dispatch_tokens_per_rank
-        self._check_capacity(num_tokens, capacity)
-        num_ranks, device, dtype = self.group_size, x.device, x.dtype
-        num_local = num_experts // num_ranks
-        pair_slot, per_expert = _pair_slots(topk_idx, num_experts, capacity)
-        counts_bytes, rows_bytes = 8 * num_local, num_local * capacity * hidden * x.element_size()
-        block_bytes = counts_bytes + _align8(rows_bytes)
-        send = torch.empty(num_ranks, block_bytes, dtype=torch.uint8, device=device)
-        send[:, :counts_bytes].view(torch.int64).copy_(per_expert.view(num_ranks, num_local))
-        send_rows = send[:, counts_bytes : counts_bytes + rows_bytes].view(dtype)
-        send_rows = send_rows.view(num_ranks, num_local * capacity, hidden)
-        valid = pair_slot >= 0
-        slots = pair_slot[valid]
-        token = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(pair_slot)[valid]
-        block = num_local * capacity
-        send_rows[slots // block, slots % block] = x[token]
-        recv = torch.empty_like(send)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, send, output_split_sizes=None, input_split_sizes=None, group=self.group
+        self._check_capacity(x.shape[0], capacity)
+        buf, handle, num_bytes = self._pack_dispatch(x, topk_idx, capacity, num_experts)
+        num_ranks, num_local = self.group_size, num_experts // self.group_size
+        recv_x = torch.empty(
+            num_local, num_ranks * capacity, x.shape[1], dtype=x.dtype, device=x.device
         )
-        recv_x = torch.empty(num_local, num_ranks * capacity, hidden, dtype=dtype, device=device)
-        recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
-        handle = LowLatencyHandle(
-            num_max_dispatch_tokens_per_rank=capacity, hidden=hidden, num_experts=num_experts,
-            pair_slot=pair_slot,
-            recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
-            is_received=torch.zeros(1, dtype=torch.bool),
+        recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
+        issued_at_ns = time.perf_counter_ns()
+        peers = _peer_splits([1] * num_ranks, self.rank)
+        pending = all_to_all_single(
+            buf[num_ranks:], buf[: num_ranks - 1], output_split_sizes=peers,
+            input_split_sizes=peers, group=self.group,
         )  # fmt: skip
 
         def finish() -> None:
-            layout = recv[:, :counts_bytes].view(torch.int64)
-            if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
-                raise RuntimeError(
-                    f"low_latency_dispatch on rank {self.rank}: received row counts "
-                    f"{layout.tolist()} outside [0, {capacity}]: the ranks disagree on "
-                    f"num_max_dispatch_tokens_per_rank, hidden or dtype"
-                )
-            rows = recv[:, counts_bytes : counts_bytes + rows_bytes].view(dtype)
-            rows = rows.view(num_ranks, num_local, capacity, hidden)
-            rank, local_expert, row_in_block, packed_row = _valid_rows(layout, capacity)
-            recv_x[local_expert, packed_row] = rows[rank, local_expert, row_in_block]
-            recv_count.copy_(layout.sum(0))
-            handle.recv_layout.copy_(layout)
-            handle.is_received.fill_(True)
+            self._unpack_dispatch(buf[num_ranks - 1 :], handle, recv_x, recv_count)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
-        # bill what DeepEP puts on the wire: the valid rows for other ranks, and the counts
-        num_remote = int(valid.sum()) - int(per_expert.view(num_ranks, -1)[self.rank].sum())
-        num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * counts_bytes
         transfer = EmulatedTransfer(
             op="deepep_low_latency dispatch", rank=self.rank, timeout=self.timeout,
             pending=pending, finish=finish, issued_at_ns=issued_at_ns, num_bytes=num_bytes,
@@ -189,6 +193,87 @@ class LowLatencyProtocol:
             transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
         hook = transfer if return_recv_hook else None
         return recv_x, recv_count, handle, EmulatedEventOverlap(transfer), hook
+
+    def _pack_dispatch(
+        self, x: Tensor, topk_idx: Tensor, capacity: int, num_experts: int
+    ) -> tuple[Tensor, LowLatencyHandle, int]:
+        """``(buf [2R - 1, block_bytes] uint8, handle, billed bytes)``: ``buf[:R]`` holds one
+        block per destination (``_slot_order`` send side: peers, then this rank), ``buf[R:]``
+        receives the peers' blocks.
+
+        Raises:
+            ValueError: more than B rows for one rank (only possible with repeated expert ids).
+        """
+        (num_tokens, hidden), num_ranks = x.shape, self.group_size
+        num_local, device = num_experts // num_ranks, x.device
+        bound = capacity * min(topk_idx.shape[1], num_local)
+        per_expert, position = _expert_positions(topk_idx, num_experts)
+        sent = per_expert.view(num_ranks, num_local)
+        num_sent_rows = sent.sum(1).tolist()  # host sync (small): the combine's split sizes
+        if num_sent_rows and max(num_sent_rows) > bound:
+            raise ValueError(
+                f"low_latency_dispatch on rank {self.rank}: {max(num_sent_rows)} rows for one "
+                f"rank exceed {bound} = capacity * min(num_topk, num_local_experts): a token "
+                f"names the same expert twice"
+            )
+        counts_bytes, rows_bytes = 8 * num_local, bound * hidden * x.element_size()
+        buf = torch.empty(2 * num_ranks - 1, counts_bytes + _align8(rows_bytes),
+                          dtype=torch.uint8, device=device)  # fmt: skip
+        send_slot = _slot_order(self.rank, num_ranks, own_first=False, device=device)
+        buf[:num_ranks, :counts_bytes].view(torch.int64).index_copy_(0, send_slot, sent)
+        rows = buf[:num_ranks, counts_bytes : counts_bytes + rows_bytes].view(x.dtype)
+        rows = rows.view(num_ranks, bound, hidden)
+        valid = position >= 0
+        expert = topk_idx[valid]
+        token = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(valid)[valid]
+        dest, block_row = expert // num_local, _exclusive_cumsum(sent, 1).view(-1)[expert]
+        block_row = block_row + position[valid]
+        rows[send_slot[dest], block_row] = x[token]
+        # combine's receive view: own rows first, then every other rank's in rank order
+        recv_slot_order = [self.rank] + [p for p in range(num_ranks) if p != self.rank]
+        chunk_start = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        chunk_start[recv_slot_order] = _exclusive_cumsum(sent.sum(1)[recv_slot_order], 0)
+        pair_row = torch.full_like(topk_idx, -1)
+        pair_row[valid] = chunk_start[dest] + block_row
+        handle = LowLatencyHandle(
+            num_max_dispatch_tokens_per_rank=capacity, hidden=hidden, num_experts=num_experts,
+            pair_row=pair_row, num_sent_rows=tuple(num_sent_rows),
+            recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
+            is_received=torch.zeros(1, dtype=torch.bool),
+        )  # fmt: skip
+        # bill what DeepEP puts on the wire: the valid rows for other ranks, and the counts
+        num_remote = sum(num_sent_rows) - num_sent_rows[self.rank]
+        num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * counts_bytes
+        return buf, handle, num_bytes
+
+    def _unpack_dispatch(
+        self, blocks: Tensor, handle: LowLatencyHandle, recv_x: Tensor, recv_count: Tensor
+    ) -> None:
+        """The hook's work: ``blocks [R, block_bytes]`` (``_slot_order`` receive side: own
+        block, then the peers') into DeepEP's layout ``recv_x`` / ``recv_count``.
+
+        Raises:
+            RuntimeError: a received count outside [0, C] (the ranks disagree on C, H or dtype).
+        """
+        num_ranks, (num_local, _, hidden) = self.group_size, recv_x.shape
+        capacity = handle.num_max_dispatch_tokens_per_rank
+        counts_bytes = 8 * num_local
+        recv_slot = _slot_order(self.rank, num_ranks, own_first=True, device=recv_x.device)
+        layout = blocks[:, :counts_bytes].view(torch.int64)[recv_slot]  # source-rank order
+        if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
+            raise RuntimeError(
+                f"low_latency_dispatch on rank {self.rank}: received row counts "
+                f"{layout.tolist()} outside [0, {capacity}]: the ranks disagree on "
+                f"num_max_dispatch_tokens_per_rank, hidden or dtype"
+            )
+        bound = capacity * min(handle.pair_row.shape[1], num_local)
+        rows = blocks[:, counts_bytes : counts_bytes + bound * hidden * recv_x.element_size()]
+        rows = rows.view(recv_x.dtype).view(num_ranks, bound, hidden)
+        rank, local_expert, _, block_row, packed_row = _valid_rows(layout, capacity)
+        recv_x[local_expert, packed_row] = rows[recv_slot[rank], block_row]
+        recv_count.copy_(layout.sum(0))
+        handle.recv_layout.copy_(layout)
+        handle.is_received.fill_(True)
 
     def low_latency_combine(
         self,
@@ -220,53 +305,76 @@ class LowLatencyProtocol:
         Raises:
             ValueError: shapes that do not match the handle, or the dispatch's hook never ran.
         """
+        self._check_combine(x, topk_idx, topk_weights, handle)
+        buf, num_send, num_bytes, splits = self._pack_combine(x, handle)
+        num_tokens, hidden, dtype = topk_idx.shape[0], handle.hidden, x.dtype
+        num_own = handle.num_sent_rows[self.rank]
+        issued_at_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            buf[num_send + num_own :], buf[:num_send], output_split_sizes=splits[1],
+            input_split_sizes=splits[0], group=self.group,
+        )  # fmt: skip
+        combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype)
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+
+        def finish() -> None:
+            valid = handle.pair_row >= 0
+            token = torch.arange(num_tokens, device=x.device).unsqueeze(1).expand_as(valid)[valid]
+            rows = buf[num_send:][handle.pair_row[valid]].to(acc_dtype)
+            weighted = rows * topk_weights[valid].to(acc_dtype).unsqueeze(1)
+            total = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=x.device)
+            total.index_add_(0, token, weighted)
+            combined_x.copy_(total)
+
+        transfer = EmulatedTransfer(
+            op="deepep_low_latency combine", rank=self.rank, timeout=self.timeout,
+            pending=pending, finish=finish, issued_at_ns=issued_at_ns, num_bytes=num_bytes,
+            link=self.link,
+        )  # fmt: skip
+        if not return_recv_hook:
+            transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
+        return combined_x, EmulatedEventOverlap(transfer), transfer if return_recv_hook else None
+
+    def _check_combine(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle
+    ) -> None:
         capacity, hidden = handle.num_max_dispatch_tokens_per_rank, handle.hidden
-        num_ranks, device, dtype = self.group_size, x.device, x.dtype
+        num_ranks = self.group_size
         num_local = handle.num_experts // num_ranks
         if x.shape != (num_local, num_ranks * capacity, hidden):
             raise ValueError(
                 f"low_latency_combine x must be [{num_local}, {num_ranks * capacity}, {hidden}], "
                 f"got {list(x.shape)}"
             )
-        if topk_idx.shape != handle.pair_slot.shape or topk_weights.shape != topk_idx.shape:
+        if topk_idx.shape != handle.pair_row.shape or topk_weights.shape != topk_idx.shape:
             raise ValueError(
                 f"topk_idx {list(topk_idx.shape)} / topk_weights {list(topk_weights.shape)} must "
-                f"be the dispatched {list(handle.pair_slot.shape)}"
+                f"be the dispatched {list(handle.pair_row.shape)}"
             )
         if not bool(handle.is_received):
             raise ValueError("low_latency_combine before the dispatch's receive hook ran")
-        rows_bytes = num_local * capacity * hidden * x.element_size()
-        send = torch.empty(num_ranks, _align8(rows_bytes), dtype=torch.uint8, device=device)
-        send_rows = send[:, :rows_bytes].view(dtype).view(num_ranks, num_local, capacity, hidden)
-        layout = handle.recv_layout
-        rank, local_expert, row_in_block, packed_row = _valid_rows(layout, capacity)
-        send_rows[rank, local_expert, row_in_block] = x[local_expert, packed_row]
-        recv = torch.empty_like(send)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, send, output_split_sizes=None, input_split_sizes=None, group=self.group
+
+    def _pack_combine(
+        self, x: Tensor, handle: LowLatencyHandle
+    ) -> tuple[Tensor, int, int, tuple[list[int], list[int]]]:
+        """``(buf [rows, H] x's dtype, num_send, billed bytes, (input splits, output splits))``:
+        ``buf[:num_send]`` the rows for the peers (rank order), then this rank's own rows, then
+        the peers' rows coming back; ``buf[num_send:]`` is ``handle.pair_row``'s view."""
+        layout, num_ranks = handle.recv_layout, self.group_size
+        num_back = layout.sum(1).tolist()  # host sync (small): rows to return to each rank
+        num_send = sum(num_back) - num_back[self.rank]
+        num_recv = sum(handle.num_sent_rows) - handle.num_sent_rows[self.rank]
+        buf = torch.empty(sum(num_back) + num_recv, handle.hidden, dtype=x.dtype, device=x.device)
+        send_slot = _slot_order(self.rank, num_ranks, own_first=False, device=x.device)
+        back = torch.tensor(num_back, dtype=torch.int64, device=x.device)
+        chunk_start = _exclusive_cumsum(back[send_slot.argsort()], 0)[send_slot]
+        rank, local_expert, _, block_row, packed_row = _valid_rows(
+            layout, handle.num_max_dispatch_tokens_per_rank
         )
-        num_tokens = topk_idx.shape[0]
-        combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype)
-        acc_dtype = torch.promote_types(dtype, torch.float32)
-
-        def finish() -> None:
-            rows = recv[:, :rows_bytes].view(dtype).reshape(handle.num_experts * capacity, hidden)
-            valid = handle.pair_slot >= 0
-            token = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(valid)[valid]
-            weighted = rows[handle.pair_slot[valid]].to(acc_dtype) * (
-                topk_weights[valid].to(acc_dtype).unsqueeze(1)
-            )
-            total = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=device)
-            total.index_add_(0, token, weighted)
-            combined_x.copy_(total)
-
-        num_remote = int(layout.sum()) - int(layout[self.rank].sum())
-        transfer = EmulatedTransfer(
-            op="deepep_low_latency combine", rank=self.rank, timeout=self.timeout,
-            pending=pending, finish=finish, issued_at_ns=issued_at_ns,
-            num_bytes=num_remote * hidden * x.element_size(), link=self.link,
-        )  # fmt: skip
-        if not return_recv_hook:
-            transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
-        return combined_x, EmulatedEventOverlap(transfer), transfer if return_recv_hook else None
+        buf[chunk_start[rank] + block_row] = x[local_expert, packed_row]
+        splits = (
+            _peer_splits(num_back, self.rank),
+            _peer_splits(list(handle.num_sent_rows), self.rank),
+        )
+        num_bytes = num_send * handle.hidden * x.element_size()
+        return buf, num_send, num_bytes, splits
