@@ -34,6 +34,10 @@ class CommHandle(Protocol[T_co]):
         num_bytes: payload bytes this rank sends to other ranks (0: nothing was sent).
         notify_ns: ``(start, end)`` ``perf_counter_ns`` of a blocking count exchange run before
             the payload was issued (DeepEP's notify step), or None if there was none.
+        finish_ns: ``(start, end)`` ``perf_counter_ns`` of the receive-side work that turned the
+            arrived bytes into the value (unpacking rows, scattering them back, the weighted sum
+            of a combine: compute, like DeepEP's receive kernels), once done; None before or
+            when there was none.
     """
 
     @property
@@ -48,6 +52,9 @@ class CommHandle(Protocol[T_co]):
     @property
     def notify_ns(self) -> tuple[int, int] | None: ...
 
+    @property
+    def finish_ns(self) -> tuple[int, int] | None: ...
+
     def is_completed(self) -> bool:
         """Whether the data has arrived (never blocks)."""
         ...
@@ -61,7 +68,7 @@ class CompletedHandle(Generic[T]):
     """A ``CommHandle`` whose value is ready at construction (no communication: ``num_bytes`` 0,
     no notify step)."""
 
-    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns")
+    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns", "finish_ns")
 
     def __init__(self, value: T):
         self._value = value
@@ -69,6 +76,7 @@ class CompletedHandle(Generic[T]):
         self.completed_at_ns: int | None = self.issued_at_ns
         self.num_bytes = 0
         self.notify_ns: tuple[int, int] | None = None
+        self.finish_ns: tuple[int, int] | None = None
 
     def wait(self) -> T:
         return self._value
@@ -119,6 +127,9 @@ class CollectiveHandle(Generic[T]):
         link_deadline_ns: with an emulated link (``distributed.link_emulation``), the earliest
             ``perf_counter_ns`` at which the collective may complete; ``wait()`` sleeps until then
             and ``completed_at_ns`` is never earlier. None: a real link only.
+        finish_ns: ``(start, end)`` of the finalize step (from the start of the work's own
+            finish step when the work is itself a handle that has one, e.g. the emulated DeepEP
+            buffer's transfer), set by the first ``wait()``.
 
     ``wait()`` is idempotent and thread-safe: the first call blocks (with the group timeout) and
     runs the finalize step once; every later call, from any thread, returns the same object (or
@@ -140,6 +151,7 @@ class CollectiveHandle(Generic[T]):
         "num_bytes",
         "notify_ns",
         "link_deadline_ns",
+        "finish_ns",
         "__weakref__",
     )
 
@@ -170,13 +182,14 @@ class CollectiveHandle(Generic[T]):
         self.num_bytes = num_bytes
         self.notify_ns = notify_ns
         self.link_deadline_ns = link_deadline_ns
+        self.finish_ns: tuple[int, int] | None = None
         if work is not None:
             self._stamp_on_completion(work)
 
     def _stamp_on_completion(self, work: Work) -> None:
         try:
             future = work.get_future()
-        except (RuntimeError, NotImplementedError):
+        except (AttributeError, RuntimeError, NotImplementedError):
             return  # no future for this backend/op: wait() stamps instead
         future.then(self._on_complete)
 
@@ -229,9 +242,14 @@ class CollectiveHandle(Generic[T]):
         try:
             wait_work(self._work, op=self._op, rank=self._rank, timeout=self._timeout)
             sleep_until(self.link_deadline_ns)  # blocking wait, bounded by the emulated deadline
-            if self._completed_at_ns is None:
-                self._completed_at_ns = time.perf_counter_ns()
+            if self._completed_at_ns is None:  # no future: the work's own stamp, else now
+                inner_done = getattr(self._work, "completed_at_ns", None)
+                self._completed_at_ns = inner_done or time.perf_counter_ns()
+            start_ns = time.perf_counter_ns()
             self._result = self._finalize()  # type: ignore[misc]
+            inner = getattr(self._work, "finish_ns", None)  # a handle's own finish step
+            self.finish_ns = (min(start_ns, inner[0]) if inner else start_ns,
+                              time.perf_counter_ns())  # fmt: skip
         except BaseException as exc:
             self._error = exc
         finally:

@@ -30,6 +30,7 @@ would put on the wire: valid rows to other ranks, plus the counts.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -63,10 +64,6 @@ class LowLatencyHandle:
     num_sent_rows: tuple[int, ...]
     recv_layout: Tensor
     is_received: Tensor
-
-
-def _align8(num_bytes: int) -> int:
-    return (num_bytes + 7) // 8 * 8
 
 
 def _expert_positions(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -111,6 +108,41 @@ def _slot_order(rank: int, num_ranks: int, *, own_first: bool, device) -> Tensor
 def _peer_splits(sizes: list[int], rank: int) -> list[int]:
     """Split sizes for ``all_to_all_single`` that leave this rank's own part out (0)."""
     return [0 if p == rank else n for p, n in enumerate(sizes)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _BlockLayout:
+    """One dispatch block as rows of the payload dtype: ``num_header_rows`` rows whose bytes start
+    with the ``[L]`` int64 counts, then B = ``num_rows`` token rows, then padding so that every
+    block starts 8-byte aligned (the counts are read through an int64 view). Rows of one width
+    make the whole buffer one ``[rows, H]`` matrix: packing and unpacking are a row
+    ``index_select`` / ``index_copy_`` each (advanced indexing is several times slower)."""
+
+    num_local: int
+    num_header_rows: int
+    num_rows: int
+    rows_per_block: int
+
+    @classmethod
+    def of(cls, capacity: int, num_topk: int, num_local: int, hidden: int, itemsize: int):
+        row_bytes = hidden * itemsize
+        num_header_rows = -(-8 * num_local // row_bytes)
+        num_rows = capacity * min(num_topk, num_local)
+        align = 8 // math.gcd(row_bytes, 8)  # rows per 8-byte-aligned unit
+        rows_per_block = -(-(num_header_rows + num_rows) // align) * align
+        return cls(num_local=num_local, num_header_rows=num_header_rows, num_rows=num_rows,
+                   rows_per_block=rows_per_block)  # fmt: skip
+
+    def counts(self, buf: Tensor) -> Tensor:
+        """``[num_blocks, L]`` int64 view of the counts in ``buf [num_blocks, rows_per_block, H]``
+        (contiguous)."""
+        # whole blocks as bytes: the row stride (rows_per_block rows) is a multiple of 8 bytes
+        blocks = buf.reshape(buf.shape[0], -1).view(torch.uint8)
+        return blocks[:, : 8 * self.num_local].view(torch.int64)
+
+    def flat_row(self, block: Tensor, row: Tensor) -> Tensor:
+        """Row of ``(block, token row)`` in ``buf.view(-1, H)``."""
+        return block * self.rows_per_block + self.num_header_rows + row
 
 
 class LowLatencyProtocol:
@@ -197,38 +229,37 @@ class LowLatencyProtocol:
     def _pack_dispatch(
         self, x: Tensor, topk_idx: Tensor, capacity: int, num_experts: int
     ) -> tuple[Tensor, LowLatencyHandle, int]:
-        """``(buf [2R - 1, block_bytes] uint8, handle, billed bytes)``: ``buf[:R]`` holds one
-        block per destination (``_slot_order`` send side: peers, then this rank), ``buf[R:]``
-        receives the peers' blocks.
+        """``(buf [2R - 1, rows_per_block, H] x's dtype, handle, billed bytes)``: ``buf[:R]``
+        holds one block per destination (``_slot_order`` send side: peers, then this rank),
+        ``buf[R:]`` receives the peers' blocks (layout: ``_BlockLayout``).
 
         Raises:
             ValueError: more than B rows for one rank (only possible with repeated expert ids).
         """
         (num_tokens, hidden), num_ranks = x.shape, self.group_size
         num_local, device = num_experts // num_ranks, x.device
-        bound = capacity * min(topk_idx.shape[1], num_local)
+        block = _BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
         per_expert, position = _expert_positions(topk_idx, num_experts)
         sent = per_expert.view(num_ranks, num_local)
         num_sent_rows = sent.sum(1).tolist()  # host sync (small): the combine's split sizes
-        if num_sent_rows and max(num_sent_rows) > bound:
+        if num_sent_rows and max(num_sent_rows) > block.num_rows:
             raise ValueError(
                 f"low_latency_dispatch on rank {self.rank}: {max(num_sent_rows)} rows for one "
-                f"rank exceed {bound} = capacity * min(num_topk, num_local_experts): a token "
-                f"names the same expert twice"
+                f"rank exceed {block.num_rows} = capacity * min(num_topk, num_local_experts): "
+                f"a token names the same expert twice"
             )
-        counts_bytes, rows_bytes = 8 * num_local, bound * hidden * x.element_size()
-        buf = torch.empty(2 * num_ranks - 1, counts_bytes + _align8(rows_bytes),
-                          dtype=torch.uint8, device=device)  # fmt: skip
+        buf = torch.empty(2 * num_ranks - 1, block.rows_per_block, hidden, dtype=x.dtype,
+                          device=device)  # fmt: skip
         send_slot = _slot_order(self.rank, num_ranks, own_first=False, device=device)
-        buf[:num_ranks, :counts_bytes].view(torch.int64).index_copy_(0, send_slot, sent)
-        rows = buf[:num_ranks, counts_bytes : counts_bytes + rows_bytes].view(x.dtype)
-        rows = rows.view(num_ranks, bound, hidden)
+        block.counts(buf)[:num_ranks].index_copy_(0, send_slot, sent)
         valid = position >= 0
         expert = topk_idx[valid]
         token = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(valid)[valid]
         dest, block_row = expert // num_local, _exclusive_cumsum(sent, 1).view(-1)[expert]
         block_row = block_row + position[valid]
-        rows[send_slot[dest], block_row] = x[token]
+        buf.view(-1, hidden).index_copy_(
+            0, block.flat_row(send_slot[dest], block_row), x.index_select(0, token)
+        )
         # combine's receive view: own rows first, then every other rank's in rank order
         recv_slot_order = [self.rank] + [p for p in range(num_ranks) if p != self.rank]
         chunk_start = torch.zeros(num_ranks, dtype=torch.int64, device=device)
@@ -243,34 +274,36 @@ class LowLatencyProtocol:
         )  # fmt: skip
         # bill what DeepEP puts on the wire: the valid rows for other ranks, and the counts
         num_remote = sum(num_sent_rows) - num_sent_rows[self.rank]
-        num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * counts_bytes
+        num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * 8 * num_local
         return buf, handle, num_bytes
 
     def _unpack_dispatch(
         self, blocks: Tensor, handle: LowLatencyHandle, recv_x: Tensor, recv_count: Tensor
     ) -> None:
-        """The hook's work: ``blocks [R, block_bytes]`` (``_slot_order`` receive side: own
+        """The hook's work: ``blocks [R, rows_per_block, H]`` (``_slot_order`` receive side: own
         block, then the peers') into DeepEP's layout ``recv_x`` / ``recv_count``.
 
         Raises:
             RuntimeError: a received count outside [0, C] (the ranks disagree on C, H or dtype).
         """
-        num_ranks, (num_local, _, hidden) = self.group_size, recv_x.shape
+        num_ranks, (num_local, num_slots, hidden) = self.group_size, recv_x.shape
         capacity = handle.num_max_dispatch_tokens_per_rank
-        counts_bytes = 8 * num_local
+        block = _BlockLayout.of(
+            capacity, handle.pair_row.shape[1], num_local, hidden, recv_x.element_size()
+        )
         recv_slot = _slot_order(self.rank, num_ranks, own_first=True, device=recv_x.device)
-        layout = blocks[:, :counts_bytes].view(torch.int64)[recv_slot]  # source-rank order
+        layout = block.counts(blocks)[recv_slot]  # source-rank order
         if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
             raise RuntimeError(
                 f"low_latency_dispatch on rank {self.rank}: received row counts "
                 f"{layout.tolist()} outside [0, {capacity}]: the ranks disagree on "
                 f"num_max_dispatch_tokens_per_rank, hidden or dtype"
             )
-        bound = capacity * min(handle.pair_row.shape[1], num_local)
-        rows = blocks[:, counts_bytes : counts_bytes + bound * hidden * recv_x.element_size()]
-        rows = rows.view(recv_x.dtype).view(num_ranks, bound, hidden)
         rank, local_expert, _, block_row, packed_row = _valid_rows(layout, capacity)
-        recv_x[local_expert, packed_row] = rows[recv_slot[rank], block_row]
+        rows = blocks.reshape(-1, hidden).index_select(
+            0, block.flat_row(recv_slot[rank], block_row)
+        )
+        recv_x.view(-1, hidden).index_copy_(0, local_expert * num_slots + packed_row, rows)
         recv_count.copy_(layout.sum(0))
         handle.recv_layout.copy_(layout)
         handle.is_received.fill_(True)
@@ -318,13 +351,15 @@ class LowLatencyProtocol:
         acc_dtype = torch.promote_types(dtype, torch.float32)
 
         def finish() -> None:
-            valid = handle.pair_row >= 0
-            token = torch.arange(num_tokens, device=x.device).unsqueeze(1).expand_as(valid)[valid]
-            rows = buf[num_send:][handle.pair_row[valid]].to(acc_dtype)
-            weighted = rows * topk_weights[valid].to(acc_dtype).unsqueeze(1)
-            total = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=x.device)
-            total.index_add_(0, token, weighted)
-            combined_x.copy_(total)
+            rows = buf[num_send:]
+            if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
+                combined_x.zero_()
+                return
+            # each token's K rows (a pair with no expert reads row 0 with weight 0)
+            picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
+            picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
+            weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
+            combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
 
         transfer = EmulatedTransfer(
             op="deepep_low_latency combine", rank=self.rank, timeout=self.timeout,
@@ -371,7 +406,8 @@ class LowLatencyProtocol:
         rank, local_expert, _, block_row, packed_row = _valid_rows(
             layout, handle.num_max_dispatch_tokens_per_rank
         )
-        buf[chunk_start[rank] + block_row] = x[local_expert, packed_row]
+        rows = x.reshape(-1, handle.hidden).index_select(0, local_expert * x.shape[1] + packed_row)
+        buf.index_copy_(0, chunk_start[rank] + block_row, rows)
         splits = (
             _peer_splits(num_back, self.rank),
             _peer_splits(list(handle.num_sent_rows), self.rank),

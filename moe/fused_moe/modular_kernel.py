@@ -90,11 +90,19 @@ def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
 
 
 def _record_comm(op: str, handle: CommHandle) -> None:
+    """Spans of one completed transfer: ``{op}`` from issue to data arrival (comm) and the
+    receive-side unpacking ``{op}_finish`` (compute: CPU work no overlap can hide, which the
+    overlap metrics must count in C; it runs in whichever ubatch completed the handle)."""
     end_ns = handle.completed_at_ns or time.perf_counter_ns()
     record_span(
         op, cat=CAT_COMM, start_ns=handle.issued_at_ns, end_ns=end_ns, kind="comm",
         args={"num_bytes": handle.num_bytes},
     )  # fmt: skip
+    finish = handle.finish_ns
+    if finish is not None:
+        record_span(
+            f"{op}_finish", cat=CAT_COMPUTE, start_ns=finish[0], end_ns=finish[1], kind="compute"
+        )
 
 
 class FusedMoEModularKernel:

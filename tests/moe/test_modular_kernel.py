@@ -131,7 +131,7 @@ class _LazyHandle:
     def __init__(self, log, name, value):
         self.log, self.name, self.value = log, name, value
         self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
-        self.notify_ns = None
+        self.notify_ns = self.finish_ns = None
 
     def is_completed(self):
         return self.completed_at_ns is not None
