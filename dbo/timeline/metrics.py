@@ -3,7 +3,8 @@
 Definitions (per rank, inside one ``step`` span; times are unions of intervals, so two ubatches'
 transfers in flight together count once):
 - ``C`` (compute): time covered by ``compute`` spans (attention, router, experts, shared experts,
-  the CPU work of issuing a transfer, sampling).
+  the CPU work of issuing a transfer and of unpacking a received one (``*_finish``: DeepEP's
+  receive kernels' work), sampling).
 - ``M`` (communication): time covered by ``comm`` spans (each dispatch / combine from issue to
   completion, the blocking count exchange, the DP vote).
 - exposed communication: time with communication in flight and no compute on that rank;

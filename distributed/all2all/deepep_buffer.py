@@ -11,13 +11,15 @@ High throughput (HT), after DeepEP's intranode ``dispatch``:
      too: the receive sizes must be known on the host);
   3. payload: one uneven ``all_to_all_single`` of packed rows (token, LOCAL top-k ids, weights),
      in flight until the returned event is waited.
-Low latency (LL), after DeepEP's ``low_latency_dispatch``: NO count exchange. Every rank owns a
-fixed slot of ``num_max_dispatch_tokens_per_rank`` rows per (source rank, expert) in every peer's
-receive buffer; a token goes once to each of its top-k experts. One ``all_to_all_single`` of
-equal, fixed-size blocks carries the rows and each (expert) block's row count; with
+Low latency (LL), after DeepEP's ``low_latency_dispatch``: NO count exchange. A token goes once
+to each of its top-k experts; one ``all_to_all_single`` of equal blocks, sized without a message
+(``num_max_dispatch_tokens_per_rank * min(num_topk, num_local_experts)`` rows, the most one rank
+can send another), carries each peer's rows packed per expert with the per-expert counts; with
 ``return_recv_hook=True`` the call only issues it, and the hook completes the receive (waits,
-then packs each local expert's rows to the front of ``recv_x``: DeepEP's layout
+then places each local expert's rows at the front of ``recv_x``: DeepEP's layout
 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` + ``recv_count``).
+Combine returns exactly the received rows (both sides know the counts after the dispatch).
+Details in ``deepep_low_latency_protocol``.
 
 On CPU there are no streams: ``EmulatedEventOverlap.current_stream_wait()`` and the hooks block
 the calling thread until the data is there (bounded by the timeout), which is what the CUDA stream
@@ -180,26 +182,9 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         if topk_weights is not None:
             weights = topk_weights.float()
         layout = RowLayout(hidden_size=x.shape[1], num_topk=topk_idx.shape[1], dtype=x.dtype)
-        # notify: per destination rank its row count, per-local-expert counts and the row format
-        header = torch.cat(
-            [
-                num_tokens_per_rank.long().cpu().unsqueeze(1),
-                num_tokens_per_expert.long().cpu().view(self.group_size, num_local_experts),
-                torch.tensor([layout.signature()] * self.group_size, dtype=torch.int64),
-            ],
-            dim=1,
+        send_counts, recv_counts, num_recv_tokens_per_expert, notify_ns = self._notify_counts(
+            num_tokens_per_rank, num_tokens_per_expert, layout
         )
-        recv_header, notify_ns = self._notify(header)
-        signatures = recv_header[:, -3:].tolist()
-        if any(sig != list(layout.signature()) for sig in signatures):
-            raise ValueError(
-                f"deepep_high_throughput dispatch on rank {self.rank}: (hidden_size, num_topk, "
-                f"dtype code) differ across EP ranks: {signatures}"
-            )
-        send_counts = header[:, 0].tolist()
-        recv_counts = recv_header[:, 0].tolist()
-        num_recv_tokens_per_expert = recv_header[:, 1 : 1 + num_local_experts].sum(0).tolist()
-
         send_rank, send_token_idx = is_token_in_rank.t().nonzero(as_tuple=True)
         local_ids, local_weights = localize_topk(
             topk_idx[send_token_idx], weights[send_token_idx], send_rank,
@@ -284,6 +269,39 @@ class TorchDistributedBuffer(LowLatencyProtocol):
 
     # ------------------------------------------------------------------ shared helpers
 
+    def _notify_counts(
+        self, num_tokens_per_rank: Tensor, num_tokens_per_expert: Tensor, layout: RowLayout
+    ) -> tuple[list[int], list[int], list[int], tuple[int, int]]:
+        """DeepEP HT's notify: send each rank its row count, per-local-expert counts and the row
+        format; ``(send_counts, recv_counts, num_recv_tokens_per_expert, notify_ns)``.
+
+        Raises:
+            ValueError: (on every rank) the ranks disagree on the row format.
+        """
+        num_local_experts = num_tokens_per_expert.numel() // self.group_size
+        header = torch.cat(
+            [
+                num_tokens_per_rank.long().cpu().unsqueeze(1),
+                num_tokens_per_expert.long().cpu().view(self.group_size, num_local_experts),
+                torch.tensor([layout.signature()] * self.group_size, dtype=torch.int64),
+            ],
+            dim=1,
+        )
+        recv_header, notify_ns = self._notify(header)
+        signatures = recv_header[:, -3:].tolist()
+        if any(sig != list(layout.signature()) for sig in signatures):
+            raise ValueError(
+                f"deepep_high_throughput dispatch on rank {self.rank}: (hidden_size, num_topk, "
+                f"dtype code) differ across EP ranks: {signatures}"
+            )
+        num_recv_tokens_per_expert = recv_header[:, 1 : 1 + num_local_experts].sum(0).tolist()
+        return (
+            header[:, 0].tolist(),
+            recv_header[:, 0].tolist(),
+            num_recv_tokens_per_expert,
+            notify_ns,
+        )
+
     def _notify(self, header: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Blocking ``all_to_all_single`` of one header row per rank (DeepEP's notify)."""
         recv_header = torch.empty_like(header)
@@ -316,105 +334,3 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         if not async_finish:
             transfer.wait()  # blocking wait (timeout: self.timeout): a synchronous call
         return EmulatedEventOverlap(transfer)
-
-
-# ---------------------------------------------------------------------- real kernels or emulation
-
-DEEPEP_KERNELS = "deep_ep kernels"
-# NVLink buffer of the high-throughput mode (vLLM's default VLLM_DEEPEP_BUFFER_SIZE_MB is 1024)
-HIGH_THROUGHPUT_NVL_BYTES = 1 << 30
-
-
-def deepep_kernels_available(group: ProcessGroup | None) -> bool:
-    """Whether DeepEP's own kernels can run: CUDA, ``deep_ep`` importable, an NCCL EP group."""
-    if group is None or not torch.cuda.is_available():
-        return False
-    try:
-        import deep_ep  # noqa: F401
-    except ImportError:
-        return False
-    import torch.distributed as dist
-
-    return dist.get_backend(group) == "nccl"
-
-
-def make_deepep_buffer(
-    *,
-    low_latency_mode: bool,
-    group: ProcessGroup | None,
-    rank: int,
-    num_ranks: int,
-    timeout: datetime.timedelta,
-    link: EmulatedLink | None,
-    hidden_size: int,
-    num_experts: int,
-    num_max_dispatch_tokens_per_rank: int,
-):
-    """``deep_ep.Buffer`` where DeepEP's kernels can run (see ``deepep_kernels_available``), else
-    ``TorchDistributedBuffer``; the object's ``implementation`` names which (for the logs).
-
-    DeepEP's buffer is sized as its documentation says: low latency with
-    ``Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-    num_experts)`` and one QP per local expert; high throughput with an NVLink buffer of 1 GiB.
-
-    Raises:
-        ValueError: ``link`` given together with DeepEP's kernels (the link model is a CPU tool).
-    """
-    if not deepep_kernels_available(group):
-        return TorchDistributedBuffer(
-            group, rank=rank, num_ranks=num_ranks, timeout=timeout, link=link,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )  # fmt: skip
-    if link is not None:
-        raise ValueError("--emulate-link applies to the torch.distributed emulation only, not "
-                         "to DeepEP's kernels")  # fmt: skip
-    import deep_ep
-
-    if low_latency_mode:
-        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
-            num_max_dispatch_tokens_per_rank, hidden_size, num_ranks, num_experts
-        )
-        buffer = deep_ep.Buffer(
-            group, num_nvl_bytes=0, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
-            num_qps_per_rank=num_experts // num_ranks,
-        )  # fmt: skip
-    else:
-        buffer = deep_ep.Buffer(group, num_nvl_bytes=HIGH_THROUGHPUT_NVL_BYTES, num_rdma_bytes=0)
-    buffer.implementation = DEEPEP_KERNELS
-    return buffer
-
-
-class DeviceCompletion:
-    """``Work``-shaped wrapper of DeepEP's completion (an ``EventOverlap`` or a recv hook) for a
-    ``CommHandle``: ``wait()`` makes the current CUDA stream wait for the event, or runs the hook
-    (which launches the receive kernel on the current stream); the host does not block, as with
-    NCCL's ``Work.wait``. DeepEP's kernels bound their own waits (they trap on a timeout)."""
-
-    def __init__(self, complete: Callable[[], None]) -> None:
-        self._complete: Callable[[], None] | None = complete
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self._complete is not None:
-            complete, self._complete = self._complete, None
-            complete()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._complete is None
-
-    def get_future(self):
-        raise NotImplementedError("DeepEP events have no future")
-
-
-def completion_work(event_or_hook) -> EmulatedTransfer | DeviceCompletion | None:
-    """The object a ``CommHandle`` waits on for a Buffer call's ``event`` (``EventOverlap``-shaped)
-    or ``hook`` (callable): the emulated transfer itself, or a ``DeviceCompletion``."""
-    if event_or_hook is None:
-        return None
-    if isinstance(event_or_hook, EmulatedTransfer):
-        return event_or_hook
-    if isinstance(event_or_hook, EmulatedEventOverlap):
-        return event_or_hook.transfer
-    if hasattr(event_or_hook, "current_stream_wait"):
-        return DeviceCompletion(event_or_hook.current_stream_wait)
-    return DeviceCompletion(event_or_hook)

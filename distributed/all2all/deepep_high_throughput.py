@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
-from distributed.all2all.deepep_buffer import completion_work, make_deepep_buffer
+from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
 from distributed.comm_handle import CollectiveHandle, CommHandle
 from distributed.link_emulation import EmulatedLink
 
@@ -146,7 +146,7 @@ class DeepEPHighThroughputBackend(All2AllBackend):
                                    lambda: combined_x, start_ns, async_op)  # fmt: skip
 
     def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
-        """A ``CommHandle`` over a Buffer call's completion (``deepep_buffer.completion_work``)."""
+        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``)."""
         handle: CollectiveHandle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,

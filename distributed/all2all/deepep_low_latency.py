@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.base import BatchedDispatchResult, DispatchMetadata
-from distributed.all2all.deepep_buffer import completion_work, make_deepep_buffer
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
+from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
 from distributed.comm_handle import CommHandle
 from distributed.link_emulation import EmulatedLink
 

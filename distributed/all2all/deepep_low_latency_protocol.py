@@ -30,7 +30,6 @@ would put on the wire: valid rows to other ranks, plus the counts.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -38,6 +37,14 @@ import torch
 from torch import Tensor
 
 from distributed.all2all.deepep_events import EmulatedEventOverlap, EmulatedTransfer
+from distributed.all2all.deepep_low_latency_layout import (
+    BlockLayout,
+    exclusive_cumsum,
+    expert_positions,
+    peer_splits,
+    slot_order,
+    valid_rows,
+)
 from distributed.collectives import all_to_all_single
 
 
@@ -64,85 +71,6 @@ class LowLatencyHandle:
     num_sent_rows: tuple[int, ...]
     recv_layout: Tensor
     is_received: Tensor
-
-
-def _expert_positions(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
-    """``(num_tokens_per_expert [E] int64, position [T, K] int64)``: a pair's position counts
-    the earlier (token, slot) pairs sent to the same expert; -1 where no expert is selected."""
-    flat = topk_idx.reshape(-1)
-    expert = torch.where(flat >= 0, flat, num_experts)  # -1 -> an extra bucket, dropped below
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=num_experts + 1)
-    starts = counts.cumsum(0) - counts
-    position = torch.empty_like(flat)
-    position[order] = torch.arange(flat.numel(), device=flat.device) - starts[expert[order]]
-    position = torch.where(flat >= 0, position, -1)
-    return counts[:num_experts], position.view(topk_idx.shape)
-
-
-def _exclusive_cumsum(counts: Tensor, dim: int) -> Tensor:
-    return counts.cumsum(dim) - counts
-
-
-def _valid_rows(layout: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """For ``layout [R, L]`` row counts: ``(rank, local_expert, row_in_expert, block_row,
-    packed_row)`` of every valid row: ``block_row`` its row in the source rank's block
-    (expert-major), ``packed_row`` its row in ``recv_x[local_expert]`` (source-rank order)."""
-    row = torch.arange(capacity, device=layout.device)
-    rank, local_expert, row_in_expert = (row < layout.unsqueeze(-1)).nonzero(as_tuple=True)
-    block_row = _exclusive_cumsum(layout, 1)[rank, local_expert] + row_in_expert
-    packed_row = _exclusive_cumsum(layout, 0)[rank, local_expert] + row_in_expert
-    return rank, local_expert, row_in_expert, block_row, packed_row
-
-
-def _slot_order(rank: int, num_ranks: int, *, own_first: bool, device) -> Tensor:
-    """``[R]`` int64: each rank's slot among the blocks of a buffer, the other ranks in rank order
-    and this rank's own block last (send side) or first (receive side)."""
-    others = [p for p in range(num_ranks) if p != rank]
-    order = [rank, *others] if own_first else [*others, rank]
-    slots = torch.empty(num_ranks, dtype=torch.int64, device=device)
-    slots[torch.tensor(order, device=device)] = torch.arange(num_ranks, device=device)
-    return slots
-
-
-def _peer_splits(sizes: list[int], rank: int) -> list[int]:
-    """Split sizes for ``all_to_all_single`` that leave this rank's own part out (0)."""
-    return [0 if p == rank else n for p, n in enumerate(sizes)]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _BlockLayout:
-    """One dispatch block as rows of the payload dtype: ``num_header_rows`` rows whose bytes start
-    with the ``[L]`` int64 counts, then B = ``num_rows`` token rows, then padding so that every
-    block starts 8-byte aligned (the counts are read through an int64 view). Rows of one width
-    make the whole buffer one ``[rows, H]`` matrix: packing and unpacking are a row
-    ``index_select`` / ``index_copy_`` each (advanced indexing is several times slower)."""
-
-    num_local: int
-    num_header_rows: int
-    num_rows: int
-    rows_per_block: int
-
-    @classmethod
-    def of(cls, capacity: int, num_topk: int, num_local: int, hidden: int, itemsize: int):
-        row_bytes = hidden * itemsize
-        num_header_rows = -(-8 * num_local // row_bytes)
-        num_rows = capacity * min(num_topk, num_local)
-        align = 8 // math.gcd(row_bytes, 8)  # rows per 8-byte-aligned unit
-        rows_per_block = -(-(num_header_rows + num_rows) // align) * align
-        return cls(num_local=num_local, num_header_rows=num_header_rows, num_rows=num_rows,
-                   rows_per_block=rows_per_block)  # fmt: skip
-
-    def counts(self, buf: Tensor) -> Tensor:
-        """``[num_blocks, L]`` int64 view of the counts in ``buf [num_blocks, rows_per_block, H]``
-        (contiguous)."""
-        # whole blocks as bytes: the row stride (rows_per_block rows) is a multiple of 8 bytes
-        blocks = buf.reshape(buf.shape[0], -1).view(torch.uint8)
-        return blocks[:, : 8 * self.num_local].view(torch.int64)
-
-    def flat_row(self, block: Tensor, row: Tensor) -> Tensor:
-        """Row of ``(block, token row)`` in ``buf.view(-1, H)``."""
-        return block * self.rows_per_block + self.num_header_rows + row
 
 
 class LowLatencyProtocol:
@@ -205,7 +133,7 @@ class LowLatencyProtocol:
         )
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
         issued_at_ns = time.perf_counter_ns()
-        peers = _peer_splits([1] * num_ranks, self.rank)
+        peers = peer_splits([1] * num_ranks, self.rank)
         pending = all_to_all_single(
             buf[num_ranks:], buf[: num_ranks - 1], output_split_sizes=peers,
             input_split_sizes=peers, group=self.group,
@@ -230,16 +158,16 @@ class LowLatencyProtocol:
         self, x: Tensor, topk_idx: Tensor, capacity: int, num_experts: int
     ) -> tuple[Tensor, LowLatencyHandle, int]:
         """``(buf [2R - 1, rows_per_block, H] x's dtype, handle, billed bytes)``: ``buf[:R]``
-        holds one block per destination (``_slot_order`` send side: peers, then this rank),
-        ``buf[R:]`` receives the peers' blocks (layout: ``_BlockLayout``).
+        holds one block per destination (``slot_order`` send side: peers, then this rank),
+        ``buf[R:]`` receives the peers' blocks (layout: ``BlockLayout``).
 
         Raises:
             ValueError: more than B rows for one rank (only possible with repeated expert ids).
         """
         (num_tokens, hidden), num_ranks = x.shape, self.group_size
         num_local, device = num_experts // num_ranks, x.device
-        block = _BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
-        per_expert, position = _expert_positions(topk_idx, num_experts)
+        block = BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
+        per_expert, position = expert_positions(topk_idx, num_experts)
         sent = per_expert.view(num_ranks, num_local)
         num_sent_rows = sent.sum(1).tolist()  # host sync (small): the combine's split sizes
         if num_sent_rows and max(num_sent_rows) > block.num_rows:
@@ -250,20 +178,20 @@ class LowLatencyProtocol:
             )
         buf = torch.empty(2 * num_ranks - 1, block.rows_per_block, hidden, dtype=x.dtype,
                           device=device)  # fmt: skip
-        send_slot = _slot_order(self.rank, num_ranks, own_first=False, device=device)
+        send_slot = slot_order(self.rank, num_ranks, own_first=False, device=device)
         block.counts(buf)[:num_ranks].index_copy_(0, send_slot, sent)
         valid = position >= 0
         expert = topk_idx[valid]
         token = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(valid)[valid]
-        dest, block_row = expert // num_local, _exclusive_cumsum(sent, 1).view(-1)[expert]
+        dest, block_row = expert // num_local, exclusive_cumsum(sent, 1).view(-1)[expert]
         block_row = block_row + position[valid]
         buf.view(-1, hidden).index_copy_(
             0, block.flat_row(send_slot[dest], block_row), x.index_select(0, token)
         )
         # combine's receive view: own rows first, then every other rank's in rank order
-        recv_slot_order = [self.rank] + [p for p in range(num_ranks) if p != self.rank]
+        recvslot_order = [self.rank] + [p for p in range(num_ranks) if p != self.rank]
         chunk_start = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-        chunk_start[recv_slot_order] = _exclusive_cumsum(sent.sum(1)[recv_slot_order], 0)
+        chunk_start[recvslot_order] = exclusive_cumsum(sent.sum(1)[recvslot_order], 0)
         pair_row = torch.full_like(topk_idx, -1)
         pair_row[valid] = chunk_start[dest] + block_row
         handle = LowLatencyHandle(
@@ -280,7 +208,7 @@ class LowLatencyProtocol:
     def _unpack_dispatch(
         self, blocks: Tensor, handle: LowLatencyHandle, recv_x: Tensor, recv_count: Tensor
     ) -> None:
-        """The hook's work: ``blocks [R, rows_per_block, H]`` (``_slot_order`` receive side: own
+        """The hook's work: ``blocks [R, rows_per_block, H]`` (``slot_order`` receive side: own
         block, then the peers') into DeepEP's layout ``recv_x`` / ``recv_count``.
 
         Raises:
@@ -288,10 +216,10 @@ class LowLatencyProtocol:
         """
         num_ranks, (num_local, num_slots, hidden) = self.group_size, recv_x.shape
         capacity = handle.num_max_dispatch_tokens_per_rank
-        block = _BlockLayout.of(
+        block = BlockLayout.of(
             capacity, handle.pair_row.shape[1], num_local, hidden, recv_x.element_size()
         )
-        recv_slot = _slot_order(self.rank, num_ranks, own_first=True, device=recv_x.device)
+        recv_slot = slot_order(self.rank, num_ranks, own_first=True, device=recv_x.device)
         layout = block.counts(blocks)[recv_slot]  # source-rank order
         if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
             raise RuntimeError(
@@ -299,7 +227,7 @@ class LowLatencyProtocol:
                 f"{layout.tolist()} outside [0, {capacity}]: the ranks disagree on "
                 f"num_max_dispatch_tokens_per_rank, hidden or dtype"
             )
-        rank, local_expert, _, block_row, packed_row = _valid_rows(layout, capacity)
+        rank, local_expert, _, block_row, packed_row = valid_rows(layout, capacity)
         rows = blocks.reshape(-1, hidden).index_select(
             0, block.flat_row(recv_slot[rank], block_row)
         )
@@ -400,17 +328,17 @@ class LowLatencyProtocol:
         num_send = sum(num_back) - num_back[self.rank]
         num_recv = sum(handle.num_sent_rows) - handle.num_sent_rows[self.rank]
         buf = torch.empty(sum(num_back) + num_recv, handle.hidden, dtype=x.dtype, device=x.device)
-        send_slot = _slot_order(self.rank, num_ranks, own_first=False, device=x.device)
+        send_slot = slot_order(self.rank, num_ranks, own_first=False, device=x.device)
         back = torch.tensor(num_back, dtype=torch.int64, device=x.device)
-        chunk_start = _exclusive_cumsum(back[send_slot.argsort()], 0)[send_slot]
-        rank, local_expert, _, block_row, packed_row = _valid_rows(
+        chunk_start = exclusive_cumsum(back[send_slot.argsort()], 0)[send_slot]
+        rank, local_expert, _, block_row, packed_row = valid_rows(
             layout, handle.num_max_dispatch_tokens_per_rank
         )
         rows = x.reshape(-1, handle.hidden).index_select(0, local_expert * x.shape[1] + packed_row)
         buf.index_copy_(0, chunk_start[rank] + block_row, rows)
         splits = (
-            _peer_splits(num_back, self.rank),
-            _peer_splits(list(handle.num_sent_rows), self.rank),
+            peer_splits(num_back, self.rank),
+            peer_splits(list(handle.num_sent_rows), self.rank),
         )
         num_bytes = num_send * handle.hidden * x.element_size()
         return buf, num_send, num_bytes, splits
