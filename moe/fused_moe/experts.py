@@ -23,7 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from moe.layers.activation import swiglu
-from moe.layers.linear import PackedWeights, can_pack, onednn_linear, onednn_pack
+from moe.layers.linear import (
+    PackedWeights,
+    can_pack,
+    onednn_linear,
+    onednn_pack,
+    serves_packed,
+)
 from moe.platforms.custom_op import CustomOp
 
 # Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
@@ -96,7 +102,7 @@ class TorchExperts(CustomOp):
         """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
         changed; empty where the grouped GEMM runs instead."""
         sources = (self.w1, self.w2, self.w3)
-        if not all(can_pack(w) for w in sources):
+        if not all(serves_packed(w) for w in sources):
             return ()
         if self._packs is None or not self._packs.is_current(sources):
             self.process_weights_after_loading()

@@ -127,13 +127,14 @@ class PackedWeights:
 
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether ``weight`` is one this module prepacks now (bfloat16 on the CPU, no grad, no trace)."""
-    return (
-        weight.dtype in PACKED_DTYPES
-        and weight.device.type == "cpu"
-        and not (torch.is_grad_enabled() and weight.requires_grad)
-        and not is_tracing()
-    )
+    """Whether ``weight`` is one this module prepacks (bfloat16 on the CPU, no trace running)."""
+    return weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" and not is_tracing()
+
+
+def serves_packed(weight: Tensor) -> bool:
+    """Whether a forward may use ``weight``'s pack now: ``can_pack`` and no autograd through it
+    (the oneDNN op has no backward; the model runs under ``no_grad``)."""
+    return can_pack(weight) and not (torch.is_grad_enabled() and weight.requires_grad)
 
 
 @CustomOp.register("linear")
@@ -184,7 +185,7 @@ class Linear(CustomOp):
 
     def packed_weight(self) -> Tensor | None:
         """The current pack, re-made if the weight changed; None where the plain path runs."""
-        if not can_pack(self.weight):
+        if not serves_packed(self.weight):
             return None
         packs = self._packs
         if packs is None or not packs.is_current((self.weight,)):
