@@ -7,14 +7,14 @@ H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs ro
 ``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
 batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
 returning UNWEIGHTED outputs (that combine weights);
-``forward_cpu`` sorts the pairs by expert once; in bfloat16 it then runs, per local expert, gate
-and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and down on a
-prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``, re-packed
-if a weight changes, rows padded to buckets so oneDNN reuses its primitives); in float32 (and
-bfloat16 where oneDNN cannot pack) each projection is ONE grouped GEMM over the per-expert row
-groups (``torch._grouped_mm``, torch >= 2.8 on CPU); otherwise (float64, older torch) the reference
-loop. ``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the
-expert weights (the originals stay for ``forward_native`` and ``apply_batched``).
+``forward_cpu`` sorts the pairs by expert once; in bfloat16 and float32 it then runs, per local
+expert, gate and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and
+down on a prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``,
+re-packed if a weight changes, rows padded to buckets so oneDNN reuses its primitives); where
+oneDNN cannot pack, each projection is ONE grouped GEMM over the per-expert row groups
+(``torch._grouped_mm``, torch >= 2.8 on CPU); otherwise (float64, older torch) the reference loop.
+``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the expert
+weights (the originals stay for ``forward_native`` and ``apply_batched``).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class TorchExperts(CustomOp):
         self._packs: PackedWeights | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 on the
-        CPU; otherwise, or where oneDNN cannot, drop any pack and keep the grouped GEMM)."""
+        """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or
+        float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM)."""
         self._packs = None
         sources = (self.w1, self.w2, self.w3)
         if not all(can_pack(w) for w in sources):
@@ -186,7 +186,7 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Prepacked oneDNN GEMMs per expert (bfloat16) or one grouped GEMM per projection over
+        """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection over
         the per-expert row groups (same math as ``forward_native``)."""
         packs = self.packed_weights()
         if packs and hidden_states.dtype == self.w1.dtype:

@@ -1,19 +1,19 @@
-"""Linear layers whose CPU path runs on a weight prepacked once by oneDNN (bfloat16).
+"""Linear layers whose CPU path runs on a weight prepacked once by oneDNN (bfloat16, float32).
 
 ``Linear`` is ``nn.Linear`` as a ``CustomOp`` (same ``weight`` [out_features, in_features] and
 ``bias`` [out_features] parameters, same names, so checkpoints, ``state_dict`` and graph mode see
-no difference). ``forward_native`` is ``F.linear``. ``forward_cpu``, for a bfloat16 weight, runs
+no difference). ``forward_native`` is ``F.linear``. ``forward_cpu`` runs
 ``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered into oneDNN's blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernels inductor's weight freezing uses;
-AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere): ``F.linear`` reorders
-the weight on every call. The rows are zero-padded up to a bucket (``padded_num_rows``) so that
-a stream of ever-changing batch sizes reuses a bounded set of oneDNN primitives instead of
-JIT-compiling new ones (py-spy: 18 % of a bfloat16 run in Xbyak before this).
-
-Other dtypes stay on ``F.linear``: MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) serves only
-the one batch size it was packed for, and neither it (in fixed row chunks) nor a prepacked oneDNN
-float32 linear beat ``F.linear`` on the medium checkpoint's shapes here
-(``python -m launch.benchmarks.linear``); float64 has no oneDNN kernel.
+AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), where ``F.linear``
+(MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
+thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
+size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0x at 512 and 1.0-1.06x at 2048, so float32
+batches above ``FLOAT32_MAX_PACKED_ROWS`` rows keep ``F.linear``. The rows are zero-padded up
+to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
+oneDNN primitives instead of JIT-compiling new ones (py-spy: 18 % of a bfloat16 run was in oneDNN's
+JIT before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
+one batch size it was packed for. float64 has no oneDNN kernel and stays on ``F.linear``.
 
 The pack is made by ``process_weights_after_loading`` (vLLM's name; the loader calls it after the
 checkpoint is copied in) and re-made on the next CPU call whenever the weight changed since
@@ -37,7 +37,8 @@ from moe.platforms.custom_op import CustomOp
 
 logger = logging.getLogger(__name__)
 
-PACKED_DTYPES = (torch.bfloat16,)
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+FLOAT32_MAX_PACKED_ROWS = 1024  # above it MKL's sgemm (F.linear) is as fast or faster
 _MIN_PADDED_ROWS = 16  # one AMX tile of rows
 _warned: set[str] = set()
 
@@ -69,7 +70,7 @@ def padded_num_rows(num_rows: int) -> int:
 
 
 def onednn_pack(weight: Tensor) -> Tensor | None:
-    """``weight`` [out_features, in_features] bfloat16 (CPU) reordered for oneDNN, or None (with
+    """``weight`` [out_features, in_features] bfloat16 or float32 (CPU) reordered for oneDNN, or None (with
     a warning logged once per reason) where this torch or CPU cannot."""
     reason = packing_unavailable_reason()
     if reason is None:
@@ -127,7 +128,7 @@ class PackedWeights:
 
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether ``weight`` is one this module prepacks (bfloat16 on the CPU, no trace running)."""
+    """Whether ``weight`` is one this module prepacks (bfloat16/float32 on the CPU, no trace)."""
     return weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" and not is_tracing()
 
 
@@ -198,7 +199,11 @@ class Linear(CustomOp):
 
     def forward_cpu(self, x: Tensor) -> Tensor:
         packed = self.packed_weight()
-        if packed is None or x.dtype != self.weight.dtype:
+        if (
+            packed is None
+            or x.dtype != self.weight.dtype
+            or (x.dtype == torch.float32 and x.numel() > FLOAT32_MAX_PACKED_ROWS * x.shape[-1])
+        ):
             return F.linear(x, self.weight, self.bias)
         return onednn_linear(x, packed, self.bias)
 
