@@ -86,7 +86,8 @@ class TorchExperts(CustomOp):
         float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM)."""
         self._packs = None
         sources = (self.w1, self.w2, self.w3)
-        if not all(can_pack(w) for w in sources):
+        per_expert = self.hidden_size * self.intermediate_size
+        if not all(can_pack(w, num_elements=per_expert) for w in sources):
             return
         packed: list[Tensor] = []
         for expert in range(self.num_local_experts):  # start-up only
@@ -102,7 +103,8 @@ class TorchExperts(CustomOp):
         """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
         changed; empty where the grouped GEMM runs instead."""
         sources = (self.w1, self.w2, self.w3)
-        if not all(serves_packed(w) for w in sources):
+        per_expert = self.hidden_size * self.intermediate_size
+        if not all(serves_packed(w, num_elements=per_expert) for w in sources):
             return ()
         if self._packs is None or not self._packs.is_current(sources):
             self.process_weights_after_loading()
@@ -191,6 +193,13 @@ class TorchExperts(CustomOp):
         packs = self.packed_weights()
         if packs and hidden_states.dtype == self.w1.dtype:
             return self._forward_packed(hidden_states, topk_ids, topk_weights, packs)
+        return self.forward_grouped(hidden_states, topk_ids, topk_weights)
+
+    def forward_grouped(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> Tensor:
+        """One grouped GEMM per projection over the per-expert row groups (``forward_native``
+        where torch lacks ``_grouped_mm`` or for float64)."""
         if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         self._check(hidden_states, topk_ids, topk_weights)

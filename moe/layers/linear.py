@@ -9,7 +9,8 @@ AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), wher
 (MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
 thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
 size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0x at 512 and 1.0-1.06x at 2048, so float32
-batches above ``FLOAT32_MAX_PACKED_ROWS`` rows keep ``F.linear``. The rows are zero-padded up
+batches above ``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below
+``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. The rows are zero-padded up
 to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
 oneDNN primitives instead of JIT-compiling new ones (py-spy: 18 % of a bfloat16 run was in oneDNN's
 JIT before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
@@ -39,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 FLOAT32_MAX_PACKED_ROWS = 1024  # above it MKL's sgemm (F.linear) is as fast or faster
-_MIN_PADDED_ROWS = 16  # one AMX tile of rows
+# float32 weights smaller than this (elements) stay on MKL: oneDNN's per-call cost outweighs the
+# saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
+FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20
+_MIN_PADDED_ROWS = 16  # below it every size is its own bucket
 _warned: set[str] = set()
 
 
@@ -60,11 +64,11 @@ def is_tracing() -> bool:
 
 
 def padded_num_rows(num_rows: int) -> int:
-    """Bucket a batch of ``num_rows`` rows is padded to: 16, then steps of 1/8 of a power of two
-    (17 -> 20, 100 -> 112, 2000 -> 2048), so padding wastes at most 12.5 % of the rows above 16
-    and a run meets at most ~8 distinct sizes per doubling."""
+    """Rows a batch of ``num_rows`` is padded to: itself up to 16, then steps of 1/8 of a power of
+    two (17 -> 20, 100 -> 112, 2000 -> 2048), so padding wastes at most 12.5 % of the rows and a
+    run meets at most 16 + 8 per doubling distinct sizes (oneDNN primitives)."""
     if num_rows <= _MIN_PADDED_ROWS:
-        return _MIN_PADDED_ROWS
+        return num_rows
     step = 1 << max(0, (num_rows - 1).bit_length() - 3)
     return math.ceil(num_rows / step) * step
 
@@ -127,15 +131,22 @@ class PackedWeights:
         )
 
 
-def can_pack(weight: Tensor) -> bool:
-    """Whether ``weight`` is one this module prepacks (bfloat16/float32 on the CPU, no trace)."""
-    return weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" and not is_tracing()
+def can_pack(weight: Tensor, *, num_elements: int | None = None) -> bool:
+    """Whether ``weight`` is one this module prepacks: bfloat16, or float32 with at least
+    ``FLOAT32_MIN_PACKED_ELEMENTS`` elements per matrix (``num_elements``, default the whole
+    weight), on the CPU, no trace running."""
+    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or is_tracing():
+        return False
+    size = weight.numel() if num_elements is None else num_elements
+    return weight.dtype != torch.float32 or size >= FLOAT32_MIN_PACKED_ELEMENTS
 
 
-def serves_packed(weight: Tensor) -> bool:
+def serves_packed(weight: Tensor, *, num_elements: int | None = None) -> bool:
     """Whether a forward may use ``weight``'s pack now: ``can_pack`` and no autograd through it
     (the oneDNN op has no backward; the model runs under ``no_grad``)."""
-    return can_pack(weight) and not (torch.is_grad_enabled() and weight.requires_grad)
+    return can_pack(weight, num_elements=num_elements) and not (
+        torch.is_grad_enabled() and weight.requires_grad
+    )
 
 
 @CustomOp.register("linear")

@@ -38,6 +38,13 @@ def _restore_custom_ops():
     set_custom_ops("all")
 
 
+@pytest.fixture(autouse=True)
+def _pack_small_float32(monkeypatch):
+    """The tests' weights are small; let float32 pack them anyway (the size threshold is a speed
+    policy, tested on its own below; the kernels are what these tests check)."""
+    monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 0)
+
+
 def _linear(dtype, *, bias, seed=0, in_features=48, out_features=40) -> Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -64,12 +71,12 @@ def _assert_equal_to_native(layer: Linear, x: torch.Tensor) -> None:
 
 
 def test_padded_num_rows_hand_worked():
-    got = [padded_num_rows(n) for n in (1, 16, 17, 20, 21, 33, 100, 129, 2000, 2049)]
-    assert got == [16, 16, 20, 20, 24, 40, 112, 160, 2048, 2560]
+    got = [padded_num_rows(n) for n in (1, 7, 16, 17, 20, 21, 33, 100, 129, 2000, 2049)]
+    assert got == [1, 7, 16, 20, 20, 24, 40, 112, 160, 2048, 2560]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [0, 1, 17, 40])
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cpu_path_equals_native(dtype, num_rows, bias):
     layer = _linear(dtype, bias=bias)
@@ -181,3 +188,15 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
 def test_float64_experts_are_not_packed():
     with torch.no_grad():
         assert _experts(torch.float64).packed_weights() == ()
+
+
+@needs_onednn
+def test_small_float32_weights_stay_on_f_linear(monkeypatch):
+    monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 48 * 40 + 1)
+    layer = _linear(torch.float32, bias=False)
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        assert layer.packed_weight() is None
+        assert torch.equal(layer(x), layer.forward_native(x))
+        assert _experts(torch.float32).packed_weights() == ()  # 32 x 24 per expert
+        assert _experts(torch.bfloat16).packed_weights() != ()  # bfloat16 packs any size
