@@ -1,7 +1,8 @@
-"""Benchmark: experts on CPU, grouped GEMM (``forward_cpu``) vs the per-expert loop
-(``forward_native``). Prints times and ratios; speed claims live here, never in tests.
+"""Benchmark: experts on CPU: the per-expert loop (``forward_native``), one grouped GEMM per
+projection (``forward_grouped``) and prepacked oneDNN GEMMs per expert (``forward_cpu``). Prints
+times and ratios; speed claims live here, never in tests.
 
-    python -m moe.bench_experts [--threads 1] [--repeats 20]
+    python -m launch.benchmarks.experts [--threads 1] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ SHAPES = (
     (64, 8, 256, 512, 2),
     (512, 32, 512, 256, 6),
     (32, 32, 512, 256, 6),
+    (80, 8, 1024, 2048, 2),  # the medium checkpoint: a decode batch, a prefill chunk
+    (2048, 8, 1024, 2048, 2),
 )
 
 
@@ -32,7 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print("dtype     tokens experts hidden inter topk   loop ms  grouped ms  loop/grouped")
+    print(
+        "dtype     tokens experts hidden inter topk   loop ms  grouped ms  packed ms  "
+        "loop/packed  grouped/packed"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         for num_tokens, num_experts, hidden, inter, top_k in SHAPES:
             experts = TorchExperts(
@@ -41,8 +47,10 @@ def main(argv: list[str] | None = None) -> None:
                 intermediate_size=inter,
                 dtype=dtype,
             )
-            for p in experts.parameters():
-                p.data.copy_(torch.randn(p.shape, generator=gen) * hidden**-0.5)
+            with torch.no_grad():
+                for p in experts.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * hidden**-0.5)
+            experts.process_weights_after_loading()
             x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
             # half the slots are routed to another EP rank (-1), as with EP=2
             ids = torch.randint(-num_experts, num_experts, (num_tokens, top_k), generator=gen)
@@ -51,10 +59,12 @@ def main(argv: list[str] | None = None) -> None:
             with torch.no_grad():
                 call = (x, ids, weights)
                 loop = mean_seconds(experts.forward_native, *call, repeats=args.repeats)
-                grouped = mean_seconds(experts.forward_cpu, *call, repeats=args.repeats)
+                grouped = mean_seconds(experts.forward_grouped, *call, repeats=args.repeats)
+                packed = mean_seconds(experts.forward_cpu, *call, repeats=args.repeats)
             print(
                 f"{str(dtype)[6:]:9} {num_tokens:6} {num_experts:7} {hidden:6} {inter:5} {top_k:4} "
-                f"{loop * 1e3:9.2f} {grouped * 1e3:11.2f} {loop / grouped:13.2f}"
+                f"{loop * 1e3:9.2f} {grouped * 1e3:11.2f} {packed * 1e3:10.2f} "
+                f"{loop / packed:12.2f} {grouped / packed:15.2f}"
             )
 
 

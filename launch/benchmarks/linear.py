@@ -1,7 +1,8 @@
-"""Benchmark: which CPU kernel serves the model's linear layers fastest. ``F.linear`` in float32
-(MKL sgemm) and bfloat16 (oneDNN, AMX / avx512_bf16 where the CPU has them), and float32 through a
-prepacked oneDNN linear (``torch.utils.mkldnn.to_mkldnn``). Prints times and ratios; the engine
-uses plain ``F.linear`` because the prepacked path measured no faster.
+"""Benchmark: the CPU linear kernels of ``moe.layers.Linear``. Per shape and dtype (float32,
+bfloat16): ``F.linear`` (``forward_native``: MKL sgemm in float32, oneDNN in bfloat16) against
+the prepacked oneDNN weight ``forward_cpu`` serves from (rows padded to a bucket; float32 batches
+above ``FLOAT32_MAX_PACKED_ROWS`` rows stay on ``F.linear``). Prints times and the ratio
+native / cpu (> 1: the CPU path is faster).
 
     python -m launch.benchmarks.linear [--threads 1] [--repeats 10]
 """
@@ -11,16 +12,23 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils import mkldnn as mkldnn_utils
 
 from launch.benchmarks.timing import mean_seconds
+from moe.layers.linear import Linear, packing_unavailable_reason
 
 PROG = "launch.benchmarks.linear"
-# (tokens, in_features, out_features): tiny checkpoint decode, medium checkpoint decode and
-# prefill (hidden 1024, expert intermediate 2048)
-SHAPES = ((80, 64, 512), (80, 1024, 2048), (1024, 1024, 2048))
+# (tokens, in_features, out_features): the medium checkpoint's decode expert rows (20), decode
+# batch (80), prefill expert rows (512) and prefill chunk (2048) at hidden 1024 and expert
+# intermediate 2048 ([w1; w3] is 4096 wide), and its lm_head (32000 wide) at decode
+SHAPES = (
+    (20, 1024, 4096),
+    (80, 1024, 4096),
+    (512, 1024, 4096),
+    (2048, 1024, 4096),
+    (20, 2048, 1024),
+    (512, 2048, 1024),
+    (80, 1024, 32000),
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,28 +38,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(
-        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"mkldnn available {torch.backends.mkldnn.is_available()}"
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, oneDNN packing: "
+        f"{packing_unavailable_reason() or 'available'}"
     )
-    print(
-        f"{'tokens x in x out':20s} {'fp32 ms':>9s} {'bf16 ms':>9s} {'fp32 packed ms':>15s} "
-        f"{'fp32/bf16':>10s} {'fp32/packed':>12s}"
-    )
+    print(f"{'dtype':9s} {'tokens x in x out':20s} {'native ms':>10s} {'cpu ms':>8s} {'ratio':>6s}")
     gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for num_tokens, in_features, out_features in SHAPES:
-            x = torch.randn(num_tokens, in_features, generator=gen)
-            linear = nn.Linear(in_features, out_features, bias=False)
-            packed = mkldnn_utils.to_mkldnn(nn.Sequential(linear))
-            w_bf16, x_bf16 = linear.weight.bfloat16(), x.bfloat16()
-            fp32 = mean_seconds(F.linear, x, linear.weight, repeats=args.repeats)
-            bf16 = mean_seconds(F.linear, x_bf16, w_bf16, repeats=args.repeats)
-            prepacked = mean_seconds(packed, x, repeats=args.repeats)
-            shape = f"{num_tokens} x {in_features} x {out_features}"
-            print(
-                f"{shape:20s} {fp32 * 1e3:9.3f} {bf16 * 1e3:9.3f} {prepacked * 1e3:15.3f} "
-                f"{fp32 / bf16:10.2f} {fp32 / prepacked:12.2f}"
-            )
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            for num_tokens, in_features, out_features in SHAPES:
+                layer = Linear(in_features, out_features, bias=False, dtype=dtype)
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.03)
+                layer.process_weights_after_loading()
+                x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+                native = mean_seconds(layer.forward_native, x, repeats=args.repeats)
+                cpu = mean_seconds(layer.forward_cpu, x, repeats=args.repeats)
+                shape = f"{num_tokens} x {in_features} x {out_features}"
+                print(
+                    f"{str(dtype)[6:]:9s} {shape:20s} {native * 1e3:10.3f} {cpu * 1e3:8.3f} "
+                    f"{native / cpu:6.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,14 @@ H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs ro
 ``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
 batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
 returning UNWEIGHTED outputs (that combine weights);
-``forward_cpu`` sorts the pairs by expert once and runs each projection as ONE grouped GEMM over
-the per-expert row groups (``torch._grouped_mm``, which torch >= 2.8 provides on CPU); where torch
-lacks it, it is the reference loop. ``python -m moe.bench_experts`` measures both.
+``forward_cpu`` sorts the pairs by expert once; in bfloat16 and float32 it then runs, per local
+expert, gate and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and
+down on a prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``,
+re-packed if a weight changes, rows padded to buckets so oneDNN reuses its primitives); where
+oneDNN cannot pack, each projection is ONE grouped GEMM over the per-expert row groups
+(``torch._grouped_mm``, torch >= 2.8 on CPU); otherwise (float64, older torch) the reference loop.
+``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the expert
+weights (the originals stay for ``forward_native`` and ``apply_batched``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from moe.layers.activation import swiglu
+from moe.layers.linear import (
+    PackedWeights,
+    can_pack,
+    onednn_linear,
+    onednn_pack,
+    serves_packed,
+)
 from moe.platforms.custom_op import CustomOp
 
 # Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
@@ -67,6 +79,36 @@ class TorchExperts(CustomOp):
         self.w1 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
         self.w3 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
+        self._packs: PackedWeights | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or
+        float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM)."""
+        self._packs = None
+        sources = (self.w1, self.w2, self.w3)
+        per_expert = self.hidden_size * self.intermediate_size
+        if not all(can_pack(w, num_elements=per_expert) for w in sources):
+            return
+        packed: list[Tensor] = []
+        for expert in range(self.num_local_experts):  # start-up only
+            gate_up = onednn_pack(torch.cat([self.w1[expert], self.w3[expert]]))
+            down = onednn_pack(self.w2[expert])
+            if gate_up is None or down is None:
+                packed = []
+                break
+            packed += [gate_up, down]
+        self._packs = PackedWeights.of(sources, tuple(packed))
+
+    def packed_weights(self) -> tuple[Tensor, ...]:
+        """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
+        changed; empty where the grouped GEMM runs instead."""
+        sources = (self.w1, self.w2, self.w3)
+        per_expert = self.hidden_size * self.intermediate_size
+        if not all(serves_packed(w, num_elements=per_expert) for w in sources):
+            return ()
+        if self._packs is None or not self._packs.is_current(sources):
+            self.process_weights_after_loading()
+        return () if self._packs is None else self._packs.packed
 
     def apply(  # type: ignore[override]
         self,
@@ -146,7 +188,18 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Grouped GEMM over the per-expert row groups (same math as ``forward_native``)."""
+        """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection over
+        the per-expert row groups (same math as ``forward_native``)."""
+        packs = self.packed_weights()
+        if packs and hidden_states.dtype == self.w1.dtype:
+            return self._forward_packed(hidden_states, topk_ids, topk_weights, packs)
+        return self.forward_grouped(hidden_states, topk_ids, topk_weights)
+
+    def forward_grouped(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> Tensor:
+        """One grouped GEMM per projection over the per-expert row groups (``forward_native``
+        where torch lacks ``_grouped_mm`` or for float64)."""
         if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         self._check(hidden_states, topk_ids, topk_weights)
@@ -163,6 +216,39 @@ class TorchExperts(CustomOp):
         gate = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offsets)
         up = torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offsets)
         y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
+        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
+        out.index_add_(0, token_idx, y)
+        return out
+
+    def _forward_packed(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        packs: tuple[Tensor, ...],
+    ) -> Tensor:
+        """Per local expert: one packed GEMM for gate and up, SwiGLU, one packed GEMM for down;
+        then weighting and one scatter-add (``index_add_``) into the token rows."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out
+        order, counts = self._sorted_pairs(topk_ids)
+        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
+        if pairs.numel() == 0:
+            return out
+        token_idx = pairs // topk_ids.shape[1]
+        x = hidden_states[token_idx]  # [P, H], grouped by expert
+        num_inter = self.intermediate_size
+        outputs, start = [], 0
+        for expert, count in enumerate(counts[1:]):  # a loop over experts, not over tokens
+            if count == 0:
+                continue
+            gate_up = onednn_linear(x[start : start + count], packs[2 * expert])  # [n, 2F]
+            start += count
+            h = swiglu(gate_up[:, :num_inter], gate_up[:, num_inter:])
+            outputs.append(onednn_linear(h, packs[2 * expert + 1]))
+        y = torch.cat(outputs)
         y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
         out.index_add_(0, token_idx, y)
         return out

@@ -1,7 +1,9 @@
-"""Model layers: RMSNorm, rotary embedding, SwiGLU, dense MLP, paged GQA attention, MLA."""
+"""Model layers: linear (prepacked on CPU), RMSNorm, rotary embedding, SwiGLU, dense MLP, paged GQA
+attention, MLA."""
 
 from moe.layers.activation import SiluAndMul, swiglu
 from moe.layers.attention import GQAAttention, PagedAttention, paged_attention, write_kv_cache
+from moe.layers.linear import Linear, process_weights_after_loading
 from moe.layers.mla import MLAAttention, PagedMLACache
 from moe.layers.mlp import DenseMLP
 from moe.layers.norm import RMSNorm
@@ -10,6 +12,7 @@ from moe.layers.rotary import RotaryEmbedding, rotate_half
 __all__ = [
     "DenseMLP",
     "GQAAttention",
+    "Linear",
     "MLAAttention",
     "PagedAttention",
     "PagedMLACache",
@@ -17,6 +20,7 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "paged_attention",
+    "process_weights_after_loading",
     "rotate_half",
     "swiglu",
     "write_kv_cache",

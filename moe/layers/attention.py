@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.layers.batched_attention import batched_paged_attention
+from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
 from moe.platforms.custom_op import CustomOp
@@ -228,10 +229,10 @@ class GQAAttention(nn.Module):
         c = config
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(h, nh * hd, bias=c.qkv_bias, **kw)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
-        self.o_proj = nn.Linear(nh * hd, h, bias=c.o_bias, **kw)
+        self.q_proj = Linear(h, nh * hd, bias=c.qkv_bias, **kw)
+        self.k_proj = Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
+        self.v_proj = Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
+        self.o_proj = Linear(nh * hd, h, bias=c.o_bias, **kw)
         if c.qk_norm:
             self.q_norm = RMSNorm(nh * hd, c.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(nkv * hd, c.rms_norm_eps, **kw)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from moe.layers.attention import iter_request_spans
 from moe.layers.batched_attention import batched_mla_attention
+from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moe.platforms.custom_op import CustomOp
@@ -174,20 +175,16 @@ class MLAAttention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         h, nh = c.hidden_size, self.num_heads
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * qk_head_dim, bias=False, **kw)
+            self.q_proj = Linear(h, nh * qk_head_dim, bias=False, **kw)
         else:
-            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=c.qkv_bias, **kw)
+            self.q_a_proj = Linear(h, c.q_lora_rank, bias=c.qkv_bias, **kw)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, **kw)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, nh * qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            h, c.kv_lora_rank + self.rope_dim, bias=c.qkv_bias, **kw
-        )
+            self.q_b_proj = Linear(c.q_lora_rank, nh * qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = Linear(h, c.kv_lora_rank + self.rope_dim, bias=c.qkv_bias, **kw)
         # transformers builds these two norms with the default eps 1e-6, not rms_norm_eps
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, **kw)
-        self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, nh * (self.nope_dim + self.v_dim), bias=False, **kw
-        )
-        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=c.o_bias, **kw)
+        self.kv_b_proj = Linear(c.kv_lora_rank, nh * (self.nope_dim + self.v_dim), bias=False, **kw)
+        self.o_proj = Linear(nh * self.v_dim, h, bias=c.o_bias, **kw)
         self.rotary_emb = RotaryEmbedding(
             self.rope_dim,
             c.rope_theta,

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.layers.activation import SiluAndMul
+from moe.layers.linear import Linear
 
 
 class DenseMLP(nn.Module):
@@ -24,9 +25,9 @@ class DenseMLP(nn.Module):
     ):
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Tensor) -> Tensor:

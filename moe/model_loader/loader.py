@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from moe.fused_moe.experts import TorchExperts
+from moe.layers.linear import process_weights_after_loading
 from moe.models.config import MoEModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,7 +162,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
 
     Reads ``config.json`` (must describe the same model), then ``model.safetensors.index.json`` +
     shards, or a single ``model.safetensors`` / the ``*.safetensors`` files present. Only the expert
-    tensors this rank owns are read. Tensors are cast to the parameters' dtype.
+    tensors this rank owns are read. Tensors are cast to the parameters' dtype. At the end every
+    module's ``process_weights_after_loading`` runs (CPU weight prepacking).
 
     Returns:
         LoadStats with every tensor name read and every file opened.
@@ -185,6 +187,7 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
                     raise ValueError(f"cannot read tensor {name!r} from {str(file)!r}: {e}") from e
                 target.copy_(tensor)
                 names_read.append(name)
+    process_weights_after_loading(model)
     return LoadStats(tensor_names=tuple(names_read), files=tuple(str(f) for f in by_file))
 
 
@@ -223,7 +226,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
 
     1-D tensors (norm weights) are ones; matrices are N(0, 1/fan_in) with fan_in = shape[-1], drawn
     in float32 on the CPU and cast, so results do not depend on dtype rounding order, device, or
-    the EP layout (experts are named by global id).
+    the EP layout (experts are named by global id). Ends with ``process_weights_after_loading``.
     """
     for name, target in checkpoint_targets(model):
         if target.dim() == 1:
@@ -238,3 +241,4 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             continue
         values = torch.randn(tuple(target.shape), generator=gen, dtype=torch.float32)
         target.copy_(values * scale)
+    process_weights_after_loading(model)

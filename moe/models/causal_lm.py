@@ -11,6 +11,7 @@ from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import Router
+from moe.layers.linear import Linear
 from moe.layers.mlp import DenseMLP
 from moe.models.config import MoEModelConfig
 from moe.models.decoder import MoEModel
@@ -68,7 +69,7 @@ class MoEForCausalLM(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.lm_head = nn.Linear(
+        self.lm_head = Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
         )
         if config.tie_word_embeddings:

@@ -14,6 +14,7 @@ from moe.fused_moe.prepare_finalize import (
     FusedMoEPrepareAndFinalize,
     NoEPPrepareAndFinalize,
 )
+from moe.layers.linear import Linear
 from moe.models.config import MoEModelConfig
 from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moe.models.mixtral import MixtralForCausalLM
@@ -65,7 +66,7 @@ def _no_reset(self: nn.Module) -> None:
     pass
 
 
-_DEFAULT_INIT_MODULES = (nn.Linear, nn.Embedding)
+_DEFAULT_INIT_MODULES = (nn.Linear, Linear, nn.Embedding)
 
 
 def build_model(

@@ -153,7 +153,8 @@ def test_platform_and_general_plugins_found_through_entry_points(tmp_path, monke
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_gemm_experts_equal_the_reference_loop(dtype):
-    """forward_cpu (grouped GEMM) vs forward_native (per-expert loop), with slots routed to other
+    """forward_cpu (packed oneDNN or grouped GEMM) and forward_grouped vs forward_native
+    (per-expert loop), with slots routed to other
     ranks (-1) and experts that receive no token. float32: 1e-6 (same products, other blocking);
     bfloat16: 1 ulp of the output magnitude (~2, so 2**-6) since each path rounds its GEMMs."""
     set_custom_ops("all")
@@ -167,8 +168,10 @@ def test_grouped_gemm_experts_equal_the_reference_loop(dtype):
     assert experts.forward_path == "forward_cpu"
     with torch.no_grad():
         fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
+        grouped = experts.forward_grouped(x, ids, weights)  # bf16 forward_cpu takes the packs
     tol = 1e-6 if dtype == torch.float32 else 2**-6
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(grouped.float(), ref.float(), atol=tol, rtol=tol)
     assert ref[(ids == -1).all(dim=1)].eq(0).all()
     empty = experts(x[:0], ids[:0], weights[:0])
     assert empty.shape == (0, 32)

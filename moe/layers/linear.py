@@ -1,0 +1,228 @@
+"""Linear layers whose CPU path runs on a weight prepacked once by oneDNN (bfloat16, float32).
+
+``Linear`` is ``nn.Linear`` as a ``CustomOp`` (same ``weight`` [out_features, in_features] and
+``bias`` [out_features] parameters, same names, so checkpoints, ``state_dict`` and graph mode see
+no difference). ``forward_native`` is ``F.linear``. ``forward_cpu`` runs
+``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered into oneDNN's blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernels inductor's weight freezing uses;
+AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), where ``F.linear``
+(MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
+thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
+size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0x at 512 and 1.0-1.06x at 2048, so float32
+batches above ``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below
+``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. The rows are zero-padded up
+to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
+oneDNN primitives instead of JIT-compiling new ones (py-spy: 18 % of a bfloat16 run was in oneDNN's
+JIT before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
+one batch size it was packed for. float64 has no oneDNN kernel and stays on ``F.linear``.
+
+The pack is made by ``process_weights_after_loading`` (vLLM's name; the loader calls it after the
+checkpoint is copied in) and re-made on the next CPU call whenever the weight changed since
+(``Tensor._version`` / storage / dtype), so a weight written later is never served stale. While a
+trace runs (``make_fx`` of graph mode, ``torch.compile``) the plain ``F.linear`` is used, so a
+graph never bakes one layer's pack in as a constant. Memory: the pack is a second copy of the
+weight (the original stays for ``forward_native``, graph mode and code that reads ``.weight``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.platforms.custom_op import CustomOp
+
+logger = logging.getLogger(__name__)
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+FLOAT32_MAX_PACKED_ROWS = 1024  # above it MKL's sgemm (F.linear) is as fast or faster
+# float32 weights smaller than this (elements) stay on MKL: oneDNN's per-call cost outweighs the
+# saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
+FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20
+_MIN_PADDED_ROWS = 16  # below it every size is its own bucket
+_warned: set[str] = set()
+
+
+def packing_unavailable_reason() -> str | None:
+    """Why this torch cannot prepack oneDNN linear weights, or None if it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)"
+    ops = torch.ops.mkldnn
+    for name in ("_reorder_linear_weight", "_linear_pointwise"):
+        if not hasattr(ops, name):
+            return f"this torch ({torch.__version__}) has no torch.ops.mkldnn.{name}"
+    return None
+
+
+def is_tracing() -> bool:
+    """Whether a tracer (make_fx, FakeTensorMode, Dynamo) is running: no prepacked kernels then."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def padded_num_rows(num_rows: int) -> int:
+    """Rows a batch of ``num_rows`` is padded to: itself up to 16, then steps of 1/8 of a power of
+    two (17 -> 20, 100 -> 112, 2000 -> 2048), so padding wastes at most 12.5 % of the rows and a
+    run meets at most 16 + 8 per doubling distinct sizes (oneDNN primitives)."""
+    if num_rows <= _MIN_PADDED_ROWS:
+        return num_rows
+    step = 1 << max(0, (num_rows - 1).bit_length() - 3)
+    return math.ceil(num_rows / step) * step
+
+
+def onednn_pack(weight: Tensor) -> Tensor | None:
+    """``weight`` [out_features, in_features] bfloat16 or float32 (CPU) reordered for oneDNN, or None (with
+    a warning logged once per reason) where this torch or CPU cannot."""
+    reason = packing_unavailable_reason()
+    if reason is None:
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        except RuntimeError as e:  # e.g. a CPU oneDNN has no bfloat16 reorder for
+            reason = f"oneDNN could not reorder a {weight.dtype} weight: {e}"
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("linear layers run on F.linear: %s", reason)
+    return None
+
+
+def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x`` [..., in_features] @ packed.T (+ bias) -> [..., out_features], in x's dtype.
+
+    ``packed`` comes from ``onednn_pack``; rows are zero-padded to ``padded_num_rows`` (padding
+    rows are computed and dropped)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    num_rows = x2d.shape[0]
+    if num_rows == 0:
+        return x.new_zeros((*lead, packed.shape[0]))
+    num_padded = padded_num_rows(num_rows)
+    if num_padded != num_rows:
+        padded = x2d.new_zeros((num_padded, x2d.shape[1]))
+        padded[:num_rows] = x2d
+        x2d = padded
+    out = torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
+    return out[:num_rows].view(*lead, out.shape[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeights:
+    """Packs of some source tensors, valid while every source is unchanged; ``packed`` is empty
+    where packing failed (the plain path runs until a source changes)."""
+
+    sources: tuple[Tensor, ...]
+    stamps: tuple[tuple[int, int, torch.dtype], ...]
+    packed: tuple[Tensor, ...]
+
+    @classmethod
+    def of(cls, sources: tuple[Tensor, ...], packed: tuple[Tensor, ...]) -> PackedWeights:
+        return cls(sources=sources, stamps=tuple(cls.stamp(t) for t in sources), packed=packed)
+
+    @staticmethod
+    def stamp(t: Tensor) -> tuple[int, int, torch.dtype]:
+        return (t._version, t.data_ptr(), t.dtype)
+
+    def is_current(self, sources: tuple[Tensor, ...]) -> bool:
+        return len(sources) == len(self.sources) and all(
+            s is o and self.stamp(s) == st
+            for s, o, st in zip(sources, self.sources, self.stamps, strict=True)
+        )
+
+
+def can_pack(weight: Tensor, *, num_elements: int | None = None) -> bool:
+    """Whether ``weight`` is one this module prepacks: bfloat16, or float32 with at least
+    ``FLOAT32_MIN_PACKED_ELEMENTS`` elements per matrix (``num_elements``, default the whole
+    weight), on the CPU, no trace running."""
+    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or is_tracing():
+        return False
+    size = weight.numel() if num_elements is None else num_elements
+    return weight.dtype != torch.float32 or size >= FLOAT32_MIN_PACKED_ELEMENTS
+
+
+def serves_packed(weight: Tensor, *, num_elements: int | None = None) -> bool:
+    """Whether a forward may use ``weight``'s pack now: ``can_pack`` and no autograd through it
+    (the oneDNN op has no backward; the model runs under ``no_grad``)."""
+    return can_pack(weight, num_elements=num_elements) and not (
+        torch.is_grad_enabled() and weight.requires_grad
+    )
+
+
+@CustomOp.register("linear")
+class Linear(CustomOp):
+    """``nn.Linear`` (y = x W^T + b) with a prepacked oneDNN weight on CPU (see module docstring).
+
+    Args:
+        in_features, out_features: W is [out_features, in_features].
+        bias: whether to add a bias [out_features].
+
+    forward: x [..., in_features] -> [..., out_features], x's dtype (that of the weight).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        kw = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self._packs: PackedWeights | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init (looked up at call time, so ``skip_default_init`` skips it)."""
+        nn.Linear.reset_parameters(self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight now (bfloat16 on CPU with oneDNN; otherwise drop any pack)."""
+        self._packs = None
+        if can_pack(self.weight):
+            packed = onednn_pack(self.weight)
+            self._packs = PackedWeights.of((self.weight,), () if packed is None else (packed,))
+
+    def packed_weight(self) -> Tensor | None:
+        """The current pack, re-made if the weight changed; None where the plain path runs."""
+        if not serves_packed(self.weight):
+            return None
+        packs = self._packs
+        if packs is None or not packs.is_current((self.weight,)):
+            self.process_weights_after_loading()
+            packs = self._packs
+        return packs.packed[0] if packs is not None and packs.packed else None
+
+    def forward_native(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: Tensor) -> Tensor:
+        packed = self.packed_weight()
+        if (
+            packed is None
+            or x.dtype != self.weight.dtype
+            or (x.dtype == torch.float32 and x.numel() > FLOAT32_MAX_PACKED_ROWS * x.shape[-1])
+        ):
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(x, packed, self.bias)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Call ``process_weights_after_loading()`` on every module of ``model`` that has it (after
+    the checkpoint or random weights are in place; vLLM's loader does the same)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()

@@ -1,0 +1,202 @@
+"""Linear (prepacked oneDNN weight on CPU) and the experts' prepacked bfloat16 path, against their
+forward_native references.
+
+Tolerances: float64 runs ``F.linear`` on both paths (bit-identical). float32: both paths sum K
+products in float32 in different orders; each is within the classic dot-product bound
+K * 2**-24 * sum_k |x_k w_k| of the exact value (Higham, gamma_K), so they differ by at most twice
+that. bfloat16: both paths accumulate in float32 (far below a bf16 ulp) and round each output
+once to bfloat16, so an output can differ by one bf16 ulp: 2**-7 of its magnitude (8 significant
+bits); the bound is 2**-7 of the largest |output| (experts: the existing 2**-6 for bf16 and 1e-6
+for float32, ``tests/moe/test_custom_op.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from moe import TorchExperts, set_custom_ops
+from moe.layers import linear as linear_mod
+from moe.layers.linear import Linear, padded_num_rows, process_weights_after_loading
+
+BF16_LINEAR_REL = 2**-7
+BF16_EXPERTS_TOL = 2**-6
+FLOAT32_EXPERTS_TOL = 1e-6
+needs_onednn = pytest.mark.skipif(
+    linear_mod.packing_unavailable_reason() is not None,
+    reason=f"no oneDNN packing: {linear_mod.packing_unavailable_reason()}",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_custom_ops():
+    yield
+    set_custom_ops("all")
+
+
+@pytest.fixture(autouse=True)
+def _pack_small_float32(monkeypatch):
+    """The tests' weights are small; let float32 pack them anyway (the size threshold is a speed
+    policy, tested on its own below; the kernels are what these tests check)."""
+    monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 0)
+
+
+def _linear(dtype, *, bias, seed=0, in_features=48, out_features=40) -> Linear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    process_weights_after_loading(layer)
+    return layer
+
+
+def _assert_equal_to_native(layer: Linear, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        fast, ref = layer(x), layer.forward_native(x)
+    assert fast.shape == ref.shape and fast.dtype == ref.dtype
+    if x.dtype == torch.bfloat16:
+        atol = BF16_LINEAR_REL * float(ref.abs().max()) if ref.numel() else 0.0
+        torch.testing.assert_close(fast.float(), ref.float(), rtol=0, atol=atol)
+    elif x.dtype == torch.float32:
+        abs_sum = x.double().abs() @ layer.weight.double().abs().T  # sum_k |x_k w_k|
+        bound = 2 * layer.in_features * 2**-24 * abs_sum
+        assert ((fast.double() - ref.double()).abs() <= bound).all()
+    else:
+        assert torch.equal(fast, ref)
+
+
+def test_padded_num_rows_hand_worked():
+    got = [padded_num_rows(n) for n in (1, 7, 16, 17, 20, 21, 33, 100, 129, 2000, 2049)]
+    assert got == [1, 7, 16, 20, 20, 24, 40, 112, 160, 2048, 2560]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cpu_path_equals_native(dtype, num_rows, bias):
+    layer = _linear(dtype, bias=bias)
+    assert layer.forward_path == "forward_cpu"
+    x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    _assert_equal_to_native(layer, x)
+    _assert_equal_to_native(layer, x.reshape(1, num_rows, 48))  # leading dims kept
+    with torch.no_grad():
+        is_packed = layer.packed_weight() is not None
+    expect = dtype != torch.float64 and linear_mod.packing_unavailable_reason() is None
+    assert is_packed == expect
+
+
+def test_float32_batches_above_the_threshold_take_f_linear():
+    layer = _linear(torch.float32, bias=True)
+    x = torch.randn(linear_mod.FLOAT32_MAX_PACKED_ROWS + 1, 48)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer.forward_native(x))
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_repacks_weights_written_after_packing(dtype):
+    layer = _linear(dtype, bias=True)
+    x = torch.randn(17, 48).to(dtype)
+    with torch.no_grad():
+        before = layer(x)
+        old_pack = layer.packed_weight()
+        layer.weight.copy_(torch.randn(40, 48) * 0.3)  # a checkpoint re-loaded in place
+        layer.bias.copy_(torch.randn(40))
+    _assert_equal_to_native(layer, x)
+    with torch.no_grad():
+        assert layer.packed_weight() is not old_pack
+        assert not torch.equal(layer(x), before)
+
+
+def test_custom_ops_none_runs_f_linear():
+    set_custom_ops("none")
+    layer = _linear(torch.bfloat16, bias=False)
+    assert layer.forward_path == "forward_native"
+    x = torch.randn(5, 48).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+@needs_onednn
+def test_traced_linear_uses_the_weight_it_is_given():
+    """Graph mode traces a piece once and calls the graph with each layer's weights: the trace
+    must hold F.linear on its weight input, never one layer's pack as a constant."""
+    layer = _linear(torch.bfloat16, bias=False)
+    other = torch.randn(40, 48).bfloat16()
+    x = torch.randn(3, 48).bfloat16()
+
+    def fn(weight, inputs):
+        return torch.func.functional_call(layer, {"weight": weight}, (inputs,))
+
+    with torch.no_grad():
+        graph = make_fx(fn)(layer.weight, x)
+        assert "mkldnn" not in str(graph.code)
+        assert torch.equal(graph(other, x), F.linear(x, other))
+
+
+def test_linear_falls_back_with_a_logged_reason(monkeypatch, caplog):
+    reason = "this torch has no torch.ops.mkldnn._linear_pointwise (test)"
+    monkeypatch.setattr(linear_mod, "packing_unavailable_reason", lambda: reason)
+    with caplog.at_level(logging.WARNING, logger="moe.layers.linear"):
+        layer = _linear(torch.bfloat16, bias=True)
+    assert reason in caplog.text
+    x = torch.randn(17, 48).bfloat16()
+    with torch.no_grad():
+        assert layer.packed_weight() is None
+        assert torch.equal(layer(x), layer.forward_native(x))
+
+
+def test_linear_keeps_nn_linear_names_and_default_init():
+    layer = Linear(8, 4, bias=True)
+    assert dict(layer.named_parameters()).keys() == {"weight", "bias"}
+    assert layer.weight.abs().max() <= 8**-0.5  # kaiming_uniform(a=sqrt(5)) bound 1/sqrt(fan_in)
+
+
+def _experts(dtype, seed=0) -> TorchExperts:
+    gen = torch.Generator().manual_seed(seed)
+    experts = TorchExperts(num_local_experts=6, hidden_size=32, intermediate_size=24, dtype=dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    process_weights_after_loading(experts)
+    return experts
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 17, 40])
+def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
+    experts = _experts(dtype)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(-1, 4, (num_tokens, 2), generator=gen)  # experts 4, 5 get nothing
+    weights = torch.rand(num_tokens, 2, generator=gen)
+    x = torch.randn(num_tokens, 32, generator=gen).to(dtype)
+    tol = BF16_EXPERTS_TOL if dtype == torch.bfloat16 else FLOAT32_EXPERTS_TOL
+    with torch.no_grad():
+        assert len(experts.packed_weights()) == 2 * 6
+        for _ in range(2):  # before and after the weights are re-loaded in place
+            fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
+            torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+            experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+
+
+def test_float64_experts_are_not_packed():
+    with torch.no_grad():
+        assert _experts(torch.float64).packed_weights() == ()
+
+
+@needs_onednn
+def test_small_float32_weights_stay_on_f_linear(monkeypatch):
+    monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 48 * 40 + 1)
+    layer = _linear(torch.float32, bias=False)
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        assert layer.packed_weight() is None
+        assert torch.equal(layer(x), layer.forward_native(x))
+        assert _experts(torch.float32).packed_weights() == ()  # 32 x 24 per expert
+        assert _experts(torch.bfloat16).packed_weights() != ()  # bfloat16 packs any size
