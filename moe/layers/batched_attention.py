@@ -179,9 +179,7 @@ def gather_context(cache: Tensor, chunk: PaddedRequests) -> Tensor:
     return gathered.view(chunk.num_reqs, -1, *cache.shape[2:])[:, : chunk.max_seq_len]
 
 
-def _gqa_masks(
-    chunks: list[PaddedRequests], group_size: int, dtype: torch.dtype
-) -> list[Tensor]:
+def _gqa_masks(chunks: list[PaddedRequests], group_size: int, dtype: torch.dtype) -> list[Tensor]:
     """Per chunk the additive mask ``[R, 1, group_size * Q, S]`` in ``dtype`` (0 = attend,
     -inf = masked): what SDPA makes of a bool mask (``convert_boolean_attn_mask``), built once
     per (u)batch instead of in every layer."""

@@ -244,9 +244,7 @@ def test_padding_plan_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     native = make_gqa(8, 2)
-    torch.testing.assert_close(
-        outs[0], native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
-    )
+    torch.testing.assert_close(outs[0], native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12)
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
     for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True):
         for layer in layers:
