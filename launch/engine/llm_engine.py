@@ -26,6 +26,7 @@ from launch.engine.kv_cache_sizing import size_kv_cache
 from launch.engine.model_runner import ModelRunner
 from launch.engine.request import Request
 from launch.engine.scheduler import Scheduler
+from launch.engine.startup import freeze_gc_heap
 from moe import (
     MoEModelConfig,
     build_model,
@@ -199,6 +200,7 @@ class LLMEngine:
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+        freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
 
     def all2all_summary(self) -> str:
         """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed
