@@ -212,10 +212,9 @@ def run_batch(engine, spec: BatchSpec, ns, args, vocab_size: int, progress) -> l
     return kept
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def resolve_run(ns, rank: int, world_size: int):
+    """Check the command line before any work starts; the engine args and the model to build.
+    Exits with one line naming the bad value (``fail``)."""
     try:
         specs = parse_batches(ns.batches)
         arms = parse_arms(ns.arms)
@@ -231,9 +230,45 @@ def main(argv: list[str] | None = None) -> int:
         args.check_world_size(world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
-        model = resolve_bench_model(args, model_overrides(ns))
+        return specs, arms, args, resolve_bench_model(args, model_overrides(ns))
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
+
+
+def run_all_batches(engine, specs, arms, ns, args, model, rank: int) -> list[list[dict]]:
+    """Every batch shape in turn, with a progress bar on rank 0; per shape, this rank's steps."""
+    from tqdm import tqdm
+
+    total = len(specs) * len(arms) * (ns.warmup + ns.reps)
+    per_spec = []
+    with tqdm(total=total, desc=PROG, disable=rank != 0, file=sys.stderr) as progress:
+        for spec in specs:
+            progress.set_postfix_str(spec.label)
+            per_spec.append(run_batch(engine, spec, ns, args, model.config.vocab_size, progress))
+    return per_spec
+
+
+def report(everyone: list, specs, ns, args, model, all2all: str) -> None:
+    """Rank 0: one record per batch shape from every rank's steps; the table and the JSON file."""
+    records = [
+        make_record(
+            spec,
+            [steps[i] for steps, _ in everyone],
+            span_cost_ns=statistics.median(c for _, c in everyone),
+            meta={**run_meta(ns, args, model), "all2all": all2all},
+        )
+        for i, spec in enumerate(specs)
+    ]
+    print(format_table(records), flush=True)
+    if ns.output:
+        write_records(records, ns.output)
+        print(f"{PROG}: wrote {ns.output}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    specs, arms, args, model = resolve_run(ns, rank, int(os.environ.get("WORLD_SIZE", "1")))
 
     import torch
     import torch.distributed as dist
@@ -255,33 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         if groups.rank == 0:
             print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         engine.start_timeline()
-        from tqdm import tqdm
-
-        total = len(specs) * len(arms) * (ns.warmup + ns.reps)
-        with tqdm(total=total, desc=PROG, disable=groups.rank != 0, file=sys.stderr) as progress:
-            per_spec = []
-            for spec in specs:
-                progress.set_postfix_str(spec.label)
-                per_spec.append(
-                    run_batch(engine, spec, ns, args, model.config.vocab_size, progress)
-                )
+        per_spec = run_all_batches(engine, specs, arms, ns, args, model, groups.rank)
         engine.write_timeline()
         everyone: list = [None] * groups.world_size
         dist.all_gather_object(everyone, (per_spec, cost_ns))  # blocking collective (timeout)
         if groups.rank == 0:
-            records = [
-                make_record(
-                    spec,
-                    [steps[i] for steps, _ in everyone],
-                    span_cost_ns=statistics.median(c for _, c in everyone),
-                    meta={**run_meta(ns, args, model), "all2all": engine.all2all_summary()},
-                )
-                for i, spec in enumerate(specs)
-            ]
-            print(format_table(records), flush=True)
-            if ns.output:
-                write_records(records, ns.output)
-                print(f"{PROG}: wrote {ns.output}", flush=True)
+            report(everyone, specs, ns, args, model, engine.all2all_summary())
         if args.timeline_dir:
             dist.barrier(group=groups.dp_group)  # every rank's file is written before merging
             if groups.rank == 0:

@@ -78,6 +78,20 @@ def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
     return {"tokens_per_s": statistics.median(values), "runs": values, "tokens": tokens}
 
 
+def earlier_vllm_result(ns, name: str, dtype: str, key: str, tag: str) -> dict | None:
+    """vLLM's result for (checkpoint, dtype, arm) from an earlier run's ``table.json``
+    (``--vllm-results``), with its tokens from the ``{tag}.json`` beside it; None if absent."""
+    for table in ns.vllm_results:
+        for row in json.loads(Path(table).read_text()):
+            if row["checkpoint"] == name and row["dtype"] == dtype and key in row:
+                result = dict(row[key])
+                tokens = Path(table).parent / f"{tag}.json"
+                if "tokens_per_s" in result and tokens.exists():
+                    result["tokens"] = json.loads(tokens.read_text())
+                return {**result, "from": str(table)}
+    return None
+
+
 def run_vllm(ns, model, prompts, dtype, *, threads, compile_, tag) -> dict:
     out = ns.out_dir / f"{tag}.json"
     cmd = ["taskset", "-c", threads.replace("-", ","), ns.vllm_python, ns.vllm_runner, "--model",
@@ -107,6 +121,14 @@ def _same(a: dict, b: dict) -> str:
     )
 
 
+# (table key, file suffix, CPUs, torch.compile) of the three vLLM runs per checkpoint and dtype
+VLLM_ARMS = (
+    ("vllm_eager", "eager", "0", False),
+    ("vllm_compiled", "compiled", "0", True),
+    ("vllm_2threads", "2t", "0-1", False),
+)
+
+
 def table_rows(ns) -> list[dict]:
     rows = []
     for spec in ns.checkpoint:
@@ -115,20 +137,25 @@ def table_rows(ns) -> list[dict]:
         for dtype in ns.dtypes:
             tag = f"{name}_{dtype}"
             r = {"checkpoint": name, "dtype": dtype}
-            r["vllm_eager"] = run_vllm(
-                ns, model, prompts, dtype, threads="0", compile_=False, tag=f"{tag}_vllm_eager"
-            )
-            r["vllm_compiled"] = run_vllm(
-                ns, model, prompts, dtype, threads="0", compile_=True, tag=f"{tag}_vllm_compiled"
-            )
+            vllm = {
+                key: earlier_vllm_result(ns, name, dtype, key, f"{tag}_vllm_{suffix}")
+                or run_vllm(
+                    ns,
+                    model,
+                    prompts,
+                    dtype,
+                    threads=threads,
+                    compile_=compile_,
+                    tag=f"{tag}_vllm_{suffix}",
+                )  # fmt: skip
+                for key, suffix, threads, compile_ in VLLM_ARMS
+            }
+            r.update(vllm)
             r["ours_eager"] = run_ours(
                 ns, model, prompts, dtype, ranks=1, eager=True, tag=f"{tag}_ours_eager"
             )
             r["ours_graph"] = run_ours(
                 ns, model, prompts, dtype, ranks=1, eager=False, tag=f"{tag}_ours_graph"
-            )
-            r["vllm_2threads"] = run_vllm(
-                ns, model, prompts, dtype, threads="0-1", compile_=False, tag=f"{tag}_vllm_2t"
             )
             r["ours_2ranks_eager"] = run_ours(
                 ns, model, prompts, dtype, ranks=2, eager=True, tag=f"{tag}_ours_2r_eager"
@@ -171,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", required=True)
     p.add_argument("--vllm-runner", required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument(
+        "--vllm-results",
+        nargs="*",
+        default=[],
+        metavar="TABLE_JSON",
+        help="take vLLM's numbers (and tokens, from the files beside it) from an earlier run's "
+        "table.json instead of running vLLM again; rows not found there are run",
+    )
     ns = p.parse_args(argv)
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     print(HEADER, flush=True)
