@@ -9,7 +9,7 @@ The rule (everything below is a pure function of data every DP rank holds identi
   DP))``, so a bucket covers ``[2**b, 2**(b+1))`` tokens per rank.
 - **Samples.** A step's time is the slowest DP rank's time from the end of the DP vote to the end
   of the forward (the ranks run in lockstep, so the slowest one is the step). Each rank writes its
-  own time of the previous step into its row of the DP vote, and the vote's all-reduce hands every
+  own time of the previous step into its row of the DP vote, and the vote's all-gather hands every
   rank the same column: no extra collective, and the max is the same on every rank.
 - **Explore.** A new bucket runs ``num_explore_steps`` steps with each arm (microbatching off and
   on), in the order off, on, on, off, off, on, ... (slow drift weighs on both arms alike).

@@ -6,10 +6,14 @@ but not the reverse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def _check_tensor(name: str, tensor: Tensor, *, ndim: int, dtype: torch.dtype) -> None:
@@ -43,6 +47,10 @@ class CommonAttentionMetadata:
         max_query_len: ``max(query_start_loc[1:] - query_start_loc[:-1])`` (0 without requests).
         max_seq_len: ``max(seq_lens)`` (0 without requests).
 
+    Derived values (``derived``): what every layer computes from this metadata alone (the batched
+    attention's padding plan, the KV write slots) is built by the first layer and reused by the
+    others, once per (u)batch: each ubatch has its own metadata object and so its own cache.
+
     Raises:
         ValueError: in ``__post_init__`` on a wrong shape or dtype, or (for CPU tensors, where
             checking costs no host-device sync) inconsistent values.
@@ -57,6 +65,24 @@ class CommonAttentionMetadata:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    # key -> value built from the fields above (see ``derived``); not an init field, so every
+    # metadata object, each ubatch's slice included, starts with an empty one
+    _derived: dict[Hashable, Any] = field(
+        init=False, default_factory=dict, repr=False, compare=False
+    )
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, computed once per metadata object and cached under ``key``.
+
+        ``build`` must depend only on this metadata's fields and on what ``key`` names (e.g. the
+        block size and device), so every layer of the step may share its result. The metadata's
+        tensors must not be changed after the first call (the engine builds them per step).
+        """
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = build()
+            return value
 
     def __post_init__(self) -> None:
         if self.num_reqs < 0:

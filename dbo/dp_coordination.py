@@ -5,7 +5,7 @@ collective over all EP ranks and every rank must hit the same yield points. Then
 the largest token count, and if that padding would leave some rank's second ubatch without a real
 token, nobody microbatches (vLLM's ``is_second_ubatch_empty``).
 
-With the adaptive policy (``dbo.adaptive_policy``) the same all-reduce also carries each rank's
+With the adaptive policy (``dbo.adaptive_policy``) the same all-gather also carries each rank's
 batch kind, whether it could microbatch at all, and its measured time of the previous step; every
 rank then feeds the identical combined table to its own copy of the policy, so all ranks choose
 alike without another collective.
@@ -170,8 +170,10 @@ def coordinate_batch_across_dp(
 ) -> DPMicrobatchDecision:
     """Exchange every DP rank's row (see ``decide_from_gathered``) and decide.
 
-    One ``all_reduce`` of a ``[dp_size, 6]`` int64 table over ``dp_group`` (each rank fills its own
-    row; on an NCCL group the table lives on the current CUDA device). ``dp_size == 1`` skips
+    One all-gather of every rank's row into a ``[dp_size, 6]`` int64 table over ``dp_group``, done
+    as an ``all_to_all_single`` (each rank sends its row to every rank): gloo's cheapest collective
+    here, 172 us against 440-600 us for the ``all_reduce`` of the zero-filled table it replaces
+    (2 ranks, 2 cores). On an NCCL group the table lives on the current CUDA device. ``dp_size == 1`` skips
     communication. Every rank gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``)
     says whether this rank could microbatch at all, for the adaptive policy; ``prev_step_us`` is
     this rank's measured time of its previous step (0: none).
@@ -205,6 +207,9 @@ def coordinate_batch_across_dp(
         group_size = dist.get_world_size(dp_group)
         if group_size != dp_size:
             raise ValueError(f"dp_group has {group_size} ranks, expected dp_size={dp_size}")
-        rows = rows.to(_collective_device(dp_group))
-        dist.all_reduce(rows, group=dp_group)  # blocking wait (timeout: the group's timeout)
+        device = _collective_device(dp_group)
+        mine = rows[dp_rank].to(device).expand(dp_size, NUM_VOTE_COLUMNS).contiguous()
+        rows = torch.empty(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64, device=device)
+        # blocking wait (timeout: the group's timeout); row r of the result is rank r's row
+        dist.all_to_all_single(rows, mine, group=dp_group)
     return decide_from_gathered(rows, dp_rank, policy=policy, adaptive_kinds=adaptive_kinds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -65,7 +66,9 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_gpu_blocks_override: int | None = None  # KV cache blocks per rank (default: no preemption)
+    num_gpu_blocks_override: int | None = None  # KV cache blocks per rank (wins over the budget)
+    # KV cache budget per rank in bytes (default: launch.engine.kv_cache_sizing's)
+    kv_cache_memory_bytes: int | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -115,6 +118,10 @@ class EngineArgs:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
@@ -199,6 +206,34 @@ def graph_mode_by_default() -> bool:
     return os.environ.get("MOE_DBO_GRAPH_MODE", "0") == "1"
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """argparse type of ``--kv-cache-memory-bytes`` (vLLM's ``human_readable_int``): an integer,
+    or a number with a decimal (``k m g t``: 10**3 ...) or binary (``K M G T``: 2**10 ...) suffix;
+    decimals only with decimal suffixes (``1.5g``).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse reports it as one line).
+    """
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    try:
+        if match is None:
+            return int(value)
+        number, suffix = match.groups()
+        if suffix in _DECIMAL_SUFFIXES:
+            return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, optionally with a suffix k/m/g/t (10**3...) or K/M/G/T "
+            f"(2**10..., no decimals), got {text!r}"
+        ) from None
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage dump) and exit with status 2."""
 
@@ -238,8 +273,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-gpu-blocks-override",
         type=int,
         default=None,
-        help="KV cache blocks per rank (default: max-num-seqs full-length requests); fewer "
-        "blocks make the scheduler preempt and recompute requests",
+        help="KV cache blocks per rank (wins over --kv-cache-memory-bytes); fewer blocks make "
+        "the scheduler preempt and recompute requests",
+    )
+    add(
+        "--kv-cache-memory-bytes",
+        type=human_readable_int,
+        default=None,
+        metavar="BYTES",
+        help="KV cache budget per rank, e.g. 4G (2**30), 500m (10**6) or bytes (default: "
+        "VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB; never more than --max-num-seqs "
+        "full-length requests use; it must hold one --max-model-len request)",
     )
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
     add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
+from launch.engine.kv_cache_sizing import size_kv_cache
 from launch.engine.model_runner import ModelRunner
 from launch.engine.request import Request
 from launch.engine.scheduler import Scheduler
+from launch.engine.startup import freeze_gc_heap
 from moe import (
     MoEModelConfig,
     build_model,
@@ -91,6 +94,7 @@ class MemoryStats:
     kv_cache_bytes: int
     kv_bytes_per_token: int
     num_kv_slots: int
+    block_size: int
 
     def summary(self) -> str:
         mib = 1 << 20
@@ -98,7 +102,8 @@ class MemoryStats:
         parts = ", ".join(f"{k} {v / mib:.2f}" for k, v in p.items() if v)
         return (
             f"params {sum(p.values()) / mib:.2f} MiB per rank ({parts}); "
-            f"KV cache {self.kv_cache_bytes / mib:.2f} MiB for {self.num_kv_slots} tokens, "
+            f"KV cache {self.kv_cache_bytes / mib:.2f} MiB for {self.num_kv_slots} tokens "
+            f"({self.num_kv_slots // self.block_size} blocks), "
             f"{self.kv_bytes_per_token} B/token"
         )
 
@@ -148,16 +153,24 @@ class LLMEngine:
             all2all_backend=backend,
             dtype=dtype,
         )
+        block_size = engine_args.block_size
+        self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
+        # before the checkpoint load: a budget too small for one request fails in seconds
+        self.kv_cache_sizing = size_kv_cache(
+            bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
+            block_size=block_size,
+            max_model_len=model.max_model_len,
+            max_num_seqs=engine_args.max_num_seqs,
+            num_gpu_blocks_override=engine_args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=engine_args.kv_cache_memory_bytes,
+        )
+        if groups.rank == 0:
+            print(f"moe-dbo: {self.kv_cache_sizing.summary()}", file=sys.stderr, flush=True)
         if model.checkpoint_dir is None:
             init_random_weights(self.model, seed=engine_args.seed)
         else:
             load_checkpoint(self.model, model.checkpoint_dir)
-        block_size = engine_args.block_size
-        self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
-        num_blocks = (
-            engine_args.num_gpu_blocks_override
-            or engine_args.max_num_seqs * self.max_num_blocks_per_req
-        )
+        num_blocks = self.kv_cache_sizing.num_blocks
         kv_caches = self.model.allocate_kv_caches(
             num_blocks=num_blocks, block_size=block_size, dtype=dtype
         )
@@ -166,6 +179,7 @@ class LLMEngine:
             kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
             kv_bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
             num_kv_slots=num_blocks * block_size,
+            block_size=block_size,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
         self.scheduler = Scheduler(
@@ -186,6 +200,7 @@ class LLMEngine:
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+        freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
 
     def all2all_summary(self) -> str:
         """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed

@@ -230,7 +230,7 @@ class ModelRunner:
         )
 
     def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
-        """This rank's vote and previous step time, all-reduced over DP, and the decision (the
+        """This rank's vote and previous step time, all-gathered over DP, and the decision (the
         adaptive policy's for ``auto`` kinds)."""
         num_tokens = scheduler_output.num_tokens
         has_work = num_tokens > 0
@@ -338,5 +338,5 @@ def _naming_dp_vote_errors(groups):
     try:
         yield
     except RuntimeError as exc:
-        op = "the DP vote (all_reduce over the DP group)"
+        op = "the DP vote (all_to_all over the DP group)"
         raise comm_error(op, groups.rank, groups.timeout, exc) from exc

@@ -44,6 +44,42 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
     flat[1, slots] = value[valid].to(kv_cache.dtype)
 
 
+def kv_write_slots(
+    attn_metadata: CommonAttentionMetadata, device: torch.device
+) -> tuple[Tensor | None, Tensor]:
+    """(rows, slots) of this (u)batch's KV write: ``slots`` [n] int64 cache slots of the real rows
+    that have one, ``rows`` [n] int64 their indices among the first ``num_actual_tokens`` rows, or
+    None when every real row has a slot (the engine's case). Built once per (u)batch
+    (``attn_metadata.derived``) and shared by every layer."""
+
+    def build() -> tuple[Tensor | None, Tensor]:
+        slot_mapping = attn_metadata.slot_mapping[: attn_metadata.num_actual_tokens].to(device)
+        valid = slot_mapping >= 0
+        if bool(valid.all()):  # host sync, once per (u)batch (free for CPU metadata)
+            return None, slot_mapping.long()
+        rows = valid.nonzero().flatten()
+        return rows, slot_mapping[rows].long()
+
+    return attn_metadata.derived(("kv_write_slots", device), build)
+
+
+def write_kv_cache_planned(
+    key: Tensor, value: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata
+) -> None:
+    """``write_kv_cache`` of the real rows of key/value [num_tokens, num_kv_heads, head_dim] at
+    ``attn_metadata.slot_mapping``, with the slots computed once per (u)batch."""
+    rows, slots = kv_write_slots(attn_metadata, kv_cache.device)
+    if slots.numel() == 0:
+        return
+    num_actual = attn_metadata.num_actual_tokens
+    key, value = key[:num_actual], value[:num_actual]
+    if rows is not None:
+        key, value = key[rows], value[rows]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, hd]
+    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
 @dataclass(frozen=True, slots=True)
 class RequestSpan:
     """One request's share of a step, as the per-request attention loops need it."""
@@ -199,10 +235,7 @@ class PagedAttention(CustomOp):
         self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
         q, k, v = self._heads(query, key, value)
-        num_actual = attn_metadata.num_actual_tokens
-        write_kv_cache(
-            k[:num_actual], v[:num_actual], self.kv_cache, attn_metadata.slot_mapping[:num_actual]
-        )
+        write_kv_cache_planned(k, v, self.kv_cache, attn_metadata)
         out = batched_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 

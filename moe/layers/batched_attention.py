@@ -16,8 +16,11 @@ Padded query rows (``i >= query_lens[r]``) always see key 0, so no softmax row i
 results are dropped. Masked key slots get weight exactly 0, which relies on every cache slot being
 finite: the engine allocates caches zeroed and writes only finite K/V.
 
+The padding plan (chunks, index tensors, masks) depends only on the (u)batch's metadata, so the
+first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
+
 Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
-``[num_reqs]`` tensors); free for the CPU metadata the engine builds, one sync per layer on a GPU.
+``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
 """
 
 from __future__ import annotations
@@ -146,11 +149,48 @@ def pad_request_chunks(
     return chunks
 
 
+def request_chunks(
+    attn_metadata: CommonAttentionMetadata,
+    block_size: int,
+    *,
+    short_query_len: int,
+    context_bytes_per_token: int,
+    data_device: torch.device,
+) -> list[PaddedRequests]:
+    """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
+    (cached in ``attn_metadata.derived``: every layer has the same requests and block table)."""
+    key = ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
+    return attn_metadata.derived(
+        key,
+        lambda: pad_request_chunks(
+            attn_metadata,
+            block_size,
+            short_query_len=short_query_len,
+            context_bytes_per_token=context_bytes_per_token,
+            data_device=data_device,
+        ),
+    )
+
+
 def gather_context(cache: Tensor, chunk: PaddedRequests) -> Tensor:
     """Each request's first ``max_seq_len`` cache rows: cache ``[num_blocks, block_size, *E]`` ->
     ``[num_chunk_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
     gathered = cache.index_select(0, chunk.blocks.flatten())  # [R * blocks, block_size, *E]
     return gathered.view(chunk.num_reqs, -1, *cache.shape[2:])[:, : chunk.max_seq_len]
+
+
+def _gqa_masks(chunks: list[PaddedRequests], group_size: int, dtype: torch.dtype) -> list[Tensor]:
+    """Per chunk the additive mask ``[R, 1, group_size * Q, S]`` in ``dtype`` (0 = attend,
+    -inf = masked): what SDPA makes of a bool mask (``convert_boolean_attn_mask``), built once
+    per (u)batch instead of in every layer."""
+    masks = []
+    for chunk in chunks:  # chunks, not requests
+        num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
+        mask = chunk.attn_mask[:, None].expand(num_reqs, group_size, q_len, s_len)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        additive.masked_fill_(~mask, float("-inf"))
+        masks.append(additive.reshape(num_reqs, 1, group_size * q_len, s_len))
+    return masks
 
 
 def batched_paged_attention(
@@ -162,7 +202,8 @@ def batched_paged_attention(
         query: [num_tokens, num_heads, head_dim] (rotated).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; num_heads must be a
             multiple of num_kv_heads (query head h reads KV head ``h // (num_heads // num_kv_heads)``).
-        attn_metadata: this (u)batch's metadata.
+        attn_metadata: this (u)batch's metadata; its padding plan and masks are built by the
+            first layer that attends and reused by the others (``attn_metadata.derived``).
         scale: softmax scale.
 
     Returns:
@@ -172,24 +213,30 @@ def batched_paged_attention(
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
     out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
-    chunks = pad_request_chunks(
+    block_size = kv_cache.shape[2]
+    context_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    chunks = request_chunks(
         attn_metadata,
-        kv_cache.shape[2],
+        block_size,
         short_query_len=1,
-        context_bytes_per_token=2 * num_kv_heads * head_dim * kv_cache.element_size(),
+        context_bytes_per_token=context_bytes,
         data_device=query.device,
     )
-    for chunk in chunks:
+    masks = attn_metadata.derived(
+        ("gqa_masks", block_size, context_bytes, query.device, group_size, query.dtype),
+        lambda: _gqa_masks(chunks, group_size, query.dtype),
+    )
+    for chunk, mask in zip(chunks, masks, strict=True):
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
         # become extra query rows of that KV head ([R, KVH, G * Q, D]).
         q = query[chunk.gather_rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
-        k = gather_context(kv_cache[0], chunk).transpose(1, 2).to(query.dtype)  # [R, KVH, S, D]
-        v = gather_context(kv_cache[1], chunk).transpose(1, 2).to(query.dtype)
-        mask = chunk.attn_mask[:, None].expand(num_reqs, group_size, q_len, s_len)
+        # K and V of every chunk request in one gather: [2, R, S, KVH, D]
+        kv = kv_cache.index_select(1, chunk.blocks.flatten())
+        kv = kv.view(2, num_reqs, -1, num_kv_heads, head_dim)[:, :, :s_len].to(query.dtype)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.reshape(num_reqs, 1, group_size * q_len, s_len), scale=scale
+            q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask, scale=scale
         )
         o = o.view(num_reqs, num_kv_heads, group_size, q_len, head_dim).permute(0, 3, 1, 2, 4)
         # padding slots all go to the scratch row (index_copy_ with repeats there: any one wins)
@@ -225,7 +272,7 @@ def batched_mla_attention(
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     v_dim = w_uv.shape[1]
     out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
-    chunks = pad_request_chunks(
+    chunks = request_chunks(
         attn_metadata,
         kv_cache.shape[1],
         short_query_len=absorb_max_query_len,

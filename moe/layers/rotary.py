@@ -109,6 +109,8 @@ class RotaryEmbedding(CustomOp):
         )
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self._cos_sin_cache: Tensor | None = None  # [max_positions, rotary_dim], built lazily
+        # (device, dtype) -> [max_positions, 2 * rotary_dim]: [cos, cos, -sin, sin] (neox style)
+        self._neox_tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def _cos_sin_f32(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
@@ -145,9 +147,28 @@ class RotaryEmbedding(CustomOp):
             return self.forward_native(positions, query, key)
         return self.forward_table(positions, query, key)
 
+    def _neox_table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[max_positions, 2 * rotary_dim]`` in ``dtype``: ``[cos, cos, -sin, sin]`` per
+        position, i.e. the factors ``_rotate`` makes of the table in every call, made once."""
+        table = self._neox_tables.get((device, dtype))
+        if table is None:
+            cos, sin = self._table(device).chunk(2, dim=-1)
+            # rounding is symmetric, so (-sin).to(dtype) == -(sin.to(dtype)): x2 * (-sin) is
+            # bit-identical to the reference's (-x2) * sin
+            table = torch.cat((cos, cos, -sin, sin), dim=-1).to(dtype)
+            self._neox_tables[(device, dtype)] = table
+        return table
+
     def forward_table(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
         """``forward_cpu`` without its bound check (no host sync, so it traces into a graph): the
         caller guarantees ``0 <= positions < max_position_embeddings`` (the engine does: prompts
         and outputs stop at ``max_model_len`` <= ``max_position_embeddings``)."""
-        cos, sin = self._table(positions.device)[positions].chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        if not self.is_neox_style or query.dtype != key.dtype:
+            cos, sin = self._table(positions.device)[positions].chunk(2, dim=-1)
+            return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        # one gather of the per-dtype factors, then 4 ops per tensor (bit-identical to _rotate)
+        cos, sin = self._neox_table(positions.device, query.dtype)[positions, None].chunk(2, dim=-1)
+        half = self.head_dim // 2
+        return tuple(  # type: ignore[return-value]
+            x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin for x in (query, key)
+        )

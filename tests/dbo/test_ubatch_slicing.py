@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,7 +132,7 @@ def test_errors():
 
 def test_metadata_validation():
     md = make_slicing_metadata([2, 3], [4, 3])
-    fields = {f: getattr(md, f) for f in CommonAttentionMetadata.__dataclass_fields__}
+    fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}
     with pytest.raises(ValueError, match="query_start_loc must be a 1-D torch.int32"):
         CommonAttentionMetadata(**{**fields, "query_start_loc": md.query_start_loc.long()})
     with pytest.raises(ValueError, match="slot_mapping has 5 rows, expected 6"):

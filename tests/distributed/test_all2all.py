@@ -214,7 +214,12 @@ def _run_case(backend, case, ep_rank) -> dict:
     # exchange depends on the routing (all_to_all, DeepEP HT's notify) still block on one
     h_known = backend.dispatch(x, ids, w, async_op=True, num_tokens_across_ep=case["counts"])
     _assert_same_result(h_known.wait(), result)
-    assert (h_known.notify_ns is None) == (not backend.blocks_under_dbo)
+    # all_to_all pads small dispatches instead (these cases are all below its limit)
+    padded = backend.name == "all_to_all"
+    assert (h_known.notify_ns is None) == (padded or not backend.blocks_under_dbo)
+    if padded:  # and its combine of a padded dispatch returns the same result
+        known_out = backend.combine(experts(h_known.wait()), h_known.wait().metadata).wait()
+        assert torch.equal(known_out, out)
     wrong = list(case["counts"])
     wrong[ep_rank] += 1
     with pytest.raises(ValueError, match=r"num_tokens_across_ep=.* entry \d+ equal to this rank"):

@@ -7,6 +7,8 @@ ubatch after the other, as DBO's baton order does), and empty (u)batches; GQA an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -222,3 +224,61 @@ def test_chunks_sorted_by_seq_len_and_bounded(monkeypatch):
     assert decode.gather_rows.flatten().tolist() == [9, 1, 8, 0]  # sorted by seq_len
     assert decode.attn_mask.shape == (4, 1, 8)
     assert decode.attn_mask[1, 0].tolist() == [True] * 3 + [False] * 5  # seq 3: keys 0..2
+
+
+def test_padding_plan_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
+    """Three layers on one (u)batch build the padding plan and KV write slots once; each ubatch
+    of a DBO step has its own metadata and so its own plan, and the results equal the reference."""
+    calls = []
+    real = batched_attention.pad_request_chunks
+    monkeypatch.setattr(
+        batched_attention,
+        "pad_request_chunks",
+        lambda md, *a, **kw: calls.append(md) or real(md, *a, **kw),
+    )
+    layers = [make_gqa(8, 2) for _ in range(3)]
+    md = make_metadata(MIXED, num_padding=2)
+    q, k, v = gqa_inputs(layers[0], md.num_tokens)
+    outs = [layer.forward_cpu(q, k, v, md) for layer in layers]
+    assert len(calls) == 1
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    native = make_gqa(8, 2)
+    torch.testing.assert_close(outs[0], native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True):
+        for layer in layers:
+            layer.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
+    assert len(calls) == 1 + len(slices)
+
+
+def test_kv_write_skips_real_rows_without_slot():
+    """A real row whose slot is -1 is not written, as in the reference ``write_kv_cache``."""
+    native, batched = make_gqa(4, 2), make_gqa(4, 2)
+    md = make_metadata([(3, 4), (0, 2)])
+    slot_mapping = md.slot_mapping.clone()
+    slot_mapping[2] = -1
+    fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}
+    md = CommonAttentionMetadata(**{**fields, "slot_mapping": slot_mapping})
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    native.forward_native(q, k, v, md)
+    batched.forward_cpu(q, k, v, md)
+    assert torch.equal(batched.kv_cache, native.kv_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_additive_mask_equals_bool_mask_bitwise(dtype):
+    """The cached additive mask is what SDPA makes of the bool mask: identical outputs."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 4, 8, generator=gen).to(dtype)
+    k = torch.randn(3, 2, 7, 8, generator=gen).to(dtype)
+    v = torch.randn(3, 2, 7, 8, generator=gen).to(dtype)
+    mask = torch.rand(3, 1, 4, 7, generator=gen) < 0.7
+    mask[..., 0] = True
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    torch.testing.assert_close(
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+        rtol=0,
+        atol=0,
+    )

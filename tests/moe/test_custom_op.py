@@ -68,7 +68,27 @@ def test_setting_chooses_paths_at_build(spec, experts_path, rope_path):
     set_custom_ops(spec)
     assert _experts().forward_path == experts_path
     assert RotaryEmbedding(4, 1e4).forward_path == rope_path
-    assert RMSNorm(4).forward_path == "forward_native"  # no CPU override: reference everywhere
+    norm_path = "forward_native" if spec.startswith("none") else "forward_cpu"
+    assert RMSNorm(4).forward_path == norm_path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_cpu_path_equals_reference(dtype):
+    """float32 takes the fused F.rms_norm (within 1e-6, the fast-path bound; bit-identical where
+    measured); bfloat16 and float64 take the reference itself."""
+    set_current_platform(CpuPlatform())
+    norm = RMSNorm(64, 1e-5, dtype=dtype)
+    assert norm.forward_path == "forward_cpu"
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen) * 0.3 + 1)
+    x = (torch.randn(37, 64, generator=gen) * 5).to(dtype)
+    got, expected = norm(x), norm.forward_native(x)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, expected)
 
 
 def test_dispatch_follows_platform():
@@ -181,12 +201,15 @@ def test_grouped_gemm_experts_equal_the_reference_loop(dtype):
 
 @pytest.mark.parametrize("is_neox_style", [True, False])
 @pytest.mark.parametrize("scaling", [None, {"factor": 4.0, "original_max_position_embeddings": 32}])
-def test_cached_rope_equals_reference(is_neox_style, scaling):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cached_rope_equals_reference(is_neox_style, scaling, dtype):
+    """The table path (per-dtype [cos, cos, -sin, sin] factors for neox style) is bit-identical
+    to the reference in every dtype."""
     rope = RotaryEmbedding(
         8, 1e4, is_neox_style=is_neox_style, scaling=scaling, max_position_embeddings=128
     )
     positions = torch.tensor([0, 5, 127, 64, 3])
-    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    q, k = torch.randn(5, 4, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
     for a, b in zip(
         rope.forward_cpu(positions, q, k), rope.forward_native(positions, q, k), strict=True
     ):

@@ -1,0 +1,121 @@
+"""How many KV cache blocks a rank allocates: a memory budget, as vLLM's CPU backend sizes it.
+
+Order (vLLM's): ``--num-gpu-blocks-override`` when given; else ``--kv-cache-memory-bytes`` (vLLM's
+flag; its CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` in GiB is read when the flag is absent);
+else ``DEFAULT_KV_CACHE_MEMORY_BYTES``. A budget buys ``budget // block_bytes`` blocks, never more
+than ``--max-num-seqs`` full-length requests can use, and must hold one request of
+``max_model_len`` tokens.
+
+Why a fixed default rather than vLLM 0.32's (``--gpu-memory-utilization`` 0.92 of the NUMA node's
+memory minus the worker's RSS, ``vllm/v1/worker/cpu_worker.py``): our DP ranks are processes on one
+host, and each would claim 92 % of the machine. The default is the 4 GiB that vLLM's CPU backend
+documented for ``VLLM_CPU_KVCACHE_SPACE`` (``vllm/envs.py``); before it the engine allocated
+max-num-seqs full-length requests, 18-34 GB per rank on the medium checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+GIB = 1 << 30
+DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * GIB
+KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend (legacy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheSizing:
+    """The chosen cache: ``num_blocks`` blocks of ``block_size`` tokens, ``block_bytes`` each (all
+    layers), and what decided it (``source``: the flag, the env or the default)."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    source: str
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def summary(self) -> str:
+        return (
+            f"KV cache {self.num_blocks} blocks x {self.block_size} tokens "
+            f"({self.num_bytes / GIB:.3f} GiB per rank, {self.block_bytes} B/block; {self.source})"
+        )
+
+
+def kv_cache_budget(
+    kv_cache_memory_bytes: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """(budget in bytes, where it came from): the flag, else ``VLLM_CPU_KVCACHE_SPACE`` (GiB),
+    else the default.
+
+    Raises:
+        ValueError: a ``VLLM_CPU_KVCACHE_SPACE`` that is not a positive integer.
+    """
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes, f"--kv-cache-memory-bytes {kv_cache_memory_bytes}"
+    environ = os.environ if environ is None else environ
+    text = environ.get(KVCACHE_SPACE_ENV, "")
+    if text.strip():
+        try:
+            gib = int(text)
+        except ValueError:
+            gib = 0
+        if gib < 1:
+            raise ValueError(f"{KVCACHE_SPACE_ENV} must be a positive integer (GiB), got {text!r}")
+        return gib * GIB, f"{KVCACHE_SPACE_ENV}={gib} GiB"
+    return DEFAULT_KV_CACHE_MEMORY_BYTES, "default budget 4 GiB (--kv-cache-memory-bytes)"
+
+
+def size_kv_cache(
+    *,
+    bytes_per_token: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_gpu_blocks_override: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> KVCacheSizing:
+    """The number of blocks this rank allocates (see the module docstring).
+
+    Args:
+        bytes_per_token: KV bytes of one token over all layers (``model.kv_cache_bytes_per_token``).
+        block_size, max_model_len, max_num_seqs: the engine's.
+        num_gpu_blocks_override, kv_cache_memory_bytes: the flags (None: not given).
+        environ: where to read ``VLLM_CPU_KVCACHE_SPACE`` (default ``os.environ``).
+
+    Raises:
+        ValueError: the budget cannot hold one request of ``max_model_len`` tokens (the message
+            names the budget, the need and the flags to change), or a bad env value.
+    """
+    block_bytes = bytes_per_token * block_size
+    if num_gpu_blocks_override is not None:
+        return KVCacheSizing(
+            num_blocks=num_gpu_blocks_override,
+            block_size=block_size,
+            block_bytes=block_bytes,
+            source=f"--num-gpu-blocks-override {num_gpu_blocks_override}",
+        )
+    budget, source = kv_cache_budget(kv_cache_memory_bytes, environ)
+    blocks_per_request = math.ceil(max_model_len / block_size)
+    num_blocks = budget // block_bytes
+    if num_blocks < blocks_per_request:
+        need = blocks_per_request * block_bytes
+        raise ValueError(
+            f"the KV cache budget ({source}: {budget} bytes = {budget / GIB:.3f} GiB) holds "
+            f"{num_blocks} blocks of {block_size} tokens ({block_bytes} bytes each), but one "
+            f"request of max_model_len={max_model_len} tokens needs {blocks_per_request} blocks "
+            f"({need} bytes = {need / GIB:.3f} GiB); raise --kv-cache-memory-bytes or lower "
+            "--max-model-len"
+        )
+    usable = max_num_seqs * blocks_per_request
+    if num_blocks > usable:
+        num_blocks = usable
+        source += f"; capped at --max-num-seqs {max_num_seqs} full-length requests"
+    return KVCacheSizing(
+        num_blocks=num_blocks, block_size=block_size, block_bytes=block_bytes, source=source
+    )
