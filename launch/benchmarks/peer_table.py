@@ -166,17 +166,23 @@ def table_rows(ns) -> list[dict]:
     return rows
 
 
+def _ratio(ours: float, vllm: float) -> str:
+    return f"{ours / vllm:.2f}x" if ours and vllm else "-"
+
+
 def format_row(r: dict) -> str:
     best = max((r[k].get("tokens_per_s", 0) for k in ("vllm_eager", "vllm_compiled")), default=0)
     ours = max(r[k].get("tokens_per_s", 0) for k in ("ours_eager", "ours_graph"))
     two = max(r[k].get("tokens_per_s", 0) for k in ("ours_2ranks_eager", "ours_2ranks_graph"))
     v2 = r["vllm_2threads"].get("tokens_per_s", 0)
+    # vLLM's tokens from whichever 1-core arm ran (eager fails with SIGILL in bf16 on some CPUs)
+    vllm_tokens = next((r[k] for k in ("vllm_eager", "vllm_compiled") if "tokens" in r[k]), {})
     return (
         f"| {r['checkpoint']}, {r['dtype']} | {_fmt(r['vllm_eager'])} / {_fmt(r['vllm_compiled'])} "
-        f"| {_fmt(r['ours_eager'])} / {_fmt(r['ours_graph'])} | {ours / best if best else 0:.2f}x "
+        f"| {_fmt(r['ours_eager'])} / {_fmt(r['ours_graph'])} | {_ratio(ours, best)} "
         f"| {_fmt(r['vllm_2threads'])} | {_fmt(r['ours_2ranks_eager'])} / "
-        f"{_fmt(r['ours_2ranks_graph'])} | {two / v2 if v2 else 0:.2f}x "
-        f"| {_same(r['ours_eager'], r['vllm_eager'])} |"
+        f"{_fmt(r['ours_2ranks_graph'])} | {_ratio(two, v2)} "
+        f"| {_same(r['ours_eager'], vllm_tokens)} |"
     )
 
 
