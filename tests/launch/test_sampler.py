@@ -54,6 +54,20 @@ def test_greedy_is_argmax():
     assert tokens.tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("vocab", [7, 512, 32000])
+def test_greedy_breaks_ties_as_argmax(vocab):
+    """Greedy takes max's indices: on rows full of ties (integer logits in [0, 3]), +-inf and NaN
+    (NaN counts as maximal) it picks argmax's token, the first maximal one."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 4, (64, vocab), generator=gen).to(torch.float32)
+    logits[1, vocab // 2] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")
+    logits[4, :] = 1.0
+    tokens = Sampler()(logits, metadata([0.0] * 64, list(range(64)), [0] * 64))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_seeded_row_independent_of_batch():
     gen = torch.Generator().manual_seed(1)
     row = torch.randn(200, generator=gen)
