@@ -282,16 +282,3 @@ def test_additive_mask_equals_bool_mask_bitwise(dtype):
         rtol=0,
         atol=0,
     )
-
-
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_kv_block_gather_equals_index_select(contiguous):
-    """The row gather of K and V blocks is index_select along the block dim, bit for bit
-    (repeated, unordered blocks; a non-contiguous cache takes index_select itself)."""
-    cache = torch.randn(2, 11, 4, 3, 8, dtype=torch.bfloat16)
-    if not contiguous:
-        cache = torch.randn(2, 11, 4, 8, 3, dtype=torch.bfloat16).transpose(3, 4)
-    blocks = torch.tensor([7, 0, 7, 10, 3, 3])
-    got = batched_attention._gather_kv_blocks(cache, blocks)
-    assert got.shape == (2, 6, 4, 3, 8)
-    assert torch.equal(got, cache.index_select(1, blocks))
