@@ -38,7 +38,6 @@ PADDED_DISPATCH_MAX_BYTES = 256 << 10
 _HEADER_INTS = 4  # header row: (row count, hidden_size, num_topk, dtype code) as int64
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 def unpacked_result(rows: Tensor, layout, metadata: DispatchMetadata) -> DispatchResult:
     """The received packed rows ``[num_recv, row_bytes]`` uint8 as a ``DispatchResult``
     (hidden states, local top-k ids and weights, each contiguous)."""
@@ -51,6 +50,7 @@ def unpacked_result(rows: Tensor, layout, metadata: DispatchMetadata) -> Dispatc
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AllToAllDispatchMetadata(DispatchMetadata):
     """Routing of one ``all_to_all`` dispatch.
 
