@@ -38,6 +38,18 @@ PADDED_DISPATCH_MAX_BYTES = 256 << 10
 _HEADER_INTS = 4  # header row: (row count, hidden_size, num_topk, dtype code) as int64
 
 
+def unpacked_result(rows: Tensor, layout, metadata: DispatchMetadata) -> DispatchResult:
+    """The received packed rows ``[num_recv, row_bytes]`` uint8 as a ``DispatchResult``
+    (hidden states, local top-k ids and weights, each contiguous)."""
+    ids, weights, hidden = unpack_rows(rows, layout)
+    return DispatchResult(
+        hidden_states=hidden.contiguous(),
+        topk_ids=ids.contiguous(),
+        topk_weights=weights.contiguous(),
+        metadata=metadata,
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllToAllDispatchMetadata(DispatchMetadata):
     """Routing of one ``all_to_all`` dispatch.
@@ -132,13 +144,7 @@ class AllToAllBackend(All2AllBackend):
         )
 
         def finalize() -> DispatchResult:
-            ids, weights, hidden = unpack_rows(recv, layout)
-            return DispatchResult(
-                hidden_states=hidden.contiguous(),
-                topk_ids=ids.contiguous(),
-                topk_weights=weights.contiguous(),
-                metadata=metadata,
-            )
+            return unpacked_result(recv, layout, metadata)
 
         num_bytes = (len(send_token_idx) - send_counts[self.ep_rank]) * layout.row_bytes
         num_recv_bytes = (recv.shape[0] - recv_counts[self.ep_rank]) * layout.row_bytes
@@ -198,7 +204,6 @@ class AllToAllBackend(All2AllBackend):
                 torch.arange(start + 1, start + 1 + n, device=device)
                 for start, n in zip(starts, recv_counts, strict=True)
             ])  # fmt: skip
-            ids, weights, hidden = unpack_rows(recv[valid], layout)
             metadata = AllToAllDispatchMetadata(
                 backend=self.name,
                 ep_rank=self.ep_rank,
@@ -210,12 +215,7 @@ class AllToAllBackend(All2AllBackend):
                 recv_counts=tuple(recv_counts),
                 send_token_idx=send_token_idx,
             )
-            return DispatchResult(
-                hidden_states=hidden.contiguous(),
-                topk_ids=ids.contiguous(),
-                topk_weights=weights.contiguous(),
-                metadata=metadata,
-            )
+            return unpacked_result(recv[valid], layout, metadata)
 
         num_bytes = (self.ep_size - 1) * block * layout.row_bytes
         num_recv_bytes = (sum(recv_blocks) - recv_blocks[self.ep_rank]) * layout.row_bytes

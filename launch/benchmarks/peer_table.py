@@ -72,7 +72,9 @@ def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
         }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:
-            return {"error": proc.stderr[-500:]}
+            log = ns.out_dir / f"{tag}.failed.log"  # the whole output, for the post-mortem
+            log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+            return {"error": proc.stderr[-500:], "log": str(log)}
         values.append(json.loads(out_json.read_text())["output_tokens_per_second"])
     tokens = [json.loads(line)["output_token_ids"] for line in out_tokens.read_text().splitlines()]
     return {"tokens_per_s": statistics.median(values), "runs": values, "tokens": tokens}

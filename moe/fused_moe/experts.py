@@ -202,20 +202,34 @@ class TorchExperts(CustomOp):
         where torch lacks ``_grouped_mm`` or for float64)."""
         if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
-        self._check(hidden_states, topk_ids, topk_weights)
-        out = torch.zeros_like(hidden_states)
-        if topk_ids.numel() == 0:
+        out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
+        if routed is None:
             return out
-        order, counts = self._sorted_pairs(topk_ids)
-        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
-        if pairs.numel() == 0:
-            return out
-        token_idx = pairs // topk_ids.shape[1]
+        pairs, counts, token_idx, x = routed
         offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        x = hidden_states[token_idx]  # [P, H], grouped by expert
         gate = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offsets)
         up = torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offsets)
         y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
+        return self._scatter_weighted(out, y, topk_weights, pairs, token_idx)
+
+    def _routed_rows(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        """Checks, then the zero output ``[N, H]`` and, if any slot is local, (pairs sorted by
+        expert, counts [-1 first, then per expert], token row of each pair, the gathered rows
+        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        out = torch.zeros_like(hidden_states)
+        if topk_ids.numel() == 0:
+            return out, None
+        order, counts = self._sorted_pairs(topk_ids)
+        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
+        if pairs.numel() == 0:
+            return out, None
+        token_idx = pairs // topk_ids.shape[1]
+        return out, (pairs, counts, token_idx, hidden_states[token_idx])
+
+    @staticmethod
+    def _scatter_weighted(out, y, topk_weights, pairs, token_idx) -> Tensor:
+        """``out[token_idx[p]] += topk_weights[pair p] * y[p]`` (one ``index_add_``); ``out``."""
         y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
         out.index_add_(0, token_idx, y)
         return out
@@ -229,16 +243,10 @@ class TorchExperts(CustomOp):
     ) -> Tensor:
         """Per local expert: one packed GEMM for gate and up, SwiGLU, one packed GEMM for down;
         then weighting and one scatter-add (``index_add_``) into the token rows."""
-        self._check(hidden_states, topk_ids, topk_weights)
-        out = torch.zeros_like(hidden_states)
-        if topk_ids.numel() == 0:
+        out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
+        if routed is None:
             return out
-        order, counts = self._sorted_pairs(topk_ids)
-        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
-        if pairs.numel() == 0:
-            return out
-        token_idx = pairs // topk_ids.shape[1]
-        x = hidden_states[token_idx]  # [P, H], grouped by expert
+        pairs, counts, token_idx, x = routed
         num_inter = self.intermediate_size
         outputs, start = [], 0
         for expert, count in enumerate(counts[1:]):  # a loop over experts, not over tokens
@@ -248,10 +256,7 @@ class TorchExperts(CustomOp):
             start += count
             h = swiglu(gate_up[:, :num_inter], gate_up[:, num_inter:])
             outputs.append(onednn_linear(h, packs[2 * expert + 1]))
-        y = torch.cat(outputs)
-        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
-        out.index_add_(0, token_idx, y)
-        return out
+        return self._scatter_weighted(out, torch.cat(outputs), topk_weights, pairs, token_idx)
 
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
