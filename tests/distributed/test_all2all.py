@@ -15,69 +15,28 @@ import torch
 
 from distributed import (
     BACKENDS,
-    AllGatherReduceScatterBackend,
-    AllToAllBackend,
     BatchedDispatchResult,
     init_distributed,
     make_all2all_backend,
 )
 from distributed.all2all.token_packing import (
-    RowLayout,
     localize_topk,
-    pack_rows,
-    token_rank_mask,
-    unpack_rows,
+)
+from tests.helpers.all2all import (
+    HIDDEN_SIZE,
+    apply_experts,
+    assert_close,
+    expert_scales,
+    make_inputs,
+    run_experts,
+    valid_batched_rows,
 )
 from tests.helpers.distributed import run_distributed
 
-HIDDEN_SIZE = 12
 TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (3e-2, 3e-2)}
 
 
 # ---------------------------------------------------------------- inputs and reference experts
-
-
-def make_inputs(
-    seed: int, rank: int, num_tokens: int, num_topk: int, num_experts: int, dtype, skew=False
-):
-    """Rank ``rank``'s (hidden_states, topk_ids, topk_weights); -1 in some slots when num_topk > 1.
-    ``skew``: every token picks experts 0, 1, … (all on the first ranks: the others get nothing)."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    hidden_states = torch.randn(num_tokens, HIDDEN_SIZE, generator=gen).to(dtype)
-    topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :num_topk]
-    if skew:
-        topk_ids = torch.arange(num_topk).expand(num_tokens, num_topk).clone()
-    topk_weights = torch.rand(num_tokens, num_topk, generator=gen)
-    topk_weights /= topk_weights.sum(dim=1, keepdim=True)
-    if num_topk > 1 and num_tokens > 1:
-        topk_ids[1, -1] = -1  # a slot with no expert (DeepEP: -1 = no selection)
-        topk_weights[1, -1] = 0.0
-    return hidden_states, topk_ids, topk_weights
-
-
-def expert_scales(seed: int, num_experts: int) -> torch.Tensor:
-    """Expert e multiplies its input elementwise by scales[e] ([num_experts, hidden], float32)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    return 0.5 + torch.rand(num_experts, HIDDEN_SIZE, generator=gen)
-
-
-def apply_experts(x, topk_ids, topk_weights, scales, first_expert: int) -> torch.Tensor:
-    """Σ_k topk_weights[:, k] · x · scales[first_expert + topk_ids[:, k]] over slots with id >= 0."""
-    out = torch.zeros(x.shape[0], HIDDEN_SIZE, dtype=torch.float32)
-    for k in range(topk_ids.shape[1]):
-        valid = topk_ids[:, k] >= 0
-        scale = scales[first_expert + topk_ids[:, k].clamp(min=0)]
-        out += torch.where(valid, topk_weights[:, k], 0.0)[:, None] * x.float() * scale
-    return out
-
-
-def assert_close(actual, expected, *, atol: float, rtol: float) -> None:
-    """Elementwise |actual - expected| <= atol + rtol * |expected| (torch.testing's first call
-    costs about a second per process, which the spawned ranks would all pay)."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    diff = (actual.double() - expected.double()).abs()
-    bound = atol + rtol * expected.double().abs()
-    assert bool((diff <= bound).all()), f"max abs diff {diff.max().item():.3g} exceeds tolerance"
 
 
 # ---------------------------------------------------------------- per-rank checks
@@ -114,32 +73,14 @@ def _expected_batched_rows(case, ep_rank, num_local_experts) -> list[torch.Tenso
     return [torch.cat(parts) for parts in rows]
 
 
-def _valid_batched(result: BatchedDispatchResult) -> list[torch.Tensor]:
-    counts = result.expert_num_tokens.tolist()
-    return [result.hidden_states[local, :n] for local, n in enumerate(counts)]
-
-
 def _assert_same_result(a, b) -> None:
     if isinstance(a, BatchedDispatchResult):
         assert torch.equal(a.expert_num_tokens, b.expert_num_tokens)
-        for rows_a, rows_b in zip(_valid_batched(a), _valid_batched(b), strict=True):
+        for rows_a, rows_b in zip(valid_batched_rows(a), valid_batched_rows(b), strict=True):
             assert torch.equal(rows_a, rows_b)
         return
     for name in ("hidden_states", "topk_ids", "topk_weights"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-
-
-def run_experts(result, scales, first_expert: int) -> torch.Tensor:
-    """The reference experts on a dispatch result, in its format: weighted rows (standard) or
-    unweighted per-expert outputs with rows past the counts left at zero (batched)."""
-    if isinstance(result, BatchedDispatchResult):
-        out = torch.zeros(result.hidden_states.shape, dtype=torch.float32)
-        for local, rows in enumerate(_valid_batched(result)):
-            out[local, : rows.shape[0]] = rows.float() * scales[first_expert + local]
-        return out.to(result.hidden_states.dtype)
-    return apply_experts(
-        result.hidden_states, result.topk_ids, result.topk_weights, scales, first_expert
-    ).to(result.hidden_states.dtype)
 
 
 def _check_received(result, case, ep_rank, backend) -> int:
@@ -153,7 +94,7 @@ def _check_received(result, case, ep_rank, backend) -> int:
             backend.num_local_experts, backend.ep_size * capacity, HIDDEN_SIZE
         )  # fmt: skip
         expected = _expected_batched_rows(case, ep_rank, backend.num_local_experts)
-        for rows, exp in zip(_valid_batched(result), expected, strict=True):
+        for rows, exp in zip(valid_batched_rows(result), expected, strict=True):
             assert torch.equal(rows, exp)
         return int(result.expert_num_tokens.sum())
     exp_x, exp_ids, exp_w = _expected_rows(case, ep_rank, backend.num_local_experts)
@@ -391,146 +332,3 @@ def test_dispatch_experts_combine_matches_reference(world_size):
 
 
 # ---------------------------------------------------------------- single-process unit tests
-
-
-def test_token_rank_mask_hand_worked():
-    topk_ids = torch.tensor([[0, 5], [2, 3], [-1, 7], [-1, -1]])
-    mask = token_rank_mask(topk_ids, num_local_experts=2, ep_size=4)
-    expected = [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
-    assert mask.tolist() == [[bool(v) for v in row] for row in expected]
-    local_ids, local_w = localize_topk(topk_ids, torch.ones(4, 2), 1, num_local_experts=2)
-    assert local_ids.tolist() == [[-1, -1], [0, 1], [-1, -1], [-1, -1]]
-    assert local_w.tolist() == [[0, 0], [1, 1], [0, 0], [0, 0]]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize(("hidden_size", "num_topk"), [(3, 3), (5, 1), (8, 2)])
-def test_pack_unpack_round_trip_is_exact(dtype, hidden_size, num_topk):
-    layout = RowLayout(hidden_size=hidden_size, num_topk=num_topk, dtype=dtype)
-    assert layout.row_bytes % 8 == 0
-    x = torch.randn(4, hidden_size).to(dtype)
-    ids = torch.randint(-1, 9, (4, num_topk))
-    w = torch.rand(4, num_topk)
-    packed = pack_rows(x, ids, w, layout, num_rows=6)
-    assert packed.shape == (6, layout.row_bytes) and packed.dtype == torch.uint8
-    got_ids, got_w, got_x = unpack_rows(packed, layout)
-    assert torch.equal(got_ids[:4], ids) and torch.equal(got_w[:4], w)
-    assert torch.equal(got_x[:4], x) and not got_x[4:].any()
-
-
-def _local_backend(name: str = "all_to_all", num_experts: int = 4):
-    return make_all2all_backend(
-        name, ep_group=None, ep_rank=0, ep_size=1, num_experts=num_experts,
-        timeout=datetime.timedelta(seconds=5),
-    )  # fmt: skip
-
-
-def test_make_all2all_backend_names_accepted_backends():
-    assert list(BACKENDS) == [
-        "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
-    ]  # fmt: skip
-    assert BACKENDS["all_to_all"] is AllToAllBackend
-    assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterBackend
-    with pytest.raises(ValueError, match=r"unknown all2all backend 'deepep'.*'all_to_all'"):
-        make_all2all_backend("deepep")
-
-
-def test_backend_rejects_bad_construction():
-    timeout = datetime.timedelta(seconds=1)
-    with pytest.raises(
-        ValueError, match=r"num_experts \(6\) must be a positive multiple of ep_size \(4\)"
-    ):
-        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=4, num_experts=6, timeout=timeout)
-    with pytest.raises(ValueError, match=r"ep_group is required when ep_size > 1"):
-        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=2, num_experts=4, timeout=timeout)
-    with pytest.raises(ValueError, match=r"ep_rank in \[0, 2\), got 2"):
-        AllToAllBackend(ep_group=None, ep_rank=2, ep_size=2, num_experts=4, timeout=timeout)
-
-
-@pytest.mark.parametrize("name", list(BACKENDS))
-def test_dispatch_and_combine_reject_bad_inputs(name):
-    backend = _local_backend(name)
-    x, ids, w = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\) or -1"):
-        backend.dispatch(x, ids + 4, w)
-    with pytest.raises(TypeError, match=r"topk_ids must be int64"):
-        backend.dispatch(x, ids.int(), w)
-    with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):
-        backend.dispatch(x.long(), ids, w)
-    result = backend.dispatch(x, ids, w).wait()
-    expected = r"\[3, 4\]" if backend.activation_format == "standard" else r"\[4, 128, 4\]"
-    with pytest.raises(ValueError, match=rf"expert_output must be floating {expected}"):
-        backend.combine(torch.zeros(2, 4), result.metadata)
-    other = _local_backend(next(n for n in BACKENDS if n != name))
-    with pytest.raises(ValueError, match=r"metadata must come from dispatch on this"):
-        other.combine(torch.zeros(3, 4), result.metadata)
-
-
-@pytest.mark.parametrize("name", list(BACKENDS))
-def test_single_rank_backend_round_trip(name):
-    backend = _local_backend(name, num_experts=4)
-    x, ids, w = make_inputs(3, 0, 6, 2, 4, torch.float32)
-    scales = expert_scales(3, 4)
-    result = backend.dispatch(x, ids, w, async_op=True).wait()
-    out = backend.combine(run_experts(result, scales, 0), result.metadata).wait()
-    assert_close(out, apply_experts(x, ids, w, scales, 0), atol=1e-6, rtol=1e-6)
-
-
-def _local_buffer(capacity: int):
-    from distributed.all2all.deepep_buffer import TorchDistributedBuffer
-
-    return TorchDistributedBuffer(
-        None, rank=0, num_ranks=1, timeout=datetime.timedelta(seconds=5),
-        num_max_dispatch_tokens_per_rank=capacity,
-    )  # fmt: skip
-
-
-def test_low_latency_hook_completes_the_receive():
-    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after hook()."""
-    buffer = _local_buffer(4)
-    x = torch.arange(12.0).view(3, 4)
-    ids = torch.tensor([[1, 0], [1, -1], [0, 1]])
-    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-        x, ids, 4, 2, use_fp8=False, return_recv_hook=True
-    )
-    assert recv_count.tolist() == [0, 0] and not bool(handle.is_received)
-    hook()
-    assert recv_count.tolist() == [2, 3]
-    assert torch.equal(recv_x[0, :2], x[[0, 2]]) and torch.equal(recv_x[1, :3], x)
-    hook()  # idempotent
-    weights = torch.tensor([[0.5, 0.25], [1.0, 0.0], [2.0, 3.0]])
-    combined, _, hook = buffer.low_latency_combine(
-        2 * recv_x, ids, weights, handle, return_recv_hook=True
-    )
-    hook()
-    expected = 2 * x * torch.tensor([[0.75], [1.0], [5.0]])
-    assert torch.equal(combined, expected)
-
-
-def test_low_latency_capacity_limit():
-    """At its limit a dispatch fills one expert's slots; one token more is refused, naming both."""
-    backend = make_all2all_backend(
-        "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
-        timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=5,
-    )  # fmt: skip
-    x, w = torch.randn(5, 3), torch.ones(5, 1)
-    ids = torch.zeros(5, 1, dtype=torch.long)  # every token to expert 0
-    result = backend.dispatch(x, ids, w).wait()
-    assert result.expert_num_tokens.tolist() == [5, 0, 0, 0]
-    assert torch.equal(result.hidden_states[0], x)
-    with pytest.raises(
-        ValueError,
-        match=r"dispatch of 6 tokens per rank exceeds num_max_dispatch_tokens_per_rank=5",
-    ):
-        backend.dispatch(torch.randn(6, 3), torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1))
-    with pytest.raises(ValueError, match=r"dispatch of 7 tokens per rank exceeds .*=5"):
-        backend.dispatch_capacity(5, [5, 7])  # another rank's agreed count is checked too
-    assert backend.dispatch_capacity(3, [3, 2]) == 3  # the call's slots: the agreed max
-    assert backend.dispatch_capacity(0, [0, 0]) == 1 and backend.dispatch_capacity(2, None) == 5
-    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank must be >= 1, got 0"):
-        make_all2all_backend(
-            "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
-            timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=0,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
-        _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
