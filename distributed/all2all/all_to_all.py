@@ -118,13 +118,9 @@ class AllToAllBackend(All2AllBackend):
         send_counts = header[:, 0].tolist()
         recv_counts = recv_header[:, 0].tolist()
 
-        local_ids, local_weights = localize_topk(
-            topk_ids[send_token_idx],
-            topk_weights[send_token_idx].float(),
-            send_rank,
-            num_local_experts=self.num_local_experts,
+        packed = self._pack_sent_rows(
+            hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
         )
-        packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
         recv = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8, device=device)
         issued_at_ns = time.perf_counter_ns()
         pending = all_to_all_single(
@@ -159,6 +155,19 @@ class AllToAllBackend(All2AllBackend):
             notify_ns=notify_ns,
         )
 
+    def _pack_sent_rows(
+        self, hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
+    ) -> Tensor:
+        """The rows this rank sends, ``[len(send_token_idx), row_bytes]`` uint8: each sent token's
+        hidden state with its top-k ids made local to the receiving rank (``localize_topk``)."""
+        local_ids, local_weights = localize_topk(
+            topk_ids[send_token_idx],
+            topk_weights[send_token_idx].float(),
+            send_rank,
+            num_local_experts=self.num_local_experts,
+        )
+        return pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
+
     def _dispatch_padded(
         self, hidden_states, topk_ids, topk_weights, mask, send_rank, send_token_idx, *,
         counts: list[int], layout, async_op: bool,
@@ -171,13 +180,9 @@ class AllToAllBackend(All2AllBackend):
         header = torch.zeros(self.ep_size, _HEADER_INTS, dtype=torch.int64, device=device)
         header[:, 0] = send_counts
         header[:, 1:] = torch.tensor(layout.signature(), dtype=torch.int64, device=device)
-        local_ids, local_weights = localize_topk(
-            topk_ids[send_token_idx],
-            topk_weights[send_token_idx].float(),
-            send_rank,
-            num_local_experts=self.num_local_experts,
+        packed = self._pack_sent_rows(
+            hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
         )
-        packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
         # row of each packed row in the send buffer: its peer's block, after the header row,
         # at its index among that peer's rows (pairs are sorted by peer)
         first_of_peer = torch.cumsum(send_counts, 0) - send_counts
