@@ -17,82 +17,63 @@ class ServerMetrics:
 
     def __init__(self, *, dp_size: int) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests_received = Counter(
-            f"{PREFIX}_requests_received", "Requests accepted by the HTTP front end", registry=r
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
+
+        self.requests_received = counter(
+            "requests_received", "Requests accepted by the HTTP front end"
         )
-        self.requests_routed = Counter(
-            f"{PREFIX}_requests_routed",
-            "Requests sent to each DP rank by the least-loaded router",
-            ["dp_rank"],
-            registry=r,
+        self.requests_routed = counter(
+            "requests_routed", "Requests sent to each DP rank by the least-loaded router", "dp_rank"
         )
-        self.requests_rejected = Counter(
-            f"{PREFIX}_requests_rejected", "Requests answered with a 4xx/503 error", registry=r
+        self.requests_rejected = counter(
+            "requests_rejected", "Requests answered with a 4xx/503 error"
         )
-        self.requests_finished = Counter(
-            f"{PREFIX}_requests_finished",
+        self.requests_finished = counter(
+            "requests_finished",
             "Requests ended, by finish reason (stop, length, abort, error)",
-            ["finish_reason"],
-            registry=r,
+            "finish_reason",
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of accepted requests", registry=r
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.num_requests_running = gauge(
+            "num_requests_running", "Running requests per DP rank", "dp_rank"
         )
-        self.generation_tokens = Counter(
-            f"{PREFIX}_generation_tokens", "Tokens generated", registry=r
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Waiting requests per DP rank", "dp_rank"
         )
-        self.num_requests_running = Gauge(
-            f"{PREFIX}_num_requests_running",
-            "Running requests per DP rank",
-            ["dp_rank"],
-            registry=r,
-        )
-        self.num_requests_waiting = Gauge(
-            f"{PREFIX}_num_requests_waiting",
-            "Waiting requests per DP rank",
-            ["dp_rank"],
-            registry=r,
-        )
-        self.num_preemptions = Gauge(
-            f"{PREFIX}_num_preemptions", "Preemptions so far per DP rank", ["dp_rank"], registry=r
-        )
-        self.kv_cache_usage = Gauge(
-            f"{PREFIX}_kv_cache_usage_perc",
+        self.num_preemptions = gauge("num_preemptions", "Preemptions so far per DP rank", "dp_rank")
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc",
             "Fraction of KV cache blocks in use per DP rank (1 = full), as vLLM's",
-            ["dp_rank"],
-            registry=r,
+            "dp_rank",
         )
-        self.engine_steps = Counter(
-            f"{PREFIX}_engine_steps",
-            "Lockstep engine steps in which some rank had work",
-            registry=r,
+        self.engine_steps = counter(
+            "engine_steps", "Lockstep engine steps in which some rank had work"
         )
-        self.ubatched_steps = Counter(
-            f"{PREFIX}_engine_ubatched_steps", "Engine steps microbatched by DBO", registry=r
-        )
-        self.ubatched_step_fraction = Gauge(
-            f"{PREFIX}_engine_ubatched_step_fraction",
-            "Fraction of engine steps microbatched by DBO",
-            registry=r,
+        self.ubatched_steps = counter("engine_ubatched_steps", "Engine steps microbatched by DBO")
+        self.ubatched_step_fraction = gauge(
+            "engine_ubatched_step_fraction", "Fraction of engine steps microbatched by DBO"
         )
         self.step_time = Histogram(
             f"{PREFIX}_engine_step_seconds",
             "Wall time of one engine step on rank 0",
             buckets=STEP_TIME_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.dbo_crossover_tokens = Gauge(
-            f"{PREFIX}_adaptive_crossover_tokens",
+        self.dbo_crossover_tokens = gauge(
+            "adaptive_crossover_tokens",
             "Tokens per rank from which adaptive DBO found microbatching to pay, per batch kind "
             "with --dbo-*-token-threshold auto (+Inf: never so far, NaN: not yet measured)",
-            ["kind"],
-            registry=r,
+            "kind",
         )
-        self.dbo_exploration_steps = Gauge(
-            f"{PREFIX}_adaptive_exploration_steps",
+        self.dbo_exploration_steps = gauge(
+            "adaptive_exploration_steps",
             "Engine steps the adaptive DBO policy spent exploring (rank 0)",
-            registry=r,
         )
         for dp_rank in range(dp_size):
             self.update_rank(dp_rank, num_running=0, num_waiting=0, num_preemptions=0)
