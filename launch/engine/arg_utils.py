@@ -242,9 +242,16 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine flags (vLLM's names) to ``parser``."""
+    """Add the engine flags (vLLM's names) to ``parser``, in vLLM's argument groups."""
     d = EngineArgs()
-    add = parser.add_argument
+    _add_model_args(parser.add_argument_group("ModelConfig"), d)
+    _add_cache_args(parser.add_argument_group("CacheConfig"), d)
+    _add_parallel_args(parser.add_argument_group("ParallelConfig"), d)
+    _add_graph_mode_args(parser.add_argument_group("CompilationConfig"))
+
+
+def _add_model_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
+    add = group.add_argument
     add("--model", default=None, help="Hugging Face checkpoint directory (default: embedded model)")
     add(
         "--dtype",
@@ -260,6 +267,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(e.g. 'none,+experts'); the others run forward_native",
     )
     add("--seed", type=int, default=d.seed, help="seed for random weights and sampling")
+    add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")
+
+
+def _add_cache_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
+    """Scheduler limits and the KV cache size."""
+    add = group.add_argument
     add("--max-model-len", type=int, default=None, help="max prompt + output tokens per request")
     add("--max-num-seqs", type=int, default=d.max_num_seqs, help="max requests per step per rank")
     add(
@@ -285,6 +298,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB; never more than --max-num-seqs "
         "full-length requests use; it must hold one --max-model-len request)",
     )
+
+
+def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
+    """DP, EP, DBO, the expert all-to-all and the distributed timeout."""
+    add = group.add_argument
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
     add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
@@ -315,7 +333,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.distributed_timeout_s,
         help="seconds any collective or ubatch wait may block before the run fails",
     )
-    add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")
     add(
         "--emulate-link",
         default=None,
@@ -323,13 +340,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="emulate a slower link for the expert all-to-all: bytes move through the backend, "
         "and each collective completes no earlier than issue + latency + bytes / bandwidth",
     )
-    add_graph_mode_args(parser)
 
 
-def add_graph_mode_args(parser: argparse.ArgumentParser) -> None:
+def _add_graph_mode_args(group: argparse._ArgumentGroup) -> None:
     """``--enforce-eager``, ``--cudagraph-capture-sizes``, ``--max-cudagraph-capture-size`` and the
     ``-cc/--compilation-config`` JSON subset (vLLM's spellings)."""
-    add = parser.add_argument
+    add = group.add_argument
     add(
         "--enforce-eager",
         action="store_true",
