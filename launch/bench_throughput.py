@@ -2,7 +2,7 @@
 ``torchrun --nproc-per-node N -m launch.bench_throughput``.
 
 Every rank builds the same requests (``--dataset-name random|jsonl``, see
-``launch.benchmarks.throughput``), serves its share (request i on DP rank i % dp_size) through
+``launch.benchmarks.throughput``), serves its share (``--load-balance-method``: request i on DP rank i % dp_size by default) through
 ``LLMEngine`` as ``launch.generate`` does, greedy with eos ignored. An untimed warm-up first runs
 all of this rank's prompts for ``--warmup-output-len`` tokens (0 skips it); then the timed run.
 Rank 0 prints vLLM's line ``Throughput: X requests/s, Y total tokens/s, Z output tokens/s``, our
@@ -62,11 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_requests(engine, requests, *, first_id: int, max_tokens: int | None, dp) -> list:
-    """Add this DP rank's share of ``requests`` and step until every rank is done."""
+    """Add this DP rank's share of ``requests`` (``--load-balance-method``) and step until every
+    rank is done."""
+    from launch.engine.dp_load_balancer import offline_share
     from launch.engine.request import Request, SamplingParams
 
     rank, size = dp
-    for index in range(rank, len(requests), size):
+    lengths = [len(r.prompt_token_ids) + (max_tokens or r.output_len) for r in requests]
+    method = engine.args.load_balance_method
+    for index in offline_share(lengths, dp_rank=rank, dp_size=size, method=method):
         engine.add_request(
             Request(
                 request_id=first_id + index,

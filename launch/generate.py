@@ -1,7 +1,7 @@
 """Offline batched generation over DP ranks: ``torchrun --nproc-per-node N -m launch.generate``.
 
 Prompts (JSONL lines ``{"prompt_token_ids": [...]}``; synthetic ones with the embedded default)
-are spread round-robin over the DP ranks; all ranks step in lockstep until every prompt is done;
+are spread over the DP ranks by ``--load-balance-method`` (round robin by default); all ranks step in lockstep until every prompt is done;
 rank 0 writes ``{"index", "prompt_token_ids", "output_token_ids"}`` lines in input order and prints
 a summary. Every input error is reported as one line on every rank before any process group exists.
 """
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from distributed import destroy_distributed, init_distributed
     from distributed.liveness import Heartbeat, describe_failure
+    from launch.engine.dp_load_balancer import offline_share
 
     groups = init_distributed(
         data_parallel_size=args.data_parallel_size,
@@ -119,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if groups.rank == 0:
             print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
-        for index in range(groups.dp_rank, len(prompts), groups.dp_size):
+        share = offline_share(
+            [len(p) + ns.max_tokens for p in prompts],
+            dp_rank=groups.dp_rank,
+            dp_size=groups.dp_size,
+            method=args.load_balance_method,
+        )
+        for index in share:
             engine.add_request(
                 Request(
                     request_id=index,

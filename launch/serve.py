@@ -1,7 +1,7 @@
 """OpenAI-compatible server over DP ranks: ``torchrun --nproc-per-node N -m launch.serve``.
 
 Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.serving.api_server``)
-and assigns each new request to the least-loaded DP rank (``launch.serving.load_balancer``); all
+and assigns each new request to a DP rank (``--load-balance-method``, ``launch.engine.dp_load_balancer``); all
 ranks then run ``launch.serving.serve_loop.ServeLoop`` in lockstep. Input errors are reported as one line on every rank before any process group exists;
 a failure while starting (a port in use, a bad checkpoint) is shared so that every rank exits with
 it; a rank that dies later ends the others through their next collective (an error, or the

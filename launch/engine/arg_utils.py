@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
+from launch.engine.dp_load_balancer import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
+
 ALL2ALL_BACKENDS = (
     "all_to_all",
     "allgather_reducescatter",
@@ -78,6 +80,7 @@ class EngineArgs:
         None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
     )
     distributed_timeout_s: float = 120.0
+    load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD  # see launch.engine.dp_load_balancer
     timeline_dir: str | None = None
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
     # graph mode (vLLM's names): compiled/captured pieces per padding bucket, see moe.compilation
@@ -98,6 +101,11 @@ class EngineArgs:
             raise ValueError(
                 f"--all2all-backend {self.all2all_backend!r} is not supported; "
                 f"choose one of {ALL2ALL_BACKENDS}"
+            )
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method {self.load_balance_method!r} is not one of "
+                f"{LOAD_BALANCE_METHODS}"
             )
         for flag, value, minimum in (
             ("--max-num-seqs", self.max_num_seqs, 1),
@@ -325,6 +333,14 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         choices=ALL2ALL_BACKENDS,
         help=f"expert all-to-all (default: {DEFAULT_DBO_ALL2ALL_BACKEND} with --enable-dbo, "
         f"else {DEFAULT_ALL2ALL_BACKEND})",
+    )
+    add(
+        "--load-balance-method",
+        default=d.load_balance_method,
+        choices=LOAD_BALANCE_METHODS,
+        help="which DP rank serves a request (SGLang's names): round_robin, shortest_queue (fewest "
+        "open requests; round robin when all arrive at once) or minimum_tokens (fewest open prompt "
+        "+ max new tokens)",
     )
     add(
         "--distributed-timeout",

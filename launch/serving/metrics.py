@@ -28,7 +28,7 @@ class ServerMetrics:
             "requests_received", "Requests accepted by the HTTP front end"
         )
         self.requests_routed = counter(
-            "requests_routed", "Requests sent to each DP rank by the least-loaded router", "dp_rank"
+            "requests_routed", "Requests sent to each DP rank by the DP load balancer", "dp_rank"
         )
         self.requests_rejected = counter(
             "requests_rejected", "Requests answered with a 4xx/503 error"

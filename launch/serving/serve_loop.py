@@ -2,7 +2,7 @@
 
 Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
 group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
-expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to the least-loaded DP rank,
+expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to a DP rank by the DP load balancer,
 aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its last step, its
 queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of them decide
 alike whether to run an engine step (some rank has work) or to idle, and when to stop.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from distributed.comm_handle import comm_error
+from launch.engine.dp_load_balancer import DPLoadBalancer
 from launch.engine.llm_engine import LLMEngine
 from launch.engine.request import Request
 from launch.serving.engine_bridge import (
@@ -29,10 +30,14 @@ from launch.serving.engine_bridge import (
     RequestOutput,
     ServerShuttingDown,
 )
-from launch.serving.load_balancer import DPLoadBalancer
 from launch.serving.metrics import ServerMetrics
 
 HEARTBEAT_S = 0.5
+
+
+def _max_num_tokens(request: NewRequest) -> int:
+    """Prompt + max new tokens: the ``minimum_tokens`` load balancer's weight of a request."""
+    return len(request.prompt_token_ids) + request.sampling_params.max_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,7 +95,7 @@ class ServeLoop:
         self.bridge = bridge
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
-        self.load_balancer = DPLoadBalancer(dp_size)
+        self.load_balancer = DPLoadBalancer(dp_size, engine.args.load_balance_method)
         self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
         self._shutdown_deadline: float | None = None
         self._error_outputs: list[RequestOutput] = []
@@ -142,7 +147,9 @@ class ServeLoop:
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
         for request_id in aborts:
             self.load_balancer.close(request_id)
-        assignments = tuple((self.load_balancer.assign(r.request_id), r) for r in new)
+        assignments = tuple(
+            (self.load_balancer.assign(r.request_id, _max_num_tokens(r)), r) for r in new
+        )
         if self.metrics is not None:
             self.metrics.requests_received.inc(len(new))
             for dp_rank, _ in assignments:

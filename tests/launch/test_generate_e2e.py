@@ -19,20 +19,27 @@ ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("nproc", "backend"),
+    ("nproc", "backend", "balance"),
     [
-        (2, "all_to_all"),
-        (2, "allgather_reducescatter"),
-        (4, "all_to_all"),
-        (4, "allgather_reducescatter"),
-        (2, "deepep_high_throughput"),
-        (2, "deepep_low_latency"),
-        (4, "deepep_high_throughput"),
-        (4, "deepep_low_latency"),
+        (2, "all_to_all", "shortest_queue"),
+        (2, "allgather_reducescatter", "shortest_queue"),
+        (4, "all_to_all", "minimum_tokens"),
+        (4, "allgather_reducescatter", "shortest_queue"),
+        (2, "deepep_high_throughput", "shortest_queue"),
+        (2, "deepep_low_latency", "minimum_tokens"),
+        (4, "deepep_high_throughput", "shortest_queue"),
+        (4, "deepep_low_latency", "round_robin"),
     ],
 )
 def test_greedy_dbo_generation_equals_transformers(
-    tmp_path, tiny_mixtral_dir, tiny_prompts, tiny_prompts_file, transformers_greedy, nproc, backend
+    tmp_path,
+    tiny_mixtral_dir,
+    tiny_prompts,
+    tiny_prompts_file,
+    transformers_greedy,
+    nproc,
+    backend,
+    balance,
 ):
     out = tmp_path / "out.jsonl"
     proc = torchrun(
@@ -43,6 +50,7 @@ def test_greedy_dbo_generation_equals_transformers(
         "--max-tokens=8",
         f"--data-parallel-size={nproc}",
         f"--all2all-backend={backend}",
+        f"--load-balance-method={balance}",
         *DBO_FLAGS,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
