@@ -112,6 +112,8 @@ def _pythonpath() -> dict:
 
 
 def _fmt(result: dict) -> str:
+    if "skipped" in result:
+        return "-"
     return f"{result['tokens_per_s']:,.1f}" if "tokens_per_s" in result else "failed"
 
 
@@ -130,6 +132,14 @@ VLLM_ARMS = (
     ("vllm_2threads", "2t", "0-1", False),
 )
 
+# (table key, file suffix, DP ranks, eager) of our four runs per checkpoint and dtype
+OURS_ARMS = (
+    ("ours_eager", "eager", 1, True),
+    ("ours_graph", "graph", 1, False),
+    ("ours_2ranks_eager", "2r_eager", 2, True),
+    ("ours_2ranks_graph", "2r_graph", 2, False),
+)
+
 
 def table_rows(ns) -> list[dict]:
     rows = []
@@ -141,6 +151,7 @@ def table_rows(ns) -> list[dict]:
             r = {"checkpoint": name, "dtype": dtype}
             vllm = {
                 key: earlier_vllm_result(ns, name, dtype, key, f"{tag}_vllm_{suffix}")
+                or ({"skipped": True} if "vllm" not in ns.engines else None)
                 or run_vllm(
                     ns,
                     model,
@@ -153,16 +164,20 @@ def table_rows(ns) -> list[dict]:
                 for key, suffix, threads, compile_ in VLLM_ARMS
             }
             r.update(vllm)
-            r["ours_eager"] = run_ours(
-                ns, model, prompts, dtype, ranks=1, eager=True, tag=f"{tag}_ours_eager"
-            )
-            r["ours_graph"] = run_ours(
-                ns, model, prompts, dtype, ranks=1, eager=False, tag=f"{tag}_ours_graph"
-            )
-            r["ours_2ranks_eager"] = run_ours(
-                ns, model, prompts, dtype, ranks=2, eager=True, tag=f"{tag}_ours_2r_eager"
-            )
-            r["ours_2ranks_graph"] = run_ours(ns, model, prompts, dtype, ranks=2, eager=False, tag=f"{tag}_ours_2r_graph")  # fmt: skip
+            for key, suffix, ranks, eager in OURS_ARMS:
+                r[key] = (
+                    run_ours(
+                        ns,
+                        model,
+                        prompts,
+                        dtype,
+                        ranks=ranks,
+                        eager=eager,
+                        tag=f"{tag}_ours_{suffix}",
+                    )  # fmt: skip
+                    if "ours" in ns.engines
+                    else {"skipped": True}
+                )
             print(format_row(r), flush=True)
             rows.append(r)
     return rows
@@ -214,7 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         help="take vLLM's numbers (and tokens, from the files beside it) from an earlier run's "
         "table.json instead of running vLLM again; rows not found there are run",
     )
+    p.add_argument(
+        "--engines",
+        default="vllm,ours",
+        help="which engines to run, comma-separated: vllm, ours (e.g. measure vLLM once with "
+        "'vllm', then ours against it with 'ours' and --vllm-results)",
+    )
     ns = p.parse_args(argv)
+    ns.engines = {e.strip() for e in ns.engines.split(",") if e.strip()}
+    if not ns.engines or not ns.engines <= {"vllm", "ours"}:
+        p.error(f"--engines takes 'vllm', 'ours' or both, got {','.join(sorted(ns.engines))!r}")
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     print(HEADER, flush=True)
     rows = table_rows(ns)
