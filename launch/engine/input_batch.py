@@ -128,20 +128,8 @@ class InputBatch:
         num_tokens = int(cu_num_new[-1]) if len(scheduled) else 0
         if num_rows < num_tokens:
             raise ValueError(f"num_rows {num_rows} < {num_tokens} scheduled tokens")
-        # per token: its request (index into scheduled) and its position in the request
-        token_req = np.repeat(np.arange(len(scheduled)), num_new)
-        positions = np.zeros(num_rows, dtype=np.int64)
-        positions[:num_tokens] = (
-            np.arange(num_tokens) - (cu_num_new - num_new)[token_req] + num_computed[token_req]
-        )
-        token_row = rows[token_req]
-        real_positions = positions[:num_tokens]
-        input_ids = np.zeros(num_rows, dtype=np.int64)
-        input_ids[:num_tokens] = self.token_ids[token_row, real_positions]  # int32 -> int64
-        slot_mapping = np.full(num_rows, -1, dtype=np.int64)
-        block_ids = self.block_table[token_row, real_positions // self.block_size]
-        slot_mapping[:num_tokens] = (
-            block_ids.astype(np.int64) * self.block_size + real_positions % self.block_size
+        input_ids, positions, slot_mapping = self._token_arrays(
+            rows, num_new, num_computed, num_rows=num_rows
         )
         seq_lens = num_computed + num_new
         is_sampled = seq_lens == self.num_tokens[rows]  # all known tokens computed
@@ -157,21 +145,50 @@ class InputBatch:
             max_query_len=int(num_new.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),
         )
-        temperature = self.temperature[sampled_rows]
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
             attn_metadata=attn_metadata,
             logits_indices=torch.from_numpy(cu_num_new[is_sampled] - 1),
             sampled_request_ids=tuple(request_ids[is_sampled].tolist()),
-            sampling_metadata=SamplingMetadata(
-                temperature=torch.from_numpy(temperature),
-                top_p=torch.from_numpy(self.top_p[sampled_rows]),
-                seeds=torch.from_numpy(self.seeds[sampled_rows]),
-                output_positions=torch.from_numpy(
-                    self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
-                ),
-                num_logprobs=torch.from_numpy(self.num_logprobs[sampled_rows]),
-                is_all_greedy=not temperature.any(),
+            sampling_metadata=self._sampling_metadata(sampled_rows),
+        )
+
+    def _token_arrays(
+        self, rows: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray, *, num_rows: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``input_ids``, ``positions`` and ``slot_mapping`` [num_rows] int64 of the scheduled
+        requests (persistent rows ``rows``, ``num_new`` tokens each after ``num_computed``), by
+        block-table arithmetic; padding rows: id 0, position 0, slot -1."""
+        cu_num_new = np.cumsum(num_new)
+        num_tokens = int(cu_num_new[-1]) if len(rows) else 0
+        # per token: its request (index into scheduled) and its position in the request
+        token_req = np.repeat(np.arange(len(rows)), num_new)
+        positions = np.zeros(num_rows, dtype=np.int64)
+        positions[:num_tokens] = (
+            np.arange(num_tokens) - (cu_num_new - num_new)[token_req] + num_computed[token_req]
+        )
+        token_row = rows[token_req]
+        real_positions = positions[:num_tokens]
+        input_ids = np.zeros(num_rows, dtype=np.int64)
+        input_ids[:num_tokens] = self.token_ids[token_row, real_positions]  # int32 -> int64
+        slot_mapping = np.full(num_rows, -1, dtype=np.int64)
+        block_ids = self.block_table[token_row, real_positions // self.block_size]
+        slot_mapping[:num_tokens] = (
+            block_ids.astype(np.int64) * self.block_size + real_positions % self.block_size
+        )
+        return input_ids, positions, slot_mapping
+
+    def _sampling_metadata(self, sampled_rows: np.ndarray) -> SamplingMetadata:
+        """The sampling parameters of the persistent rows ``sampled_rows``, in that order."""
+        temperature = self.temperature[sampled_rows]
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature),
+            top_p=torch.from_numpy(self.top_p[sampled_rows]),
+            seeds=torch.from_numpy(self.seeds[sampled_rows]),
+            output_positions=torch.from_numpy(
+                self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
             ),
+            num_logprobs=torch.from_numpy(self.num_logprobs[sampled_rows]),
+            is_all_greedy=not temperature.any(),
         )
