@@ -6,7 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.layers.linear import is_tracing
 from moe.platforms.custom_op import CustomOp
+
+# Rows whose float32 working copy fits this many bytes go through one F.rms_norm call: torch's CPU
+# F.rms_norm is composite (a float32 copy, square, mean, rsqrt, scale: ~5 passes over the rows),
+# so on a tall batch every pass streams from memory, and blocks of rows that stay in the L2 cache
+# run faster (1 thread, 2048 x 1024: bfloat16 3.8 -> 1.7-1.9 ms, float32 2.3 -> 2.0 ms; 2048 x
+# 4096: 21 -> 10-11 ms and 44 -> 22 ms). Rows are independent, so the result is bit-identical.
+RMS_NORM_BLOCK_BYTES = 256 * 1024
+
+
+def rows_per_cache_block(hidden_size: int) -> int:
+    """Rows per ``RMSNorm.forward_cpu`` call: a float32 working copy of ``RMS_NORM_BLOCK_BYTES``
+    (at least 1 row)."""
+    return max(1, RMS_NORM_BLOCK_BYTES // (4 * max(hidden_size, 1)))
 
 
 @CustomOp.register("rms_norm")
@@ -23,7 +37,8 @@ class RMSNorm(CustomOp):
     bf16 ulp on ~25 % of outputs): two ops instead of six, bit-identical where measured, at most
     one bf16 rounding of the normalised value apart otherwise (a different float32 summation
     order). float64 (whose reference takes the statistics in float32, as transformers) takes the
-    reference.
+    reference. A batch of more than ``rows_per_cache_block(hidden_size)`` rows runs in blocks of
+    that many rows (each row's result unchanged; faster because every block stays in cache).
     """
 
     def __init__(
@@ -39,11 +54,23 @@ class RMSNorm(CustomOp):
         self.eps = eps
 
     def forward_cpu(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        fused = x.dtype == torch.float32 and self.weight.dtype == torch.float32
+        if not fused and x.dtype != torch.bfloat16:
+            return self.forward_native(x)
+        num_rows = x.numel() // max(x.shape[-1], 1)
+        chunk = rows_per_cache_block(x.shape[-1])
+        if num_rows <= chunk or is_tracing():  # a compiled graph fuses the passes itself
+            return self._normalize(x, fused)
+        x2d = x.reshape(num_rows, x.shape[-1])
+        out = torch.empty_like(x2d, dtype=torch.promote_types(x.dtype, self.weight.dtype))
+        for start in range(0, num_rows, chunk):
+            out[start : start + chunk] = self._normalize(x2d[start : start + chunk], fused)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _normalize(self, x: Tensor, fused: bool) -> Tensor:
+        if fused:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if x.dtype == torch.bfloat16:
-            return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
-        return self.forward_native(x)
+        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
     def forward_native(self, x: Tensor) -> Tensor:
         input_dtype = x.dtype

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe import CustomOp, RMSNorm, RotaryEmbedding, TorchExperts, set_custom_ops
+from moe.layers.norm import rows_per_cache_block
 from moe.platforms import plugins
 from moe.platforms.custom_op import parse_custom_ops
 from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
@@ -89,6 +90,8 @@ def test_rms_norm_cpu_path_equals_reference(dtype, hidden_size):
         norm.weight.copy_(torch.randn(hidden_size, generator=gen) * 0.3 + 1)
     x = (torch.randn(301, hidden_size, generator=gen) * 5).to(dtype)
     got, expected = norm(x), norm.forward_native(x)
+    # 301 rows take the blocked path at hidden 1024 (64-row blocks), one call at hidden 64
+    assert (rows_per_cache_block(hidden_size) < 301) == (hidden_size == 1024)
     assert got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -96,6 +99,24 @@ def test_rms_norm_cpu_path_equals_reference(dtype, hidden_size):
         torch.testing.assert_close(got, expected, rtol=2**-6, atol=0)
     else:
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_blocks_equal_one_call(dtype):
+    """The blocked path (rows in cache-sized blocks, a 3-d input, a last partial block) equals
+    one unblocked call bit for bit: every row's arithmetic is the same."""
+    set_current_platform(CpuPlatform())
+    hidden_size = 512
+    norm = RMSNorm(hidden_size, 1e-5, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden_size, generator=gen) * 0.3 + 1)
+    block = rows_per_cache_block(hidden_size)
+    x = (torch.randn(3, block + 5, hidden_size, generator=gen) * 5).to(dtype)
+    one_call = norm._normalize(x, dtype == torch.float32)
+    got = norm(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(got, one_call)
 
 
 def test_dispatch_follows_platform():
