@@ -20,10 +20,12 @@ weights (the originals stay for ``forward_native`` and ``apply_batched``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
+    FLOAT32_MAX_PACKED_ROWS,
     PackedWeights,
     can_pack,
     onednn_linear,
@@ -241,22 +243,37 @@ class TorchExperts(CustomOp):
         topk_weights: Tensor,
         packs: tuple[Tensor, ...],
     ) -> Tensor:
-        """Per local expert: one packed GEMM for gate and up, SwiGLU, one packed GEMM for down;
-        then weighting and one scatter-add (``index_add_``) into the token rows."""
+        """Per local expert: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM for
+        down, its top-k weights in place and a scatter-add (``index_add_``) into the token rows.
+        The same arithmetic as one weighting and one scatter-add over all experts' rows after a
+        ``torch.cat`` (pairs are added in the same order), without the cat's copy and the
+        temporaries (bit-identical). A float32 expert with more than ``FLOAT32_MAX_PACKED_ROWS``
+        rows runs the reference's plain GEMMs instead (faster there, as for ``Linear``)."""
         out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
         if routed is None:
             return out
         pairs, counts, token_idx, x = routed
         num_inter = self.intermediate_size
-        outputs, start = [], 0
+        weights = topk_weights.reshape(-1)[pairs, None].to(x.dtype)
+        start = 0
         for expert, count in enumerate(counts[1:]):  # a loop over experts, not over tokens
             if count == 0:
                 continue
-            gate_up = onednn_linear(x[start : start + count], packs[2 * expert])  # [n, 2F]
-            start += count
-            h = swiglu(gate_up[:, :num_inter], gate_up[:, num_inter:])
-            outputs.append(onednn_linear(h, packs[2 * expert + 1]))
-        return self._scatter_weighted(out, torch.cat(outputs), topk_weights, pairs, token_idx)
+            end = start + count
+            rows = x[start:end]
+            if rows.dtype == torch.float32 and count > FLOAT32_MAX_PACKED_ROWS:
+                # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
+                h = F.silu(rows @ self.w1[expert].t())
+                h.mul_(rows @ self.w3[expert].t())
+                y = (h @ self.w2[expert].t()).mul_(weights[start:end])
+            else:
+                gate_up = onednn_linear(rows, packs[2 * expert])  # [n, 2F]
+                h = F.silu(gate_up[:, :num_inter])  # swiglu, with the product in place
+                h.mul_(gate_up[:, num_inter:])
+                y = onednn_linear(h, packs[2 * expert + 1]).mul_(weights[start:end])
+            out.index_add_(0, token_idx[start:end], y)
+            start = end
+        return out
 
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.

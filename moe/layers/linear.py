@@ -8,7 +8,8 @@ layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernels inductor's weig
 AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), where ``F.linear``
 (MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
 thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
-size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0x at 512 and 1.0-1.06x at 2048, so float32
+size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0-1.06x at 512 and 1.0-1.14x at 2048 (with
+the row padding, the experts' 2048-token prefill chunk: 1.13x), so float32
 batches above ``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below
 ``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. The rows are zero-padded up
 to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
@@ -39,7 +40,7 @@ from moe.platforms.custom_op import CustomOp
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-FLOAT32_MAX_PACKED_ROWS = 1024  # above it MKL's sgemm (F.linear) is as fast or faster
+FLOAT32_MAX_PACKED_ROWS = 256  # above it MKL's sgemm (F.linear) is as fast or faster
 # float32 weights smaller than this (elements) stay on MKL: oneDNN's per-call cost outweighs the
 # saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
 FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20

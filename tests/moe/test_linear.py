@@ -185,6 +185,25 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
             experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
 
 
+@needs_onednn
+def test_float32_experts_above_the_row_threshold_take_the_plain_gemms():
+    """An expert with more than FLOAT32_MAX_PACKED_ROWS rows runs the reference's own GEMMs (bit
+    for bit when every token goes there); beside packed experts the result stays within the
+    float32 bound of the reference."""
+    experts = _experts(torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    num_tokens = linear_mod.FLOAT32_MAX_PACKED_ROWS + 9
+    x = torch.randn(num_tokens, 32, generator=gen)
+    with torch.no_grad():
+        assert experts.packed_weights()
+        ids, weights = torch.zeros(num_tokens, 1, dtype=torch.long), torch.rand(num_tokens, 1)
+        assert torch.equal(experts(x, ids, weights), experts.forward_native(x, ids, weights))
+        ids = torch.cat((ids, torch.randint(1, 6, (num_tokens, 1), generator=gen)), dim=1)
+        weights = torch.rand(num_tokens, 2, generator=gen)
+        fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
+        torch.testing.assert_close(fast, ref, atol=FLOAT32_EXPERTS_TOL, rtol=FLOAT32_EXPERTS_TOL)
+
+
 def test_float64_experts_are_not_packed():
     with torch.no_grad():
         assert _experts(torch.float64).packed_weights() == ()
