@@ -101,8 +101,9 @@ def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
         return x.new_zeros((*lead, packed.shape[0]))
     num_padded = padded_num_rows(num_rows)
     if num_padded != num_rows:
-        padded = x2d.new_zeros((num_padded, x2d.shape[1]))
+        padded = x2d.new_empty((num_padded, x2d.shape[1]))
         padded[:num_rows] = x2d
+        padded[num_rows:].zero_()  # zero only the padding rows (one pass over x, not two)
         x2d = padded
     out = torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
     return out[:num_rows].view(*lead, out.shape[-1])
