@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -134,3 +135,50 @@ def test_init_distributed_two_ranks_with_and_without_expert_parallel():
         assert no_ep["ep"] == (0, 1, True)
         assert no_ep["sums"] == [3.0, None]
         assert result["destroyed"]
+
+
+def _gloo_worker_threads() -> int:
+    """Live threads of this process named by ProcessGroupGloo's workers (``pt_gloo_runloop``)."""
+    import contextlib
+    from pathlib import Path
+
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            names.append(comm.read_text().strip())
+    return names.count("pt_gloo_runloop")
+
+
+def _engine_then_destroy(rank, world_size, model_dir):
+    import gc
+
+    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.request import Request, SamplingParams
+    from tests.helpers.engine import dbo_test_engine_args
+
+    groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
+    args = dbo_test_engine_args(model_dir, world_size, enable_dbo=False)
+    engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)  # freezes the GC
+    engine.add_request(
+        Request(request_id=rank, prompt_token_ids=[3, 4, 5], sampling_params=SamplingParams())
+    )
+    engine.run_until_done()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, rank, group=groups.dp_group)  # as the entry points end
+    before = _gloo_worker_threads()
+    assert gc.get_freeze_count() > 0
+    del engine  # its reference cycles are frozen: only the collection in destroy frees them
+    destroy_distributed()
+    del groups  # the caller's last reference: the groups end, their destructors join the workers
+    return before, _gloo_worker_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc thread names")
+def test_destroy_ends_the_gloo_workers_before_interpreter_exit(tiny_mixtral_dir):
+    """A gloo worker alive at interpreter finalization can abort the process while it releases a
+    finished collective (``terminate called without an active exception``): after
+    ``destroy_distributed`` and the caller dropping its groups, none may be left, even with the
+    engine's heap frozen by ``freeze_gc_heap``."""
+    results = run_distributed(_engine_then_destroy, 2, tiny_mixtral_dir)
+    assert all(before > 0 for before, _ in results), results
+    assert [after for _, after in results] == [0, 0], results
