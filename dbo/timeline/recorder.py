@@ -190,7 +190,12 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
     """Record the enclosed block as a span named ``layer{L}.{name}`` (inside a layer) on this
     thread's ``kind`` track (``ubatch{i} compute`` with DBO on, else ``main compute``), and open a
     ``torch.profiler.record_function`` range of the same name while a torch profiler runs.
-    A no-op without recorder and profiler. Recorded even if the block raises."""
+    A no-op without recorder and profiler. Recorded even if the block raises.
+
+    The span's ``args["cpu_ms"]`` is the CPU time this thread spent in the block
+    (``time.thread_time_ns``): wall time above it is time the thread was not running (preempted,
+    blocked, or waiting for the GIL); CPU time itself growing means the same work ran slower.
+    """
     rec = _recorder
     if rec is None and not _profiler_on():
         yield
@@ -198,15 +203,17 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
     full_name = span_name(name)
     track = _track(kind)
     profiled = torch.profiler.record_function(full_name) if _profiler_on() else nullcontext()
-    start_ns = time.perf_counter_ns()
+    start_ns, cpu_start_ns = time.perf_counter_ns(), time.thread_time_ns()
     try:
         with profiled:
             yield
     finally:
         if rec is not None:
+            cpu_ms = (time.thread_time_ns() - cpu_start_ns) / 1e6
             rec.add_span(
-                full_name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track
-            )
+                full_name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track,
+                args={"cpu_ms": cpu_ms},
+            )  # fmt: skip
 
 
 def blocking_comm_span(name: str) -> AbstractContextManager[None]:

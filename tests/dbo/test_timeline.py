@@ -56,6 +56,20 @@ def test_spans_outside_dbo_go_to_the_main_tracks(recorder):
     assert spans[1].duration_ns == 4_500 and spans[1].args == {"num_bytes": 8}
 
 
+def test_compute_spans_carry_the_thread_cpu_time(recorder):
+    with timeline_span("sleeping"):
+        time.sleep(0.05)  # wall time, next to no CPU
+    with timeline_span("spinning"):
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline:
+            pass
+    sleeping, spinning = recorder.spans()
+    for span in (sleeping, spinning):
+        assert 0.0 <= span.args["cpu_ms"] <= span.duration_ns / 1e6 + 1.0
+    assert sleeping.args["cpu_ms"] < 20.0 <= sleeping.duration_ns / 1e6
+    assert spinning.args["cpu_ms"] > sleeping.args["cpu_ms"]
+
+
 def test_spans_of_ubatch_threads_go_to_their_tracks(recorder):
     def model_fn(input_ids, positions, md):
         with timeline_span("attention"):
