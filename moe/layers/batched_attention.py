@@ -203,6 +203,14 @@ def request_chunks(
     )
 
 
+def _gather_rows(x: Tensor, chunk: PaddedRequests) -> Tensor:
+    """``x[chunk.gather_rows]``: ``[num_tokens, *E]`` -> ``[num_chunk_reqs, max_query_len, *E]``,
+    by ``index_select`` (whole-row copies; 2048 x 16 x 64 bfloat16 rows, 1 thread: 0.5 ms against
+    1.2 ms for advanced indexing)."""
+    rows = x.index_select(0, chunk.gather_rows.flatten())
+    return rows.view(*chunk.gather_rows.shape, *x.shape[1:])
+
+
 def gather_context(cache: Tensor, chunk: PaddedRequests) -> Tensor:
     """Each request's first ``max_seq_len`` cache rows: cache ``[num_blocks, block_size, *E]`` ->
     ``[num_chunk_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
@@ -302,7 +310,7 @@ def batched_paged_attention(
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
         # become extra query rows of that KV head ([R, KVH, G * Q, D]).
-        q = query[chunk.gather_rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
+        q = _gather_rows(query, chunk).view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
         # K and V of every chunk request in one gather: [2, R, S, KVH, D]
         kv = kv().view(2, num_reqs, -1, num_kv_heads, head_dim)[:, :, :s_len].to(query.dtype)
@@ -354,8 +362,8 @@ def batched_mla_attention(
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
         kv_c = rows[..., :kv_lora_rank]
-        qn = q_nope[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, nope]
-        qp = q_pe[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, rope]
+        qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
+        qp = _gather_rows(q_pe, chunk).transpose(1, 2)  # [R, H, Q, rope]
         mask = chunk.attn_mask[:, None]  # [R, 1, Q, S]
         if q_len <= absorb_max_query_len:
             q_lat = qn @ w_uk  # [R, H, Q, r]
