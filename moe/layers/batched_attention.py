@@ -38,13 +38,12 @@ if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
 
 
-# Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents), so the
-# gathered copy (one scratch buffer, see ``_kv_gather``) stays in the last-level cache while SDPA
-# reads it. Small chunks (1 MiB, the L2 size) cost more in per-call overhead than they save: one
-# layer of the medium checkpoint's 80-request decode batch (~176 tokens each, 16/8 heads of 64),
-# 1 thread, ms at 1 / 8 / 16 / 32 MiB: bfloat16 8.7 / 7.7 / 7.6 / 8.9, float32 16.3 / 11.0 / 9.9 /
-# 9.6; a 13 x 157-token prefill step: bfloat16 19.7 / 18.7 / 21.1 / 19.7 (noise), float32 32.5 /
-# 30.4 / 29.2 / 28.3.
+# Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents) into
+# one scratch buffer (``_kv_gather``). 1 MiB chunks (the L2 size) kept the copy in L2 but paid a
+# call per 2-3 requests; with the requests split by seq_len bucket first (``_chunk_bounds``), 16 MiB
+# chunks ran one medium-checkpoint layer's 80-request float32 decode in 9.8-11.5 ms against 16-18
+# ms, and its prefills as fast or faster (README, "Per-platform ops"). Without the buckets, large
+# chunks pad short prompts to long ones: bfloat16 prefills 27.5 / 32.0 ms against 19.4 / 15.5.
 CHUNK_CONTEXT_BYTES = 16 << 20
 # Requests go in chunks by seq_len bucket (quarter octaves from 64 tokens up; see _chunk_bounds).
 SEQ_LEN_BUCKETS_PER_OCTAVE = 4
