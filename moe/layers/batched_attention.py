@@ -232,7 +232,10 @@ def _gqa_masks(chunks: list[PaddedRequests], group_size: int, dtype: torch.dtype
 
 
 def _kv_gather(
-    kv_cache: Tensor, chunks: list[PaddedRequests], attn_metadata: CommonAttentionMetadata
+    kv_cache: Tensor,
+    chunks: list[PaddedRequests],
+    attn_metadata: CommonAttentionMetadata,
+    plan_key: tuple,
 ) -> list[Callable[[], Tensor]]:
     """Per chunk a function returning its requests' K and V blocks ``[2 * R * num_blocks,
     block_size, *E]`` (K blocks first), gathered from ``kv_cache`` ``[2, num_cache_blocks,
@@ -244,7 +247,9 @@ def _kv_gather(
     (u)batch (``attn_metadata.derived``; the layers run one after the other and each chunk's
     result is consumed before the next gather), so no chunk pays for freshly allocated pages.
     1 thread, bfloat16, medium checkpoint's 80-request decode batch: see the README's attention
-    numbers. Other caches take ``index_select`` on dim 1.
+    numbers. Other caches take ``index_select`` on dim 1. ``plan_key`` names the padding plan
+    ``chunks`` is (its ``attn_metadata.derived`` key), so the row indices cached per plan never
+    serve another plan's chunks.
     """
     if not kv_cache.is_contiguous():
         return [
@@ -252,7 +257,7 @@ def _kv_gather(
         ]
     num_cache_blocks = kv_cache.shape[1]
     rows = attn_metadata.derived(
-        ("kv_gather_rows", num_cache_blocks, kv_cache.device),
+        ("kv_gather_rows", plan_key, num_cache_blocks, kv_cache.device),
         lambda: [
             torch.cat((c.blocks.flatten(), c.blocks.flatten() + num_cache_blocks)) for c in chunks
         ],
@@ -304,7 +309,9 @@ def batched_paged_attention(
         ("gqa_masks", block_size, context_bytes, query.device, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),
     )
-    gather = _kv_gather(kv_cache, chunks, attn_metadata)
+    # the key request_chunks cached the plan under (short_query_len 1)
+    plan_key = (block_size, 1, context_bytes, query.device)
+    gather = _kv_gather(kv_cache, chunks, attn_metadata, plan_key)
     for chunk, mask, kv in zip(chunks, masks, gather, strict=True):
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head

@@ -311,3 +311,21 @@ def test_additive_mask_equals_bool_mask_bitwise(dtype):
         rtol=0,
         atol=0,
     )
+
+
+def test_layers_with_different_plans_share_metadata(monkeypatch):
+    """Layers whose K/V rows differ in size (so their chunks differ) on one (u)batch's metadata:
+    each uses its own plan's gather rows and equals its reference."""
+    # float64, head_dim 8: 128 context bytes per token and KV head -> up to 3 requests of 16
+    # tokens per chunk with 1 KV head, 1 request with 4
+    monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 8000)
+    md = make_metadata(MIXED, num_padding=1)
+    for num_kv_heads in (1, 4, 2):
+        native, batched = make_gqa(8, num_kv_heads), make_gqa(8, num_kv_heads)
+        q, k, v = gqa_inputs(native, md.num_tokens)
+        torch.testing.assert_close(
+            batched.forward_cpu(q, k, v, md),
+            native.forward_native(q, k, v, md),
+            rtol=1e-12,
+            atol=1e-12,
+        )
