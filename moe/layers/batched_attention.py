@@ -2,9 +2,10 @@
 
 The requests with query rows are put in two groups by query length — short queries (decode rows;
 ``query_len <= short_query_len``) and the rest (prefill chunks) — so that one long prefill chunk
-does not pad every decode row to its length. Each group is sorted by ``seq_len`` and cut into
-chunks whose gathered context fits ``CHUNK_CONTEXT_BYTES`` (one chunk for small batches; a loop
-over chunks, never over requests). A chunk is padded to ``[num_chunk_reqs, max_query_len, ...]``
+does not pad every decode row to its length. Each group is sorted by ``seq_len``, split where the
+``seq_len`` crosses a quarter-octave bucket (``_chunk_bounds``: no request padded by more than
+2^(1/4) in length) and cut into chunks whose gathered context fits ``CHUNK_CONTEXT_BYTES`` (one
+chunk for small batches; a loop over chunks, never over requests). A chunk is padded to ``[num_chunk_reqs, max_query_len, ...]``
 queries and ``[num_chunk_reqs, max_seq_len, ...]`` keys gathered through the block table, and
 attends in one ``scaled_dot_product_attention`` call under a mask that is both causal and a length
 mask: query ``i`` of request ``r`` sits at position ``seq_lens[r] - query_lens[r] + i`` and sees
@@ -25,6 +26,7 @@ Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,10 +38,16 @@ if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
 
 
-# Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents), so the
-# gathered copy stays in the L2 cache while SDPA reads it: one padded gather of a large decode batch
-# (hundreds of requests x hundreds of tokens) would stream through DRAM twice.
-CHUNK_CONTEXT_BYTES = 1 << 20
+# Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents) into
+# one scratch buffer (``_kv_gather``). 1 MiB chunks (the L2 size) kept the copy in L2 but paid a
+# call per 2-3 requests; with the requests split by seq_len bucket first (``_chunk_bounds``), 16 MiB
+# chunks ran one medium-checkpoint layer's 80-request float32 decode in 9.8-11.5 ms against 16-18
+# ms, and its prefills as fast or faster (README, "Per-platform ops"). Without the buckets, large
+# chunks pad short prompts to long ones: bfloat16 prefills 27.5 / 32.0 ms against 19.4 / 15.5.
+CHUNK_CONTEXT_BYTES = 16 << 20
+# Requests go in chunks by seq_len bucket (quarter octaves from 64 tokens up; see _chunk_bounds).
+SEQ_LEN_BUCKETS_PER_OCTAVE = 4
+SEQ_LEN_BUCKET_MIN = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +106,30 @@ def _pad_chunk(
     )
 
 
+def _chunk_bounds(
+    sorted_seq_lens: list[int], context_bytes_per_token: int
+) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each chunk of requests sorted by ``seq_len`` (ascending, each >= 1).
+
+    Requests whose ``seq_len`` (at least ``SEQ_LEN_BUCKET_MIN``) lie in different
+    ``1 / SEQ_LEN_BUCKETS_PER_OCTAVE``-octave buckets go in different chunks, so no chunk pads a
+    request by more than that factor (prefill attention's work grows with the square of the padded
+    length); within a bucket, chunks hold at most ``CHUNK_CONTEXT_BYTES`` of gathered context (at
+    least one request). A loop over buckets and chunks, never over requests.
+    """
+    lens = torch.tensor(sorted_seq_lens, dtype=torch.float64).clamp_(min=SEQ_LEN_BUCKET_MIN)
+    buckets = lens.log2_().mul_(SEQ_LEN_BUCKETS_PER_OCTAVE).ceil_()
+    bounds, start = [], 0
+    for count in torch.unique_consecutive(buckets, return_counts=True)[1].tolist():
+        stop = start + count
+        per_chunk = max(
+            1, CHUNK_CONTEXT_BYTES // (sorted_seq_lens[stop - 1] * context_bytes_per_token)
+        )
+        bounds += [(s, min(s + per_chunk, stop)) for s in range(start, stop, per_chunk)]
+        start = stop
+    return bounds
+
+
 def pad_request_chunks(
     attn_metadata: CommonAttentionMetadata,
     block_size: int,
@@ -128,11 +160,9 @@ def pad_request_chunks(
         order = seq_lens[req_ids].argsort(stable=True)
         req_ids = req_ids[order]
         # host sync (free on CPU): the padded shapes must be Python ints
-        group_seq_lens = seq_lens[req_ids].tolist()
+        group_seq_lens = seq_lens[req_ids].tolist()  # ascending
         group_query_lens = query_lens[req_ids].tolist()
-        per_chunk = max(1, CHUNK_CONTEXT_BYTES // (group_seq_lens[-1] * context_bytes_per_token))
-        for start in range(0, len(group_seq_lens), per_chunk):  # chunks, not requests
-            stop = min(start + per_chunk, len(group_seq_lens))
+        for start, stop in _chunk_bounds(group_seq_lens, context_bytes_per_token):
             chunks.append(
                 _pad_chunk(
                     req_ids[start:stop],
@@ -172,6 +202,14 @@ def request_chunks(
     )
 
 
+def _gather_rows(x: Tensor, chunk: PaddedRequests) -> Tensor:
+    """``x[chunk.gather_rows]``: ``[num_tokens, *E]`` -> ``[num_chunk_reqs, max_query_len, *E]``,
+    by ``index_select`` (whole-row copies; 2048 x 16 x 64 bfloat16 rows, 1 thread: 0.5 ms against
+    1.2 ms for advanced indexing)."""
+    rows = x.index_select(0, chunk.gather_rows.flatten())
+    return rows.view(*chunk.gather_rows.shape, *x.shape[1:])
+
+
 def gather_context(cache: Tensor, chunk: PaddedRequests) -> Tensor:
     """Each request's first ``max_seq_len`` cache rows: cache ``[num_blocks, block_size, *E]`` ->
     ``[num_chunk_reqs, max_seq_len, *E]`` (rows past a request's ``seq_len`` are other data)."""
@@ -191,6 +229,51 @@ def _gqa_masks(chunks: list[PaddedRequests], group_size: int, dtype: torch.dtype
         additive.masked_fill_(~mask, float("-inf"))
         masks.append(additive.reshape(num_reqs, 1, group_size * q_len, s_len))
     return masks
+
+
+def _kv_gather(
+    kv_cache: Tensor,
+    chunks: list[PaddedRequests],
+    attn_metadata: CommonAttentionMetadata,
+    plan_key: tuple,
+) -> list[Callable[[], Tensor]]:
+    """Per chunk a function returning its requests' K and V blocks ``[2 * R * num_blocks,
+    block_size, *E]`` (K blocks first), gathered from ``kv_cache`` ``[2, num_cache_blocks,
+    block_size, *E]``.
+
+    A contiguous cache is gathered as rows of its ``[2 * num_cache_blocks, -1]`` view
+    (``index_select`` on dim 0 copies whole rows with ``memcpy``; on dim 1 of the 5-d cache it
+    takes a slower path) into one scratch buffer shared by the chunks and by every layer of the
+    (u)batch (``attn_metadata.derived``; the layers run one after the other and each chunk's
+    result is consumed before the next gather), so no chunk pays for freshly allocated pages.
+    1 thread, bfloat16, medium checkpoint's 80-request decode batch: see the README's attention
+    numbers. Other caches take ``index_select`` on dim 1. ``plan_key`` names the padding plan
+    ``chunks`` is (its ``attn_metadata.derived`` key), so the row indices cached per plan never
+    serve another plan's chunks.
+    """
+    if not kv_cache.is_contiguous():
+        return [
+            lambda chunk=chunk: kv_cache.index_select(1, chunk.blocks.flatten()) for chunk in chunks
+        ]
+    num_cache_blocks = kv_cache.shape[1]
+    rows = attn_metadata.derived(
+        ("kv_gather_rows", plan_key, num_cache_blocks, kv_cache.device),
+        lambda: [
+            torch.cat((c.blocks.flatten(), c.blocks.flatten() + num_cache_blocks)) for c in chunks
+        ],
+    )
+    flat = kv_cache.view(2 * num_cache_blocks, -1)
+    max_rows = max((r.numel() for r in rows), default=0)
+    scratch = attn_metadata.derived(
+        ("kv_gather_scratch", max_rows, flat.shape[1], kv_cache.dtype, kv_cache.device),
+        lambda: flat.new_empty(max_rows, flat.shape[1]),
+    )
+    return [
+        lambda r=r: torch.index_select(flat, 0, r, out=scratch[: r.numel()]).view(
+            r.numel(), *kv_cache.shape[2:]
+        )
+        for r in rows
+    ]
 
 
 def batched_paged_attention(
@@ -226,15 +309,17 @@ def batched_paged_attention(
         ("gqa_masks", block_size, context_bytes, query.device, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),
     )
-    for chunk, mask in zip(chunks, masks, strict=True):
+    # the key request_chunks cached the plan under (short_query_len 1)
+    plan_key = (block_size, 1, context_bytes, query.device)
+    gather = _kv_gather(kv_cache, chunks, attn_metadata, plan_key)
+    for chunk, mask, kv in zip(chunks, masks, gather, strict=True):
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
         # become extra query rows of that KV head ([R, KVH, G * Q, D]).
-        q = query[chunk.gather_rows].view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
+        q = _gather_rows(query, chunk).view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
         # K and V of every chunk request in one gather: [2, R, S, KVH, D]
-        kv = kv_cache.index_select(1, chunk.blocks.flatten())
-        kv = kv.view(2, num_reqs, -1, num_kv_heads, head_dim)[:, :, :s_len].to(query.dtype)
+        kv = kv().view(2, num_reqs, -1, num_kv_heads, head_dim)[:, :, :s_len].to(query.dtype)
         o = F.scaled_dot_product_attention(
             q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask, scale=scale
         )
@@ -283,8 +368,8 @@ def batched_mla_attention(
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
         kv_c = rows[..., :kv_lora_rank]
-        qn = q_nope[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, nope]
-        qp = q_pe[chunk.gather_rows].transpose(1, 2)  # [R, H, Q, rope]
+        qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
+        qp = _gather_rows(q_pe, chunk).transpose(1, 2)  # [R, H, Q, rope]
         mask = chunk.attn_mask[:, None]  # [R, 1, Q, S]
         if q_len <= absorb_max_query_len:
             q_lat = qn @ w_uk  # [R, H, Q, r]

@@ -45,6 +45,14 @@ FLOAT32_MAX_PACKED_ROWS = 256  # above it MKL's sgemm (F.linear) is as fast or f
 # saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
 FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20
 _MIN_PADDED_ROWS = 16  # below it every size is its own bucket
+# bfloat16 GEMMs this small run faster in float32 on exact float32 copies of the weights: oneDNN's
+# per-call cost (~20 us here) dominates them. bfloat16 is a subset of float32 and a product of two
+# bfloat16 values is exact in float32, so both paths sum the same exact products in float32 and
+# round once to bfloat16 (only the summation order differs). 1 thread, packed / float32 us: weight
+# 64 x 192 at 1, 16, 80 rows: 21/6, 21/9, 22/20; 64 x 512: 22/8, 22/17, 28/41; 512 x 512 at 1
+# row: 35/27; 1024 x 1024 at 1 row: 200/236 (``upcast_wins`` picks float32 for the first cases).
+BFLOAT16_UPCAST_MAX_ELEMENTS = 1 << 16  # weight elements (a float32 copy is kept: 256 KiB at most)
+BFLOAT16_UPCAST_MAX_MACS = 1 << 19  # rows * weight elements
 _warned: set[str] = set()
 
 
@@ -72,6 +80,31 @@ def padded_num_rows(num_rows: int) -> int:
         return num_rows
     step = 1 << max(0, (num_rows - 1).bit_length() - 3)
     return math.ceil(num_rows / step) * step
+
+
+def can_upcast(weight: Tensor, *, num_elements: int | None = None) -> bool:
+    """Whether ``weight`` (bfloat16, at most ``BFLOAT16_UPCAST_MAX_ELEMENTS`` elements per matrix)
+    keeps a float32 copy for ``upcast_linear``."""
+    size = weight.numel() if num_elements is None else num_elements
+    return weight.dtype == torch.bfloat16 and size <= BFLOAT16_UPCAST_MAX_ELEMENTS
+
+
+def upcast_wins(x: Tensor, weight_elements: int) -> bool:
+    """Whether ``x`` [..., in_features] (bfloat16) times a ``weight_elements`` weight is small
+    enough for ``upcast_linear`` to beat the packed bfloat16 GEMM (see the thresholds above)."""
+    num_rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        x.dtype == torch.bfloat16
+        and weight_elements <= BFLOAT16_UPCAST_MAX_ELEMENTS
+        and num_rows * weight_elements <= BFLOAT16_UPCAST_MAX_MACS
+    )
+
+
+def upcast_linear(x: Tensor, weight32: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` of bfloat16 ``x`` in float32 on ``weight32`` (the exact float32 copy of a
+    bfloat16 weight), rounded once to bfloat16: the bfloat16 GEMM's result up to summation order."""
+    bias32 = None if bias is None else bias.float()
+    return F.linear(x.float(), weight32, bias32).to(torch.bfloat16)
 
 
 def onednn_pack(weight: Tensor) -> Tensor | None:
@@ -181,6 +214,7 @@ class Linear(CustomOp):
         else:
             self.register_parameter("bias", None)
         self._packs: PackedWeights | None = None
+        self._weight32: Tensor | None = None  # float32 copy of a small bfloat16 weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -193,9 +227,12 @@ class Linear(CustomOp):
     def process_weights_after_loading(self) -> None:
         """Pack the weight now (bfloat16 on CPU with oneDNN; otherwise drop any pack)."""
         self._packs = None
+        self._weight32 = None
         if can_pack(self.weight):
             packed = onednn_pack(self.weight)
             self._packs = PackedWeights.of((self.weight,), () if packed is None else (packed,))
+            if can_upcast(self.weight):
+                self._weight32 = self.weight.detach().float()
 
     def packed_weight(self) -> Tensor | None:
         """The current pack, re-made if the weight changed; None where the plain path runs."""
@@ -207,10 +244,22 @@ class Linear(CustomOp):
             packs = self._packs
         return packs.packed[0] if packs is not None and packs.packed else None
 
+    def upcast_weight(self) -> Tensor | None:
+        """The current float32 copy of a small bfloat16 weight (``upcast_linear``), re-made with
+        the pack; None where none is kept or the plain path runs."""
+        if not serves_packed(self.weight):
+            return None
+        self.packed_weight()  # re-makes both if the weight changed
+        return self._weight32
+
     def forward_native(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def forward_cpu(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype and upcast_wins(x, self.weight.numel()):
+            weight32 = self.upcast_weight()
+            if weight32 is not None:
+                return upcast_linear(x, weight32, self.bias)
         packed = self.packed_weight()
         if (
             packed is None

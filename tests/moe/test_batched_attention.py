@@ -80,12 +80,41 @@ def test_paged_attention_binds_batched_path_on_cpu():
     assert make_gqa(4, 2).forward_path == "forward_cpu"
 
 
-@pytest.fixture(params=["one_chunk", "small_chunks"])
+@pytest.fixture(params=["one_chunk", "small_chunks", "length_buckets"])
 def chunk_bytes(request, monkeypatch):
-    """Default chunking (each group in one chunk here), or chunks of one to a few requests."""
+    """Default chunking (each group in one chunk here), chunks of one to a few requests, or one
+    chunk per quarter-octave seq_len bucket (bucketing from 1 token instead of 64)."""
     if request.param == "small_chunks":
         monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 2000)
+    if request.param == "length_buckets":
+        monkeypatch.setattr(batched_attention, "SEQ_LEN_BUCKET_MIN", 1)
     return request.param
+
+
+def test_chunk_bounds_split_by_length_bucket_then_bytes(monkeypatch):
+    """Hand-worked: quarter-octave buckets of max(seq_len, 64): 10, 64 -> 24; 70, 76 -> 25
+    (log2 6.13, 6.25); 80 -> 26; 200, 200, 200 -> 31; 10-byte tokens, 4000-byte chunks -> 200-token
+    requests 2 per chunk."""
+    monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 4000)
+    lens = [10, 64, 70, 76, 80, 200, 200, 200]
+    assert batched_attention._chunk_bounds(lens, 10) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+    monkeypatch.setattr(batched_attention, "SEQ_LEN_BUCKETS_PER_OCTAVE", 1)  # octaves: 6, 7, 8
+    assert batched_attention._chunk_bounds(lens, 1) == [(0, 2), (2, 5), (5, 8)]
+
+
+def test_gqa_non_contiguous_cache_takes_dim1_gather():
+    """A cache whose K and V halves are not adjacent (not one ``[2 * blocks, -1]`` matrix)
+    gathers on dim 1."""
+    native, batched = make_gqa(8, 4), make_gqa(8, 4)
+    wide = torch.zeros(4, *native.kv_cache.shape[1:], dtype=DTYPE)
+    wide[::2] = native.kv_cache
+    batched.bind_kv_cache(wide[::2])
+    assert not batched.kv_cache.is_contiguous()
+    md = make_metadata(MIXED, num_padding=1)
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    torch.testing.assert_close(
+        batched.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -282,3 +311,21 @@ def test_additive_mask_equals_bool_mask_bitwise(dtype):
         rtol=0,
         atol=0,
     )
+
+
+def test_layers_with_different_plans_share_metadata(monkeypatch):
+    """Layers whose K/V rows differ in size (so their chunks differ) on one (u)batch's metadata:
+    each uses its own plan's gather rows and equals its reference."""
+    # float64, head_dim 8: 128 context bytes per token and KV head -> up to 3 requests of 16
+    # tokens per chunk with 1 KV head, 1 request with 4
+    monkeypatch.setattr(batched_attention, "CHUNK_CONTEXT_BYTES", 8000)
+    md = make_metadata(MIXED, num_padding=1)
+    for num_kv_heads in (1, 4, 2):
+        native, batched = make_gqa(8, num_kv_heads), make_gqa(8, num_kv_heads)
+        q, k, v = gqa_inputs(native, md.num_tokens)
+        torch.testing.assert_close(
+            batched.forward_cpu(q, k, v, md),
+            native.forward_native(q, k, v, md),
+            rtol=1e-12,
+            atol=1e-12,
+        )

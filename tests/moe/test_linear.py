@@ -45,6 +45,21 @@ def _pack_small_float32(monkeypatch):
     monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 0)
 
 
+@pytest.fixture(autouse=True)
+def _no_bfloat16_upcast(monkeypatch):
+    """The tests' bfloat16 weights are small enough for the float32 upcast; keep them on the
+    oneDNN kernels (the upcast has its own tests below)."""
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 0)
+
+
+def _count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Wrap ``module.name`` so every call appends 1 to the returned list."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 def _linear(dtype, *, bias, seed=0, in_features=48, out_features=40) -> Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -219,3 +234,57 @@ def test_small_float32_weights_stay_on_f_linear(monkeypatch):
         assert torch.equal(layer(x), layer.forward_native(x))
         assert _experts(torch.float32).packed_weights() == ()  # 32 x 24 per expert
         assert _experts(torch.bfloat16).packed_weights() != ()  # bfloat16 packs any size
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_bfloat16_linear_runs_in_float32_within_one_ulp(monkeypatch, bias):
+    """A small bfloat16 weight keeps an exact float32 copy; batches up to
+    BFLOAT16_UPCAST_MAX_MACS run F.linear in float32 on it (one rounding to bfloat16), larger
+    ones the oneDNN pack; both within the bfloat16 bound of the reference; a reload re-makes it."""
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 48 * 40)
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_MACS", 17 * 48 * 40)
+    calls = _count_calls(monkeypatch, linear_mod, "upcast_linear")
+    layer = _linear(torch.bfloat16, bias=bias)
+    with torch.no_grad():
+        assert torch.equal(layer.upcast_weight(), layer.weight.float())
+    for num_rows, upcast in ((1, 1), (17, 1), (18, 0)):
+        x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(num_rows))
+        calls.clear()
+        _assert_equal_to_native(layer, x.bfloat16())
+        assert len(calls) == upcast
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 48) * 0.3)  # a checkpoint re-loaded in place
+        assert torch.equal(layer.upcast_weight(), layer.weight.float())
+    _assert_equal_to_native(layer, torch.randn(5, 48).bfloat16())
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 48 * 40 - 1)
+    with torch.no_grad():
+        assert _linear(torch.bfloat16, bias=bias).upcast_weight() is None  # too big: none kept
+
+
+@needs_onednn
+@pytest.mark.parametrize("num_tokens", [1, 17, 40])
+def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(monkeypatch, num_tokens):
+    """Small bfloat16 experts run their GEMMs in float32 on exact float32 copies (a batch above
+    BFLOAT16_UPCAST_MAX_MACS rows x weight takes the oneDNN pack), within the bfloat16 bound."""
+    from moe.fused_moe import experts as experts_mod
+
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 2 * 32 * 24)
+    monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_MACS", 12 * 2 * 32 * 24)
+    calls = _count_calls(monkeypatch, experts_mod, "upcast_linear")
+    experts = _experts(torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(-1, 4, (num_tokens, 2), generator=gen)
+    weights = torch.rand(num_tokens, 2, generator=gen)
+    x = torch.randn(num_tokens, 32, generator=gen).bfloat16()
+    with torch.no_grad():
+        for _ in range(2):  # before and after the weights are re-loaded in place
+            calls.clear()
+            fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
+            torch.testing.assert_close(
+                fast.float(), ref.float(), atol=BF16_EXPERTS_TOL, rtol=BF16_EXPERTS_TOL
+            )
+            assert calls  # every expert with <= 12 rows (down: <= 24) runs in float32
+            experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+        experts.packed_weights()  # re-makes the packs and copies of the re-loaded weights
+        assert torch.equal(experts._upcast[1], experts.w2[0].float())
