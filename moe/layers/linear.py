@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.platforms.custom_op import CustomOp
+from moe.platforms.custom_op import CustomOp, is_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,6 @@ def packing_unavailable_reason() -> str | None:
         if not hasattr(ops, name):
             return f"this torch ({torch.__version__}) has no torch.ops.mkldnn.{name}"
     return None
-
-
-def is_tracing() -> bool:
-    """Whether a tracer (make_fx, FakeTensorMode, Dynamo) is running: no prepacked kernels then."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def padded_num_rows(num_rows: int) -> int:

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.layers.linear import is_tracing
-from moe.platforms.custom_op import CustomOp
+from moe.platforms.custom_op import CustomOp, is_tracing
 
 # Rows whose float32 working copy fits this many bytes go through one F.rms_norm call: torch's CPU
 # F.rms_norm is composite (a float32 copy, square, mean, rsqrt, scale: ~5 passes over the rows),

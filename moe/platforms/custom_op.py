@@ -23,9 +23,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from moe.platforms.plugins import current_platform
+
+
+def is_tracing() -> bool:
+    """Whether a tracer (make_fx, FakeTensorMode, Dynamo) is running. ``forward_cpu`` paths that
+    depend on host-side state (prepacked weights, Python loops over row blocks) take their plain
+    form then, so a graph sees ordinary ops."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
 
 DEFAULT_CUSTOM_OPS: tuple[str, ...] = ("all",)
 _custom_ops: tuple[str, ...] = DEFAULT_CUSTOM_OPS
