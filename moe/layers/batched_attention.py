@@ -179,6 +179,14 @@ def pad_request_chunks(
     return chunks
 
 
+def plan_key(
+    block_size: int, short_query_len: int, context_bytes_per_token: int, data_device: torch.device
+) -> tuple:
+    """The ``attn_metadata.derived`` key of the padding plan ``request_chunks`` builds from these
+    arguments; caches derived from that plan (masks, gather rows) extend it."""
+    return ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
+
+
 def request_chunks(
     attn_metadata: CommonAttentionMetadata,
     block_size: int,
@@ -188,10 +196,10 @@ def request_chunks(
     data_device: torch.device,
 ) -> list[PaddedRequests]:
     """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
-    (cached in ``attn_metadata.derived``: every layer has the same requests and block table)."""
-    key = ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
+    (cached in ``attn_metadata.derived`` under ``plan_key`` of the same arguments: every layer has
+    the same requests and block table)."""
     return attn_metadata.derived(
-        key,
+        plan_key(block_size, short_query_len, context_bytes_per_token, data_device),
         lambda: pad_request_chunks(
             attn_metadata,
             block_size,
@@ -235,7 +243,7 @@ def _kv_gather(
     kv_cache: Tensor,
     chunks: list[PaddedRequests],
     attn_metadata: CommonAttentionMetadata,
-    plan_key: tuple,
+    plan: tuple,
 ) -> list[Callable[[], Tensor]]:
     """Per chunk a function returning its requests' K and V blocks ``[2 * R * num_blocks,
     block_size, *E]`` (K blocks first), gathered from ``kv_cache`` ``[2, num_cache_blocks,
@@ -247,9 +255,9 @@ def _kv_gather(
     (u)batch (``attn_metadata.derived``; the layers run one after the other and each chunk's
     result is consumed before the next gather), so no chunk pays for freshly allocated pages.
     1 thread, bfloat16, medium checkpoint's 80-request decode batch: see the README's attention
-    numbers. Other caches take ``index_select`` on dim 1. ``plan_key`` names the padding plan
-    ``chunks`` is (its ``attn_metadata.derived`` key), so the row indices cached per plan never
-    serve another plan's chunks.
+    numbers. Other caches take ``index_select`` on dim 1. ``plan`` is the key of the padding plan
+    ``chunks`` is (``plan_key``), so the row indices cached per plan never serve another plan's
+    chunks.
     """
     if not kv_cache.is_contiguous():
         return [
@@ -257,7 +265,7 @@ def _kv_gather(
         ]
     num_cache_blocks = kv_cache.shape[1]
     rows = attn_metadata.derived(
-        ("kv_gather_rows", plan_key, num_cache_blocks, kv_cache.device),
+        ("kv_gather_rows", plan, num_cache_blocks, kv_cache.device),
         lambda: [
             torch.cat((c.blocks.flatten(), c.blocks.flatten() + num_cache_blocks)) for c in chunks
         ],
@@ -305,13 +313,12 @@ def batched_paged_attention(
         context_bytes_per_token=context_bytes,
         data_device=query.device,
     )
+    plan = plan_key(block_size, 1, context_bytes, query.device)
     masks = attn_metadata.derived(
-        ("gqa_masks", block_size, context_bytes, query.device, group_size, query.dtype),
+        ("gqa_masks", plan, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),
     )
-    # the key request_chunks cached the plan under (short_query_len 1)
-    plan_key = (block_size, 1, context_bytes, query.device)
-    gather = _kv_gather(kv_cache, chunks, attn_metadata, plan_key)
+    gather = _kv_gather(kv_cache, chunks, attn_metadata, plan)
     for chunk, mask, kv in zip(chunks, masks, gather, strict=True):
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
