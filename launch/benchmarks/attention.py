@@ -1,6 +1,7 @@
 """Benchmark: paged attention on CPU, all requests at once (``forward_cpu``) vs the per-request
-loop (``forward_native``), one layer, K/V write included. Prints times and ratios; speed claims
-live here, never in tests.
+loop (``forward_native``), one layer, K/V write included; ``forward_cpu`` with our compiled decode
+kernel (``moe.kernels``) and with plain torch only (``MOE_DBO_CPU_KERNELS=0``: every request
+through the padded SDPA chunks). Prints times and ratios; speed claims live here, never in tests.
 
     python -m launch.benchmarks.attention [--threads 1] [--repeats 20]
 """
@@ -8,6 +9,7 @@ live here, never in tests.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -23,6 +25,8 @@ SHAPES = (
     ("prefill 80 x ~30, tiny heads", [(0, 10 + i % 40) for i in range(80)], 2, 1, 32),
     ("decode 256 x ctx~300, 8/4 heads", [(200 + i % 200, 1) for i in range(256)], 8, 4, 32),
     ("mixed 255 decodes + chunk 512", [(100 + i, 1) for i in range(255)] + [(0, 512)], 8, 4, 32),
+    # the medium checkpoint's decode steps: 80 requests, prompts of 71-249 tokens, 16/8 heads of 64
+    ("decode 80 x ctx~190, 16/8 heads x 64", [(80 + i * 2, 1) for i in range(80)], 16, 8, 64),
 )
 
 
@@ -60,7 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    print(f"{'shape':34s} {'native ms':>10s} {'batched ms':>10s} {'native/batched':>15s}")
+    print(
+        f"{'shape':36s} {'native ms':>10s} {'batched ms':>10s} {'torch-only ms':>14s} "
+        f"{'native/batched':>15s} {'torch-only/batched':>19s}"
+    )
     for name, requests, num_heads, num_kv_heads, head_dim in SHAPES:
         md, num_blocks = make_metadata(requests)
         op = PagedAttention(
@@ -74,7 +81,24 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             native = mean_seconds(op.forward_native, q, k, v, md, repeats=args.repeats)
             batched = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
-        print(f"{name:34s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {native / batched:15.2f}")
+            torch_only = _without_kernels(op.forward_cpu, q, k, v, md, repeats=args.repeats)
+        print(
+            f"{name:36s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {torch_only * 1e3:14.3f} "
+            f"{native / batched:15.2f} {torch_only / batched:19.2f}"
+        )
+
+
+def _without_kernels(fn, *args, repeats: int) -> float:
+    """``mean_seconds`` of ``fn`` with the compiled CPU kernels turned off."""
+    before = os.environ.get("MOE_DBO_CPU_KERNELS")
+    os.environ["MOE_DBO_CPU_KERNELS"] = "0"
+    try:
+        return mean_seconds(fn, *args, repeats=repeats)
+    finally:
+        if before is None:
+            del os.environ["MOE_DBO_CPU_KERNELS"]
+        else:
+            os.environ["MOE_DBO_CPU_KERNELS"] = before
 
 
 if __name__ == "__main__":

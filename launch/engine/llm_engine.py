@@ -36,7 +36,8 @@ from moe import (
     parameter_bytes,
     set_custom_ops,
 )
-from moe.platforms.plugins import load_general_plugins
+from moe.kernels import prepare_cpu_kernels
+from moe.platforms.plugins import current_platform, load_general_plugins
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +190,11 @@ class LLMEngine:
             max_model_len=model.max_model_len,
             eos_token_ids=config.eos_token_ids,
         )
+        if current_platform().dispatch_key == "cpu":
+            # our C++ kernels (built on a machine's first start, then loaded from torch's cache)
+            kernels = prepare_cpu_kernels()
+            if groups.rank == 0:
+                print(f"moe-dbo: CPU kernels {kernels}", file=sys.stderr, flush=True)
         # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
         runner_model, self.graph_stats = build_graph_mode(
             self.model, engine_args, show_progress=groups.rank == 0

@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe.kernels import cpu_kernels
+from moe.platforms.custom_op import is_tracing
+
 if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
 
@@ -137,6 +140,7 @@ def pad_request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device | None = None,
+    include_short: bool = True,
 ) -> list[PaddedRequests]:
     """The requests with query rows, padded in chunks.
 
@@ -144,7 +148,8 @@ def pad_request_chunks(
     ones — each sorted by ``seq_len`` and cut into chunks whose gathered context
     (``num_chunk_reqs * max_seq_len * context_bytes_per_token``) fits ``CHUNK_CONTEXT_BYTES``
     (at least one request per chunk). Empty groups are left out; an empty (u)batch gives ``[]``.
-    The index and mask tensors are moved to ``data_device`` (default: the metadata's device).
+    ``include_short=False`` leaves the short group out (another kernel computes it). The index
+    and mask tensors are moved to ``data_device`` (default: the metadata's device).
     """
     if data_device is None:
         data_device = attn_metadata.query_start_loc.device
@@ -153,7 +158,8 @@ def pad_request_chunks(
     seq_lens = attn_metadata.seq_lens.long()
     is_short = query_lens <= short_query_len
     chunks = []
-    for selected in (is_short & (query_lens > 0), ~is_short):
+    groups = (is_short & (query_lens > 0), ~is_short) if include_short else (~is_short,)
+    for selected in groups:
         req_ids = selected.nonzero().flatten()
         if not req_ids.numel():
             continue
@@ -180,11 +186,22 @@ def pad_request_chunks(
 
 
 def plan_key(
-    block_size: int, short_query_len: int, context_bytes_per_token: int, data_device: torch.device
+    block_size: int,
+    short_query_len: int,
+    context_bytes_per_token: int,
+    data_device: torch.device,
+    include_short: bool = True,
 ) -> tuple:
     """The ``attn_metadata.derived`` key of the padding plan ``request_chunks`` builds from these
     arguments; caches derived from that plan (masks, gather rows) extend it."""
-    return ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
+    return (
+        "pad_request_chunks",
+        block_size,
+        short_query_len,
+        context_bytes_per_token,
+        data_device,
+        include_short,
+    )
 
 
 def request_chunks(
@@ -194,18 +211,20 @@ def request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device,
+    include_short: bool = True,
 ) -> list[PaddedRequests]:
     """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
     (cached in ``attn_metadata.derived`` under ``plan_key`` of the same arguments: every layer has
     the same requests and block table)."""
     return attn_metadata.derived(
-        plan_key(block_size, short_query_len, context_bytes_per_token, data_device),
+        plan_key(block_size, short_query_len, context_bytes_per_token, data_device, include_short),
         lambda: pad_request_chunks(
             attn_metadata,
             block_size,
             short_query_len=short_query_len,
             context_bytes_per_token=context_bytes_per_token,
             data_device=data_device,
+            include_short=include_short,
         ),
     )
 
@@ -284,10 +303,54 @@ def _kv_gather(
     ]
 
 
+def _decode_kernel_inputs(
+    attn_metadata: CommonAttentionMetadata,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(block_table, seq_lens, query_start_loc, req_ids) for ``cpu_kernels().paged_attention``:
+    the metadata as contiguous int32 and the int64 ids of the requests with exactly one query row
+    (decode rows). Built once per (u)batch and shared by every layer."""
+
+    def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        qsl = attn_metadata.query_start_loc.contiguous()
+        req_ids = ((qsl[1:] - qsl[:-1]) == 1).nonzero().flatten()
+        return (
+            attn_metadata.block_table.contiguous(),
+            attn_metadata.seq_lens.contiguous(),
+            qsl,
+            req_ids,
+        )
+
+    return attn_metadata.derived("decode_kernel_inputs", build)
+
+
+def _decode_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
+    """The compiled CPU kernel that attends decode rows over the paged cache in place
+    (``moe.kernels``), where it applies: CPU tensors of one dtype (float32, float64, bfloat16), a
+    contiguous cache, no tracer running and the kernels built with their AVX-512 paths (without
+    them its plain loops are correct but not faster than SDPA); else None."""
+    if (
+        query.device.type != "cpu"
+        or query.dtype != kv_cache.dtype
+        or query.dtype not in (torch.float32, torch.float64, torch.bfloat16)
+        or not kv_cache.is_contiguous()
+        or is_tracing()
+    ):
+        return None
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.vectorized():
+        return None
+    return kernels.paged_attention
+
+
 def batched_paged_attention(
     query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
 ) -> Tensor:
     """Attention of every query row over its request's cached context (K/V already written).
+
+    Decode rows (requests with one query row) on the CPU go to the compiled kernel
+    (``moe/kernels/csrc/paged_attention_cpu.cpp``), which reads K/V in place through the block
+    table; the other requests (and every request where the kernel does not apply, see
+    ``_decode_kernel``) are padded in chunks and attend through ``scaled_dot_product_attention``.
 
     Args:
         query: [num_tokens, num_heads, head_dim] (rotated).
@@ -306,14 +369,31 @@ def batched_paged_attention(
     out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
     block_size = kv_cache.shape[2]
     context_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    kernel = _decode_kernel(query, kv_cache)
+    if kernel is not None:
+        block_table, seq_lens, query_start_loc, req_ids = _decode_kernel_inputs(attn_metadata)
+        if req_ids.numel():
+            query = query.contiguous()
+            kernel(
+                out[:num_tokens],
+                query,
+                kv_cache,
+                block_table,
+                seq_lens,
+                query_start_loc,
+                req_ids,
+                scale,
+            )
+    include_short = kernel is None
     chunks = request_chunks(
         attn_metadata,
         block_size,
         short_query_len=1,
         context_bytes_per_token=context_bytes,
         data_device=query.device,
+        include_short=include_short,
     )
-    plan = plan_key(block_size, 1, context_bytes, query.device)
+    plan = plan_key(block_size, 1, context_bytes, query.device, include_short)
     masks = attn_metadata.derived(
         ("gqa_masks", plan, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),

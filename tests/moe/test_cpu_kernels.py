@@ -1,0 +1,174 @@
+"""Our compiled CPU decode-attention kernel (``moe/kernels/csrc/paged_attention_cpu.cpp``) equals the
+per-request reference (``forward_native``): exactly up to summation order in float64 (the plain C++
+loops), within float32's and bfloat16's precision on the AVX-512 paths (head_dim a multiple of 16).
+
+The kernel computes the decode rows; the prefill rows of the same batch go through the padded SDPA
+chunks, so every mixed batch checks both halves together. Where no compiler is found the kernel
+tests skip; where one is found the kernel must build.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moe import kernels
+from moe.layers import batched_attention
+from moe.layers.attention import PagedAttention
+from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metadata
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler on this machine: the CPU kernels cannot be built here",
+)
+
+# decode rows over contexts that end on and off block boundaries (4-token blocks; up to 6 blocks),
+# context, prefill chunks beside them and a request with no query row
+DECODES = [(7, 1), (15, 1), (0, 1), (3, 1), (22, 1), (11, 1), (1, 1), (8, 1)]
+MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1)]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the compiled kernel (and makes it run on machines without AVX-512 too)."""
+    module = kernels.cpu_kernels()
+    if module is None:
+        pytest.fail("the CPU kernels did not build on a machine with a C++ compiler")
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def paged_attention(self, *args):
+            calls.append(args[6].numel())  # requests computed
+            return module.paged_attention(*args)
+
+        def vectorized(self):
+            return True
+
+    monkeypatch.setattr(batched_attention, "cpu_kernels", lambda: Counting())
+    return calls
+
+
+def make_op(num_heads, num_kv_heads, head_dim, dtype, seed=1):
+    op = PagedAttention(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim**-0.5
+    )
+    gen = torch.Generator().manual_seed(seed)
+    shape = op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)
+    op.bind_kv_cache(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype))
+    return op
+
+
+def inputs(op, num_tokens, dtype, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    width = (
+        op.num_heads * op.head_dim,
+        op.num_kv_heads * op.head_dim,
+        op.num_kv_heads * op.head_dim,
+    )
+    # scaled so some softmax rows are peaked: the exp of large negative differences is exercised
+    return [
+        (3 * torch.randn(num_tokens, w, generator=gen, dtype=torch.float64)).to(dtype)
+        for w in width
+    ]
+
+
+def reference(op, q, k, v, md):
+    """forward_native in float64 on the same (rounded) inputs and cache."""
+    ref = make_op(op.num_heads, op.num_kv_heads, op.head_dim, torch.float64)
+    ref.bind_kv_cache(op.kv_cache.double().clone())
+    return ref.forward_native(q.double(), k.double(), v.double(), md)
+
+
+@needs_compiler
+def test_cpu_kernels_build_on_a_machine_with_a_compiler():
+    module = kernels.cpu_kernels()
+    assert module is not None
+    assert isinstance(module.vectorized(), bool)
+
+
+def test_kernels_off_by_environment(monkeypatch):
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
+    assert kernels.cpu_kernels() is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("requests", [DECODES, MIXED])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_padding", [0, 3])
+def test_kernel_equals_native_float64(kernel_calls, requests, group, num_padding):
+    op = make_op(4 * group, 4, 8, torch.float64)
+    native = make_op(4 * group, 4, 8, torch.float64)
+    md = make_metadata(requests, num_padding=num_padding)
+    q, k, v = inputs(op, md.num_tokens, torch.float64)
+    expected = native.forward_native(q, k, v, md)
+    got = op.forward_cpu(q, k, v, md)
+    assert kernel_calls == [sum(1 for _, n in requests if n == 1)]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert not got[md.num_actual_tokens :].any()
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("dtype", "rtol", "atol"),
+    [
+        # float32: scores are 64-term dot products (error ~ sqrt(64) * 6e-8 * |q||k|) and exp's
+        # polynomial is good to ~2e-7 relative; outputs are averages of values of size ~3
+        (torch.float32, 1e-5, 1e-5),
+        # bfloat16: the output is rounded once to bfloat16 (half an ulp: 2^-8 relative); the
+        # accumulation is float32's, ~100x finer
+        (torch.bfloat16, 2**-8, 1e-4),
+    ],
+)
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_kernel_vector_path_within_precision(kernel_calls, dtype, rtol, atol, head_dim, group):
+    """Decode rows only, so every row is the kernel's (the SDPA chunks' own bfloat16 rounding is
+    tested elsewhere)."""
+    op = make_op(2 * group, 2, head_dim, dtype)
+    md = make_metadata(DECODES, num_padding=1)
+    q, k, v = inputs(op, md.num_tokens, dtype)
+    got = op.forward_cpu(q, k, v, md)
+    assert kernel_calls == [len(DECODES)]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), reference(op, q, k, v, md), rtol=rtol, atol=atol)
+
+
+@needs_compiler
+def test_kernel_request_cut_across_ubatches(kernel_calls):
+    """The decode rows of both ubatches go through the kernel; the cut prefill through SDPA."""
+    from dbo import make_ubatch_slices, split_attn_metadata
+
+    op, native = make_op(8, 4, 16, torch.float64), make_op(8, 4, 16, torch.float64)
+    md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4), (13, 1)], num_padding=2)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    q, k, v = inputs(op, md.num_tokens, torch.float64)
+    expected = native.forward_native(q, k, v, md)
+    parts = [
+        op.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
+        for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
+    ]
+    assert sum(kernel_calls) == 3
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
+
+
+@needs_compiler
+def test_kernel_not_used_for_mixed_dtypes(kernel_calls):
+    op = make_op(4, 2, 16, torch.float32)
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    assert batched_attention._decode_kernel(q, op.kv_cache) is None
+    assert batched_attention._decode_kernel(q.float(), op.kv_cache) is not None
+
+
+def test_without_kernels_the_torch_path_equals_native(monkeypatch):
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
+    op, native = make_op(8, 4, 16, torch.float64), make_op(8, 4, 16, torch.float64)
+    md = make_metadata(MIXED, num_padding=1)
+    q, k, v = inputs(op, md.num_tokens, torch.float64)
+    torch.testing.assert_close(
+        op.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
+    )
