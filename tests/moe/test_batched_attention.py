@@ -1,4 +1,6 @@
-"""Batched paged attention (forward_cpu) equals the per-request reference (forward_native), float64.
+"""Batched paged attention (forward_cpu) equals the per-request reference (forward_native), float64,
+on its plain torch path (the padded SDPA chunks; the compiled kernel is off here and tested against
+the same reference in test_cpu_kernels.py).
 
 Batches mix decode rows and prefill chunks with contexts that start and end on and off block
 boundaries, blocks in scrambled order, padding rows, requests cut across two ubatches (run one
@@ -23,6 +25,12 @@ DTYPE = torch.float64
 # (tokens already in the cache, query rows this step) per request: decodes, prefill chunks that
 # start at 0 or mid-sequence, contexts of exactly 1, 2 and 3 blocks, a request with no query row
 MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (11, 2), (8, 4), (4, 0), (2, 6), (5, 3)]
+
+
+@pytest.fixture(autouse=True)
+def torch_path_only(monkeypatch):
+    """The padded SDPA chunks, which run wherever the compiled kernel does not (GPU, no compiler)."""
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
 
 
 def make_metadata(

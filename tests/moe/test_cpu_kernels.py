@@ -1,10 +1,12 @@
-"""Our compiled CPU decode-attention kernel (``moe/kernels/csrc/paged_attention_cpu.cpp``) equals the
+"""Our compiled CPU paged-attention kernel (``moe/kernels/csrc/paged_attention_cpu.cpp``) equals the
 per-request reference (``forward_native``): exactly up to summation order in float64 (the plain C++
-loops), within float32's and bfloat16's precision on the AVX-512 paths (head_dim a multiple of 16).
+loops), within float32's and bfloat16's precision on the AVX-512 paths (head_dim a multiple of 16),
+on batches mixing decode rows and prefill chunks (fresh and mid-sequence), contexts on and off block
+boundaries, GQA ratios, padding rows, requests cut across ubatches and empty ubatches.
 
-The kernel computes the decode rows; the prefill rows of the same batch go through the padded SDPA
-chunks, so every mixed batch checks both halves together. Where no compiler is found the kernel
-tests skip; where one is found the kernel must build.
+``tests/moe/test_batched_attention.py`` runs the same kinds of batches with the kernels off (the
+padded SDPA chunks). Where no compiler is found the kernel tests skip; where one is found the
+kernel must build.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ needs_compiler = pytest.mark.skipif(
     reason="no C++ compiler on this machine: the CPU kernels cannot be built here",
 )
 
-# decode rows over contexts that end on and off block boundaries (4-token blocks; up to 6 blocks),
-# context, prefill chunks beside them and a request with no query row
+# decode rows over contexts that end on and off block boundaries (4-token blocks; up to 6 blocks);
+# with prefill chunks that start at 0 or mid-sequence and a request with no query row
 DECODES = [(7, 1), (15, 1), (0, 1), (3, 1), (22, 1), (11, 1), (1, 1), (8, 1)]
 MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1)]
 
@@ -43,7 +45,7 @@ def kernel_calls(monkeypatch):
             return getattr(module, name)
 
         def paged_attention(self, *args):
-            calls.append(args[6].numel())  # requests computed
+            calls.append(args[6].numel())  # requests with query rows
             return module.paged_attention(*args)
 
         def vectorized(self):
@@ -107,7 +109,7 @@ def test_kernel_equals_native_float64(kernel_calls, requests, group, num_padding
     q, k, v = inputs(op, md.num_tokens, torch.float64)
     expected = native.forward_native(q, k, v, md)
     got = op.forward_cpu(q, k, v, md)
-    assert kernel_calls == [sum(1 for _, n in requests if n == 1)]
+    assert kernel_calls == [sum(1 for _, n in requests if n > 0)]
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert not got[md.num_actual_tokens :].any()
 
@@ -127,20 +129,19 @@ def test_kernel_equals_native_float64(kernel_calls, requests, group, num_padding
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_kernel_vector_path_within_precision(kernel_calls, dtype, rtol, atol, head_dim, group):
-    """Decode rows only, so every row is the kernel's (the SDPA chunks' own bfloat16 rounding is
-    tested elsewhere)."""
     op = make_op(2 * group, 2, head_dim, dtype)
-    md = make_metadata(DECODES, num_padding=1)
+    md = make_metadata(MIXED, num_padding=1)
     q, k, v = inputs(op, md.num_tokens, dtype)
     got = op.forward_cpu(q, k, v, md)
-    assert kernel_calls == [len(DECODES)]
+    assert kernel_calls == [8]
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), reference(op, q, k, v, md), rtol=rtol, atol=atol)
 
 
 @needs_compiler
 def test_kernel_request_cut_across_ubatches(kernel_calls):
-    """The decode rows of both ubatches go through the kernel; the cut prefill through SDPA."""
+    """A prefill chunk cut between the ubatches: the second part attends over the first part's
+    cached K/V."""
     from dbo import make_ubatch_slices, split_attn_metadata
 
     op, native = make_op(8, 4, 16, torch.float64), make_op(8, 4, 16, torch.float64)
@@ -152,7 +153,7 @@ def test_kernel_request_cut_across_ubatches(kernel_calls):
         op.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
         for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
     ]
-    assert sum(kernel_calls) == 3
+    assert sum(kernel_calls) == 6  # the cut request is in both ubatches
     torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
 
 
@@ -160,8 +161,21 @@ def test_kernel_request_cut_across_ubatches(kernel_calls):
 def test_kernel_not_used_for_mixed_dtypes(kernel_calls):
     op = make_op(4, 2, 16, torch.float32)
     q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
-    assert batched_attention._decode_kernel(q, op.kv_cache) is None
-    assert batched_attention._decode_kernel(q.float(), op.kv_cache) is not None
+    assert batched_attention._paged_attention_kernel(q, op.kv_cache) is None
+    assert batched_attention._paged_attention_kernel(q.float(), op.kv_cache) is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("num_padding", [0, 2])
+def test_kernel_empty_ubatch(kernel_calls, num_padding):
+    op = make_op(4, 2, 16, torch.float64)
+    md = make_metadata([], num_padding=num_padding)
+    q, k, v = inputs(op, num_padding, torch.float64)
+    before = op.kv_cache.clone()
+    out = op.forward_cpu(q, k, v, md)
+    assert out.shape == (num_padding, 4 * 16) and not out.any()
+    assert torch.equal(op.kv_cache, before)
+    assert kernel_calls == []
 
 
 def test_without_kernels_the_torch_path_equals_native(monkeypatch):
