@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.layers import linear
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
-    FLOAT32_MAX_PACKED_ROWS,
     PackedWeights,
     can_pack,
     can_upcast,
@@ -271,7 +271,7 @@ class TorchExperts(CustomOp):
                 continue
             end = start + count
             rows = x[start:end]
-            if rows.dtype == torch.float32 and count > FLOAT32_MAX_PACKED_ROWS:
+            if rows.dtype == torch.float32 and count > linear.FLOAT32_MAX_PACKED_ROWS:
                 # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
                 h = F.silu(rows @ self.w1[expert].t())
                 h.mul_(rows @ self.w3[expert].t())

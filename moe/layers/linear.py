@@ -9,9 +9,12 @@ AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), wher
 (MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
 thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
 size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0-1.06x at 512 and 1.0-1.14x at 2048 (with
-the row padding, the experts' 2048-token prefill chunk: 1.13x), so float32
+the row padding, the experts' 2048-token prefill chunk: 1.13x), so on Intel CPUs float32
 batches above ``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below
-``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. The rows are zero-padded up
+``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. On other
+vendors' CPUs MKL's sgemm takes a generic code path (a 2-core Zen 5 EPYC, 1 thread, 1024 -> 4096:
+MKL 92-107 GFLOP/s against oneDNN's pack 210-237 at 80-2048 rows), so float32 batches of any size
+run on the pack there. The rows are zero-padded up
 to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
 oneDNN primitives instead of JIT-compiling new ones (py-spy: 18 % of a bfloat16 run was in oneDNN's
 JIT before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +44,25 @@ from moe.platforms.custom_op import CustomOp, is_tracing
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-FLOAT32_MAX_PACKED_ROWS = 256  # above it MKL's sgemm (F.linear) is as fast or faster
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...), or
+    ``"unknown"`` where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+# float32 batches above this many rows take F.linear (MKL's sgemm): on Intel CPUs it is as fast or
+# faster there; elsewhere MKL runs a generic path at half oneDNN's speed, so there is no limit.
+# Read at call time (tests set it).
+FLOAT32_MAX_PACKED_ROWS = 256 if cpu_vendor() in ("GenuineIntel", "unknown") else sys.maxsize
 # float32 weights smaller than this (elements) stay on MKL: oneDNN's per-call cost outweighs the
 # saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
 FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20

@@ -105,7 +105,8 @@ def test_linear_cpu_path_equals_native(dtype, num_rows, bias):
     assert is_packed == expect
 
 
-def test_float32_batches_above_the_threshold_take_f_linear():
+def test_float32_batches_above_the_threshold_take_f_linear(monkeypatch):
+    monkeypatch.setattr(linear_mod, "FLOAT32_MAX_PACKED_ROWS", 256)  # the Intel threshold
     layer = _linear(torch.float32, bias=True)
     x = torch.randn(linear_mod.FLOAT32_MAX_PACKED_ROWS + 1, 48)
     with torch.no_grad():
@@ -201,10 +202,11 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
 
 
 @needs_onednn
-def test_float32_experts_above_the_row_threshold_take_the_plain_gemms():
+def test_float32_experts_above_the_row_threshold_take_the_plain_gemms(monkeypatch):
     """An expert with more than FLOAT32_MAX_PACKED_ROWS rows runs the reference's own GEMMs (bit
     for bit when every token goes there); beside packed experts the result stays within the
     float32 bound of the reference."""
+    monkeypatch.setattr(linear_mod, "FLOAT32_MAX_PACKED_ROWS", 256)  # the Intel threshold
     experts = _experts(torch.float32)
     gen = torch.Generator().manual_seed(3)
     num_tokens = linear_mod.FLOAT32_MAX_PACKED_ROWS + 9
