@@ -62,10 +62,14 @@ def cpu_vendor() -> str:
 # float32 batches above this many rows take F.linear (MKL's sgemm): on Intel CPUs it is as fast or
 # faster there; elsewhere MKL runs a generic path at half oneDNN's speed, so there is no limit.
 # Read at call time (tests set it).
-FLOAT32_MAX_PACKED_ROWS = 256 if cpu_vendor() in ("GenuineIntel", "unknown") else sys.maxsize
-# float32 weights smaller than this (elements) stay on MKL: oneDNN's per-call cost outweighs the
-# saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's speed)
-FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20
+_INTEL_OR_UNKNOWN = cpu_vendor() in ("GenuineIntel", "unknown")
+FLOAT32_MAX_PACKED_ROWS = 256 if _INTEL_OR_UNKNOWN else sys.maxsize
+# float32 weights smaller than this (elements) stay on MKL: on Intel CPUs oneDNN's per-call cost
+# outweighs the saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's
+# speed); elsewhere (MKL's generic path) the pack wins from 2^17 elements at every batch size
+# (Zen 5, 1 thread, MKL / oneDNN time: 256 x 512 1.4x at 16 rows, 2.0-2.3x at 80-2048; 512 x 1024
+# 2.2-2.3x), while 64 x 128 weights lose at 16-80 rows (0.3-0.7x).
+FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20 if _INTEL_OR_UNKNOWN else 1 << 17
 _MIN_PADDED_ROWS = 16  # below it every size is its own bucket
 # bfloat16 GEMMs this small run faster in float32 on exact float32 copies of the weights: oneDNN's
 # per-call cost (~20 us here) dominates them. bfloat16 is a subset of float32 and a product of two
