@@ -87,12 +87,16 @@ def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
         reference = transformers.AutoModelForCausalLM.from_pretrained(
             tiny_arch_dirs[model_type], dtype=torch.float32
         ).eval()
+        exact = transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_arch_dirs[model_type], dtype=torch.float64, experts_implementation="eager"
+        ).eval()
         assert_dbo_on_equals_off_equals_reference(
             [r[model_type, True] for r in per_rank],
             [r[model_type, False] for r in per_rank],
             reference,
             tiny_prompts,
             label=model_type,
+            exact_reference=exact,
         )
         for rank_result in per_rank:
             pairs = rank_result[model_type, "timeline"]
