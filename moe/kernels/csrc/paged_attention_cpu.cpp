@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -122,6 +123,52 @@ inline void axpy(acc_t* acc, acc_t p, const scalar_t* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
 }
 
+#if defined(__AVX512F__)
+// out[0 .. 16 * NV) = sum_{t < n} p[t] * v_t, v_t = rows[t] + offset: the accumulators stay in
+// registers (two sets, for alternate positions, so consecutive FMAs do not wait on each other)
+template <int NV, typename scalar_t>
+inline void weighted_sum(float* out, const float* p, const scalar_t* const* rows, int64_t offset,
+                         int64_t n) {
+  __m512 a[NV], b[NV];
+  for (int j = 0; j < NV; ++j) a[j] = b[j] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const scalar_t* v0 = rows[t] + offset;
+    const scalar_t* v1 = rows[t + 1] + offset;
+    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+    for (int j = 0; j < NV; ++j) {
+      a[j] = _mm512_fmadd_ps(p0, load16(v0 + 16 * j), a[j]);
+      b[j] = _mm512_fmadd_ps(p1, load16(v1 + 16 * j), b[j]);
+    }
+  }
+  if (t < n) {
+    const scalar_t* v0 = rows[t] + offset;
+    const __m512 p0 = _mm512_set1_ps(p[t]);
+    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, load16(v0 + 16 * j), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_add_ps(a[j], b[j]));
+}
+#endif
+
+// acc[0 .. head_dim) = sum_{t < n} p[t] * v_t, v_t = rows[t] + offset
+template <typename scalar_t, typename acc_t>
+inline void weighted_rows(acc_t* acc, const acc_t* p, const scalar_t* const* rows, int64_t offset,
+                          int64_t n, int64_t head_dim) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    switch (head_dim) {
+      case 16: return weighted_sum<1>(acc, p, rows, offset, n);
+      case 32: return weighted_sum<2>(acc, p, rows, offset, n);
+      case 64: return weighted_sum<4>(acc, p, rows, offset, n);
+      case 128: return weighted_sum<8>(acc, p, rows, offset, n);
+      default: break;
+    }
+  }
+#endif
+  std::fill(acc, acc + head_dim, acc_t(0));
+  for (int64_t t = 0; t < n; ++t) axpy(acc, p[t], rows[t] + offset, head_dim);
+}
+
 // x[t] = exp(x[t] - m) for t < n; returns their sum
 template <typename acc_t>
 inline acc_t exp_shifted_sum(acc_t* x, acc_t m, int64_t n) {
@@ -160,6 +207,56 @@ inline acc_t exp_shifted_sum(acc_t* x, acc_t m, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// Keys of positions [0, seq_len) transposed to kt[e * seq_pad + t] (float; e = kv_head * head_dim +
+// d indexes a slot's [num_kv_heads, head_dim] row), positions seq_len .. seq_pad - 1 zero: then 16
+// consecutive positions' scores are one vector FMA per head_dim element, with no horizontal sums.
+template <typename scalar_t>
+void transpose_keys(float* kt, const scalar_t* const* slots, int64_t seq_len, int64_t seq_pad,
+                    int64_t width) {
+  for (int64_t t0 = 0; t0 < seq_pad; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, seq_len - t0);
+    for (int64_t e = 0; e < width; ++e) {
+      float* dst = kt + e * seq_pad + t0;
+      for (int64_t j = 0; j < m; ++j) dst[j] = to_float(slots[t0 + j][e]);
+      for (int64_t j = m; j < 16; ++j) dst[j] = 0.0f;
+    }
+  }
+}
+
+// scores[t] = q . k_t for t < n rounded up to 16, from one KV head's transposed keys kt_g
+// ([head_dim, seq_pad]); four 16-position tiles at a time so four FMA chains overlap.
+inline void scores_transposed(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
+                              int64_t n, int64_t head_dim) {
+  int64_t t0 = 0;
+  for (; t0 + 64 <= n; t0 += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const __m512 qd = _mm512_set1_ps(q[d]);
+      const float* k = kt_g + d * seq_pad + t0;
+      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k), a0);
+      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 16), a1);
+      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 32), a2);
+      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 48), a3);
+    }
+    _mm512_storeu_ps(scores + t0, a0);
+    _mm512_storeu_ps(scores + t0 + 16, a1);
+    _mm512_storeu_ps(scores + t0 + 32, a2);
+    _mm512_storeu_ps(scores + t0 + 48, a3);
+  }
+  for (; t0 < n; t0 += 16) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d)
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt_g + d * seq_pad + t0), a0);
+    _mm512_storeu_ps(scores + t0, a0);
+  }
+}
+#endif
+
+// Query rows per request from which the keys are transposed once for all rows (prefill chunks);
+// fewer rows (decode) take one dot product per key and head.
+constexpr int64_t kTransposeMinQueryRows = 4;
+
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
@@ -196,6 +293,7 @@ void paged_attention_impl(
     std::vector<acc_t> q(num_heads * head_dim), acc(num_heads * head_dim);
     std::vector<acc_t> scores, row_max(num_heads), row_sum(num_heads);
     std::vector<const scalar_t*> slots;
+    std::vector<float> kt;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t r = reqs[work];
       const int64_t seq_len = lens[r];
@@ -209,7 +307,18 @@ void paged_attention_impl(
         slots[t] = k_base + (block * block_size + t % block_size) * token_stride;
       }
       const int64_t v_offset = v_base - k_base;
-      scores.resize(num_heads * seq_len);
+      const int64_t seq_pad = (seq_len + 15) / 16 * 16;  // the scores' row stride
+      scores.resize(num_heads * seq_pad);
+      bool transposed = false;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<acc_t, float>) {
+        if (q_len >= kTransposeMinQueryRows && head_dim % 16 == 0) {
+          kt.resize(token_stride * seq_pad);
+          transpose_keys(kt.data(), slots.data(), seq_len, seq_pad, token_stride);
+          transposed = true;
+        }
+      }
+#endif
       for (int64_t i = 0; i < q_len; ++i) {
         const int64_t n = seq_len - q_len + i + 1;  // keys this row sees
         const scalar_t* q_row = q_base + (q_start + i) * num_heads * head_dim;
@@ -217,27 +326,38 @@ void paged_attention_impl(
         for (int64_t h = 0; h < num_heads; ++h)
           row_max[h] = -std::numeric_limits<acc_t>::infinity();
         // pass 1: scores[h][t] = q_h . k_t (query head h reads KV head h / group_size)
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* k_token = slots[t];
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const scalar_t* k = k_token + (h / group_size) * head_dim;
-            const acc_t s = dot(q.data() + h * head_dim, k, head_dim);
-            scores[h * seq_len + t] = s;
-            row_max[h] = s > row_max[h] ? s : row_max[h];
+        if (transposed) {
+#if defined(__AVX512F__)
+          if constexpr (std::is_same_v<acc_t, float>) {
+            for (int64_t h = 0; h < num_heads; ++h) {
+              acc_t* sh = scores.data() + h * seq_pad;
+              scores_transposed(sh, q.data() + h * head_dim,
+                                kt.data() + (h / group_size) * head_dim * seq_pad, seq_pad, n,
+                                head_dim);
+              for (int64_t t = 0; t < n; ++t) row_max[h] = sh[t] > row_max[h] ? sh[t] : row_max[h];
+            }
+          }
+#endif
+        } else {
+          for (int64_t t = 0; t < n; ++t) {
+            const scalar_t* k_token = slots[t];
+            for (int64_t h = 0; h < num_heads; ++h) {
+              const scalar_t* k = k_token + (h / group_size) * head_dim;
+              const acc_t s = dot(q.data() + h * head_dim, k, head_dim);
+              scores[h * seq_pad + t] = s;
+              row_max[h] = s > row_max[h] ? s : row_max[h];
+            }
           }
         }
         // pass 2: softmax numerators and their sums
         for (int64_t h = 0; h < num_heads; ++h) {
-          row_sum[h] = exp_shifted_sum(scores.data() + h * seq_len, row_max[h], n);
+          row_sum[h] = exp_shifted_sum(scores.data() + h * seq_pad, row_max[h], n);
         }
-        // pass 3: acc_h = sum_t p[h][t] v_t
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* v_token = slots[t] + v_offset;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const scalar_t* v = v_token + (h / group_size) * head_dim;
-            axpy(acc.data() + h * head_dim, scores[h * seq_len + t], v, head_dim);
-          }
+        // pass 3: acc_h = sum_t p[h][t] v_t, one head at a time (its sums stay in registers; the
+        // request's values are read from the cache once per head, from L2 after the first)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          weighted_rows(acc.data() + h * head_dim, scores.data() + h * seq_pad, slots.data(),
+                        v_offset + (h / group_size) * head_dim, n, head_dim);
         }
         scalar_t* o_row = out_base + (q_start + i) * num_heads * head_dim;
         for (int64_t h = 0; h < num_heads; ++h) {
