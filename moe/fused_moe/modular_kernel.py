@@ -11,7 +11,8 @@ caller's order), using the metadata prepare returned — nothing is stashed on `
 DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
 current, prepare/finalize are issued asynchronously, their ``wait`` is handed to the OTHER ubatch as
 a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
-second ``wait()`` is an idempotent no-op.
+second ``wait()`` is an idempotent no-op. Whether a ubatch runs the other's hook before or after
+issuing its own transfer is ``issue_before_recv_hook`` (after, on the CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dbo.ubatch_context import (
     dbo_yield,
 )
 from distributed import BatchedDispatchResult, CommHandle
+from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
@@ -106,9 +108,26 @@ def _record_comm(op: str, handle: CommHandle) -> None:
 
 
 class FusedMoEModularKernel:
-    """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol."""
+    """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol.
 
-    def __init__(self, prepare_finalize: FusedMoEPrepareAndFinalize, experts: TorchExperts):
+    ``issue_before_recv_hook``: at each transfer, this ubatch either completes the OTHER ubatch's
+    in-flight transfer (runs its recv hook) and then issues its own (vLLM's order, ``False``), or
+    issues its own first (``True``). On CUDA a recv hook only enqueues the receive on the comm
+    stream, so vLLM's order costs nothing; on the CPU the hook blocks until the data have arrived,
+    so in vLLM's order the own transfer waits for the other's to land and the link idles between
+    the two (issue 9's 12-layer float32 benchmark, 100 us / 0.28 Gbit/s, ``allgather_reducescatter``:
+    0.3-0.4 ms twice per layer, 15-20 ms of a 228 ms decode:256 DBO step). Default (``None``):
+    ``True`` on the CPU platform, ``False`` elsewhere. Either order completes every transfer before
+    its data are read, so results are the same.
+    """
+
+    def __init__(
+        self,
+        prepare_finalize: FusedMoEPrepareAndFinalize,
+        experts: TorchExperts,
+        *,
+        issue_before_recv_hook: bool | None = None,
+    ):
         if prepare_finalize.num_local_experts != experts.num_local_experts:
             raise ValueError(
                 f"prepare_finalize serves {prepare_finalize.num_local_experts} local experts but "
@@ -116,6 +135,9 @@ class FusedMoEModularKernel:
             )
         self.prepare_finalize = prepare_finalize
         self.experts = experts
+        if issue_before_recv_hook is None:
+            issue_before_recv_hook = current_platform().dispatch_key == "cpu"
+        self.issue_before_recv_hook = issue_before_recv_hook
 
     def forward(
         self,
@@ -137,8 +159,9 @@ class FusedMoEModularKernel:
             [num_tokens, hidden_size] in hidden_states' dtype.
         """
         is_async = dbo_enabled()
-        # Complete the other ubatch's in-flight transfer before issuing ours (vLLM order).
-        dbo_maybe_run_recv_hook()
+        if not self.issue_before_recv_hook:
+            # vLLM's order: complete the other ubatch's in-flight transfer, then issue ours
+            dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
         dbo_switch_to_comm()  # CUDA under DBO: issue on this ubatch's comm stream (else no-op)
         dispatch = self.prepare_finalize.prepare(
@@ -151,6 +174,8 @@ class FusedMoEModularKernel:
         )
         dbo_switch_to_compute()
         _record_issue("dispatch", issue_ns, dispatch)
+        if self.issue_before_recv_hook:
+            dbo_maybe_run_recv_hook()  # ours is on the link; now complete the other ubatch's
         if is_async:
             dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
             dbo_yield()
@@ -168,12 +193,15 @@ class FusedMoEModularKernel:
                     result.hidden_states, result.topk_ids, result.topk_weights
                 )
 
-        dbo_maybe_run_recv_hook()
+        if not self.issue_before_recv_hook:
+            dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
         dbo_switch_to_comm()
         combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
         dbo_switch_to_compute()
         _record_issue("combine", issue_ns, combine)
+        if self.issue_before_recv_hook:
+            dbo_maybe_run_recv_hook()
         shared_output = None
         if shared_experts is not None:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").

@@ -165,11 +165,50 @@ class _RecordingPrepareFinalize(FusedMoEPrepareAndFinalize):
         return _LazyHandle(self.log, f"C{ub}", expert_output)
 
 
+# Each transfer is completed by the OTHER ubatch's recv hook; shared experts run between issuing the
+# combine and yielding. vLLM's order completes the other's transfer before issuing one's own; the
+# CPU order issues first (the last hook runs when ubatch 0 leaves its context).
+VLLM_ORDER = [
+    ("issue", "D0", 0, True),
+    ("complete", "D0", 1),
+    ("issue", "D1", 1, True),
+    ("complete", "D1", 0),
+    ("issue", "C0", 0, True),
+    ("shared", 0),
+    ("complete", "C0", 1),
+    ("issue", "C1", 1, True),
+    ("shared", 1),
+    ("complete", "C1", 0),
+]
+ISSUE_FIRST_ORDER = [
+    ("issue", "D0", 0, True),
+    ("issue", "D1", 1, True),
+    ("complete", "D0", 1),
+    ("issue", "C0", 0, True),
+    ("complete", "D1", 0),
+    ("shared", 0),
+    ("issue", "C1", 1, True),
+    ("complete", "C0", 1),
+    ("shared", 1),
+    ("complete", "C1", 0),
+]
+
+
+def test_cpu_platform_issues_before_running_the_other_ubatchs_hook():
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), make_experts())
+    assert kernel.issue_before_recv_hook  # the tests run on the CPU platform
+
+
 @torch.no_grad()
-def test_dbo_schedule_follows_the_yield_protocol():
+@pytest.mark.parametrize(
+    ("issue_first", "order"), [(False, VLLM_ORDER), (True, ISSUE_FIRST_ORDER)]
+)
+def test_dbo_schedule_follows_the_yield_protocol(issue_first, order):
     log: list = []
     experts = make_experts()
-    kernel = FusedMoEModularKernel(_RecordingPrepareFinalize(log), experts)
+    kernel = FusedMoEModularKernel(
+        _RecordingPrepareFinalize(log), experts, issue_before_recv_hook=issue_first
+    )
     x, ids, w = routed(8)
     expected = dense_reference(experts, x, ids, w) + 0.5 * x
 
@@ -196,20 +235,7 @@ def test_dbo_schedule_follows_the_yield_protocol():
         t.join(timeout=10.0)
     assert not errors, errors
     torch.testing.assert_close(torch.cat(outputs), expected, atol=1e-5, rtol=1e-5)
-    # vLLM's order: each transfer is completed by the OTHER ubatch's recv hook, shared experts run
-    # between issuing the combine and yielding.
-    assert log == [
-        ("issue", "D0", 0, True),
-        ("complete", "D0", 1),
-        ("issue", "D1", 1, True),
-        ("complete", "D1", 0),
-        ("issue", "C0", 0, True),
-        ("shared", 0),
-        ("complete", "C0", 1),
-        ("issue", "C1", 1, True),
-        ("shared", 1),
-        ("complete", "C1", 0),
-    ]
+    assert log == order
 
     log.clear()
     kernel.forward(x, ids, w)  # DBO off: synchronous, nothing to hand over
