@@ -86,8 +86,10 @@ def _assert_equal_to_native(layer: Linear, x: torch.Tensor) -> None:
 
 
 def test_padded_num_rows_hand_worked():
-    got = [padded_num_rows(n) for n in (1, 7, 16, 17, 20, 21, 33, 100, 129, 2000, 2049)]
-    assert got == [1, 7, 16, 20, 20, 24, 40, 112, 160, 2048, 2560]
+    rows = (1, 7, 16, 17, 20, 21, 33, 100, 129, 255, 256, 257, 577, 2000, 2049)
+    got = [padded_num_rows(n) for n in rows]
+    # 1/8-octave steps below 256 rows, 1/64-octave (at least 16) from 256 on
+    assert got == [1, 7, 16, 20, 20, 24, 40, 112, 160, 256, 256, 272, 592, 2016, 2112]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
