@@ -69,6 +69,20 @@ def prepare_cpu_kernels() -> str:
     return f"ready (AVX-512) in {_state['seconds']}"
 
 
+# torch's build lock (a file another process holds while it compiles) is waited on without a
+# timeout; a process killed mid-build leaves it behind, so one older than any build is removed.
+STALE_LOCK_SECONDS = 300
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            logger.warning("moe-dbo: removing a stale CPU-kernel build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def _build() -> ModuleType | None:
     start = time.perf_counter()
     try:
@@ -83,6 +97,7 @@ def _build() -> ModuleType | None:
             Path(get_default_build_root()) / f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
         )
         build_directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_directory / "lock")
         module = load(
             name=EXTENSION_NAME,
             sources=[str(p) for p in sources],

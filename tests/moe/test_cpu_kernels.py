@@ -197,3 +197,19 @@ def test_without_kernels_the_torch_path_equals_native(monkeypatch):
     torch.testing.assert_close(
         op.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
     )
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch waits on its build lock without a timeout; a lock left by a killed build is removed."""
+    import os
+    import time
+
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 10
+    os.utime(stale, (old, old))
+    kernels._remove_stale_lock(stale)
+    kernels._remove_stale_lock(fresh)
+    kernels._remove_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()

@@ -200,9 +200,7 @@ def test_cpu_platform_issues_before_running_the_other_ubatchs_hook():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(
-    ("issue_first", "order"), [(False, VLLM_ORDER), (True, ISSUE_FIRST_ORDER)]
-)
+@pytest.mark.parametrize(("issue_first", "order"), [(False, VLLM_ORDER), (True, ISSUE_FIRST_ORDER)])
 def test_dbo_schedule_follows_the_yield_protocol(issue_first, order):
     log: list = []
     experts = make_experts()
