@@ -114,6 +114,18 @@ def test_kernel_equals_native_float64(kernel_calls, requests, group, num_padding
     assert not got[md.num_actual_tokens :].any()
 
 
+def _kernel_on_mixed_batch(kernel_calls, head_dim, group, dtype):
+    """forward_cpu on MIXED in ``dtype`` (2 KV heads, ``group`` query heads each): the op, its
+    inputs, metadata and output, after checking that the kernel computed all 8 requests."""
+    op = make_op(2 * group, 2, head_dim, dtype)
+    md = make_metadata(MIXED, num_padding=1)
+    q, k, v = inputs(op, md.num_tokens, dtype)
+    got = op.forward_cpu(q, k, v, md)
+    assert kernel_calls == [8]
+    assert got.dtype == dtype
+    return op, (q, k, v), md, got
+
+
 @needs_compiler
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -121,12 +133,7 @@ def test_kernel_float32_within_the_reference_rounding(kernel_calls, head_dim, gr
     """float32: the error against the exact (float64) result stays within 4x that of the
     per-request reference run in float32 itself (two float32 roundings of the same sums: the
     scores' dot products, exp, the weighted sums), at least 1e-6."""
-    op = make_op(2 * group, 2, head_dim, torch.float32)
-    md = make_metadata(MIXED, num_padding=1)
-    q, k, v = inputs(op, md.num_tokens, torch.float32)
-    got = op.forward_cpu(q, k, v, md)
-    assert kernel_calls == [8]
-    assert got.dtype == torch.float32
+    op, (q, k, v), md, got = _kernel_on_mixed_batch(kernel_calls, head_dim, group, torch.float32)
     exact = reference(op, q, k, v, md)
     native32 = op.forward_native(q, k, v, md).double()
     bound = max(1e-6, 4 * (native32 - exact).abs().max().item())
@@ -140,12 +147,7 @@ def test_kernel_bfloat16_rounds_once(kernel_calls, head_dim, group):
     """bfloat16: the output is rounded once to bfloat16 (half an ulp: 2^-8 relative), the rest
     accumulates in float32 (~2^16 finer): within 2^-8 relative (1e-4 absolute near 0) of the
     exact result on the same bfloat16 inputs."""
-    op = make_op(2 * group, 2, head_dim, torch.bfloat16)
-    md = make_metadata(MIXED, num_padding=1)
-    q, k, v = inputs(op, md.num_tokens, torch.bfloat16)
-    got = op.forward_cpu(q, k, v, md)
-    assert kernel_calls == [8]
-    assert got.dtype == torch.bfloat16
+    op, (q, k, v), md, got = _kernel_on_mixed_batch(kernel_calls, head_dim, group, torch.bfloat16)
     torch.testing.assert_close(got.double(), reference(op, q, k, v, md), rtol=2**-8, atol=1e-4)
 
 
