@@ -6,8 +6,8 @@ binary never meets another CPU's instruction set) and returns the loaded module,
 it cannot be built here (no compiler, no ninja, a compile error): the callers then keep their plain
 torch path, which computes the same result. The build lands in torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the sources and flags,
-in a directory named by a hash of the sources, the flags and torch's version (two checkouts of
-different versions never overwrite each other's build), so only the first start on a machine pays
+in a directory named by a hash of the sources, their directory, the flags and torch's and Python's
+versions (two checkouts never overwrite each other's build), so only the first start on a machine pays
 for it (~20 s on 2 cores); later starts load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path runs).
 
 Kernels:
@@ -90,7 +90,9 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import get_default_build_root, load
 
         sources = sorted(CSRC.glob("*.cpp"))
-        digest = hashlib.sha256(repr((CFLAGS, torch.__version__, sys.version)).encode())
+        # the sources' directory too: torch's ninja file names the source paths, so two checkouts
+        # sharing one directory would rebuild each time the other one built last
+        digest = hashlib.sha256(repr((CFLAGS, torch.__version__, sys.version, str(CSRC))).encode())
         for source in sources:
             digest.update(source.read_bytes())
         build_directory = (
