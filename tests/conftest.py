@@ -15,6 +15,16 @@ def pytest_configure(config):
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Build (or load from torch's cache) the compiled CPU kernels once, before the first test:
+    the first build takes ~20 s on 2 cores, and inside a multi-rank test it would count against
+    that test's own timeouts; spawned ranks and torchrun then load the cached build."""
+    from moe.kernels import cpu_kernels
+
+    cpu_kernels()
+
+
 TINY_MIXTRAL = dict(
     vocab_size=128,
     hidden_size=32,
