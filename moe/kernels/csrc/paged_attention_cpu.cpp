@@ -420,6 +420,8 @@ bool vectorized() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorized", &vectorized, "Whether the kernels were built with AVX-512 vector paths");
-  m.def("paged_attention", &paged_attention,
+  // the GIL is released while the kernel runs, as torch's own ops do: under DBO the other ubatch's
+  // thread and the communication threads keep running Python meanwhile
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),
         "Paged attention over the cache in place (CPU): writes out rows of req_ids' requests");
 }
