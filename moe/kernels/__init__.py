@@ -5,15 +5,26 @@ system C++ compiler, ``-O3 -march=native``: the code is compiled for the CPU it 
 binary never meets another CPU's instruction set) and returns the loaded module, or ``None`` when
 it cannot be built here (no compiler, no ninja, a compile error): the callers then keep their plain
 torch path, which computes the same result. The build lands in torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by the sources and flags,
-in a directory named by a hash of the sources, their directory, the flags and torch's and Python's
-versions (two checkouts never overwrite each other's build), so only the first start on a machine pays
-for it (~20 s on 2 cores); later starts load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path runs).
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a directory named by a hash
+of the sources, their directory, the flags and torch's and Python's versions (two checkouts never
+overwrite each other's build), so only the first start on a machine pays for it (~20 s on 2
+cores); later starts load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels
+off (the plain path runs).
 
-Kernels:
-    paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, req_ids, scale):
-        attention that reads K/V in place in the paged cache (``csrc/paged_attention_cpu.cpp``);
-        see ``moe.layers.batched_attention.batched_paged_attention`` for where it is used.
+Kernels (the module's functions):
+    paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, req_ids, scale)
+        Attention that reads K/V in place in the paged cache (``csrc/paged_attention_cpu.cpp``;
+        used by ``moe.layers.batched_attention.batched_paged_attention``). ``query`` and ``out``
+        ``[num_tokens, num_heads, head_dim]`` and ``kv_cache`` ``[2, num_blocks, block_size,
+        num_kv_heads, head_dim]``, contiguous, one dtype (float32, float64 or bfloat16);
+        ``block_table`` ``[num_reqs, max_blocks]``, ``seq_lens`` ``[num_reqs]`` and
+        ``query_start_loc`` ``[num_reqs + 1]`` int32; ``req_ids`` ``[n]`` int64, the requests to
+        compute; ``scale`` the softmax scale. Writes the query rows of those requests into
+        ``out`` (other rows untouched); query row i of request r sits at position
+        ``seq_lens[r] - q_len + i`` and attends causally. Raises ``RuntimeError`` on other
+        shapes, dtypes or layouts. Releases the GIL while it runs.
+    vectorized() -> bool
+        Whether the build has the AVX-512 paths (the callers use the kernel only then).
 """
 
 from __future__ import annotations
