@@ -224,32 +224,48 @@ void transpose_keys(float* kt, const scalar_t* const* slots, int64_t seq_len, in
   }
 }
 
+// Keeps the max of scores[t0 .. t0 + 16) that lie below n in vmax.
+inline __m512 max_of_tile(__m512 vmax, __m512 tile, int64_t t0, int64_t n) {
+  const int64_t valid = n - t0;
+  if (valid >= 16) return _mm512_max_ps(vmax, tile);
+  return _mm512_mask_max_ps(vmax, static_cast<__mmask16>((1u << valid) - 1), vmax, tile);
+}
+
 // scores[t] = q . k_t for t < n rounded up to 16, from one KV head's transposed keys kt_g
-// ([head_dim, seq_pad]); four 16-position tiles at a time so four FMA chains overlap.
-inline void scores_transposed(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
-                              int64_t n, int64_t head_dim) {
+// ([head_dim, seq_pad], zero past the keys); returns max_{t < n} scores[t]. Every FMA chain
+// has independent neighbours (four 16-position tiles at a time, then the last tiles one at a
+// time with head_dim split four ways): a single chain waits on each FMA's latency, 4x slower.
+inline float scores_transposed(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
+                               int64_t n, int64_t head_dim) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t0 = 0;
   for (; t0 + 64 <= n; t0 += 64) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; ++d) {
       const __m512 qd = _mm512_set1_ps(q[d]);
       const float* k = kt_g + d * seq_pad + t0;
-      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k), a0);
-      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 16), a1);
-      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 32), a2);
-      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 48), a3);
+      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 16 * j), a[j]);
     }
-    _mm512_storeu_ps(scores + t0, a0);
-    _mm512_storeu_ps(scores + t0 + 16, a1);
-    _mm512_storeu_ps(scores + t0 + 32, a2);
-    _mm512_storeu_ps(scores + t0 + 48, a3);
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_ps(scores + t0 + 16 * j, a[j]);
+      vmax = _mm512_max_ps(vmax, a[j]);
+    }
   }
-  for (; t0 < n; t0 += 16) {
-    __m512 a0 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; ++d)
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt_g + d * seq_pad + t0), a0);
-    _mm512_storeu_ps(scores + t0, a0);
+  for (; t0 < n; t0 += 16) {  // head_dim is a multiple of 16, so of 4
+    __m512 a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 4) {
+      for (int j = 0; j < 4; ++j) {
+        a[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + j]),
+                               _mm512_loadu_ps(kt_g + (d + j) * seq_pad + t0), a[j]);
+      }
+    }
+    const __m512 tile = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    _mm512_storeu_ps(scores + t0, tile);
+    vmax = max_of_tile(vmax, tile, t0, n);
   }
+  return _mm512_reduce_max_ps(vmax);
 }
 #endif
 
@@ -322,7 +338,9 @@ void paged_attention_impl(
       for (int64_t i = 0; i < q_len; ++i) {
         const int64_t n = seq_len - q_len + i + 1;  // keys this row sees
         const scalar_t* q_row = q_base + (q_start + i) * num_heads * head_dim;
-        for (int64_t e = 0; e < num_heads * head_dim; ++e) q[e] = to_float(q_row[e]) * scale;
+        acc_t* q_scaled = q.data();
+#pragma omp simd
+        for (int64_t e = 0; e < num_heads * head_dim; ++e) q_scaled[e] = to_float(q_row[e]) * scale;
         for (int64_t h = 0; h < num_heads; ++h)
           row_max[h] = -std::numeric_limits<acc_t>::infinity();
         // pass 1: scores[h][t] = q_h . k_t (query head h reads KV head h / group_size)
@@ -330,11 +348,9 @@ void paged_attention_impl(
 #if defined(__AVX512F__)
           if constexpr (std::is_same_v<acc_t, float>) {
             for (int64_t h = 0; h < num_heads; ++h) {
-              acc_t* sh = scores.data() + h * seq_pad;
-              scores_transposed(sh, q.data() + h * head_dim,
-                                kt.data() + (h / group_size) * head_dim * seq_pad, seq_pad, n,
-                                head_dim);
-              for (int64_t t = 0; t < n; ++t) row_max[h] = sh[t] > row_max[h] ? sh[t] : row_max[h];
+              row_max[h] = scores_transposed(scores.data() + h * seq_pad, q.data() + h * head_dim,
+                                             kt.data() + (h / group_size) * head_dim * seq_pad,
+                                             seq_pad, n, head_dim);
             }
           }
 #endif
