@@ -139,6 +139,22 @@ class FusedMoEModularKernel:
             issue_before_recv_hook = current_platform().dispatch_key == "cpu"
         self.issue_before_recv_hook = issue_before_recv_hook
 
+    def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
+        """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
+        stream switch) and record it; the other ubatch's in-flight transfer is completed (its recv
+        hook run) before ours in vLLM's order, after it in the CPU order
+        (``issue_before_recv_hook``)."""
+        if not self.issue_before_recv_hook:
+            dbo_maybe_run_recv_hook()
+        issue_ns = time.perf_counter_ns()
+        dbo_switch_to_comm()
+        handle = issue()
+        dbo_switch_to_compute()
+        _record_issue(op, issue_ns, handle)
+        if self.issue_before_recv_hook:
+            dbo_maybe_run_recv_hook()  # ours is on the link; now complete the other ubatch's
+        return handle
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -159,23 +175,17 @@ class FusedMoEModularKernel:
             [num_tokens, hidden_size] in hidden_states' dtype.
         """
         is_async = dbo_enabled()
-        if not self.issue_before_recv_hook:
-            # vLLM's order: complete the other ubatch's in-flight transfer, then issue ours
-            dbo_maybe_run_recv_hook()
-        issue_ns = time.perf_counter_ns()
-        dbo_switch_to_comm()  # CUDA under DBO: issue on this ubatch's comm stream (else no-op)
-        dispatch = self.prepare_finalize.prepare(
-            hidden_states,
-            topk_ids,
-            topk_weights,
-            async_op=is_async,
-            # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
-            num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
+        dispatch = self._issue(
+            "dispatch",
+            lambda: self.prepare_finalize.prepare(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                async_op=is_async,
+                # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
+                num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
+            ),
         )
-        dbo_switch_to_compute()
-        _record_issue("dispatch", issue_ns, dispatch)
-        if self.issue_before_recv_hook:
-            dbo_maybe_run_recv_hook()  # ours is on the link; now complete the other ubatch's
         if is_async:
             dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
             dbo_yield()
@@ -193,15 +203,12 @@ class FusedMoEModularKernel:
                     result.hidden_states, result.topk_ids, result.topk_weights
                 )
 
-        if not self.issue_before_recv_hook:
-            dbo_maybe_run_recv_hook()
-        issue_ns = time.perf_counter_ns()
-        dbo_switch_to_comm()
-        combine = self.prepare_finalize.finalize(expert_output, result.metadata, async_op=is_async)
-        dbo_switch_to_compute()
-        _record_issue("combine", issue_ns, combine)
-        if self.issue_before_recv_hook:
-            dbo_maybe_run_recv_hook()
+        combine = self._issue(
+            "combine",
+            lambda: self.prepare_finalize.finalize(
+                expert_output, result.metadata, async_op=is_async
+            ),
+        )
         shared_output = None
         if shared_experts is not None:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
