@@ -56,22 +56,25 @@ struct Exp<double> {
   static inline double eval(double x) { return std::exp(x); }
 };
 
+// exp(x) for x <= 0 (scores minus their max), in float: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by
+// its Taylor polynomial to degree 6 (truncation < 3e-8 relative), then times 2^k. The scalar
+// Exp<float> and the 16-lane loop in exp_shifted_sum share these constants.
+constexpr float kExpMin = -87.0f;  // exp(-87) ~ 1.6e-38, still a normal float
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in float
+constexpr float kLn2Lo = 1.42860682030941723212e-6f;
+constexpr float kExpTaylor[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f,
+                                 0.5f,           1.0f,          1.0f};  // Horner, highest first
+
 template <>
 struct Exp<float> {
-  // exp(x) for x <= 0 (scores minus their max): x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor
-  // polynomial to degree 6 (truncation < 3e-8 relative), 2^k by building the exponent bits. Branch
-  // free so the compiler vectorizes the loop it sits in.
+  // 2^k by building the exponent bits
   static inline float eval(float x) {
-    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38, still a normal float
-    const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = x - k * 0.693145751953125f - k * 1.42860682030941723212e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    x = x < kExpMin ? kExpMin : x;
+    const float k = std::floor(x * kLog2e + 0.5f);
+    const float r = x - k * kLn2Hi - k * kLn2Lo;
+    float p = kExpTaylor[0];
+    for (int i = 1; i < 7; ++i) p = p * r + kExpTaylor[i];
     const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof(scale));
@@ -176,22 +179,17 @@ inline acc_t exp_shifted_sum(acc_t* x, acc_t m, int64_t n) {
   acc_t sum = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    // Exp<float>'s algorithm, 16 lanes: 2^k by scalef
+    // Exp<float>'s algorithm and constants, 16 lanes: 2^k by scalef
     const __m512 vm = _mm512_set1_ps(m);
     __m512 vsum = _mm512_setzero_ps();
     for (; t + 16 <= n; t += 16) {
-      __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm), _mm512_set1_ps(-87.0f));
-      const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+      __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm), _mm512_set1_ps(kExpMin));
+      const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), v);
-      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860682030941723212e-6f), v);
-      __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.0f / 120.0f));
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.0f / 24.0f));
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.0f / 6.0f));
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(0.5f));
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.0f));
-      p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.0f));
+      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), v);
+      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), v);
+      __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+      for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(kExpTaylor[i]));
       p = _mm512_scalef_ps(p, k);
       _mm512_storeu_ps(x + t, p);
       vsum = _mm512_add_ps(vsum, p);
