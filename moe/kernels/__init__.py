@@ -45,7 +45,7 @@ EXTENSION_NAME = "moe_dbo_cpu_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None | str] = {}
+_state: dict[str, ModuleType | None | float] = {}  # "module", "seconds" (the build or load)
 
 
 def cpu_kernels_enabled() -> bool:
@@ -62,7 +62,9 @@ def cpu_kernels() -> ModuleType | None:
         if "module" not in _state:
             start = time.perf_counter()
             _state["module"] = _build()
-            _state["seconds"] = f"{time.perf_counter() - start:.1f} s"
+            _state["seconds"] = time.perf_counter() - start
+            if _state["module"] is not None:
+                logger.info("moe-dbo: CPU kernels ready in %.1f s", _state["seconds"])
         return _state["module"]
 
 
@@ -76,8 +78,8 @@ def prepare_cpu_kernels() -> str:
     if module is None:
         return "not built: plain torch paths"
     if not module.vectorized():
-        return f"built without AVX-512 in {_state['seconds']}: plain torch paths"
-    return f"ready (AVX-512) in {_state['seconds']}"
+        return f"built without AVX-512 in {_state['seconds']:.1f} s: plain torch paths"
+    return f"ready (AVX-512) in {_state['seconds']:.1f} s"
 
 
 # torch's build lock (a file another process holds while it compiles) is waited on without a
@@ -95,7 +97,6 @@ def _remove_stale_lock(lock: Path) -> None:
 
 
 def _build() -> ModuleType | None:
-    start = time.perf_counter()
     try:
         import torch
         from torch.utils.cpp_extension import get_default_build_root, load
@@ -125,5 +126,4 @@ def _build() -> ModuleType | None:
             str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
         )
         return None
-    logger.info("moe-dbo: CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module

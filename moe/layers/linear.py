@@ -104,11 +104,11 @@ def padded_num_rows(num_rows: int) -> int:
     distinct sizes below 256 rows and 32-64 per doubling above."""
     if num_rows <= _MIN_PADDED_ROWS:
         return num_rows
-    fraction_bits = 3 if num_rows < _FINE_PADDING_ROWS else 6
-    step = max(
-        _MIN_PADDED_ROWS if num_rows >= _FINE_PADDING_ROWS else 1,
-        1 << max(0, (num_rows - 1).bit_length() - fraction_bits),
-    )
+    octave = (num_rows - 1).bit_length()  # >= 5 here
+    if num_rows < _FINE_PADDING_ROWS:
+        step = 1 << (octave - 3)
+    else:
+        step = max(_MIN_PADDED_ROWS, 1 << (octave - 6))
     return math.ceil(num_rows / step) * step
 
 
