@@ -363,6 +363,15 @@ def batched_paged_attention(
                 scale,
             )
         return out
+    return _padded_sdpa_attention(query, kv_cache, attn_metadata, scale=scale)
+
+
+def _padded_sdpa_attention(
+    query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
+) -> Tensor:
+    """``batched_paged_attention`` in plain torch: the requests padded in chunks (the padding plan,
+    masks and gather rows built by the first layer and reused), one SDPA call per chunk."""
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
     out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
