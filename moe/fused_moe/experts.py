@@ -6,7 +6,8 @@ H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs ro
 ``forward_native`` loops over the local experts (one gather + three GEMMs each);
 ``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
 batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
-returning UNWEIGHTED outputs (that combine weights);
+returning UNWEIGHTED outputs (that combine weights), on the same per-expert GEMMs as
+``forward_cpu`` where that path runs (the reference's plain GEMMs otherwise);
 ``forward_cpu`` sorts the pairs by expert once; in bfloat16 and float32 it then runs, per local
 expert, gate and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and
 down on a prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``,
@@ -14,7 +15,7 @@ re-packed if a weight changes, rows padded to buckets so oneDNN reuses its primi
 oneDNN cannot pack, each projection is ONE grouped GEMM over the per-expert row groups
 (``torch._grouped_mm``, torch >= 2.8 on CPU); otherwise (float64, older torch) the reference loop.
 ``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the expert
-weights (the originals stay for ``forward_native`` and ``apply_batched``).
+weights (the originals stay for ``forward_native``, the grouped GEMM and graph mode).
 """
 
 from __future__ import annotations
@@ -263,27 +264,31 @@ class TorchExperts(CustomOp):
         if routed is None:
             return out
         pairs, counts, token_idx, x = routed
-        num_inter = self.intermediate_size
         weights = topk_weights.reshape(-1)[pairs, None].to(x.dtype)
         start = 0
         for expert, count in enumerate(counts[1:]):  # a loop over experts, not over tokens
             if count == 0:
                 continue
             end = start + count
-            rows = x[start:end]
-            if rows.dtype == torch.float32 and count > linear.FLOAT32_MAX_PACKED_ROWS:
-                # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
-                h = F.silu(rows @ self.w1[expert].t())
-                h.mul_(rows @ self.w3[expert].t())
-                y = (h @ self.w2[expert].t()).mul_(weights[start:end])
-            else:
-                gate_up = self._packed_gemm(rows, packs, 2 * expert)  # [n, 2F]
-                h = F.silu(gate_up[:, :num_inter])  # swiglu, with the product in place
-                h.mul_(gate_up[:, num_inter:])
-                y = self._packed_gemm(h, packs, 2 * expert + 1).mul_(weights[start:end])
+            y = self._swiglu_rows(x[start:end], expert, packs).mul_(weights[start:end])
             out.index_add_(0, token_idx[start:end], y)
             start = end
         return out
+
+    def _swiglu_rows(self, rows: Tensor, expert: int, packs: tuple[Tensor, ...]) -> Tensor:
+        """``W2_e (silu(W1_e x) * W3_e x)`` of ``rows`` ``[n, H]`` -> ``[n, H]`` (unweighted) for
+        local expert ``expert``: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM
+        for down; a float32 expert with more than ``FLOAT32_MAX_PACKED_ROWS`` rows runs the
+        reference's plain GEMMs instead (faster there, as for ``Linear``)."""
+        if rows.dtype == torch.float32 and rows.shape[0] > linear.FLOAT32_MAX_PACKED_ROWS:
+            # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
+            h = F.silu(rows @ self.w1[expert].t())
+            h.mul_(rows @ self.w3[expert].t())
+            return h @ self.w2[expert].t()
+        gate_up = self._packed_gemm(rows, packs, 2 * expert)  # [n, 2F]
+        h = F.silu(gate_up[:, : self.intermediate_size])  # swiglu, with the product in place
+        h.mul_(gate_up[:, self.intermediate_size :])
+        return self._packed_gemm(h, packs, 2 * expert + 1)
 
     def _packed_gemm(self, x: Tensor, packs: tuple[Tensor, ...], index: int) -> Tensor:
         """``x @ W.T`` for pack ``index`` (``[w1_e; w3_e]`` or ``w2_e``): in float32 on the
@@ -294,6 +299,10 @@ class TorchExperts(CustomOp):
 
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
+
+        On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply``'s
+        (``_swiglu_rows``: prepacked oneDNN weights in bfloat16 / float32); otherwise, and for
+        float64, the reference's plain GEMMs.
 
         Args:
             hidden_states: ``[E, M, H]``, dtype of the weights; rows past the count of their
@@ -319,11 +328,19 @@ class TorchExperts(CustomOp):
             raise ValueError(
                 f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
             )
-        out = torch.zeros_like(hidden_states)
+        packs = self.packed_weights() if self.forward_path == "forward_cpu" else ()
+        if hidden_states.dtype != self.w1.dtype:
+            packs = ()
+        out = torch.empty_like(hidden_states)
         for expert, count in enumerate(counts):  # a loop over experts, not over tokens
+            out[expert, count:].zero_()  # only the rows no expert output lands in
             if count == 0:
                 continue
             x = hidden_states[expert, :count]
-            h = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t())
-            out[expert, :count] = h @ self.w2[expert].t()
+            if packs:
+                out[expert, :count] = self._swiglu_rows(x, expert, packs)
+            else:
+                out[expert, :count] = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ (
+                    self.w2[expert].t()
+                )
         return out

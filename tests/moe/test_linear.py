@@ -204,6 +204,60 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_experts_run_the_packed_gemms_and_equal_native(monkeypatch, dtype):
+    """``apply_batched`` (DeepEP low-latency layout ``[E, M, H]`` + counts, unweighted) runs every
+    expert with rows on the oneDNN packs, equals the reference's per-expert SwiGLU within the
+    dtype's bound, and leaves the rows past each count zero (garbage in, NaN, ignored)."""
+    from moe.fused_moe import experts as experts_mod
+
+    calls = []
+
+    def counting_onednn_linear(x, packed, bias=None):
+        calls.append(x.shape[0])
+        return linear_mod.onednn_linear(x, packed, bias)
+
+    monkeypatch.setattr(experts_mod, "onednn_linear", counting_onednn_linear)
+    experts = _experts(dtype)
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.tensor([3, 0, 9, 1, 9, 5], dtype=torch.int32)
+    batched = torch.full((6, 9, 32), float("nan"), dtype=dtype)
+    for expert, count in enumerate(counts.tolist()):
+        batched[expert, :count] = torch.randn(count, 32, generator=gen).to(dtype)
+    exact = TorchExperts(num_local_experts=6, hidden_size=32, intermediate_size=24).double()
+    set_custom_ops("none")
+    plain = TorchExperts(num_local_experts=6, hidden_size=32, intermediate_size=24, dtype=dtype)
+    set_custom_ops("all")
+    with torch.no_grad():
+        exact.load_state_dict({k: v.double() for k, v in experts.state_dict().items()})
+        plain.load_state_dict(experts.state_dict())
+        out = experts.apply_batched(batched, counts)
+        assert sorted(calls) == sorted(2 * [n for n in counts.tolist() if n])  # gate_up, down
+        calls.clear()
+        plain_out = plain.apply_batched(batched, counts)
+        for expert, count in enumerate(counts.tolist()):
+            assert not out[expert, count:].any() and not plain_out[expert, count:].any()
+            if count == 0:
+                continue
+            rows = batched[expert, :count]
+            ids, ones = torch.full((count, 1), expert, dtype=torch.long), torch.ones(count, 1)
+            ref = experts.forward_native(rows, ids, ones)
+            assert torch.equal(plain_out[expert, :count], ref)  # same GEMMs, weight 1 exact
+            ref = ref.double()
+            if dtype == torch.bfloat16:  # as the weighted experts: the bfloat16 reference's bound
+                torch.testing.assert_close(
+                    out[expert, :count].double(), ref, atol=BF16_EXPERTS_TOL, rtol=BF16_EXPERTS_TOL
+                )
+                continue
+            # float32: within 4x the float32 reference's own error against the exact result
+            ref64 = exact.forward_native(rows.double(), ids, ones.double())
+            tol = 4 * float((ref - ref64).abs().max()) + FLOAT32_EXPERTS_TOL
+            torch.testing.assert_close(out[expert, :count].double(), ref64, atol=tol, rtol=0)
+        assert calls == []  # the reference path (custom ops off) runs the plain GEMMs
+        assert not plain_out.isnan().any()
+
+
+@needs_onednn
 def test_float32_experts_above_the_row_threshold_take_the_plain_gemms(monkeypatch):
     """An expert with more than FLOAT32_MAX_PACKED_ROWS rows runs the reference's own GEMMs (bit
     for bit when every token goes there); beside packed experts the result stays within the
