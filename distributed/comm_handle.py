@@ -38,10 +38,6 @@ class CommHandle(Protocol[T_co]):
             arrived bytes into the value (unpacking rows, scattering them back, the weighted sum
             of a combine: compute, like DeepEP's receive kernels), once done; None before or
             when there was none.
-        local_result: the part of the result that is valid from the issue on, before the data
-            arrive, or None (the whole result waits for ``wait()``). The emulated DeepEP
-            low-latency dispatch sets it: the rows this rank routed to its own experts never
-            leave the rank (``BatchedDispatchResult`` with their per-expert counts).
     """
 
     @property
@@ -59,9 +55,6 @@ class CommHandle(Protocol[T_co]):
     @property
     def finish_ns(self) -> tuple[int, int] | None: ...
 
-    @property
-    def local_result(self) -> object | None: ...
-
     def is_completed(self) -> bool:
         """Whether the data has arrived (never blocks)."""
         ...
@@ -75,10 +68,7 @@ class CompletedHandle(Generic[T]):
     """A ``CommHandle`` whose value is ready at construction (no communication: ``num_bytes`` 0,
     no notify step)."""
 
-    __slots__ = (
-        "_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns", "finish_ns",
-        "local_result",
-    )  # fmt: skip
+    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns", "finish_ns")
 
     def __init__(self, value: T):
         self._value = value
@@ -87,7 +77,6 @@ class CompletedHandle(Generic[T]):
         self.num_bytes = 0
         self.notify_ns: tuple[int, int] | None = None
         self.finish_ns: tuple[int, int] | None = None
-        self.local_result: object | None = None
 
     def wait(self) -> T:
         return self._value
@@ -141,7 +130,6 @@ class CollectiveHandle(Generic[T]):
         finish_ns: ``(start, end)`` of the finalize step (from the start of the work's own
             finish step when the work is itself a handle that has one, e.g. the emulated DeepEP
             buffer's transfer), set by the first ``wait()``.
-        local_result: the part of the result valid from the issue on, or None (``CommHandle``).
 
     ``wait()`` is idempotent and thread-safe: the first call blocks (with the group timeout) and
     runs the finalize step once; every later call, from any thread, returns the same object (or
@@ -164,7 +152,6 @@ class CollectiveHandle(Generic[T]):
         "notify_ns",
         "link_deadline_ns",
         "finish_ns",
-        "local_result",
         "__weakref__",
     )
 
@@ -180,7 +167,6 @@ class CollectiveHandle(Generic[T]):
         num_bytes: int,
         notify_ns: tuple[int, int] | None = None,
         link_deadline_ns: int | None = None,
-        local_result: object | None = None,
     ) -> None:
         self._op = op
         self._rank = rank
@@ -197,7 +183,6 @@ class CollectiveHandle(Generic[T]):
         self.notify_ns = notify_ns
         self.link_deadline_ns = link_deadline_ns
         self.finish_ns: tuple[int, int] | None = None
-        self.local_result = local_result
         if work is not None:
             self._stamp_on_completion(work)
 

@@ -145,11 +145,8 @@ class DeepEPHighThroughputBackend(All2AllBackend):
         return self._deepep_handle("deepep_high_throughput combine", completion_work(event),
                                    lambda: combined_x, start_ns, async_op)  # fmt: skip
 
-    def _deepep_handle(
-        self, op, work, finalize, start_ns: int, async_op: bool, local_result=None
-    ) -> CommHandle:
-        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``);
-        ``local_result``: the part of the result valid from the issue on (``CommHandle``)."""
+    def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
+        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``)."""
         handle: CollectiveHandle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,
@@ -160,7 +157,6 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             num_bytes=getattr(work, "num_bytes", 0),
             notify_ns=getattr(work, "notify_ns", None),
             link_deadline_ns=getattr(work, "link_deadline_ns", None),
-            local_result=local_result,
         )
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait

@@ -9,9 +9,7 @@ buffers, so a dispatch issues at once and never blocks; the returned handle's ``
 DeepEP's receive hook, which is what the modular kernel hands to the other ubatch with
 ``dbo_register_recv_hook``. Received tokens come grouped per local expert
 (``BatchedDispatchResult``: ``[num_local_experts, ep_size * C, hidden]`` + per-expert counts), the
-experts compute on that layout and combine applies the top-k weights. On the emulated buffer the
-rows a rank routed to its own experts are in place at issue: the handle's ``local_result`` holds
-them (their counts as ``expert_num_tokens``), and combine reads them only in its hook.
+experts compute on that layout and combine applies the top-k weights.
 
 Capacity C: the buffer is sized for ``num_max_dispatch_tokens_per_rank`` (the engine derives it
 from ``--max-num-batched-tokens``: no step, microbatched or not, has more rows per rank). A call
@@ -33,7 +31,6 @@ from torch.distributed import ProcessGroup
 from distributed.all2all.base import BatchedDispatchResult, DispatchMetadata
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
 from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
-from distributed.all2all.deepep_low_latency_protocol import LowLatencyHandle
 from distributed.comm_handle import CommHandle
 from distributed.link_emulation import EmulatedLink
 
@@ -154,15 +151,8 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
                 hidden_states=recv_x, expert_num_tokens=recv_count, metadata=metadata
             )
 
-        local = None
-        if isinstance(handle, LowLatencyHandle):  # the emulation: own rows in place already
-            local = BatchedDispatchResult(
-                hidden_states=recv_x,
-                expert_num_tokens=handle.num_local_rows.int(),
-                metadata=metadata,
-            )
         return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
-                                   finalize, start_ns, async_op, local)  # fmt: skip
+                                   finalize, start_ns, async_op)  # fmt: skip
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False

@@ -8,12 +8,8 @@ distinct, so at most min(K, L) of them live on one rank).
 
 Dispatch: a token goes once to each of its top-k experts (not once per rank, as in HT). What the
 receiver gets is DeepEP's: ``recv_x [L, R * C, H]``, local expert l's rows from source rank r at
-``recv_x[l, offset[r, l] : offset[r, l] + n[r, l]]`` (valid rows packed to the front) and
-``recv_count [L]``, valid after the hook. DeepEP's kernels pack the sources of an expert in
-arrival order; here the rank's own rows come first, then the peers' in rank order (``offset`` the
-exclusive cumulative sum in that order), and the own rows are in place when the call returns,
-before the hook: ``handle.num_local_rows [L]`` counts them, so a caller may compute them while
-the peers' rows are in flight (the modular kernel does under DBO: FasterMoE's schedule). NO
+``recv_x[l, offset[r, l] : offset[r, l] + n[r, l]]`` (``offset`` the exclusive cumulative sum over
+source ranks: valid rows packed to the front) and ``recv_count [L]``, valid after the hook. NO
 count exchange: the counts travel IN the payload. Each rank sends every peer one block of a size
 both sides know without a message, ``[L * 8 B counts | B rows]``, its rows for that peer packed
 expert-major (expert l's n[l] rows after those of experts < l); ONE ``all_to_all_single`` of
@@ -24,8 +20,7 @@ stay in memory (DeepEP copies them locally too).
 Combine: the reverse with exact sizes, again without a message: a rank returns to each source
 exactly the rows it received from it (known after the dispatch's hook), and the source expects
 exactly the rows it sent. It sums ``topk_weights[t, k] * row`` over its token's top-k (DeepEP's LL
-combine applies the weights). The peers' rows of ``x`` are read by the call, the rank's own rows
-(which never leave it) by the hook: they may still be computed in between.
+combine applies the weights).
 
 Buffers put the blocks to send first, the rank's own block in the middle and the received blocks
 after it, so the send part, the receive part and "own block + received blocks" are each one
@@ -66,8 +61,6 @@ class LowLatencyHandle:
         num_sent_rows: per rank, the rows this rank sent it (= the rows combine gets back).
         recv_layout: ``[R, L]`` torch.int64 rows received from each source rank per local expert
             (DeepEP's layout range); written by the dispatch's hook.
-        num_local_rows: ``[L]`` torch.int64 rows this rank routed to its own local experts: they
-            are ``recv_x[l, :num_local_rows[l]]``, valid from the dispatch call on.
         is_received: ``[1]`` torch.bool, set by the dispatch's hook once ``recv_layout`` holds.
     """
 
@@ -78,7 +71,6 @@ class LowLatencyHandle:
     num_sent_rows: tuple[int, ...]
     recv_layout: Tensor
     is_received: Tensor
-    num_local_rows: Tensor
 
 
 class LowLatencyProtocol:
@@ -124,8 +116,7 @@ class LowLatencyProtocol:
             ``recv_x [L, R * C, H]`` (x's dtype; only the first ``recv_count[l]`` rows of each
             expert are valid), ``recv_count [L]`` torch.int32, ``handle``, ``event``, ``hook``.
             With ``return_recv_hook`` the call only issues the transfer: the tensors are valid
-            after ``hook()``, except the rank's own rows (``handle.num_local_rows``), valid at
-            return; otherwise all at return. ``hook`` is None without it.
+            after ``hook()``; otherwise at return. ``hook`` is None without it.
 
         Raises:
             ValueError: ``use_fp8`` / FP8 options, T above C, C above the buffer's capacity, a
@@ -141,8 +132,6 @@ class LowLatencyProtocol:
             num_local, num_ranks * capacity, x.shape[1], dtype=x.dtype, device=x.device
         )
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
-        own_block = buf[num_ranks - 1 : num_ranks]  # send side last, receive side first
-        self._place_rows(own_block, handle.num_local_rows.unsqueeze(0), handle, recv_x, None)
         issued_at_ns = time.perf_counter_ns()
         peers = peer_splits([1] * num_ranks, self.rank)
         pending = all_to_all_single(
@@ -151,7 +140,7 @@ class LowLatencyProtocol:
         )  # fmt: skip
 
         def finish() -> None:
-            self._unpack_dispatch(buf[num_ranks:], handle, recv_x, recv_count)
+            self._unpack_dispatch(buf[num_ranks - 1 :], handle, recv_x, recv_count)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
@@ -209,7 +198,7 @@ class LowLatencyProtocol:
             num_max_dispatch_tokens_per_rank=capacity, hidden=hidden, num_experts=num_experts,
             pair_row=pair_row, num_sent_rows=tuple(num_sent_rows),
             recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
-            is_received=torch.zeros(1, dtype=torch.bool), num_local_rows=sent[self.rank].clone(),
+            is_received=torch.zeros(1, dtype=torch.bool),
         )  # fmt: skip
         # bill what DeepEP puts on the wire: the valid rows for other ranks, and the counts
         num_remote = sum(num_sent_rows) - num_sent_rows[self.rank]
@@ -219,58 +208,33 @@ class LowLatencyProtocol:
     def _unpack_dispatch(
         self, blocks: Tensor, handle: LowLatencyHandle, recv_x: Tensor, recv_count: Tensor
     ) -> None:
-        """The hook's work: the peers' ``blocks [R - 1, rows_per_block, H]`` (rank order) into
-        DeepEP's layout ``recv_x`` after the own rows (placed at the call), and ``recv_count``.
+        """The hook's work: ``blocks [R, rows_per_block, H]`` (``slot_order`` receive side: own
+        block, then the peers') into DeepEP's layout ``recv_x`` / ``recv_count``.
 
         Raises:
             RuntimeError: a received count outside [0, C] (the ranks disagree on C, H or dtype).
         """
+        num_ranks, (num_local, num_slots, hidden) = self.group_size, recv_x.shape
         capacity = handle.num_max_dispatch_tokens_per_rank
-        block = self._block_layout(handle, recv_x)
-        num_local = recv_x.shape[0]
-        peers = (  # [R - 1, L]
-            block.counts(blocks) if blocks.shape[0]
-            else torch.zeros(0, num_local, dtype=torch.int64, device=recv_x.device)
-        )  # fmt: skip
-        if bool(((peers < 0) | (peers > capacity)).any()):  # host sync (small)
+        block = BlockLayout.of(
+            capacity, handle.pair_row.shape[1], num_local, hidden, recv_x.element_size()
+        )
+        recv_slot = slot_order(self.rank, num_ranks, own_first=True, device=recv_x.device)
+        layout = block.counts(blocks)[recv_slot]  # source-rank order
+        if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
             raise RuntimeError(
                 f"low_latency_dispatch on rank {self.rank}: received row counts "
-                f"{peers.tolist()} outside [0, {capacity}]: the ranks disagree on "
+                f"{layout.tolist()} outside [0, {capacity}]: the ranks disagree on "
                 f"num_max_dispatch_tokens_per_rank, hidden or dtype"
             )
-        self._place_rows(blocks, peers, handle, recv_x, handle.num_local_rows)
-        layout = torch.cat([handle.num_local_rows.unsqueeze(0), peers])  # receive-slot order
-        recv_count.copy_(layout.sum(0))
-        recv_slot = slot_order(self.rank, self.group_size, own_first=True, device=recv_x.device)
-        handle.recv_layout.copy_(layout[recv_slot])  # source-rank order
-        handle.is_received.fill_(True)
-
-    def _block_layout(self, handle: LowLatencyHandle, recv_x: Tensor) -> BlockLayout:
-        return BlockLayout.of(
-            handle.num_max_dispatch_tokens_per_rank, handle.pair_row.shape[1], recv_x.shape[0],
-            recv_x.shape[2], recv_x.element_size(),
-        )  # fmt: skip
-
-    def _place_rows(
-        self,
-        blocks: Tensor,
-        layout: Tensor,
-        handle: LowLatencyHandle,
-        recv_x: Tensor,
-        first_row: Tensor | None,
-    ) -> None:
-        """Copy the token rows of ``blocks [S, rows_per_block, H]`` (row counts ``layout
-        [S, L]``) into ``recv_x [L, R * C, H]``, expert l's from row ``first_row[l]`` (0: None)
-        on, the blocks' rows in block order."""
-        (num_local, num_slots, hidden) = recv_x.shape
-        block = self._block_layout(handle, recv_x)
-        slot, local_expert, _, block_row, packed_row = valid_rows(
-            layout, handle.num_max_dispatch_tokens_per_rank
+        rank, local_expert, _, block_row, packed_row = valid_rows(layout, capacity)
+        rows = blocks.reshape(-1, hidden).index_select(
+            0, block.flat_row(recv_slot[rank], block_row)
         )
-        if first_row is not None:
-            packed_row = packed_row + first_row[local_expert]
-        rows = blocks.reshape(-1, hidden).index_select(0, block.flat_row(slot, block_row))
         recv_x.view(-1, hidden).index_copy_(0, local_expert * num_slots + packed_row, rows)
+        recv_count.copy_(layout.sum(0))
+        handle.recv_layout.copy_(layout)
+        handle.is_received.fill_(True)
 
     def low_latency_combine(
         self,
@@ -303,7 +267,7 @@ class LowLatencyProtocol:
             ValueError: shapes that do not match the handle, or the dispatch's hook never ran.
         """
         self._check_combine(x, topk_idx, topk_weights, handle)
-        buf, num_send, num_bytes, splits, own_rows = self._pack_combine(x, handle)
+        buf, num_send, num_bytes, splits = self._pack_combine(x, handle)
         num_tokens, hidden, dtype = topk_idx.shape[0], handle.hidden, x.dtype
         num_own = handle.num_sent_rows[self.rank]
         issued_at_ns = time.perf_counter_ns()
@@ -315,8 +279,6 @@ class LowLatencyProtocol:
         acc_dtype = torch.promote_types(dtype, torch.float32)
 
         def finish() -> None:
-            own_source, own_dest = own_rows  # the own rows, read now: they may be computed late
-            buf.index_copy_(0, own_dest, x.reshape(-1, hidden).index_select(0, own_source))
             rows = buf[num_send:]
             if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
                 combined_x.zero_()
@@ -357,35 +319,26 @@ class LowLatencyProtocol:
 
     def _pack_combine(
         self, x: Tensor, handle: LowLatencyHandle
-    ) -> tuple[Tensor, int, int, tuple[list[int], list[int]], tuple[Tensor, Tensor]]:
-        """``(buf [rows, H] x's dtype, num_send, billed bytes, (input splits, output splits),
-        (own rows of x.view(-1, H), their rows in buf))``: ``buf[:num_send]`` the rows for the
-        peers (rank order), then this rank's own rows (copied by the hook), then the peers' rows
-        coming back; ``buf[num_send:]`` is ``handle.pair_row``'s view."""
+    ) -> tuple[Tensor, int, int, tuple[list[int], list[int]]]:
+        """``(buf [rows, H] x's dtype, num_send, billed bytes, (input splits, output splits))``:
+        ``buf[:num_send]`` the rows for the peers (rank order), then this rank's own rows, then
+        the peers' rows coming back; ``buf[num_send:]`` is ``handle.pair_row``'s view."""
         layout, num_ranks = handle.recv_layout, self.group_size
         num_back = layout.sum(1).tolist()  # host sync (small): rows to return to each rank
-        num_own = num_back[self.rank]
-        num_send = sum(num_back) - num_own
+        num_send = sum(num_back) - num_back[self.rank]
         num_recv = sum(handle.num_sent_rows) - handle.num_sent_rows[self.rank]
         buf = torch.empty(sum(num_back) + num_recv, handle.hidden, dtype=x.dtype, device=x.device)
         send_slot = slot_order(self.rank, num_ranks, own_first=False, device=x.device)
         back = torch.tensor(num_back, dtype=torch.int64, device=x.device)
         chunk_start = exclusive_cumsum(back[send_slot.argsort()], 0)[send_slot]
-        # x's rows in the dispatch's receive order: own rows first, then the peers' (rank order)
-        order = torch.tensor(
-            [self.rank] + [p for p in range(num_ranks) if p != self.rank], device=x.device
+        rank, local_expert, _, block_row, packed_row = valid_rows(
+            layout, handle.num_max_dispatch_tokens_per_rank
         )
-        slot, local_expert, _, block_row, packed_row = valid_rows(
-            layout[order], handle.num_max_dispatch_tokens_per_rank
-        )
-        source = local_expert * x.shape[1] + packed_row
-        dest = chunk_start[order[slot]] + block_row
-        # valid_rows lists slot 0 (this rank's own rows) first
-        buf.index_copy_(0, dest[num_own:], x.reshape(-1, handle.hidden).index_select(
-            0, source[num_own:]))  # fmt: skip
+        rows = x.reshape(-1, handle.hidden).index_select(0, local_expert * x.shape[1] + packed_row)
+        buf.index_copy_(0, chunk_start[rank] + block_row, rows)
         splits = (
             peer_splits(num_back, self.rank),
             peer_splits(list(handle.num_sent_rows), self.rank),
         )
         num_bytes = num_send * handle.hidden * x.element_size()
-        return buf, num_send, num_bytes, splits, (source[:num_own], dest[:num_own])
+        return buf, num_send, num_bytes, splits

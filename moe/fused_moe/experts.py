@@ -297,14 +297,7 @@ class TorchExperts(CustomOp):
             return upcast_linear(x, self._upcast[index])
         return onednn_linear(x, packs[index])
 
-    def apply_batched(
-        self,
-        hidden_states: Tensor,
-        expert_num_tokens: Tensor | list[int],
-        *,
-        first_row: list[int] | None = None,
-        out: Tensor | None = None,
-    ) -> Tensor:
+    def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
 
         On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply``'s
@@ -314,19 +307,14 @@ class TorchExperts(CustomOp):
         Args:
             hidden_states: ``[E, M, H]``, dtype of the weights; rows past the count of their
                 expert are ignored (DeepEP leaves them unspecified).
-            expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``
-                (a tensor or a list).
-            first_row: ``[E]`` rows before which expert l computes nothing (default 0): a batch
-                computed in parts (the modular kernel's own rows first, under DBO).
-            out: ``[E, M, H]`` to write into; only the rows computed are written.
+            expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``.
 
         Returns:
-            ``[E, M, H]`` in hidden_states' dtype: ``out[l, first_row[l] : n_l] = W2_l (silu(W1_l
-            x) * W3_l x)``; in a new tensor (``out`` None) the other rows are zero.
+            ``[E, M, H]`` in hidden_states' dtype: ``out[l, :n_l] = W2_l (silu(W1_l x) * W3_l x)``,
+            rows past ``n_l`` zero.
 
         Raises:
-            ValueError: on a shape mismatch or a count outside ``[0, M]``, ``first_row`` past
-                a count, or an ``out`` of another shape or dtype.
+            ValueError: on a shape mismatch or a count outside ``[0, M]``.
         """
         num_experts, max_tokens = self.num_local_experts, hidden_states.shape[1]
         if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
@@ -335,44 +323,24 @@ class TorchExperts(CustomOp):
                 f"{tuple(hidden_states.shape)}"
             )
         # blocking host sync: the per-expert row counts size the GEMMs
-        counts = expert_num_tokens.tolist() if isinstance(expert_num_tokens, Tensor) else list(
-            expert_num_tokens)  # fmt: skip
+        counts = expert_num_tokens.tolist()
         if len(counts) != num_experts or not all(0 <= n <= max_tokens for n in counts):
             raise ValueError(
                 f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
             )
-        starts = [0] * num_experts if first_row is None else list(first_row)
-        if len(starts) != num_experts or not all(
-            0 <= s <= n for s, n in zip(starts, counts, strict=True)
-        ):
-            raise ValueError(
-                f"first_row must hold {num_experts} rows in [0, count], got {starts} for counts "
-                f"{counts}"
-            )
-        if out is not None and (
-            out.shape != hidden_states.shape or out.dtype != hidden_states.dtype
-        ):
-            raise ValueError(
-                f"out must be {list(hidden_states.shape)} {hidden_states.dtype}, got "
-                f"{list(out.shape)} {out.dtype}"
-            )
         packs = self.packed_weights() if self.forward_path == "forward_cpu" else ()
         if hidden_states.dtype != self.w1.dtype:
             packs = ()
-        if out is None:
-            out = torch.empty_like(hidden_states)
-            for expert, (start, count) in enumerate(zip(starts, counts, strict=True)):
-                out[expert, :start].zero_()  # only the rows no expert output lands in
-                out[expert, count:].zero_()
-        # a loop over experts, not over tokens
-        for expert, (start, count) in enumerate(zip(starts, counts, strict=True)):
-            if count == start:
+        out = torch.empty_like(hidden_states)
+        for expert, count in enumerate(counts):  # a loop over experts, not over tokens
+            out[expert, count:].zero_()  # only the rows no expert output lands in
+            if count == 0:
                 continue
-            x = hidden_states[expert, start:count]
+            x = hidden_states[expert, :count]
             if packs:
-                out[expert, start:count] = self._swiglu_rows(x, expert, packs)
+                out[expert, :count] = self._swiglu_rows(x, expert, packs)
             else:
-                out[expert, start:count] = (
-                    swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ self.w2[expert].t()
+                out[expert, :count] = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ (
+                    self.w2[expert].t()
                 )
         return out

@@ -13,22 +13,12 @@ current, prepare/finalize are issued asynchronously, their ``wait`` is handed to
 a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
 second ``wait()`` is an idempotent no-op. Whether a ubatch runs the other's hook before or after
 issuing its own transfer is ``issue_before_recv_hook`` (after, on the CPU).
-
-Own rows first (FasterMoE's schedule, He et al., "FasterMoE", PPoPP 2022): where the dispatch
-delivers the rows this rank routed to its own experts at issue (``CommHandle.local_result``: the
-emulated DeepEP low-latency buffer), a ubatch under DBO computes about half of them right after
-issuing its dispatch, the peers' rows once they arrive, and the other half right after issuing its
-combine (whose hook reads the own rows last). Each of the four transfers of a layer then has, on
-top of the other ubatch's compute segment, part of this ubatch's expert pass as its window: the
-two that only the other ubatch's attention hid before (this ubatch's dispatch, the other's
-combine) gain about a quarter of an expert pass each.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -117,37 +107,6 @@ def _record_comm(op: str, handle: CommHandle) -> None:
         )
 
 
-def split_own_rows(num_local_rows: list[int]) -> list[int]:
-    """Per local expert, the own rows computed right after the dispatch issue: whole experts in
-    order while their midpoint falls in the first half of all own rows (fewer, larger GEMMs than
-    halving every expert), the rest after the combine issue.
-
-    Args:
-        num_local_rows: ``[E]`` rows this rank routed to each of its local experts.
-
-    Returns:
-        ``[E]``: ``num_local_rows[l]`` for the experts of the first part, 0 for the others.
-    """
-    half, before, early = sum(num_local_rows) / 2, 0, []
-    for n in num_local_rows:
-        early.append(n if before + n / 2 <= half else 0)
-        before += n
-    return early
-
-
-@dataclass(slots=True)
-class _OwnRows:
-    """A ubatch's own rows in flight between its dispatch and its combine: ``hidden_states``
-    ``[E, M, H]`` (the dispatch's receive buffer), ``num_rows`` ``[E]`` of them per expert,
-    ``num_early`` ``[E]`` computed at the dispatch (``split_own_rows``), ``out`` ``[E, M, H]`` the
-    expert output they and the peers' rows are written to."""
-
-    hidden_states: Tensor
-    num_rows: list[int]
-    num_early: list[int]
-    out: Tensor
-
-
 class FusedMoEModularKernel:
     """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol.
 
@@ -180,16 +139,10 @@ class FusedMoEModularKernel:
             issue_before_recv_hook = current_platform().dispatch_key == "cpu"
         self.issue_before_recv_hook = issue_before_recv_hook
 
-    def _issue(
-        self,
-        op: str,
-        issue: Callable[[], CommHandle],
-        overlap: Callable[[CommHandle], None] | None = None,
-    ) -> CommHandle:
+    def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
         """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
-        stream switch) and record it, then run ``overlap(handle)`` (this ubatch's work that needs
-        no transfer); the other ubatch's in-flight transfer is completed (its recv hook run)
-        before ours in vLLM's order, after ours and the overlap work in the CPU order
+        stream switch) and record it; the other ubatch's in-flight transfer is completed (its recv
+        hook run) before ours in vLLM's order, after it in the CPU order
         (``issue_before_recv_hook``)."""
         if not self.issue_before_recv_hook:
             dbo_maybe_run_recv_hook()
@@ -198,8 +151,6 @@ class FusedMoEModularKernel:
         handle = issue()
         dbo_switch_to_compute()
         _record_issue(op, issue_ns, handle)
-        if overlap is not None:
-            overlap(handle)
         if self.issue_before_recv_hook:
             dbo_maybe_run_recv_hook()  # ours is on the link; now complete the other ubatch's
         return handle
@@ -224,27 +175,6 @@ class FusedMoEModularKernel:
             [num_tokens, hidden_size] in hidden_states' dtype.
         """
         is_async = dbo_enabled()
-        own: list[_OwnRows] = []  # filled at the dispatch issue when own rows come first
-
-        def own_rows_first(handle: CommHandle) -> None:
-            local = handle.local_result
-            if not is_async or not isinstance(local, BatchedDispatchResult):
-                return
-            num_rows = local.expert_num_tokens.tolist()
-            rows = _OwnRows(local.hidden_states, num_rows, split_own_rows(num_rows),
-                            torch.empty_like(local.hidden_states))  # fmt: skip
-            with timeline_span("experts_own"):
-                self.experts.apply_batched(rows.hidden_states, rows.num_early, out=rows.out)
-            own.append(rows)
-
-        def own_rows_last(_handle: CommHandle) -> None:
-            if own:
-                rows = own[0]
-                with timeline_span("experts_own"):
-                    self.experts.apply_batched(
-                        rows.hidden_states, rows.num_rows, first_row=rows.num_early, out=rows.out
-                    )
-
         dispatch = self._issue(
             "dispatch",
             lambda: self.prepare_finalize.prepare(
@@ -255,7 +185,6 @@ class FusedMoEModularKernel:
                 # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
                 num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
             ),
-            own_rows_first,
         )
         if is_async:
             dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
@@ -264,13 +193,7 @@ class FusedMoEModularKernel:
         _record_comm("dispatch", dispatch)
 
         with timeline_span("experts"):
-            if isinstance(result, BatchedDispatchResult) and own:
-                # the peers' rows, after the own ones (in the same receive buffer and output)
-                expert_output = self.experts.apply_batched(
-                    result.hidden_states, result.expert_num_tokens, first_row=own[0].num_rows,
-                    out=own[0].out,
-                )  # fmt: skip
-            elif isinstance(result, BatchedDispatchResult):
+            if isinstance(result, BatchedDispatchResult):
                 # DeepEP low-latency layout: per-expert rows, weights applied by the combine
                 expert_output = self.experts.apply_batched(
                     result.hidden_states, result.expert_num_tokens
@@ -285,7 +208,6 @@ class FusedMoEModularKernel:
             lambda: self.prepare_finalize.finalize(
                 expert_output, result.metadata, async_op=is_async
             ),
-            own_rows_last,
         )
         shared_output = None
         if shared_experts is not None:

@@ -63,12 +63,10 @@ def _expected_rows(case, ep_rank, num_local_experts):
 
 def _expected_batched_rows(case, ep_rank, num_local_experts) -> list[torch.Tensor]:
     """Per local expert, the rows it must receive (DeepEP low latency: once per (token, expert)),
-    in (source rank, token) order, the receiver's own rows first (the emulation's order; DeepEP's
-    kernels pack sources in arrival order)."""
+    in (source rank, token) order."""
     first = ep_rank * num_local_experts
     rows: list[list[torch.Tensor]] = [[] for _ in range(num_local_experts)]
-    num_ranks = len(case["counts"])
-    for src in [ep_rank, *(r for r in range(num_ranks) if r != ep_rank)]:
+    for src in range(len(case["counts"])):
         x, ids, _ = _case_inputs(case, src)
         for local in range(num_local_experts):
             rows[local].append(x[(ids == first + local).any(dim=1)])

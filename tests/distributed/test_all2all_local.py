@@ -145,29 +145,6 @@ def test_low_latency_hook_completes_the_receive():
     assert torch.equal(combined, expected)
 
 
-def test_low_latency_own_rows_are_in_place_at_issue_and_combined_at_the_hook():
-    """The emulation's own-rows-first order: a rank's rows for its own experts are in recv_x when
-    the dispatch returns (before the hook; ``handle.num_local_rows``), and combine reads them when
-    its hook runs, so they may be computed after the combine call."""
-    buffer = _local_buffer(4)
-    x = torch.arange(12.0).view(3, 4)
-    ids = torch.tensor([[1, 0], [1, -1], [0, 1]])
-    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-        x, ids, 4, 2, use_fp8=False, return_recv_hook=True
-    )
-    assert handle.num_local_rows.tolist() == [2, 3] and recv_count.tolist() == [0, 0]
-    assert torch.equal(recv_x[0, :2], x[[0, 2]]) and torch.equal(recv_x[1, :3], x)
-    hook()
-    expert_output = torch.zeros_like(recv_x)
-    weights = torch.tensor([[0.5, 0.25], [1.0, 0.0], [2.0, 3.0]])
-    combined, _, hook = buffer.low_latency_combine(
-        expert_output, ids, weights, handle, return_recv_hook=True
-    )
-    expert_output.copy_(2 * recv_x)  # computed after the call, before the hook
-    hook()
-    assert torch.equal(combined, 2 * x * torch.tensor([[0.75], [1.0], [5.0]]))
-
-
 def test_low_latency_capacity_limit():
     """At its limit a dispatch fills one expert's slots; one token more is refused, naming both."""
     backend = make_all2all_backend(

@@ -3,7 +3,6 @@ and EP=2 over real gloo all-to-all backends (with and without DBO) vs the single
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 
@@ -12,9 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
-from distributed import make_all2all_backend
 from moe import (
-    All2AllPrepareAndFinalize,
     FusedMoEModularKernel,
     FusedMoEPrepareAndFinalize,
     MoEModelConfig,
@@ -24,7 +21,6 @@ from moe import (
     init_random_weights,
     select_experts,
 )
-from moe.fused_moe.modular_kernel import split_own_rows
 from tests.helpers.distributed import run_distributed
 
 H, FF, E, K = 16, 24, 4, 2
@@ -135,7 +131,7 @@ class _LazyHandle:
     def __init__(self, log, name, value):
         self.log, self.name, self.value = log, name, value
         self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
-        self.notify_ns = self.finish_ns = self.local_result = None
+        self.notify_ns = self.finish_ns = None
 
     def is_completed(self):
         return self.completed_at_ns is not None
@@ -245,62 +241,6 @@ def test_dbo_schedule_follows_the_yield_protocol(issue_first, order):
         ("issue", "D0", 0, False),
         ("issue", "C0", 0, False),
     ]
-
-
-def test_split_own_rows_takes_whole_experts_up_to_half():
-    assert split_own_rows([4, 4, 4, 4]) == [4, 4, 0, 0]
-    assert split_own_rows([10, 1, 1, 1]) == [10, 0, 0, 0]  # its midpoint, 5, is in the half
-    assert split_own_rows([1, 10, 1]) == [1, 10, 0]
-    assert split_own_rows([0, 0]) == [0, 0]
-
-
-@torch.no_grad()
-def test_dbo_computes_the_own_rows_around_the_transfers():
-    """Under DBO with the emulated low-latency buffer (one rank: every row is an own row), each
-    ubatch computes its own rows in two parts, after issuing its dispatch and after issuing its
-    combine, and the result equals the dense reference (DBO off: one call per expert set)."""
-    backend = make_all2all_backend(
-        "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=E,
-        timeout=datetime.timedelta(seconds=10), num_max_dispatch_tokens_per_rank=16,
-    )  # fmt: skip
-    experts = make_experts()
-    calls: list = []
-    apply_batched = experts.apply_batched
-
-    def recording(hidden_states, counts, *, first_row=None, out=None):
-        calls.append((dbo_current_ubatch_id(), first_row is not None, out is not None))
-        return apply_batched(hidden_states, counts, first_row=first_row, out=out)
-
-    experts.apply_batched = recording
-    kernel = FusedMoEModularKernel(All2AllPrepareAndFinalize(backend), experts)
-    x, ids, w = routed(16)
-    expected = dense_reference(experts, x, ids, w)
-    contexts = make_ubatch_contexts(2, timeout_s=10.0)
-    outputs: list = [None, None]
-    errors: list = []
-
-    def run(i):
-        try:
-            with contexts[i]:
-                rows = slice(8 * i, 8 * i + 8)
-                outputs[i] = kernel.forward(x[rows], ids[rows], w[rows])
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10.0)
-    assert not errors, errors
-    torch.testing.assert_close(torch.cat(outputs), expected, atol=1e-5, rtol=1e-5)
-    # per ubatch: own rows at the dispatch (no first_row), the peers' rows (none here: from the
-    # end of the own rows), own rows at the combine (from the split on)
-    for ub in (0, 1):
-        assert [c[1:] for c in calls if c[0] == ub] == [(False, True), (True, True), (True, True)]
-    calls.clear()
-    torch.testing.assert_close(kernel.forward(x, ids, w), expected, atol=1e-5, rtol=1e-5)
-    assert [c[1:] for c in calls] == [(False, False)]  # DBO off: one pass
 
 
 # ---- EP=2 over gloo: the same model, sharded over two ranks, equals the single-rank model ----
