@@ -154,7 +154,11 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
         return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
                                    finalize, start_ns, async_op)  # fmt: skip
 
-    def _check_ll_combine(self, expert_output: Tensor, metadata: DispatchMetadata) -> None:
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        """``expert_output``: ``[num_local_experts, ep_size * C, hidden]`` UNWEIGHTED expert
+        outputs in the dispatched layout; returns ``[num_tokens, hidden]`` (weighted sum)."""
         if not isinstance(metadata, DeepEPLLDispatchMetadata) or metadata.ep_rank != self.ep_rank:
             raise ValueError(
                 f"metadata must come from dispatch on this {self.name!r} backend at ep_rank "
@@ -166,42 +170,6 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
                 f"expert_output must be floating {list(expected)} (num_local_experts, "
                 f"ep_size * capacity, hidden_size), got {list(expert_output.shape)}"
             )
-
-    @property
-    def supports_chunked_combine(self) -> bool:
-        """Whether ``combine_chunked`` can run: the emulated buffer only (DeepEP's released
-        ``low_latency_combine`` sends all experts at once)."""
-        return hasattr(self.buffer, "low_latency_combine_chunked")
-
-    def combine_chunked(self, expert_output: Tensor, metadata: DispatchMetadata) -> ChunkedCombine:
-        """An asynchronous combine whose rows leave in chunks of local experts as the experts
-        finish (``TorchDistributedBuffer.low_latency_combine_chunked``; SGLang's single-batch
-        overlap). ``expert_output`` is the ``[num_local_experts, ep_size * C, hidden]`` buffer the
-        experts are still filling, in the dispatched dtype; call ``send`` after each chunk.
-
-        Raises:
-            ValueError: as ``combine``; a buffer without chunked sends (DeepEP's kernels) or an
-                ``expert_output`` dtype other than the dispatched one.
-        """
-        self._check_ll_combine(expert_output, metadata)
-        assert isinstance(metadata, DeepEPLLDispatchMetadata)  # checked above; narrows the type
-        if not self.supports_chunked_combine or expert_output.dtype != metadata.dtype:
-            raise ValueError(
-                f"combine_chunked needs the emulated buffer and expert_output in the dispatched "
-                f"{metadata.dtype} (got {expert_output.dtype} on {type(self.buffer).__name__})"
-            )
-        combined_x, chunks = self.buffer.low_latency_combine_chunked(
-            expert_output, metadata.topk_ids, metadata.topk_weights, metadata.handle
-        )
-        return ChunkedCombine(self, chunks, combined_x)
-
-    def combine(
-        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
-    ) -> CommHandle[Tensor]:
-        """``expert_output``: ``[num_local_experts, ep_size * C, hidden]`` UNWEIGHTED expert
-        outputs in the dispatched layout; returns ``[num_tokens, hidden]`` (weighted sum)."""
-        self._check_ll_combine(expert_output, metadata)
-        assert isinstance(metadata, DeepEPLLDispatchMetadata)  # checked above; narrows the type
         start_ns = time.perf_counter_ns()
         combined_x, _, hook = self.buffer.low_latency_combine(
             expert_output.to(metadata.dtype),
@@ -212,33 +180,3 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
         )
         return self._deepep_handle("deepep_low_latency combine", completion_work(hook),
                                    lambda: combined_x, start_ns, async_op)  # fmt: skip
-
-
-class ChunkedCombine:
-    """One ``combine_chunked`` in progress: ``send(l0, l1)`` after local experts ``[l0, l1)``
-    are written; the send that covers the last local expert returns the combine's ``CommHandle``
-    (``wait()`` gives ``[num_tokens, hidden]``, the weighted sum), earlier ones return None.
-
-    Attributes:
-        transfers: the ``CommHandle`` of every chunk before the last (for their timeline spans).
-    """
-
-    def __init__(self, backend: DeepEPLowLatencyBackend, chunks, combined_x: Tensor) -> None:
-        self._backend = backend
-        self._chunks = chunks
-        self._combined_x = combined_x
-        self._start_ns = time.perf_counter_ns()
-
-    @property
-    def transfers(self) -> list[CommHandle]:
-        return list(self._chunks.transfers)
-
-    def send(self, expert_start: int, expert_stop: int) -> CommHandle[Tensor] | None:
-        """Raises: ValueError: a chunk out of order (``LowLatencyCombineChunks.send``)."""
-        hook = self._chunks.send(expert_start, expert_stop)
-        if hook is None:
-            return None
-        combined_x = self._combined_x
-        return self._backend._deepep_handle("deepep_low_latency combine",
-                                            completion_work(hook), lambda: combined_x,
-                                            self._start_ns, True)  # fmt: skip

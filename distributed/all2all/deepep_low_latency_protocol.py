@@ -31,7 +31,6 @@ would put on the wire: valid rows to other ranks, plus the counts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +59,6 @@ class LowLatencyHandle:
             the combine's receive view (own rows first, then each other rank's in rank order);
             -1 = no expert selected.
         num_sent_rows: per rank, the rows this rank sent it (= the rows combine gets back).
-        num_sent_per_expert: per rank, per local expert of that rank, the rows this rank sent it
-            (``num_sent_rows`` split by expert: what a chunked combine gets back per chunk).
         recv_layout: ``[R, L]`` torch.int64 rows received from each source rank per local expert
             (DeepEP's layout range); written by the dispatch's hook.
         is_received: ``[1]`` torch.bool, set by the dispatch's hook once ``recv_layout`` holds.
@@ -72,27 +69,8 @@ class LowLatencyHandle:
     num_experts: int
     pair_row: Tensor
     num_sent_rows: tuple[int, ...]
-    num_sent_per_expert: tuple[tuple[int, ...], ...]
     recv_layout: Tensor
     is_received: Tensor
-
-
-def _reduce_combined(
-    rows: Tensor, handle: LowLatencyHandle, topk_weights: Tensor, combined_x: Tensor
-) -> None:
-    """``combined_x[t] = sum_k topk_weights[t, k] * rows[pair_row[t, k]]`` (DeepEP's LL combine
-    applies the weights), accumulated in float32 (float64 for float64 rows). ``rows [N, H]``: the
-    combine's receive view (own rows first, then each other rank's in rank order)."""
-    if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
-        combined_x.zero_()
-        return
-    num_tokens, hidden = combined_x.shape
-    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
-    # each token's K rows (a pair with no expert reads row 0 with weight 0)
-    picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
-    picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
-    weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
-    combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
 
 
 class LowLatencyProtocol:
@@ -191,8 +169,7 @@ class LowLatencyProtocol:
         block = BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
         per_expert, position = expert_positions(topk_idx, num_experts)
         sent = per_expert.view(num_ranks, num_local)
-        sent_per_expert = sent.tolist()  # host sync (small): the combine's split sizes
-        num_sent_rows = [sum(row) for row in sent_per_expert]
+        num_sent_rows = sent.sum(1).tolist()  # host sync (small): the combine's split sizes
         if num_sent_rows and max(num_sent_rows) > block.num_rows:
             raise ValueError(
                 f"low_latency_dispatch on rank {self.rank}: {max(num_sent_rows)} rows for one "
@@ -220,7 +197,6 @@ class LowLatencyProtocol:
         handle = LowLatencyHandle(
             num_max_dispatch_tokens_per_rank=capacity, hidden=hidden, num_experts=num_experts,
             pair_row=pair_row, num_sent_rows=tuple(num_sent_rows),
-            num_sent_per_expert=tuple(tuple(row) for row in sent_per_expert),
             recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
             is_received=torch.zeros(1, dtype=torch.bool),
         )  # fmt: skip
@@ -300,9 +276,18 @@ class LowLatencyProtocol:
             input_split_sizes=splits[0], group=self.group,
         )  # fmt: skip
         combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype)
+        acc_dtype = torch.promote_types(dtype, torch.float32)
 
         def finish() -> None:
-            _reduce_combined(buf[num_send:], handle, topk_weights, combined_x)
+            rows = buf[num_send:]
+            if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
+                combined_x.zero_()
+                return
+            # each token's K rows (a pair with no expert reads row 0 with weight 0)
+            picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
+            picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
+            weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
+            combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
 
         transfer = EmulatedTransfer(
             op="deepep_low_latency combine", rank=self.rank, timeout=self.timeout,
@@ -312,34 +297,6 @@ class LowLatencyProtocol:
         if not return_recv_hook:
             transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
         return combined_x, EmulatedEventOverlap(transfer), transfer if return_recv_hook else None
-
-    def low_latency_combine_chunked(
-        self,
-        x: Tensor,
-        topk_idx: Tensor,
-        topk_weights: Tensor,
-        handle: LowLatencyHandle,
-        out: Tensor | None = None,
-    ) -> tuple[Tensor, LowLatencyCombineChunks]:
-        """``low_latency_combine`` with ``return_recv_hook=True`` whose rows leave in chunks of
-        local experts, each as soon as its experts have finished: the CPU form of SGLang's
-        single-batch overlap, where DeepEP's LL combine (``overlap=True`` with a ``comp_signal``
-        per expert block) sends the rows of every block the down GEMM has signalled done.
-
-        Nothing is sent by this call: the experts fill ``x`` chunk by chunk and the caller calls
-        ``chunks.send(l0, l1)`` after experts ``[l0, l1)`` are written, in expert order, until
-        every local expert has been sent; that last ``send`` returns the recv hook.
-
-        Args / Raises: as ``low_latency_combine`` (``x``'s rows of an expert must be final when
-        its chunk is sent).
-
-        Returns:
-            ``(combined_x [T, H] x's dtype, chunks)``: ``combined_x`` is valid after the hook.
-        """
-        self._check_combine(x, topk_idx, topk_weights, handle)
-        num_tokens, hidden = topk_idx.shape[0], handle.hidden
-        combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype)
-        return combined_x, LowLatencyCombineChunks(self, x, topk_weights, handle, combined_x)
 
     def _check_combine(
         self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle
@@ -385,132 +342,3 @@ class LowLatencyProtocol:
         )
         num_bytes = num_send * handle.hidden * x.element_size()
         return buf, num_send, num_bytes, splits
-
-
-class LowLatencyCombineChunks:
-    """The chunks of one ``low_latency_combine_chunked`` call (see there).
-
-    Each ``send(l0, l1)`` issues ONE ``all_to_all_single`` of the rows of local experts
-    ``[l0, l1)``: to each peer the rows it sent those experts, expert-major (the order it expects
-    them in its receive view); the rank's own rows are copied straight into its view. Every chunk
-    books its own bytes on the emulated link. The hook returned by the last ``send`` completes
-    every chunk (earlier ones have usually landed by then), copies each into the receive view and
-    applies the top-k weights.
-
-    Attributes:
-        transfers: the completed-or-in-flight transfers of the chunks before the last (each a
-            ``CommHandle``: its span can be recorded once the hook has run).
-    """
-
-    def __init__(
-        self,
-        protocol: LowLatencyProtocol,
-        x: Tensor,
-        topk_weights: Tensor,
-        handle: LowLatencyHandle,
-        combined_x: Tensor,
-    ) -> None:
-        self._protocol = protocol
-        self._x = x
-        self._topk_weights = topk_weights
-        self._handle = handle
-        self._combined_x = combined_x
-        rank, num_ranks = protocol.rank, protocol.group_size
-        # receive view: own rows first, then every other rank's in rank order (pair_row's view)
-        view_order = [rank] + [p for p in range(num_ranks) if p != rank]
-        self._view_start = [0] * num_ranks
-        start = 0
-        for p in view_order:
-            self._view_start[p] = start
-            start += handle.num_sent_rows[p]
-        self._view = torch.empty(start, handle.hidden, dtype=x.dtype, device=x.device)
-        self._next_expert = 0
-        self.transfers: list[EmulatedTransfer] = []
-
-    def send(self, expert_start: int, expert_stop: int) -> EmulatedTransfer | None:
-        """Send the rows of local experts ``[expert_start, expert_stop)``; chunks must come in
-        order and not overlap. Returns the recv hook after the chunk that ends at the last local
-        expert, else None.
-
-        Raises:
-            ValueError: a chunk out of order, empty, or past the last local expert.
-        """
-        protocol, handle, x = self._protocol, self._handle, self._x
-        num_local = x.shape[0]
-        if expert_start != self._next_expert or not expert_start < expert_stop <= num_local:
-            raise ValueError(
-                f"combine chunk [{expert_start}, {expert_stop}) must start at local expert "
-                f"{self._next_expert} and end in ({expert_start}, {num_local}]"
-            )
-        self._next_expert = expert_stop
-        rank, num_ranks, hidden = protocol.rank, protocol.group_size, handle.hidden
-        layout = handle.recv_layout[:, expert_start:expert_stop]
-        num_back = layout.sum(1).tolist()  # host sync (small): this chunk's rows per rank
-        num_send = sum(num_back) - num_back[rank]
-        src, local_expert, _, block_row, packed_row = valid_rows(
-            layout, handle.num_max_dispatch_tokens_per_rank
-        )
-        rows = (
-            x[expert_start:expert_stop]
-            .reshape(-1, hidden)
-            .index_select(0, local_expert * x.shape[1] + packed_row)
-        )
-        # this chunk's rows start, in each source rank's block, after its earlier experts' rows
-        own = src == rank
-        own_start = sum(handle.num_sent_per_expert[rank][:expert_start])
-        self._view.index_copy_(0, own_start + block_row[own], rows[own])
-        send_start = torch.tensor(
-            [sum(n for q, n in enumerate(num_back[:p]) if q != rank) for p in range(num_ranks)],
-            device=x.device,
-        )
-        send = torch.empty(num_send, hidden, dtype=x.dtype, device=x.device)
-        send.index_copy_(0, send_start[src[~own]] + block_row[~own], rows[~own])
-        num_recv = [
-            0 if p == rank else sum(handle.num_sent_per_expert[p][expert_start:expert_stop])
-            for p in range(num_ranks)
-        ]
-        recv = torch.empty(sum(num_recv), hidden, dtype=x.dtype, device=x.device)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, send, output_split_sizes=num_recv,
-            input_split_sizes=peer_splits(num_back, rank), group=protocol.group,
-        )  # fmt: skip
-        copy_back = self._copy_back(recv, num_recv, expert_start)
-        is_last = expert_stop == num_local
-        finish = self._finish(copy_back) if is_last else copy_back
-        transfer = EmulatedTransfer(
-            op="deepep_low_latency combine", rank=rank, timeout=protocol.timeout,
-            pending=pending, finish=finish, issued_at_ns=issued_at_ns,
-            num_bytes=num_send * hidden * x.element_size(), link=protocol.link,
-        )  # fmt: skip
-        if not is_last:
-            self.transfers.append(transfer)
-            return None
-        return transfer
-
-    def _copy_back(
-        self, recv: Tensor, num_recv: list[int], expert_start: int
-    ) -> Callable[[], None]:
-        """The step that puts one chunk's received rows where ``pair_row`` reads them."""
-        handle, view = self._handle, self._view
-
-        def copy_back() -> None:
-            offset = 0
-            for peer, count in enumerate(num_recv):
-                if count:
-                    start = self._view_start[peer] + sum(
-                        handle.num_sent_per_expert[peer][:expert_start]
-                    )
-                    view[start : start + count].copy_(recv[offset : offset + count])
-                    offset += count
-
-        return copy_back
-
-    def _finish(self, copy_back_last: Callable[[], None]) -> Callable[[], None]:
-        def finish() -> None:
-            for transfer in self.transfers:
-                transfer.wait()  # landed before the last chunk (one FIFO link): no block
-            copy_back_last()
-            _reduce_combined(self._view, self._handle, self._topk_weights, self._combined_x)
-
-        return finish

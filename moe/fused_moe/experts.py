@@ -297,14 +297,7 @@ class TorchExperts(CustomOp):
             return upcast_linear(x, self._upcast[index])
         return onednn_linear(x, packs[index])
 
-    def apply_batched(
-        self,
-        hidden_states: Tensor,
-        expert_num_tokens: Tensor,
-        *,
-        out: Tensor | None = None,
-        experts: tuple[int, int] | None = None,
-    ) -> Tensor:
+    def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
 
         On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply``'s
@@ -316,18 +309,12 @@ class TorchExperts(CustomOp):
                 expert are ignored (DeepEP leaves them unspecified).
             expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``.
 
-            out: optional ``[E, M, H]`` result tensor (hidden_states' dtype) to write into.
-            experts: optional ``(l0, l1)``: compute local experts ``l0 <= l < l1`` only (their
-                slices of ``out``; the others are left as they are), e.g. one chunk of a chunked
-                combine.
-
         Returns:
             ``[E, M, H]`` in hidden_states' dtype: ``out[l, :n_l] = W2_l (silu(W1_l x) * W3_l x)``,
             rows past ``n_l`` zero.
 
         Raises:
-            ValueError: on a shape mismatch, a count outside ``[0, M]`` or an expert range outside
-                ``[0, E]``.
+            ValueError: on a shape mismatch or a count outside ``[0, M]``.
         """
         num_experts, max_tokens = self.num_local_experts, hidden_states.shape[1]
         if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
@@ -341,21 +328,11 @@ class TorchExperts(CustomOp):
             raise ValueError(
                 f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
             )
-        first, stop = (0, num_experts) if experts is None else experts
-        if not 0 <= first <= stop <= num_experts:
-            raise ValueError(f"experts must be a range within [0, {num_experts}], got {experts}")
-        if out is None:
-            out = torch.empty_like(hidden_states)
-        elif out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
-            raise ValueError(
-                f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype}, got "
-                f"{tuple(out.shape)} {out.dtype}"
-            )
         packs = self.packed_weights() if self.forward_path == "forward_cpu" else ()
         if hidden_states.dtype != self.w1.dtype:
             packs = ()
-        for expert in range(first, stop):  # a loop over experts, not over tokens
-            count = counts[expert]
+        out = torch.empty_like(hidden_states)
+        for expert, count in enumerate(counts):  # a loop over experts, not over tokens
             out[expert, count:].zero_()  # only the rows no expert output lands in
             if count == 0:
                 continue

@@ -119,17 +119,6 @@ class FusedMoEModularKernel:
     0.3-0.4 ms twice per layer, 15-20 ms of a 228 ms decode:256 DBO step). Default (``None``):
     ``True`` on the CPU platform, ``False`` elsewhere. Either order completes every transfer before
     its data are read, so results are the same.
-
-    ``num_combine_chunks``: under DBO, with a finalize that has a chunked form (the emulated
-    DeepEP low-latency buffer), the local experts run in up to this many chunks (contiguous
-    expert ranges, ``expert_chunks``) and each chunk's rows leave as soon as it is computed (SGLang's single-batch overlap:
-    DeepEP's combine sending each expert block the down GEMM has signalled done). Only the last
-    chunk's transfer is left for the other ubatch's compute to hide, so a combine needs a shorter
-    window. 1 turns it off; results are the same either way.
-
-    Raises:
-        ValueError: experts and prepare_finalize disagree on the local experts, or
-            ``num_combine_chunks < 1``.
     """
 
     def __init__(
@@ -138,7 +127,6 @@ class FusedMoEModularKernel:
         experts: TorchExperts,
         *,
         issue_before_recv_hook: bool | None = None,
-        num_combine_chunks: int = 2,
     ):
         if prepare_finalize.num_local_experts != experts.num_local_experts:
             raise ValueError(
@@ -150,9 +138,6 @@ class FusedMoEModularKernel:
         if issue_before_recv_hook is None:
             issue_before_recv_hook = current_platform().dispatch_key == "cpu"
         self.issue_before_recv_hook = issue_before_recv_hook
-        if num_combine_chunks < 1:
-            raise ValueError(f"num_combine_chunks must be >= 1, got {num_combine_chunks}")
-        self.num_combine_chunks = num_combine_chunks
 
     def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
         """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
@@ -207,26 +192,23 @@ class FusedMoEModularKernel:
         result = _wait(dispatch, "dispatch")
         _record_comm("dispatch", dispatch)
 
-        combine, chunk_transfers = None, []
-        if is_async and isinstance(result, BatchedDispatchResult):
-            combine, chunk_transfers = self._experts_and_chunked_combine(result)
-        if combine is None:
-            with timeline_span("experts"):
-                if isinstance(result, BatchedDispatchResult):
-                    # DeepEP low-latency layout: per-expert rows, weights applied by the combine
-                    expert_output = self.experts.apply_batched(
-                        result.hidden_states, result.expert_num_tokens
-                    )
-                else:
-                    expert_output = self.experts.apply(
-                        result.hidden_states, result.topk_ids, result.topk_weights
-                    )
-            combine = self._issue(
-                "combine",
-                lambda: self.prepare_finalize.finalize(
-                    expert_output, result.metadata, async_op=is_async
-                ),
-            )
+        with timeline_span("experts"):
+            if isinstance(result, BatchedDispatchResult):
+                # DeepEP low-latency layout: per-expert rows, weights applied by the combine
+                expert_output = self.experts.apply_batched(
+                    result.hidden_states, result.expert_num_tokens
+                )
+            else:
+                expert_output = self.experts.apply(
+                    result.hidden_states, result.topk_ids, result.topk_weights
+                )
+
+        combine = self._issue(
+            "combine",
+            lambda: self.prepare_finalize.finalize(
+                expert_output, result.metadata, async_op=is_async
+            ),
+        )
         shared_output = None
         if shared_experts is not None:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
@@ -236,8 +218,6 @@ class FusedMoEModularKernel:
             dbo_register_recv_hook(_recv_hook(combine, "combine"))
             dbo_yield()
         output = _wait(combine, "combine")
-        for chunk in chunk_transfers:  # completed by the combine's hook
-            _record_comm("combine", chunk)
         _record_comm("combine", combine)
         # The combine as this ubatch sees it, from issue to taking the result: the window the
         # shared experts overlap (the ``combine`` span ends at data arrival, which on one host can
@@ -251,49 +231,4 @@ class FusedMoEModularKernel:
             output = output + shared_output
         return output
 
-    def _experts_and_chunked_combine(
-        self, result: BatchedDispatchResult
-    ) -> tuple[CommHandle | None, list[CommHandle]]:
-        """The experts in chunks, each chunk's combine rows sent as soon as it is computed;
-        ``(None, [])`` where the finalize has no chunked form or one chunk would do (the same on
-        every rank: the backend, dtype, DBO and the expert count are). Returns the
-        combine's handle (issued with the last chunk) and the earlier chunks' transfers."""
-        bounds = expert_chunks(self.experts.num_local_experts, self.num_combine_chunks)
-        if len(bounds) < 2:
-            return None, []
-        expert_output = torch.empty_like(result.hidden_states)
-        chunked = self.prepare_finalize.finalize_chunked(expert_output, result.metadata)
-        if chunked is None:
-            return None, []
-        combine = None
-        for i, (first, stop) in enumerate(bounds):
-            with timeline_span("experts"):
-                self.experts.apply_batched(
-                    result.hidden_states, result.expert_num_tokens, out=expert_output,
-                    experts=(first, stop),
-                )  # fmt: skip
-            if i < len(bounds) - 1:
-                with timeline_span("combine_prep"):
-                    chunked.send(first, stop)
-            else:
-                combine = self._issue("combine", lambda: chunked.send(first, stop))  # noqa: B023 (called now)
-        return combine, chunked.transfers
-
     __call__ = forward
-
-
-def expert_chunks(num_local_experts: int, num_chunks: int) -> list[tuple[int, int]]:
-    """Split local experts ``[0, num_local_experts)`` into ``min(num_chunks, num_local_experts)``
-    contiguous ranges whose sizes differ by at most one (the larger first).
-
-    The split depends on the two numbers only, never on the rows each expert received: every
-    rank must issue the same chunks (each is one collective) without a message.
-    """
-    num_chunks = max(1, min(num_chunks, num_local_experts))
-    size, extra = divmod(num_local_experts, num_chunks)
-    bounds, first = [], 0
-    for chunk in range(num_chunks):
-        stop = first + size + (chunk < extra)
-        bounds.append((first, stop))
-        first = stop
-    return bounds

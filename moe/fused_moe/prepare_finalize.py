@@ -63,13 +63,6 @@ class FusedMoEPrepareAndFinalize(ABC):
         """Send per-row expert results back; ``wait()`` gives [num_tokens, hidden_size] in the
         caller's original token order (the weighted sum over all top-k experts)."""
 
-    def finalize_chunked(self, expert_output: Tensor, metadata: DispatchMetadata):
-        """A finalize whose rows leave in chunks of local experts as they finish (an object with
-        ``send(l0, l1) -> CommHandle | None`` and ``transfers``, see
-        ``distributed.all2all.deepep_low_latency.ChunkedCombine``), or None where the pattern
-        has no chunked form (the default)."""
-        return None
-
 
 class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """ep_size == 1: this rank holds every expert, so prepare and finalize move nothing.
@@ -148,12 +141,3 @@ class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool
     ) -> CommHandle[Tensor]:
         return self.backend.combine(expert_output, metadata, async_op=async_op)
-
-    def finalize_chunked(self, expert_output: Tensor, metadata: DispatchMetadata):
-        """The backend's ``combine_chunked`` where it has one that can run (the emulated DeepEP
-        low-latency buffer, in the dispatched dtype), else None."""
-        if not getattr(self.backend, "supports_chunked_combine", False):
-            return None
-        if expert_output.dtype != metadata.dtype:
-            return None
-        return self.backend.combine_chunked(expert_output, metadata)
