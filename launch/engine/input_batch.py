@@ -59,7 +59,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # block ids copied in the row
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        # float64: holds every top_p in (0, 1] that validation accepts (float32 rounds a top_p
+        # below ~7e-46 to 0); the sampler computes the nucleus in float64 anyway
+        self.top_p = np.ones(max_num_reqs, dtype=np.float64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
         self._row_of: dict[int, int] = {}  # request_id -> row

@@ -59,7 +59,9 @@ def apply_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         return probs
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    outside = mass_before >= top_p
+    outside[..., 0] = False  # the most likely token, whatever rounding did to top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
@@ -133,7 +135,8 @@ class SamplingMetadata:
 
     Fields:
         temperature: [num_rows] float32, 0 = greedy.
-        top_p: [num_rows] float32 in (0, 1]; 1 = no nucleus filtering (ignored for greedy rows).
+        top_p: [num_rows] float64 (float32 accepted) in (0, 1]; 1 = no nucleus filtering
+            (ignored for greedy rows).
         seeds: [num_rows] int64, the request's seed (used only where temperature > 0).
         output_positions: [num_rows] int64, index of the token being sampled among the request's
             output tokens (0 for the first generated token).
@@ -164,13 +167,14 @@ class SamplingMetadata:
 def top_p_mask(scores: Tensor, top_p: Tensor) -> Tensor:
     """Rows of ``scores`` [num_rows, vocab_size] with every token outside the row's top-p nucleus
     (of ``softmax(scores)``; see ``apply_top_p``) set to ``-inf``; the most likely token is always
-    kept. top_p: [num_rows]."""
+    kept, even for a ``top_p`` that rounded to 0. top_p: [num_rows] float32 or float64."""
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     # top_p 1 keeps every token (no rounding of the cumulative sum can drop one)
     threshold = torch.where(top_p >= 1, float("inf"), top_p.to(mass_before.dtype))
     outside_sorted = mass_before >= threshold[:, None]
+    outside_sorted[:, 0] = False  # the most likely token is always kept (top_p 0 would drop it)
     outside = torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
     return scores.masked_fill(outside, float("-inf"))
 

@@ -19,6 +19,7 @@ from launch.serving.openai_protocol import (
     _get,
     _get_int,
     check_model,
+    check_text_fields,
     parse_sampling_options,
 )
 
@@ -69,6 +70,7 @@ def parse_chat_request(body, *, model_name: str) -> ChatCompletionRequest:
     """
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    check_text_fields(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list of messages", param="messages")

@@ -128,6 +128,54 @@ def _parse_prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
     )
 
 
+def _lone_surrogate(text: str) -> int | None:
+    """Index of the first lone UTF-16 surrogate in ``text`` (JSON's ``"\\ud800"``), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _field_path(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def check_text_fields(body) -> None:
+    """Refuse a body holding a string (or object key) that is not valid Unicode text: a lone
+    UTF-16 surrogate, which Python's json accepts (``"\\ud800"``) but no tokenizer or UTF-8
+    writer can take. Walks the decoded JSON without recursion (any depth json accepted).
+
+    Raises:
+        ProtocolError (400): naming the field path (``messages[0].content``) and the index;
+            ``param`` is the top-level field.
+    """
+    stack: list[tuple[tuple, object]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and (index := _lone_surrogate(key)) is not None:
+                    _refuse_surrogate(path, f"a key ({key[:40]!r})", index)
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(value))
+        elif isinstance(value, str) and (index := _lone_surrogate(value)) is not None:
+            _refuse_surrogate(path, "the text", index)
+
+
+def _refuse_surrogate(path: tuple, what: str, index: int) -> None:
+    where = f"'{_field_path(path)}'" if path else "the request body"
+    param = path[0] if path and isinstance(path[0], str) else None
+    raise ProtocolError(
+        f"{where}: {what} holds a lone UTF-16 surrogate at index {index}; text must be valid "
+        "Unicode (encode a character outside the BMP as a surrogate pair)",
+        param=param,
+    )
+
+
 def check_model(body: dict, model_name: str) -> None:
     """Raise ProtocolError (404, as OpenAI answers) if ``model`` names another model."""
     model = body.get("model")
@@ -226,6 +274,7 @@ def parse_completion_request(body, *, model_name: str) -> CompletionRequest:
     """
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    check_text_fields(body)
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
     check_model(body, model_name)

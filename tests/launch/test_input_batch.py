@@ -3,6 +3,7 @@ block growth, preemption with recompute into new blocks, finished requests and r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -138,3 +139,25 @@ def test_sampling_metadata_per_request():
     sched.update_from_output(out, {3: 9, 4: 9})
     meta = batch.prepare_inputs(sched.schedule(), num_rows=2).sampling_metadata
     assert meta.output_positions.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("top_p", [7e-46, 1e-300, 5e-324])
+def test_a_tiny_top_p_is_held_and_samples_the_most_likely_token(top_p):
+    """Issue 28 case 2: a top_p that float32 rounds to 0 is held as given (float64), and the
+    sampler still draws the most likely token (the nucleus always keeps it)."""
+    from launch.engine.sampler import Sampler
+
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    batch = make_batch(kv)
+    sched = Scheduler(
+        kv_cache_manager=kv, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN
+    )
+    params = SamplingParams(temperature=1.0, seed=5, top_p=top_p)
+    sched.add_request(Request(request_id=0, prompt_token_ids=[1, 2], sampling_params=params))
+    meta = batch.prepare_inputs(sched.schedule(), num_rows=2).sampling_metadata
+    assert meta.top_p.tolist() == [top_p] and meta.top_p.dtype == torch.float64
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
+    logits[0, 0] = logits.min() - 1  # token 0 least likely: the old bug's answer
+    for position in range(20):  # every draw: the greedy token
+        meta = dataclasses.replace(meta, output_positions=torch.tensor([position]))
+        assert Sampler()(logits, meta).tolist() == logits.argmax(-1).tolist()

@@ -225,3 +225,17 @@ def test_top_p_samples_stay_in_the_nucleus_and_follow_it():
     counts = torch.bincount(tokens, minlength=4).double()
     sigma = (n * expected * (1 - expected)).sqrt()
     assert ((counts - n * expected).abs() <= 5 * sigma + 1e-9).all(), (counts / n, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_p_that_rounded_to_zero_keeps_the_most_likely_token(dtype):
+    """Issue 28 case 2: top_p 7e-46 is 0 in float32; the mask must still keep the top token
+    (it used to mask every token, and every sampled token was id 0)."""
+    scores = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    top_p = torch.tensor([7e-46, 0.0], dtype=dtype)
+    masked = top_p_mask(scores, top_p)
+    assert torch.isfinite(masked).tolist() == [[False, True, False, False], [True] + [False] * 3]
+    probs = torch.softmax(scores[0].float(), -1)
+    assert apply_top_p(probs, 7e-46).nonzero().flatten().tolist() == [1]
+    tokens = Sampler()(scores.float(), metadata([1.0, 1.0], [3, 4], [0, 0], top_p=[7e-46, 1e-45]))
+    assert tokens.tolist() == [1, 0]
