@@ -59,9 +59,15 @@ def load_prompts(path: str) -> list[list[int]]:
                 continue
             try:
                 ids = json.loads(line)["prompt_token_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except RecursionError:  # json's C decoder recurses once per nesting level
                 raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with 'prompt_token_ids' ({e})"
+                    f"{path}:{lineno}: JSON nested too deeply; expected a JSON object with "
+                    "'prompt_token_ids'"
+                ) from None
+            except (ValueError, KeyError, TypeError) as e:  # ValueError: JSONDecodeError too
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object with 'prompt_token_ids' "
+                    f"({str(e)[:200]})"
                 ) from None
             if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids

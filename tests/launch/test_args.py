@@ -93,6 +93,13 @@ def test_load_prompts_names_the_bad_line(tmp_path):
         load_prompts(str(path))
     path.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n')
     assert load_prompts(str(path)) == [[1, 2], [3]]
+    # issue 28 case 7: deep nesting (RecursionError) and a huge int are one-line ValueErrors too
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: JSON nested too deeply"):
+        load_prompts(str(path))
+    path.write_text('{"prompt_token_ids": [' + "9" * 5000 + "]}\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: expected a JSON object .*4300"):
+        load_prompts(str(path))
 
 
 def test_check_prompts():

@@ -122,6 +122,8 @@ def test_fewer_prompts_than_ranks(tmp_path, tiny_mixtral_dir, tiny_prompts, tran
 def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
     long_prompt = tmp_path / "long.jsonl"
     long_prompt.write_text(json.dumps({"prompt_token_ids": [5] * 40}) + "\n")
+    nested = tmp_path / "nested.jsonl"  # issue 28 case 7: RecursionError in json.loads
+    nested.write_text('{"prompt_token_ids": [1]}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     unsupported = tmp_path / "unsupported"
     unsupported.mkdir()
     (unsupported / "config.json").write_text(
@@ -165,6 +167,11 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
             (*dp2, f"--model={model_dir}", f"--prompts={long_prompt}", "--max-model-len=32"),
             r"prompt 0 has 40 tokens; with --max-model-len 32",
         ),
+        "deeply_nested_prompt_line": (
+            2,
+            (*dp2, f"--model={model_dir}", f"--prompts={nested}"),
+            r"nested.jsonl:2: JSON nested too deeply",
+        ),
         "unknown_backend": (2, (*dp2, "--all2all-backend=nvshmem"), r"invalid choice: 'nvshmem'"),
         # checked before any work (these failed after the process group started, or at the end)
         "output_not_writable": (
@@ -203,6 +210,7 @@ CASES = [
     "corrupt_checkpoint",
     "unsupported_arch",
     "prompt_too_long",
+    "deeply_nested_prompt_line",
     "unknown_backend",
     "output_not_writable",
     "timeline_not_writable",
@@ -230,3 +238,5 @@ def test_bad_input_ends_every_rank_with_one_line(
     assert len(ranks) == len(set(ranks)), errors  # one line per rank, no rank twice
     for line in errors:
         assert re.search(pattern, line), line
+    # no rank's traceback (torchrun's own ChildFailedError traceback is the launcher's)
+    assert not re.search(r"RecursionError|File .*/launch/", proc.stderr), proc.stderr[-3000:]
