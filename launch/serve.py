@@ -7,7 +7,10 @@ a failure while starting (a port in use, a bad checkpoint) is shared so that eve
 it; a rank that dies later ends the others through their next collective (an error, or the
 ``--distributed-timeout``), never a hang. SIGTERM (or Ctrl-C) stops accepting requests, lets
 in-flight ones finish for up to ``--shutdown-timeout`` seconds, fails the rest with an explicit
-error, and exits every rank with status 0.
+error, and exits every rank with status 0. A rank whose launcher is gone (torchrun's agent
+SIGKILLed) stops the same way, with one line, and exits at the latest ``--shutdown-timeout`` + 5 s
+later. The front end's own flags (``--api-key``, time limits, bounds) are in
+``launch.serving.frontend_args``.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from launch.engine.arg_utils import (
 )
 from launch.engine.llm_engine import LLMEngine, resolve_model
 from launch.engine.output_paths import check_output_paths
+from launch.serving.frontend_args import add_frontend_args, frontend_args_from_namespace
 
 PROG = "launch.serve"
 EMBEDDED_MODEL_NAME = "moe-dbo-embedded"
 MAX_SHUTDOWN_TIMEOUT_S = 3600.0
+LAUNCHER_GONE_GRACE_S = 5.0  # past --shutdown-timeout: a rank whose launcher is gone exits anyway
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,19 +59,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="jinja2 chat template file for /v1/chat/completions (default: the checkpoint's, "
         "from tokenizer_config.json or chat_template.jinja)",
     )
+    add_frontend_args(parser)
     add_engine_args(parser)
     return parser
 
 
-def _install_stop_handlers() -> threading.Event:
-    stop = threading.Event()
+class StopRequest:
+    """Set once this rank is asked to stop; ``reason`` names why (a signal, the launcher gone)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+def _install_stop_handlers() -> StopRequest:
+    stop = StopRequest()
 
     def on_signal(signum, _frame) -> None:
-        stop.set()
+        stop.set(signal.Signals(signum).name)  # "SIGTERM" or "SIGINT" (Ctrl-C)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return stop
+
+
+def _watch_launcher(stop: StopRequest, rank: int, shutdown_timeout_s: float):
+    """Under torchrun: when the launcher is gone, print one line and stop as on SIGTERM; exit
+    anyway ``shutdown_timeout_s + LAUNCHER_GONE_GRACE_S`` later (a drain that cannot finish)."""
+    from launch.serving.launcher_watch import LauncherWatch
+
+    def on_gone(message: str) -> None:
+        grace_s = shutdown_timeout_s + LAUNCHER_GONE_GRACE_S
+        print_error(PROG, rank, f"{message}; stopping (exit within {grace_s:g} s)")
+        stop.set("the launcher exited")
+        threading.Timer(grace_s, os._exit, args=(1,)).start()  # daemon-free on purpose: it fires
+
+    return LauncherWatch(on_gone).start()
 
 
 def _die(rank: int, message: str) -> None:
@@ -81,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, model, tokenizer, chat_template = _check_inputs(ns, world_size)
+        frontend = frontend_args_from_namespace(ns)
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
     stop = _install_stop_handlers()
+    watch = _watch_launcher(stop, rank, ns.shutdown_timeout)
 
     import torch.distributed as dist
 
@@ -102,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout
     )
     engine, http, metrics = _start(
-        ns, args, model, tokenizer, groups, control_group, chat_template=chat_template
+        ns, args, model, tokenizer, groups, control_group, chat_template, frontend
     )
     from launch.serving.serve_loop import ServeLoop
 
@@ -112,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         dp_rank=groups.dp_rank,
         dp_size=groups.dp_size,
         stop_requested=stop.is_set,
+        stop_reason=lambda: stop.reason,
         shutdown_timeout_s=ns.shutdown_timeout,
         bridge=None if http is None else http.bridge,
         metrics=metrics,
     )
     _serve(loop, http, rank, heartbeat)
     timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    watch.stop()
     heartbeat.stop()
     destroy_distributed()
     print(
@@ -156,7 +196,7 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
     return args, model, tokenizer, chat_template
 
 
-def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=None):
+def _start(ns, args, model, tokenizer, groups, control_group, chat_template, frontend):
     """Build this rank's engine (and on rank 0 the HTTP server); (engine, http, metrics).
 
     A failure on any rank is shared over ``control_group`` so that every rank exits with it.
@@ -169,7 +209,7 @@ def _start(ns, args, model, tokenizer, groups, control_group, *, chat_template=N
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         if rank == 0:
-            http, metrics = _start_http(ns, model, tokenizer, chat_template, engine)
+            http, metrics = _start_http(ns, model, tokenizer, chat_template, engine, frontend)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = f"[rank {rank}] {type(e).__name__}: {e}"
     errors: list = [None] * groups.world_size
@@ -214,7 +254,7 @@ def _model_name(ns: argparse.Namespace) -> str:
     return ns.served_model_name or ns.model or EMBEDDED_MODEL_NAME
 
 
-def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine):
+def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine, frontend):
     from launch.serving.api_server import HTTPServerThread, ServerConfig
     from launch.serving.metrics import ServerMetrics
 
@@ -228,6 +268,14 @@ def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine):
         metrics=metrics,
         kv_capacity_tokens=kv.num_blocks * kv.block_size,
         chat_template=chat_template,
+        api_keys=frontend.api_keys,
+        timeout_keep_alive_s=frontend.timeout_keep_alive_s,
+        body_read_timeout_s=frontend.body_read_timeout_s,
+        max_connections=frontend.max_connections,
+        max_queued_requests=frontend.queued_bound(
+            max_num_seqs=engine.args.max_num_seqs, dp_size=engine.groups.dp_size
+        ),
+        engine_stall_timeout_s=frontend.engine_stall_timeout_s,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,13 +21,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.engine_bridge import EngineBridge
 from launch.serving.http_errors import MAX_LINE_BYTES, openai_error_middleware
+from launch.serving.http_guard import (
+    RETRY_AFTER_S,
+    GuardedTCPSite,
+    OneLineServerLogger,
+    api_key_middleware,
+)
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import error_body
 from launch.serving.serving_chat import OpenAIServingChat
 from launch.serving.serving_completion import OpenAIServingCompletion
+from launch.serving.serving_engine import engine_unavailable_reason
 
 # A request with no output for this long is failed (504): the engine loop is stuck or gone.
 OUTPUT_TIMEOUT_S = 600.0
+LINGERING_TIME_S = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +48,12 @@ class ServerConfig:
     kv_capacity_tokens: int | None = None  # KV cache slots per DP rank: the most one request holds
     chat_template: object | None = None  # launch.serving.chat_template.ChatTemplate, or None
     output_timeout_s: float = OUTPUT_TIMEOUT_S
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (--api-key, $VLLM_API_KEY)
+    timeout_keep_alive_s: float = 5.0  # to send a request's headers, or idle between requests
+    body_read_timeout_s: float = 30.0  # to send a request's body (408 after)
+    max_connections: int = 512  # open connections (503 and closed past it)
+    max_queued_requests: int | None = None  # waiting engine requests (503 past it); None: no bound
+    engine_stall_timeout_s: float = 30.0  # /health 503 once the engine loop is stuck this long
 
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
@@ -49,6 +64,11 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
     async def health(_request: web.Request) -> web.Response:
         if not bridge.is_accepting:
             return _error("the server is shutting down", 503)
+        reason = engine_unavailable_reason(bridge, config.engine_stall_timeout_s)
+        if reason is not None:
+            response = _error(reason, 503)
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         return web.json_response({"status": "ok"})
 
     async def models(_request: web.Request) -> web.Response:
@@ -67,13 +87,36 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     created = int(time.time())
-    app = web.Application(middlewares=[openai_error_middleware])
+    middlewares = [openai_error_middleware]
+    if config.api_keys:  # outermost: no route, not even a 404, answers without the key
+        middlewares.insert(0, api_key_middleware(config.api_keys))
+    app = web.Application(middlewares=middlewares)
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def _make_runner(app: web.Application, config: ServerConfig) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, whose ``finally``
+    # aborts its engine requests (aiohttp >= 3.9 leaves handlers running). keepalive_timeout is
+    # armed when a connection opens and disarmed only by a complete request: it closes a client
+    # that drips its headers, or sends none, as well as one idle between requests.
+    return web.AppRunner(
+        app,
+        shutdown_timeout=5.0,
+        access_log=None,
+        handler_cancellation=True,
+        max_line_size=MAX_LINE_BYTES,
+        max_field_size=MAX_LINE_BYTES,
+        keepalive_timeout=config.timeout_keep_alive_s,
+        # after an answer sent before the body was read (401, 415, 408), unread body bytes are
+        # drained for at most this long, then the connection closes (aiohttp's default: 10 s)
+        lingering_time=LINGERING_TIME_S,
+        logger=OneLineServerLogger(logging.getLogger("aiohttp.server"), {}),
+    )
 
 
 class HTTPServerThread:
@@ -106,18 +149,11 @@ class HTTPServerThread:
         try:
             self.bridge = EngineBridge(loop)
             app = build_app(self.config, self.bridge)
-            # handler_cancellation: a client that disconnects cancels its handler, whose
-            # ``finally`` aborts its engine requests (aiohttp >= 3.9 leaves handlers running)
-            self._runner = web.AppRunner(
-                app,
-                shutdown_timeout=5.0,
-                access_log=None,
-                handler_cancellation=True,
-                max_line_size=MAX_LINE_BYTES,
-                max_field_size=MAX_LINE_BYTES,
-            )
+            self._runner = _make_runner(app, self.config)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = GuardedTCPSite(
+                self._runner, self.host, self.port, max_connections=self.config.max_connections
+            )
             loop.run_until_complete(site.start())
             self.port = self._runner.addresses[0][1]
         except BaseException as e:  # noqa: BLE001 - handed to start() in the main thread

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from launch.engine.request import SamplingParams
@@ -62,6 +63,8 @@ class EngineBridge:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._accepting = True
+        self._last_take = time.monotonic()  # the engine loop's heartbeat: it takes every iteration
+        self._num_running = 0  # requests running on any DP rank, as of the last report
 
     # HTTP thread (event loop) side
 
@@ -110,6 +113,22 @@ class EngineBridge:
         with self._lock:
             return len(self._outputs)
 
+    @property
+    def num_queued(self) -> int:
+        """Accepted requests not running yet (in hand-over or a scheduler's waiting queue), as of
+        the engine loop's last report."""
+        return max(self.num_in_flight - self._num_running, 0)
+
+    @property
+    def seconds_since_take(self) -> float:
+        """Seconds since the engine loop last called ``take`` (it does every iteration, idle or
+        not): how long it has been stuck in a step or a collective."""
+        return time.monotonic() - self._last_take
+
+    def note_running(self, num_running: int) -> None:
+        """Engine loop: requests running over every DP rank after the last step."""
+        self._num_running = num_running
+
     def take(self, timeout_s: float) -> tuple[list[NewRequest], list[int]]:
         """New requests and aborted request ids since the last call.
 
@@ -120,12 +139,14 @@ class EngineBridge:
             try:
                 items.append(self._incoming.get(timeout=timeout_s))  # blocking wait, timeout_s
             except queue.Empty:
+                self._last_take = time.monotonic()
                 return [], []
         while True:
             try:
                 items.append(self._incoming.get_nowait())
             except queue.Empty:
                 break
+        self._last_take = time.monotonic()
         new = [item for item in items if isinstance(item, NewRequest)]
         aborts = [item for item in items if isinstance(item, int)]
         return new, aborts

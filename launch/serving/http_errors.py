@@ -66,15 +66,26 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
         return json_error("internal server error (logged on the server)", 500)
 
 
-async def read_json_body(request: web.Request):
-    """The request body decoded as JSON.
+async def read_json_body(request: web.Request, *, timeout_s: float | None = None):
+    """The request body decoded as JSON, read within ``timeout_s`` seconds (None: no limit).
 
     Raises:
+        ProtocolError (415): a Content-Type other than JSON (``http_guard.require_json``).
+        ProtocolError (408): the body did not arrive within ``timeout_s`` (a stalled or dripping
+            client); the connection is then closed.
         ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
             JSON nested too deeply, or a number beyond Python's integer digit limit.
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
     """
-    raw = await request.read()
+    from launch.serving.http_guard import require_json
+
+    require_json(request)
+    try:  # blocking wait for the client's bytes, with a timeout
+        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        raise ProtocolError(
+            f"the request body did not arrive within {timeout_s:g} s", status=408
+        ) from None
     charset = request.charset or "utf-8"
     try:
         text = raw.decode(charset)

@@ -69,7 +69,8 @@ class ServeLoop:
     """Runs ``engine`` in DP lockstep until rank 0 orders every rank to exit.
 
     ``bridge`` and ``metrics`` exist on rank 0 only. ``stop_requested`` says whether this process
-    got SIGTERM. After SIGTERM the server stops accepting, lets in-flight requests finish for up to
+    got SIGTERM (or SIGINT, or lost its launcher); ``stop_reason`` names which, for the error
+    that fails what is left. After SIGTERM the server stops accepting, lets in-flight requests finish for up to
     ``shutdown_timeout_s`` seconds, then fails the rest with an explicit error, and every rank exits.
     """
 
@@ -82,6 +83,7 @@ class ServeLoop:
         dp_size: int,
         stop_requested: Callable[[], bool],
         shutdown_timeout_s: float,
+        stop_reason: Callable[[], str | None] = lambda: "SIGTERM",
         bridge: EngineBridge | None = None,
         metrics: ServerMetrics | None = None,
         heartbeat_s: float = HEARTBEAT_S,
@@ -91,6 +93,7 @@ class ServeLoop:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.stop_requested = stop_requested
+        self.stop_reason = stop_reason
         self.shutdown_timeout_s = shutdown_timeout_s
         self.bridge = bridge
         self.metrics = metrics
@@ -108,9 +111,10 @@ class ServeLoop:
         while True:
             orders = self._make_orders(any_work) if self.dp_rank == 0 else None
             if orders is not None and orders.should_exit:
+                reason = self.stop_reason() or "a stop request on another rank"
                 num_failed = self.bridge.fail_all(
                     ServerShuttingDown(
-                        "the server shut down (SIGTERM) before this request finished "
+                        f"the server shut down ({reason}) before this request finished "
                         f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
                     )
                 )
@@ -170,6 +174,7 @@ class ServeLoop:
 
     def _collect(self, reports: list[RankReport]) -> None:
         """Rank 0: pass every rank's outputs to the HTTP handlers; update metrics."""
+        self.bridge.note_running(sum(r.num_running for r in reports))
         for dp_rank, report in enumerate(reports):
             if report.wants_shutdown and self.bridge.is_accepting:
                 self.bridge.stop_accepting()

@@ -39,9 +39,9 @@ class OpenAIServingChat(OpenAIServing):
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            body = await read_json(http_request)
+            body = await read_json(http_request, timeout_s=config.body_read_timeout_s)
             request = parse_chat_request(body, model_name=config.model_name)
-            prompt_ids = self._prompt_ids(request)
+            prompt_ids = await self._prompt_ids(request)
             options = request.options
             max_tokens = self.max_tokens_for(prompt_ids, options.max_tokens)
             choices, outputs = self.submit(
@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.abort_open(choices)  # client gone (handler cancelled, write failed) or an error
 
-    def _prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+    async def _prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
         """The rendered, encoded conversation. Raises ProtocolError (400) without a tokenizer or
         a chat template, or when the template refuses the messages."""
         config = self.config
@@ -77,6 +77,12 @@ class OpenAIServingChat(OpenAIServing):
                 "chat_template.jinja): start the server with --chat-template FILE",
                 param="messages",
             )
+        size = sum(len(m.get("content") or "") for m in request.messages)
+        return await self.offload(size, self._render_and_encode, request)
+
+    def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
+        """Runs off the event loop for large conversations (``offload``)."""
+        config = self.config
         try:
             text = config.chat_template.render(
                 list(request.messages),

@@ -39,9 +39,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            body = await read_json(http_request)
+            body = await read_json(http_request, timeout_s=config.body_read_timeout_s)
             request = parse_completion_request(body, model_name=config.model_name)
-            prompts = [self._prompt_ids(p) for p in request.prompts]
+            prompts = [await self._prompt_ids(p) for p in request.prompts]
             options = request.options
             max_tokens = [self.max_tokens_for(ids, options.max_tokens) for ids in prompts]
             choices, outputs = self.submit(
@@ -55,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except (ProtocolError, ServerShuttingDown) as e:
             return self.reject(e)
         echoed = [
-            self._echo_text(request, p, ids)
+            await self._echo_text(request, p, ids)
             for p, ids in zip(request.prompts, prompts, strict=True)
         ]
         try:
@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             self.abort_open(choices)  # client gone (handler cancelled, write failed) or an error
 
-    def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if self.config.tokenizer is None:
@@ -73,15 +73,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 "this checkpoint has no tokenizer: send the prompt as a list of token ids",
                 param="prompt",
             )
-        return self.config.tokenizer.encode(prompt)
+        return await self.offload(len(prompt), self.config.tokenizer.encode, prompt)
 
-    def _echo_text(self, request: CompletionRequest, prompt, prompt_ids: list[int]) -> str:
+    async def _echo_text(self, request: CompletionRequest, prompt, prompt_ids: list[int]) -> str:
         if not request.echo:
             return ""
         if isinstance(prompt, str):
             return prompt
         tokenizer = self.config.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(prompt_ids)
+        if tokenizer is None:
+            return ""
+        return await self.offload(len(prompt_ids), tokenizer.decode, prompt_ids)
 
     def _head(self, choices: list[Choice]) -> dict:
         return {

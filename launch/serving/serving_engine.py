@@ -11,6 +11,7 @@ blocks are freed before the next engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -19,11 +20,34 @@ from aiohttp import web
 
 from launch.engine.request import SamplingParams
 from launch.engine.sampler import TokenLogprobs
-from launch.serving.detokenizer import IncrementalText
+from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
+from launch.serving.http_guard import RETRY_AFTER_S
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
+
+
+class ServerBusy(ProtocolError):
+    """The server cannot take this request now (503 with ``Retry-After``): its queue is full, or
+    the engine loop is stuck."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503)
+
+
+def engine_unavailable_reason(bridge: EngineBridge, stall_timeout_s: float) -> str | None:
+    """Why the engine cannot serve now (its loop has not completed an iteration, step or idle
+    heartbeat, for over ``stall_timeout_s``: a frozen peer rank blocks the lockstep exchange, or
+    a step is stuck), or None."""
+    stalled_s = bridge.seconds_since_take
+    if stalled_s <= stall_timeout_s:
+        return None
+    return (
+        f"the engine loop has not completed a step or heartbeat for {stalled_s:.1f} s "
+        f"(--engine-stall-timeout {stall_timeout_s:g} s): a rank stopped answering or a step "
+        f"is stuck; {bridge.num_in_flight} request(s) pending"
+    )
 
 
 class EngineError(RuntimeError):
@@ -76,12 +100,13 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
     return web.json_response(error_body(message, status=status, param=param), status=status)
 
 
-async def read_json(http_request: web.Request):
-    """The decoded body. Raises ProtocolError (400) for any body that is not JSON in its charset
-    (``launch.serving.http_errors.read_json_body``)."""
+async def read_json(http_request: web.Request, *, timeout_s: float | None = None):
+    """The decoded body, read within ``timeout_s``. Raises ProtocolError: 400 for any body that
+    is not JSON in its charset, 415 for a non-JSON Content-Type, 408 for a body that did not
+    arrive in time (``launch.serving.http_errors.read_json_body``)."""
     from launch.serving.http_errors import read_json_body
 
-    return await read_json_body(http_request)
+    return await read_json_body(http_request, timeout_s=timeout_s)
 
 
 def error_event(e: EngineError) -> dict:
@@ -115,7 +140,37 @@ class OpenAIServing:
         self.config.metrics.requests_rejected.inc()
         if isinstance(error, ServerShuttingDown):
             return error_response(str(error), 503)
-        return error_response(str(error), error.status, error.param)
+        response = error_response(str(error), error.status, error.param)
+        if error.status == 408:  # the rest of the body may never come: do not wait for it
+            response.force_close()
+        if isinstance(error, ServerBusy):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+    def admit(self, num_new: int) -> None:
+        """Raise ServerBusy (503) if the engine loop is stuck, or if ``num_new`` more engine
+        requests would put more than ``config.max_queued_requests`` in the queue (a request
+        is always admitted to an empty queue, whatever its ``n``)."""
+        config = self.config
+        reason = engine_unavailable_reason(self.bridge, config.engine_stall_timeout_s)
+        if reason is not None:
+            raise ServerBusy(reason)
+        bound = config.max_queued_requests
+        num_queued = self.bridge.num_queued
+        if bound is not None and num_queued > 0 and num_queued + num_new > bound:
+            raise ServerBusy(
+                f"the server is busy: {num_queued} request(s) wait to be scheduled "
+                f"(--max-queued-requests {bound}); retry later"
+            )
+
+    async def offload(self, size: int, fn: Callable, /, *args, **kwargs):
+        """``fn(*args, **kwargs)``: inline for a small input (``size`` < ``LARGE_INPUT``
+        characters or tokens), else on the event loop's default executor, so that tokenizing or
+        detokenizing a large input never stalls other requests (or ``/health``)."""
+        if size < LARGE_INPUT:
+            return fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
 
     def max_tokens_for(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """``max_tokens`` checked against the context and the KV cache; None: all that fits.
@@ -154,13 +209,15 @@ class OpenAIServing:
     ) -> tuple[list[Choice], asyncio.Queue[RequestOutput]]:
         """Submit ``n`` engine requests per prompt (choice ``p * n + j``, as vLLM numbers them);
         ``params(prompt_index, j)`` gives each one's sampling parameters. All outputs arrive on
-        the returned queue. Raises ServerShuttingDown (503) before anything is submitted."""
+        the returned queue. Raises ServerShuttingDown (503) or ServerBusy (503) before anything
+        is submitted."""
         if stop and self.config.tokenizer is None:
             raise ProtocolError(
                 "'stop' strings need the checkpoint's tokenizer (tokenizer.json) and this "
                 "model has none; use 'stop_token_ids'",
                 param="stop",
             )
+        self.admit(len(prompts) * n)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         choices: list[Choice] = []
         try:
@@ -202,7 +259,10 @@ class OpenAIServing:
             if choice.is_finished:
                 continue  # stopped by a stop string; its abort is on its way
             try:
-                text = choice.text.add(output.new_token_ids, is_last=output.is_last)
+                size = len(choice.text.token_ids) + len(output.new_token_ids)
+                text = await self.offload(
+                    size, choice.text.add, output.new_token_ids, is_last=output.is_last
+                )
             except Exception as e:  # noqa: BLE001 - this request's detokenizing fails it alone
                 message = f"detokenizing failed: {type(e).__name__}: {e}"
                 raise EngineError(RuntimeError(message)) from e

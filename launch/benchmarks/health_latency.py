@@ -1,0 +1,129 @@
+"""``/health`` latency while large text prompts are tokenized: ``python -m
+launch.benchmarks.health_latency [--num-prompts 8] [--prompt-bytes 1000000]``.
+
+Runs the real HTTP front end (``HTTPServerThread``) on a loopback port with a word-level
+``tokenizers`` tokenizer and a stand-in engine that ends each request at once, sends
+``--num-prompts`` concurrent completions of ``--prompt-bytes`` of text each, and probes ``/health``
+every 20 ms meanwhile. Prints the idle and the under-load latency (max and median) and their
+ratio. Tokenizing on the event loop stalls every other request for the whole encode; off the loop
+(an executor, and ``tokenizers``' batch calls, which release the GIL) it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+VOCAB_SIZE = 128
+
+
+def _tokenizer(directory: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from launch.serving.detokenizer import load_tokenizer
+
+    vocab = {f"<{i}>": i for i in range(VOCAB_SIZE)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    return load_tokenizer(directory)
+
+
+def _engine(http, stop: threading.Event) -> None:
+    from launch.serving.engine_bridge import RequestOutput
+
+    while not stop.is_set():
+        new, _ = http.bridge.take(0.01)
+        for request in new:
+            http.bridge.deliver(
+                RequestOutput(
+                    request_id=request.request_id, new_token_ids=(1,), finish_reason="length"
+                )  # fmt: skip
+            )
+
+
+def _health_s(address: tuple[str, int]) -> float:
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(*address, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    finally:
+        conn.close()
+    return time.perf_counter() - start
+
+
+def _post(address: tuple[str, int], body: bytes, statuses: list) -> None:
+    conn = http.client.HTTPConnection(*address, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        statuses.append(conn.getresponse().status)
+    finally:
+        conn.close()
+
+
+def _probe_while(address, workers: list[threading.Thread]) -> list[float]:
+    latencies = []
+    deadline = time.monotonic() + 300  # bounded: the posts have their own timeouts
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        latencies.append(_health_s(address))
+        time.sleep(0.02)
+    return latencies
+
+
+def measure(num_prompts: int, prompt_bytes: int) -> dict:
+    """Idle and under-load ``/health`` latencies (seconds) and the posts' HTTP statuses."""
+    from launch.serving.api_server import HTTPServerThread, ServerConfig
+    from launch.serving.metrics import ServerMetrics
+
+    with tempfile.TemporaryDirectory() as directory:
+        config = ServerConfig(model_name="m", max_model_len=1 << 22, vocab_size=VOCAB_SIZE,
+                              tokenizer=_tokenizer(directory), metrics=ServerMetrics(dp_size=1))  # fmt: skip
+        http = HTTPServerThread(config, host="127.0.0.1", port=0)
+        address = ("127.0.0.1", http.start())
+        stop = threading.Event()
+        engine = threading.Thread(target=_engine, args=(http, stop), daemon=True)
+        engine.start()
+        try:
+            idle = [_health_s(address) for _ in range(20)]
+            words = " ".join(f"<{i % VOCAB_SIZE}>" for i in range(prompt_bytes // 5))
+            body = json.dumps({"prompt": words[:prompt_bytes], "max_tokens": 1}).encode()
+            statuses: list = []
+            workers = [threading.Thread(target=_post, args=(address, body, statuses))
+                       for _ in range(num_prompts)]  # fmt: skip
+            for w in workers:
+                w.start()
+            loaded = _probe_while(address, workers)
+            for w in workers:
+                w.join(timeout=120)
+        finally:
+            stop.set()
+            engine.join(timeout=5)
+            http.stop(timeout_s=5)
+    return {"idle": idle, "loaded": loaded, "statuses": statuses}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-bytes", type=int, default=1_000_000)
+    ns = parser.parse_args(argv)
+    result = measure(ns.num_prompts, ns.prompt_bytes)
+    idle, loaded = result["idle"], result["loaded"]
+    print(f"statuses of the {ns.num_prompts} posts: {sorted(result['statuses'])}")
+    print(f"/health idle:   max {max(idle):.4f} s, median {statistics.median(idle):.4f} s")
+    print(
+        f"/health loaded: max {max(loaded):.4f} s, median {statistics.median(loaded):.4f} s "
+        f"({len(loaded)} probes); max ratio loaded/idle {max(loaded) / max(idle):.1f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

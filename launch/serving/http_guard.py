@@ -1,0 +1,141 @@
+"""What keeps the HTTP front end honest with slow, odd and unauthenticated clients.
+
+- ``GuardedTCPSite``: the listening socket, with a cap on open connections. A connection past the
+  cap is answered ``503`` (JSON, ``Retry-After``) and closed before any of its bytes are read.
+  aiohttp has no such setting; the site's protocol factory counts the server's open connections
+  (``web.Server.connections``).
+- ``OneLineServerLogger``: what aiohttp's request handler logs through. A request its parser
+  refuses (``Content-Length: -5``, a 70 KB header, an HTTP/2 preface) is logged as one line instead
+  of a traceback per request, which any client could use to flood the log.
+- ``api_key_middleware``: vLLM's ``--api-key``: every ``/v1/*`` route needs ``Authorization: Bearer
+  KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+- ``require_json``: a JSON endpoint refuses any other ``Content-Type`` with 415, which also stops a
+  browser's cross-origin "simple" POST (``text/plain``, sent without a CORS preflight).
+
+The time limits are aiohttp's own ``keepalive_timeout`` (a connection that has not sent a complete
+request's headers within it, or sits idle between requests that long, is closed) and the body read
+timeout applied by ``launch.serving.http_errors.read_json_body``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from launch.serving.openai_protocol import ProtocolError, error_body
+
+logger = logging.getLogger("launch.serving")
+
+# Retry-After (seconds) on a 503 for a full server: clients back off, then try again.
+RETRY_AFTER_S = 1
+
+
+class OneLineServerLogger(logging.LoggerAdapter):
+    """aiohttp's ``logger=``: parser-level errors (``HttpProcessingError``) become one warning
+    line naming the error, cut to 300 characters; anything else is logged as aiohttp logs it."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else None
+        if isinstance(error, HttpProcessingError):
+            text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+            self.warning(msg % args + ": " + text)  # no traceback: the client's fault
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def _full_response(max_connections: int) -> bytes:
+    body = json.dumps(
+        error_body(f"the server has {max_connections} open connections (its limit)", status=503)
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _RefuseConnection(asyncio.Protocol):
+    """A connection past the cap: answer 503 and close (the bytes it sends are never parsed)."""
+
+    def __init__(self, response: bytes) -> None:
+        self.response = response
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.response)  # buffered; close() flushes it first
+        transport.close()
+
+
+class GuardedTCPSite(web.BaseSite):
+    """``web.TCPSite`` with at most about ``max_connections`` open connections (a burst accepted
+    within one event-loop turn may pass it by the listen backlog)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int):
+        super().__init__(runner)
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self._full = _full_response(max_connections)
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        if len(server.connections) >= self.max_connections:
+            return _RefuseConnection(self._full)
+        return server()
+
+    async def start(self) -> None:
+        """Bind and listen. Raises OSError if the address cannot be bound."""
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._protocol, self.host, self.port, backlog=self._backlog, reuse_address=True
+        )
+
+
+def _bearer_token(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def api_key_middleware(api_keys: tuple[str, ...]):
+    """vLLM's ``--api-key``: ``/v1/*`` answers 401 (OpenAI error object) unless the request
+    carries ``Authorization: Bearer KEY`` with one of ``api_keys`` (compared in constant time)."""
+    encoded = tuple(key.encode() for key in api_keys)
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/") or request.path == "/v1":
+            token = (_bearer_token(request) or "").encode()
+            # every key compared, so the time taken does not say which one nearly matched
+            matches = [hmac.compare_digest(token, key) for key in encoded]
+            if not any(matches):
+                body = error_body(
+                    "missing or wrong API key (Authorization: Bearer KEY)", status=401
+                )
+                return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check_api_key
+
+
+def require_json(request: web.Request) -> None:
+    """Raise ProtocolError (415) unless the request says its body is JSON (``application/json``
+    or ``application/*+json``, any charset parameter)."""
+    content_type = request.headers.get("Content-Type")
+    kind = request.content_type.lower()
+    if content_type is None or not (
+        kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+    ):
+        got = "no Content-Type" if content_type is None else f"{content_type[:80]!r}"
+        raise ProtocolError(f"the body must be JSON (Content-Type: application/json), got {got}",
+                            status=415)  # fmt: skip

@@ -1,0 +1,53 @@
+"""Every rank notices when its launcher is gone, so that no rank outlives its job.
+
+Under torchrun each rank is a child of torchrun's elastic agent, which also hosts the rendezvous
+store. If the agent is SIGKILLed (the OOM killer), nothing tells the ranks: they would keep
+serving and hold the port. A daemon thread polls ``os.getppid()``: when the agent dies the kernel
+reparents the rank (to init or a subreaper), so the parent pid changes. Polling is used instead of
+``prctl(PR_SET_PDEATHSIG)``, which fires when the parent *thread* that forked the rank exits, and
+is Linux-only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+POLL_INTERVAL_S = 0.5
+# torchrun sets these in every worker's environment; a plain `python -m` run has none of them
+# (its parent is a shell the user may close on purpose, e.g. under nohup).
+TORCHRUN_ENV_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def is_under_torchrun(environ=os.environ) -> bool:
+    return any(name in environ for name in TORCHRUN_ENV_VARS)
+
+
+class LauncherWatch:
+    """Calls ``on_gone(message)`` once, from a daemon thread, within ``interval_s`` of this
+    process's parent (the launcher) exiting. ``start`` does nothing outside torchrun unless
+    ``force``; ``stop`` ends the thread."""
+
+    def __init__(self, on_gone: Callable[[str], None], *, interval_s: float = POLL_INTERVAL_S):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.on_gone = on_gone
+        self.interval_s = interval_s
+        self.parent_pid = os.getppid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="launcher-watch", daemon=True)
+
+    def start(self, *, force: bool = False) -> LauncherWatch:
+        if force or is_under_torchrun():
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):  # blocking wait, interval_s
+            if os.getppid() != self.parent_pid:
+                self.on_gone(f"the launcher (pid {self.parent_pid}) is gone")
+                return
