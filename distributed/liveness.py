@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 KEY_PREFIX = "moe_dbo/heartbeat/"
@@ -53,13 +54,22 @@ class Heartbeat:
     process group exists; ``stop`` on exit (the thread is a daemon either way)."""
 
     def __init__(
-        self, *, rank: int, world_size: int, store=None, interval_s: float = DEFAULT_INTERVAL_S
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store=None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        should_beat: Callable[[], bool] | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
+        # False once the store is known to be gone (its host, the launcher, exited): the thread
+        # ends instead of a store call that fails with torch's multi-line warning
+        self.should_beat = should_beat or (lambda: True)
         self.store = store if store is not None else _default_store()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -74,7 +84,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         key = f"{KEY_PREFIX}{self.rank}"
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.should_beat():
             try:
                 self.store.add(key, 1)  # blocking store call (the store's own timeout)
             except Exception:  # noqa: BLE001 - store gone: the job is ending anyway

@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.distributed_timeout_s,
     )
     # names the peer that stopped answering when a collective times out
-    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
+    heartbeat = Heartbeat(
+        rank=groups.rank, world_size=groups.world_size, should_beat=watch.is_launcher_alive
+    ).start()
     # control traffic (requests, outputs, shutdown) on a gloo group of its own
     control_group = dist.new_group(
         list(range(groups.world_size)), backend="gloo", timeout=groups.timeout

@@ -35,16 +35,22 @@ class LauncherWatch:
         self.on_gone = on_gone
         self.interval_s = interval_s
         self.parent_pid = os.getppid()
+        self._is_watching = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="launcher-watch", daemon=True)
 
     def start(self, *, force: bool = False) -> LauncherWatch:
         if force or is_under_torchrun():
+            self._is_watching = True
             self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+
+    def is_launcher_alive(self) -> bool:
+        """False once the launcher is gone (always True when not watching)."""
+        return not self._is_watching or os.getppid() == self.parent_pid
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):  # blocking wait, interval_s

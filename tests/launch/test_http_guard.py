@@ -299,3 +299,39 @@ def test_health_stays_fast_while_8_large_prompts_are_tokenized():
     result = measure(8, 256_000)
     assert sorted(result["statuses"]) == [200] * 8
     assert max(result["loaded"]) < 0.5, result["loaded"]
+
+
+# case 10's other points: SIGINT is named; /v1/models shows the name given
+
+
+def test_sigint_is_named_as_the_stop_reason():
+    import os
+    import signal
+
+    from launch.serve import _install_stop_handlers
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = _install_stop_handlers()
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while not stop.is_set():  # the handler runs in the main thread, between bytecodes
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert stop.reason == "SIGINT"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["--model", "ckpt/tiny"], "ckpt/tiny"),  # the path as given, never made absolute
+        (["--model", "/abs/tiny", "--served-model-name", "tiny"], "tiny"),
+    ],
+)
+def test_models_name_is_the_served_name_or_the_path_as_given(argv, name):
+    from launch.serve import _model_name, build_parser
+
+    assert _model_name(build_parser().parse_args(argv)) == name

@@ -277,7 +277,9 @@ def test_a_rank_that_dies_ends_every_rank_with_an_error(tmp_path, tiny_mixtral_d
     )
     body = {"prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     request = urllib.request.Request(
-        srv.base_url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode()
+        srv.base_url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:

@@ -133,7 +133,11 @@ def test_poison_requests_fail_alone_among_32_concurrent(tmp_path, poisoned):
 def _abandon_a_stream(base_url: str) -> None:
     """Start a long stream, read its first event, close the connection."""
     body = {"prompt": [5, 6], "max_tokens": 50, "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode())
+    request = urllib.request.Request(
+        base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.readline().startswith(b"data: {")
 
@@ -154,7 +158,9 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, tiny_mixtral_dir):
     rank1 = sorted(map(int, children))[1]  # started second
     body = {"prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True, "stream": True}
     request = urllib.request.Request(
-        server.base_url + "/v1/completions", data=json.dumps(body).encode()
+        server.base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
