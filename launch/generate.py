@@ -22,7 +22,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
-from launch.engine.llm_engine import LLMEngine, resolve_model
+from launch.engine.llm_engine import LLMEngine, init_parallel_groups, resolve_model
 from launch.engine.output_paths import check_output_paths
 from launch.engine.request import MAX_SEED, MIN_SEED, Request, SamplingParams
 from launch.engine.startup import seconds_since_process_start
@@ -106,15 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
 
-    from distributed import destroy_distributed, init_distributed
+    from distributed import destroy_distributed
     from distributed.liveness import Heartbeat, describe_failure
     from launch.engine.dp_load_balancer import offline_share
 
-    groups = init_distributed(
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        timeout_s=args.distributed_timeout_s,
-    )
+    groups = init_parallel_groups(args)
     heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
     try:
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
