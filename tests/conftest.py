@@ -20,9 +20,9 @@ def cpu_kernels_built():
     """Build (or load from torch's cache) the compiled CPU kernels once, before the first test:
     the first build takes ~20 s on 2 cores, and inside a multi-rank test it would count against
     that test's own timeouts; spawned ranks and torchrun then load the cached build."""
-    from moe.kernels import cpu_kernels
+    from moe.kernels import cpu_kernels, default_cpu_isa
 
-    cpu_kernels()
+    cpu_kernels(default_cpu_isa())
 
 
 TINY_MIXTRAL = dict(

@@ -36,7 +36,7 @@ from moe import (
     parameter_bytes,
     set_custom_ops,
 )
-from moe.kernels import prepare_cpu_kernels
+from moe.kernels import default_cpu_isa, prepare_cpu_kernels
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 
@@ -192,7 +192,7 @@ class LLMEngine:
         )
         if current_platform().dispatch_key == "cpu":
             # our C++ kernels (built on a machine's first start, then loaded from torch's cache)
-            kernels = prepare_cpu_kernels()
+            kernels = prepare_cpu_kernels(default_cpu_isa())
             if groups.rank == 0:
                 print(f"moe-dbo: CPU kernels {kernels}", file=sys.stderr, flush=True)
         # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.kernels import cpu_kernels
+from moe.kernels import cpu_kernels, default_cpu_isa
 from moe.platforms.custom_op import is_tracing
 
 if TYPE_CHECKING:
@@ -308,8 +308,8 @@ def _kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tens
 def _paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
     """Our compiled CPU kernel that attends over the paged cache in place (``moe.kernels``),
     where it applies: CPU tensors of one dtype (float32, float64, bfloat16), a contiguous cache,
-    no tracer running and the kernels built with their AVX-512 paths (without them its plain loops
-    are correct but not faster than SDPA); else None."""
+    no tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512,
+    ``default_cpu_isa()``; a CPU with neither builds nothing); else None."""
     if (
         query.device.type != "cpu"
         or query.dtype != kv_cache.dtype
@@ -318,8 +318,8 @@ def _paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., No
         or is_tracing()
     ):
         return None
-    kernels = cpu_kernels()
-    if kernels is None or not kernels.vectorized():
+    kernels = cpu_kernels(default_cpu_isa())
+    if kernels is None:
         return None
     return kernels.paged_attention
 
