@@ -29,6 +29,7 @@ from launch.offline.outputs import RequestOutput
 from launch.offline.prompts import (
     ParsedPrompt,
     check_prompt_ids,
+    encode_prompts,
     missing_tokenizer_error,
     parse_prompts,
 )
@@ -215,17 +216,11 @@ class LLM:
     def _prepare(self, prompts: list[ParsedPrompt], sampling_params) -> OfflineRun:
         """The checked, encoded prompts as an ``OfflineRun`` (no engine state changes yet)."""
         params = params_per_prompt(sampling_params, len(prompts))
-        tokenizer = self.offline_model.tokenizer
-        needs_tokenizer = any(p.token_ids is None for p in prompts) or any(s.stop for s in params)
-        if tokenizer is None and needs_tokenizer:
-            what = "text prompts" if any(p.token_ids is None for p in prompts) else "stop strings"
-            raise missing_tokenizer_error(self.offline_model.tokenizer_dir, what)
-        prompts = [
-            p if p.token_ids is not None else ParsedPrompt(
-                text=p.text, token_ids=tuple(tokenizer.encode(p.text))
-            )
-            for p in prompts
-        ]  # fmt: skip
+        offline_model = self.offline_model
+        tokenizer = offline_model.tokenizer
+        prompts = encode_prompts(prompts, tokenizer, offline_model.tokenizer_dir)
+        if tokenizer is None and any(sp.stop for sp in params):
+            raise missing_tokenizer_error(offline_model.tokenizer_dir, "stop strings")
         resolved = self.offline_model.resolved
         kv = self.llm_engine.kv_cache_manager
         for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

@@ -163,7 +163,7 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
         "prompt_too_long": (
             2,
             (*dp2, f"--model={model_dir}", f"--prompts={long_prompt}", "--max-model-len=32"),
-            r"prompt 0 has 40 tokens; with --max-model-len 32",
+            r"prompt 0 has 40 tokens; with max_model_len 32 \(--max-model-len\)",
         ),
         "unknown_backend": (2, (*dp2, "--all2all-backend=nvshmem"), r"invalid choice: 'nvshmem'"),
         # checked before any work (these failed after the process group started, or at the end)
