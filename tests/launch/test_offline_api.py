@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from launch import LLM, SamplingParams
-from tests.helpers.chat import build_chat_tokenizer, checkpoint_with_chat_tokenizer
+from tests.helpers.chat import build_chat_tokenizer
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 from tests.helpers.offline_ranks import CHAT, text_of
 
@@ -26,9 +26,8 @@ MAX_TOKENS = 8  # transformers_greedy's max_new_tokens
 
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tiny_mixtral_dir, tmp_path_factory) -> str:
-    """The tiny Mixtral with a transformers-saved tokenizer and chat template (offline)."""
-    return checkpoint_with_chat_tokenizer(tiny_mixtral_dir, tmp_path_factory.mktemp("chat") / "m")
+def chat_model_dir(tiny_chat_dir) -> str:
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")
