@@ -179,16 +179,19 @@ def init_distributed(
     )
 
 
-def single_process_groups(timeout_s: float = 300.0) -> ParallelGroups:
+def single_process_groups(
+    timeout_s: float = 300.0, device: torch.device | None = None
+) -> ParallelGroups:
     """The groups of a process that runs alone without torchrun: one DP rank, no expert
     parallelism, no process group at all (nothing to agree on, so no collective ever runs).
+    ``device``: the platform's (default cpu).
 
     Raises:
         ValueError: if ``timeout_s <= 0``.
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cpu") if device is None else device
     return ParallelGroups(
         rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
         ep_group=None, device=device, timeout=datetime.timedelta(seconds=timeout_s),

@@ -13,8 +13,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dbo import TimelineRecorder, set_timeline_recorder
 from dbo.timeline.recorder import timeline_step
 from distributed import EmulatedLink, make_all2all_backend
@@ -36,7 +34,6 @@ from moe import (
     parameter_bytes,
     set_custom_ops,
 )
-from moe.kernels import prepare_cpu_kernels
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 
@@ -75,6 +72,19 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
         )
     return ResolvedModel(
         config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
+    )
+
+
+def init_parallel_groups(args: EngineArgs):
+    """This rank's ``distributed.ParallelGroups`` for ``args`` on the platform's distributed
+    backend (collective: every rank calls it; see ``distributed.init_distributed``)."""
+    from distributed import init_distributed
+
+    return init_distributed(
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+        backend=current_platform().dist_backend,
     )
 
 
@@ -140,7 +150,16 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
             self.start_timeline()
-        dtype = getattr(torch, engine_args.dtype)
+        platform = current_platform()
+        chosen = engine_args.compute_dtype()
+        dtype = chosen.dtype
+        if groups.rank == 0:
+            notes = (platform.describe(), *engine_args.platform_notes)
+            if chosen.reason is not None:
+                as_name = str(dtype).removeprefix("torch.")
+                notes += (f"--dtype {engine_args.dtype} runs as {as_name}: {chosen.reason}",)
+            for note in notes:
+                print(f"moe-dbo: {note}", file=sys.stderr, flush=True)
         config = model.config
         backend = _make_all2all_backend(engine_args, groups, config)
         self.all2all_backend = backend
@@ -190,11 +209,11 @@ class LLMEngine:
             max_model_len=model.max_model_len,
             eos_token_ids=config.eos_token_ids,
         )
-        if current_platform().dispatch_key == "cpu":
-            # our C++ kernels (built on a machine's first start, then loaded from torch's cache)
-            kernels = prepare_cpu_kernels()
-            if groups.rank == 0:
-                print(f"moe-dbo: CPU kernels {kernels}", file=sys.stderr, flush=True)
+        # the platform's kernels (ours on a CPU: built on a machine's first start for its ISA,
+        # then loaded from torch's cache), before the first step
+        kernels = platform.prepare_kernels()
+        if kernels is not None and groups.rank == 0:
+            print(f"moe-dbo: {kernels}", file=sys.stderr, flush=True)
         # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
         runner_model, self.graph_stats = build_graph_mode(
             self.model, engine_args, show_progress=groups.rank == 0

@@ -87,23 +87,23 @@ class LLM:
         return llm
 
     def _start(self, args, offline_model: OfflineModel, by_torchrun: bool) -> None:
-        from distributed import init_distributed, single_process_groups
+        import torch
+
+        from distributed import single_process_groups
         from distributed.liveness import Heartbeat
-        from launch.engine.llm_engine import LLMEngine
+        from launch.engine.llm_engine import LLMEngine, init_parallel_groups
+        from moe.platforms.plugins import current_platform
 
         self.offline_model = offline_model
         self.heartbeat = None
         self._owns_process_groups = by_torchrun
         self._ids = request_ids()
         if by_torchrun:
-            groups = init_distributed(
-                data_parallel_size=args.data_parallel_size,
-                enable_expert_parallel=args.enable_expert_parallel,
-                timeout_s=args.distributed_timeout_s,
-            )
+            groups = init_parallel_groups(args)  # the platform's distributed backend
             self.heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
         else:
-            groups = single_process_groups(args.distributed_timeout_s)
+            device = torch.device(current_platform().device_type)
+            groups = single_process_groups(args.distributed_timeout_s, device)
         atexit.register(self.shutdown)
         try:
             self.llm_engine = LLMEngine(
