@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -26,13 +27,8 @@ MAX_TOKENS = 8  # transformers_greedy's max_new_tokens
 
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tiny_chat_dir) -> str:
-    return tiny_chat_dir
-
-
-@pytest.fixture(scope="module")
-def llm(chat_model_dir):
-    llm = LLM(chat_model_dir, dtype="float64", max_model_len=64, block_size=4)
+def llm(tiny_chat_dir):
+    llm = LLM(tiny_chat_dir, dtype="float64", max_model_len=64, block_size=4)
     yield llm
     llm.shutdown()
 
@@ -123,9 +119,9 @@ def test_stop_strings_n_and_logprobs(llm, tiny_prompts, transformers_greedy, hf_
         )
 
 
-def test_chat_equals_the_server(llm, chat_model_dir):
+def test_chat_equals_the_server(llm, tiny_chat_dir):
     ours = llm.chat(CHAT, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)[0]
-    answer = server_chat(llm, chat_model_dir, CHAT, MAX_TOKENS)
+    answer = server_chat(llm, tiny_chat_dir, CHAT, MAX_TOKENS)
     choice = answer["choices"][0]
     assert ours.outputs[0].text == choice["message"]["content"]
     assert ours.outputs[0].finish_reason == choice["finish_reason"]
@@ -204,11 +200,11 @@ def test_text_without_tokenizer_names_the_missing_file(tiny_mixtral_dir):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(chat_model_dir, tiny_prompts, tmp_path_factory) -> list[dict]:
+def two_ranks(tiny_chat_dir, tiny_prompts, tmp_path_factory) -> list[dict]:
     """One torchrun run of tests/helpers/offline_ranks.py on 2 DP ranks (EP, DBO)."""
     out_dir = tmp_path_factory.mktemp("offline_ranks")
     proc = subprocess.run(
-        torchrun_command(2, "tests.helpers.offline_ranks", chat_model_dir, str(out_dir),
+        torchrun_command(2, "tests.helpers.offline_ranks", tiny_chat_dir, str(out_dir),
                          json.dumps(tiny_prompts)),
         cwd=REPO, env={**os.environ, **TORCHRUN_ENV}, capture_output=True, text=True,
         timeout=240, check=False,
@@ -218,7 +214,7 @@ def two_ranks(chat_model_dir, tiny_prompts, tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_dp_ranks_with_ep_and_dbo(two_ranks, llm, chat_model_dir, tiny_prompts,
+def test_two_dp_ranks_with_ep_and_dbo(two_ranks, llm, tiny_chat_dir, tiny_prompts,
                                       transformers_greedy, hf_texts):  # fmt: skip
     for rank, result in enumerate(two_ranks):
         indices = range(rank, len(tiny_prompts), 2)  # each rank passed prompts[rank::2]
@@ -232,7 +228,7 @@ def test_two_dp_ranks_with_ep_and_dbo(two_ranks, llm, chat_model_dir, tiny_promp
             assert [o["outputs"][0]["text"] for o in got] == [hf_texts[i] for i in indices]
         for k, (i, o) in enumerate(zip(indices, result["per_prompt"], strict=True)):
             assert o["outputs"][0]["token_ids"] == transformers_greedy[i][: k + 1]
-    server = server_chat(llm, chat_model_dir, CHAT, MAX_TOKENS)["choices"][0]["message"]
+    server = server_chat(llm, tiny_chat_dir, CHAT, MAX_TOKENS)["choices"][0]["message"]
     assert all(r["chat"][0]["outputs"][0]["text"] == server["content"] for r in two_ranks)
     assert two_ranks[0]["one_rank_idle"][0]["outputs"][0]["token_ids"] == transformers_greedy[0]
     assert two_ranks[1]["one_rank_idle"] == []
@@ -245,3 +241,15 @@ def test_bad_input_on_one_rank_raises_on_every_rank(two_ranks):
     assert rank0["type"] == "TypeError"
     assert rank0["message"] == f"DP rank 1: {rank1['message']}"
     assert rank0["num_steps"] == rank1["num_steps"] == 0
+
+
+def test_the_example_script_runs_on_a_checkpoint_with_a_tokenizer(tiny_chat_dir):
+    proc = subprocess.run(
+        [sys.executable, "examples/offline_inference.py", f"--model={tiny_chat_dir}",
+         "--max-tokens=4"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("DP rank 0: prompt 'Hello, my name is' -> text '<") == 1, proc.stdout
+    assert "DP rank 0: chat reply '<" in proc.stdout, proc.stdout
