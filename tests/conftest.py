@@ -21,8 +21,9 @@ def cpu_kernels_built():
     the first build takes ~20 s on 2 cores, and inside a multi-rank test it would count against
     that test's own timeouts; spawned ranks and torchrun then load the cached build."""
     from moe.kernels import cpu_kernels
+    from moe.platforms import current_platform
 
-    cpu_kernels()
+    cpu_kernels(current_platform().cpu_capability().isa)
 
 
 TINY_MIXTRAL = dict(
