@@ -178,6 +178,15 @@ def tiny_mixtral_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_dir(tiny_mixtral_dir, tmp_path_factory) -> str:
+    """``tiny_mixtral_dir`` with a transformers-saved tokenizer and chat template (offline):
+    token ``i`` is the word ``<i>`` (tests/helpers/chat.py)."""
+    from tests.helpers.chat import checkpoint_with_chat_tokenizer
+
+    return checkpoint_with_chat_tokenizer(tiny_mixtral_dir, tmp_path_factory.mktemp("chat") / "m")
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts() -> list[list[int]]:
     """Nine prompts of 3 to 20 tokens (ids 3..127, so none is the eos id 2)."""
     rng = random.Random(7)
