@@ -105,7 +105,7 @@ class CommonAttentionMetadata:
         for name, (got, want) in shapes.items():
             if got != want:
                 raise ValueError(f"{name} has {got} rows, expected {want}")
-        if self.query_start_loc.device.type == "cpu" and self.seq_lens.device.type == "cpu":
+        if self.query_start_loc.is_cpu and self.seq_lens.is_cpu:  # host values: no device sync
             self._check_values()
 
     def _check_values(self) -> None:

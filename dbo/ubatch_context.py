@@ -175,11 +175,12 @@ def make_ubatch_contexts(
     *,
     timeout_s: float,
     num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
-    device: torch.device | None = None,
+    stream_device: torch.device | None = None,
 ) -> list[UBatchContext]:
     """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
 
-    With a CUDA ``device`` each context gets ``UBatchStreams`` (``dbo.cuda_streams``).
+    With a ``stream_device`` (a CUDA device; the caller asks the platform whether ubatches get
+    streams) each context gets ``UBatchStreams`` on it (``dbo.cuda_streams``).
 
     ``num_padded_tokens_across_dp[i]``, when given, is every DP rank's row count of ubatch ``i`` (the
     same on all ranks after DP padding); the MoE layer reads it with ``dbo_num_padded_tokens_across_dp``.
@@ -199,10 +200,10 @@ def make_ubatch_contexts(
         )
     group = UBatchGroup(num_ubatches, float(timeout_s))
     streams: list = [None] * num_ubatches
-    if device is not None and device.type == "cuda":
+    if stream_device is not None:
         from dbo.cuda_streams import make_ubatch_streams
 
-        streams = make_ubatch_streams(num_ubatches, device)
+        streams = make_ubatch_streams(num_ubatches, stream_device)
     return [
         UBatchContext(
             i,

@@ -36,13 +36,18 @@ class UBatchWrapper:
             points. Its output's dim 0 must be the token dim (``attn_metadata.num_tokens`` rows).
         timeout_s: bound on every baton wait; a ubatch thread that runs without handing on the
             baton for longer (plus a grace of up to 1 s) fails the step with ``TimeoutError``.
+        use_streams: give each ubatch a comm stream and events on the inputs' device
+            (``dbo.cuda_streams``; the caller passes ``Platform.has_ubatch_streams``).
     """
 
-    def __init__(self, model_fn: ModelFn, *, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, model_fn: ModelFn, *, timeout_s: float = 300.0, use_streams: bool = False
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.model_fn = model_fn
         self.timeout_s = float(timeout_s)
+        self.use_streams = use_streams
 
     def __call__(
         self,
@@ -80,7 +85,7 @@ class UBatchWrapper:
             len(ubatch_slices),
             timeout_s=self.timeout_s,
             num_padded_tokens_across_dp=num_padded_tokens_across_dp,
-            device=input_ids.device,  # CUDA: streams and events per ubatch (dbo.cuda_streams)
+            stream_device=input_ids.device if self.use_streams else None,
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)

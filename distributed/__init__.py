@@ -25,6 +25,7 @@ from distributed.parallel_state import (
     TorchrunEnv,
     destroy_distributed,
     init_distributed,
+    single_process_groups,
 )
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
     "make_all2all_backend",
+    "single_process_groups",
 ]

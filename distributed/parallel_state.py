@@ -84,15 +84,16 @@ def _parse_int(environ: Mapping[str, str], key: str) -> int:
 class ParallelGroups:
     """Ranks and process groups of this process (TP = 1, DP attention, optional EP).
 
-    ``ep_group`` is None exactly when ``ep_size == 1``. ``timeout`` is the limit applied to every
-    collective and every blocking wait on these groups.
+    ``ep_group`` is None exactly when ``ep_size == 1``; ``dp_group`` is None only for a process
+    without torch.distributed (``single_process_groups``: one DP rank, no collectives).
+    ``timeout`` is the limit applied to every collective and every blocking wait on these groups.
     """
 
     rank: int
     world_size: int
     dp_rank: int
     dp_size: int
-    dp_group: ProcessGroup
+    dp_group: ProcessGroup | None
     ep_rank: int
     ep_size: int
     ep_group: ProcessGroup | None
@@ -176,6 +177,25 @@ def init_distributed(
         device=device,
         timeout=timeout,
     )
+
+
+def single_process_groups(
+    timeout_s: float = 300.0, device: torch.device | None = None
+) -> ParallelGroups:
+    """The groups of a process that runs alone without torchrun: one DP rank, no expert
+    parallelism, no process group at all (nothing to agree on, so no collective ever runs).
+    ``device``: the platform's (default cpu).
+
+    Raises:
+        ValueError: if ``timeout_s <= 0``.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    device = torch.device("cpu") if device is None else device
+    return ParallelGroups(
+        rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
+        ep_group=None, device=device, timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
 
 
 def _init_default_group(env: TorchrunEnv, backend: str, timeout: datetime.timedelta) -> None:

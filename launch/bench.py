@@ -273,16 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from distributed import destroy_distributed, init_distributed
-    from launch.engine.llm_engine import LLMEngine
+    from distributed import destroy_distributed
+    from launch.engine.llm_engine import LLMEngine, init_parallel_groups
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
-    groups = init_distributed(
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        timeout_s=args.distributed_timeout_s,
-    )
+    groups = init_parallel_groups(args)
     try:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)

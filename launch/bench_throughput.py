@@ -109,13 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
 
-    from distributed import destroy_distributed, init_distributed
+    from distributed import destroy_distributed
+    from launch.engine.llm_engine import init_parallel_groups
 
-    groups = init_distributed(
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        timeout_s=args.distributed_timeout_s,
-    )
+    groups = init_parallel_groups(args)
     try:
         result, tokens = benchmark(ns, args, model, requests, groups)
         if groups.rank == 0:

@@ -1,9 +1,13 @@
 """Offline batched generation over DP ranks: ``torchrun --nproc-per-node N -m launch.generate``.
 
-Prompts (JSONL lines ``{"prompt_token_ids": [...]}``; synthetic ones with the embedded default)
-are spread over the DP ranks by ``--load-balance-method`` (round robin by default); all ranks step in lockstep until every prompt is done;
-rank 0 writes ``{"index", "prompt_token_ids", "output_token_ids"}`` lines in input order and prints
-a summary. Every input error is reported as one line on every rank before any process group exists.
+Built on the offline API (``launch.LLM``): prompts (JSONL lines ``{"prompt": "text"}`` or
+``{"prompt_token_ids": [...]}``, a mix is fine; synthetic token ids with the embedded default) are
+spread over the DP ranks by ``--load-balance-method``; each rank passes its share to
+``LLM.generate``, and all ranks step in lockstep until every prompt is done; rank 0 writes
+``{"index", "prompt_token_ids", "output_token_ids"}`` lines in input order (with ``"prompt"`` for a
+text prompt, ``"text"`` when the checkpoint has a tokenizer) and prints a summary. Every input error
+(a text prompt without ``tokenizer.json`` included) is reported as one line on every rank before any
+process group exists.
 """
 
 from __future__ import annotations
@@ -22,17 +26,23 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
-from launch.engine.llm_engine import LLMEngine, resolve_model
 from launch.engine.output_paths import check_output_paths
-from launch.engine.request import MAX_SEED, MIN_SEED, Request, SamplingParams
+from launch.engine.request import SamplingParams, offset_seed
 from launch.engine.startup import seconds_since_process_start
+from launch.offline.config import OfflineModel, load_offline_model
+from launch.offline.prompts import ParsedPrompt, check_prompts, encode_prompts, read_prompts
 
 PROG = "launch.generate"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", default=None, help="JSONL of {'prompt_token_ids': [...]}")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of {'prompt': 'text'} (needs the checkpoint's tokenizer.json) or "
+        "{'prompt_token_ids': [...]}",
+    )
     parser.add_argument("--output", default=None, help="JSONL file rank 0 writes the results to")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt")
     parser.add_argument(
@@ -46,52 +56,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_prompts(path: str) -> list[list[int]]:
-    """Read ``{"prompt_token_ids": [int, ...]}`` JSONL lines (blank lines skipped).
+    """Token-id prompts of a JSONL file (``launch.bench_throughput``'s dataset): lines
+    ``{"prompt_token_ids": [int, ...]}``. Raises as ``read_prompts`` does (text lines refused)."""
+    return [list(p.token_ids) for p in read_prompts(path, allow_text=False)]
+
+
+def load_checked_prompts(ns, offline_model: OfflineModel) -> list[ParsedPrompt]:
+    """``--prompts`` (or the synthetic ones), encoded and checked against the model.
 
     Raises:
-        ValueError: naming the file and line of a malformed entry, or an empty file.
-        OSError: if the file cannot be read.
+        ValueError: a malformed file line, a text prompt without a tokenizer (naming the missing
+            file), or a prompt that is empty, too long or holds an out-of-vocabulary id.
+        OSError: an unreadable file.
     """
-    prompts: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["prompt_token_ids"]
-            except RecursionError:  # json's C decoder recurses once per nesting level
-                raise ValueError(
-                    f"{path}:{lineno}: JSON nested too deeply; expected a JSON object with "
-                    "'prompt_token_ids'"
-                ) from None
-            except (ValueError, KeyError, TypeError) as e:  # ValueError: JSONDecodeError too
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with 'prompt_token_ids' "
-                    f"({str(e)[:200]})"
-                ) from None
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise ValueError(f"{path}:{lineno}: 'prompt_token_ids' must be a list of ints")
-            prompts.append(ids)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
+    resolved = offline_model.resolved
+    if ns.prompts:
+        prompts = read_prompts(ns.prompts)
+    else:
+        prompts = [
+            ParsedPrompt(text=None, token_ids=tuple(ids)) for ids in resolved.synthetic_prompts()
+        ]
+    prompts = encode_prompts(prompts, offline_model.tokenizer, offline_model.tokenizer_dir)
+    check_prompts(
+        [p.token_ids for p in prompts],
+        vocab_size=resolved.config.vocab_size,
+        max_model_len=resolved.max_model_len,
+    )
     return prompts
-
-
-def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_model_len: int) -> None:
-    """Raise ValueError naming the first prompt that is empty, too long or has an out-of-vocab id."""
-    for index, ids in enumerate(prompts):
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        if len(ids) >= max_model_len:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens; with --max-model-len {max_model_len} "
-                f"prompts must have at most {max_model_len - 1} tokens"
-            )
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt {index} has token id {bad} outside [0, {vocab_size})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,91 +95,104 @@ def main(argv: list[str] | None = None) -> int:
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)  # validates
         check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
-        model = resolve_model(args)
-        prompts = load_prompts(ns.prompts) if ns.prompts else model.synthetic_prompts()
-        check_prompts(
-            prompts, vocab_size=model.config.vocab_size, max_model_len=model.max_model_len
-        )
-    except (ValueError, OSError) as e:
+        offline_model = load_offline_model(args)
+        prompts = load_checked_prompts(ns, offline_model)
+    except (ValueError, TypeError, OSError) as e:
         fail(PROG, rank, e)
 
-    from distributed import destroy_distributed, init_distributed
-    from distributed.liveness import Heartbeat, describe_failure
-    from launch.engine.dp_load_balancer import offline_share
+    from distributed import destroy_distributed
+    from distributed.liveness import describe_failure
+    from launch.offline.llm import LLM
 
-    groups = init_distributed(
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        timeout_s=args.distributed_timeout_s,
-    )
-    heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
+    llm = None
     try:
-        engine = LLMEngine(engine_args=args, model=model, groups=groups)
-        if groups.rank == 0:
-            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
-        share = offline_share(
-            [len(p) + ns.max_tokens for p in prompts],
-            dp_rank=groups.dp_rank,
-            dp_size=groups.dp_size,
-            method=args.load_balance_method,
-        )
-        for index in share:
-            engine.add_request(
-                Request(
-                    request_id=index,
-                    prompt_token_ids=list(prompts[index]),
-                    sampling_params=SamplingParams(
-                        max_tokens=ns.max_tokens,
-                        temperature=ns.temperature,
-                        seed=prompt_seed(args.seed, index),
-                    ),
-                )
-            )
-        startup_s = seconds_since_process_start()  # the first step starts now
-        start = time.perf_counter()
-        finished = engine.run_until_done()
-        elapsed = time.perf_counter() - start
-        engine.write_timeline()
-        gathered = gather_to_rank0(finished, groups)
-        if groups.rank == 0:
-            report(gathered, engine, elapsed, ns.output, startup_s=startup_s)
+        llm = LLM.from_engine_args(args, offline_model)
+        if llm.dp_rank == 0:
+            print(f"{PROG}: expert all-to-all: {llm.llm_engine.all2all_summary()}", flush=True)
+        run(llm, ns, args, prompts)
     except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
-        fail(PROG, rank, describe_failure(e, heartbeat), status=1)
+        fail(PROG, rank, describe_failure(e, None if llm is None else llm.heartbeat), status=1)
     finally:
-        heartbeat.stop()
+        if llm is not None:
+            llm.shutdown()
         destroy_distributed()
     return 0
 
 
+def run(llm, ns, args, prompts: list[ParsedPrompt]) -> None:
+    """Generate this rank's share of ``prompts``; rank 0 writes and prints the results."""
+    from launch.engine.dp_load_balancer import offline_share
+
+    share = offline_share(
+        [len(p.token_ids) + ns.max_tokens for p in prompts],
+        dp_rank=llm.dp_rank,
+        dp_size=llm.dp_size,
+        method=args.load_balance_method,
+    )
+    params = [
+        SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            seed=prompt_seed(args.seed, index),
+        )
+        for index in share
+    ]
+    startup_s = seconds_since_process_start()  # the first step starts now
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [{"prompt_token_ids": list(prompts[i].token_ids)} for i in share], params, use_tqdm=False
+    )
+    elapsed = time.perf_counter() - start
+    llm.llm_engine.write_timeline()
+    mine = [
+        output_line(index, prompts[index], out.outputs[0], has_text=llm.get_tokenizer() is not None)
+        for index, out in zip(share, outputs, strict=True)
+    ]
+    gathered = gather_to_rank0(mine, llm.llm_engine.groups)
+    if llm.dp_rank == 0:
+        report(gathered, llm.llm_engine, elapsed, ns.output, startup_s=startup_s)
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """``seed + index`` wrapped into the 64-bit signed range SamplingParams takes."""
-    return (seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
+    return offset_seed(seed, index)
 
 
-def gather_to_rank0(finished: list[Request], groups) -> list[Request]:
-    """All finished requests of every DP rank, sorted by index (blocking collective, group timeout)."""
+def output_line(index: int, prompt: ParsedPrompt, completion, *, has_text: bool) -> dict:
+    """One output JSON line: index, prompt (if text), ids, text (with a tokenizer), error."""
+    line: dict = {"index": index}
+    if prompt.text is not None:
+        line["prompt"] = prompt.text
+    line["prompt_token_ids"] = list(prompt.token_ids)
+    line["output_token_ids"] = completion.token_ids
+    if has_text:
+        line["text"] = completion.text
+    if completion.error is not None:  # this prompt alone failed (e.g. NaN logits)
+        line["error"] = completion.error
+    return line
+
+
+def gather_to_rank0(mine: list[dict], groups) -> list[dict]:
+    """Every DP rank's output lines, sorted by index (blocking collective, group timeout)."""
+    if groups.dp_size == 1:
+        return sorted(mine, key=lambda line: line["index"])
     import torch.distributed as dist
 
-    mine = [(r.request_id, r.prompt_token_ids, r.output_token_ids, r.error) for r in finished]
     everyone: list = [None] * groups.dp_size
     dist.all_gather_object(everyone, mine, group=groups.dp_group)
-    return sorted((item for part in everyone for item in part), key=lambda item: item[0])
+    return sorted((line for part in everyone for line in part), key=lambda line: line["index"])
 
 
 def report(
-    results, engine: LLMEngine, elapsed: float, output: str | None, *, startup_s: float
+    results: list[dict], engine, elapsed: float, output: str | None, *, startup_s: float
 ) -> None:
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", encoding="utf-8") as f:
-            for index, prompt, out, error in results:
-                line = {"index": index, "prompt_token_ids": prompt, "output_token_ids": out}
-                if error is not None:  # this prompt alone failed (e.g. NaN logits)
-                    line["error"] = error
-                f.write(json.dumps(line) + "\n")
+            f.writelines(json.dumps(line) + "\n" for line in results)
     stats = engine.stats
-    num_generated = sum(len(out) for _, _, out, _ in results)
-    num_failed = sum(error is not None for *_, error in results)
+    num_generated = sum(len(line["output_token_ids"]) for line in results)
+    num_failed = sum("error" in line for line in results)
     print(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "

@@ -29,7 +29,7 @@ from launch.engine.arg_utils import (
     fail,
     print_error,
 )
-from launch.engine.llm_engine import LLMEngine, resolve_model
+from launch.engine.llm_engine import LLMEngine, init_parallel_groups, resolve_model
 from launch.engine.output_paths import check_output_paths
 from launch.serving.frontend_args import add_frontend_args, frontend_args_from_namespace
 
@@ -125,14 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from distributed import destroy_distributed, init_distributed
+    from distributed import destroy_distributed
     from distributed.liveness import Heartbeat
 
-    groups = init_distributed(
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        timeout_s=args.distributed_timeout_s,
-    )
+    groups = init_parallel_groups(args)
     # names the peer that stopped answering when a collective times out
     heartbeat = Heartbeat(
         rank=groups.rank, world_size=groups.world_size, should_beat=watch.is_launcher_alive

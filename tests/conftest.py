@@ -21,8 +21,9 @@ def cpu_kernels_built():
     the first build takes ~20 s on 2 cores, and inside a multi-rank test it would count against
     that test's own timeouts; spawned ranks and torchrun then load the cached build."""
     from moe.kernels import cpu_kernels
+    from moe.platforms import current_platform
 
-    cpu_kernels()
+    cpu_kernels(current_platform().cpu_capability().isa)
 
 
 TINY_MIXTRAL = dict(
@@ -174,6 +175,15 @@ def tiny_mixtral_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_mixtral")
     make_tiny_mixtral(seed=1234).save_pretrained(path, max_shard_size="40KB")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tiny_mixtral_dir, tmp_path_factory) -> str:
+    """``tiny_mixtral_dir`` with a transformers-saved tokenizer and chat template (offline):
+    token ``i`` is the word ``<i>`` (tests/helpers/chat.py)."""
+    from tests.helpers.chat import checkpoint_with_chat_tokenizer
+
+    return checkpoint_with_chat_tokenizer(tiny_mixtral_dir, tmp_path_factory.mktemp("chat") / "m")
 
 
 @pytest.fixture(scope="session")

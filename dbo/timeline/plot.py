@@ -14,7 +14,8 @@ COLOURS = {
     CAT_COMM: "#ff7f0e",  # orange
     CAT_WAIT: "#d62728",  # red
     CAT_BATON: "#2ca02c",  # green
-    CAT_STEP: "#c7c7c7",  # grey
+    CAT_STEP: "#c7c7c7",  # light grey
+    "window": "#7f7f7f",  # dark grey: a combine issued, its result not yet taken (shared experts)
 }
 
 

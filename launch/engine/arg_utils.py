@@ -11,7 +11,8 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+import types
+from dataclasses import MISSING, dataclass, field, fields
 from typing import NoReturn
 
 from launch.engine.dp_load_balancer import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
@@ -87,6 +88,9 @@ class EngineArgs:
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: the platform's default buckets
     max_cudagraph_capture_size: int | None = None
+    # what the platform's check_and_update_config changed, one line each (for the start-up log;
+    # set by __post_init__, kept by dataclasses.replace)
+    platform_notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -156,6 +160,28 @@ class EngineArgs:
                 "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
                 "no all-to-all to overlap"
             )
+        self._apply_platform()
+
+    def _apply_platform(self) -> None:
+        """The platform's ``check_and_update_config`` (vLLM's hook): it raises ValueError for a
+        setting it cannot run, or returns changes, applied here with a note each."""
+        from moe.platforms import current_platform
+
+        update = current_platform().check_and_update_config(self)
+        for name, value in update.changes.items():
+            object.__setattr__(self, name, value)  # frozen: the platform's adjustment
+        new_notes = tuple(n for n in update.notes if n not in self.platform_notes)
+        object.__setattr__(self, "platform_notes", self.platform_notes + new_notes)
+
+    def compute_dtype(self):
+        """``moe.platforms.ComputeDtype``: the torch dtype the model, its activations and its KV
+        cache run in (``--dtype`` as the platform runs it: a bfloat16 request runs in float32 on
+        a CPU without bfloat16 GEMMs) and the reason when it differs."""
+        import torch
+
+        from moe.platforms import current_platform
+
+        return current_platform().compute_dtype(getattr(torch, self.dtype))
 
     @property
     def adaptive_dbo_kinds(self) -> frozenset[str]:
@@ -251,7 +277,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags (vLLM's names) to ``parser``, in vLLM's argument groups."""
-    d = EngineArgs()
+    # the declared defaults, not an instance: building one asks the platform (and would show its
+    # adjustments as defaults; --help must not probe the CPU)
+    d = types.SimpleNamespace(
+        **{f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+    )
     _add_model_args(parser.add_argument_group("ModelConfig"), d)
     _add_cache_args(parser.add_argument_group("CacheConfig"), d)
     _add_parallel_args(parser.add_argument_group("ParallelConfig"), d)

@@ -13,8 +13,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dbo import TimelineRecorder, set_timeline_recorder
 from dbo.timeline.recorder import timeline_step
 from distributed import EmulatedLink, make_all2all_backend
@@ -36,7 +34,6 @@ from moe import (
     parameter_bytes,
     set_custom_ops,
 )
-from moe.kernels import prepare_cpu_kernels
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 
@@ -75,6 +72,19 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
         )
     return ResolvedModel(
         config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
+    )
+
+
+def init_parallel_groups(args: EngineArgs):
+    """This rank's ``distributed.ParallelGroups`` for ``args`` on the platform's distributed
+    backend (collective: every rank calls it; see ``distributed.init_distributed``)."""
+    from distributed import init_distributed
+
+    return init_distributed(
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+        backend=current_platform().dist_backend,
     )
 
 
@@ -140,7 +150,8 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None
         if engine_args.timeline_dir:
             self.start_timeline()
-        dtype = getattr(torch, engine_args.dtype)
+        platform = current_platform()
+        dtype = self._compute_dtype(platform)
         config = model.config
         backend = _make_all2all_backend(engine_args, groups, config)
         self.all2all_backend = backend
@@ -165,24 +176,12 @@ class LLMEngine:
             num_gpu_blocks_override=engine_args.num_gpu_blocks_override,
             kv_cache_memory_bytes=engine_args.kv_cache_memory_bytes,
         )
-        if groups.rank == 0:
-            print(f"moe-dbo: {self.kv_cache_sizing.summary()}", file=sys.stderr, flush=True)
+        self._log(self.kv_cache_sizing.summary())
         if model.checkpoint_dir is None:
             init_random_weights(self.model, seed=engine_args.seed)
         else:
             load_checkpoint(self.model, model.checkpoint_dir)
-        num_blocks = self.kv_cache_sizing.num_blocks
-        kv_caches = self.model.allocate_kv_caches(
-            num_blocks=num_blocks, block_size=block_size, dtype=dtype
-        )
-        self.memory = MemoryStats(
-            parameter_bytes=parameter_bytes(self.model),
-            kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
-            kv_bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
-            num_kv_slots=num_blocks * block_size,
-            block_size=block_size,
-        )
-        self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+        self._allocate_kv_cache(dtype)
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
             max_num_seqs=engine_args.max_num_seqs,
@@ -190,11 +189,11 @@ class LLMEngine:
             max_model_len=model.max_model_len,
             eos_token_ids=config.eos_token_ids,
         )
-        if current_platform().dispatch_key == "cpu":
-            # our C++ kernels (built on a machine's first start, then loaded from torch's cache)
-            kernels = prepare_cpu_kernels()
-            if groups.rank == 0:
-                print(f"moe-dbo: CPU kernels {kernels}", file=sys.stderr, flush=True)
+        # the platform's kernels (ours on a CPU: built on a machine's first start for its ISA,
+        # then loaded from torch's cache), before the first step
+        kernels = platform.prepare_kernels()
+        if kernels is not None:
+            self._log(kernels)
         # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
         runner_model, self.graph_stats = build_graph_mode(
             self.model, engine_args, show_progress=groups.rank == 0
@@ -207,6 +206,38 @@ class LLMEngine:
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
         freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
+
+    def _log(self, line: str) -> None:
+        """One start-up line on stderr, from rank 0 only."""
+        if self.groups.rank == 0:
+            print(f"moe-dbo: {line}", file=sys.stderr, flush=True)
+
+    def _compute_dtype(self, platform):
+        """The torch dtype the model runs in (the platform's answer for ``--dtype``); logs the
+        platform, its config notes and why the dtype differs from the request, if it does."""
+        chosen = self.args.compute_dtype()
+        self._log(platform.describe())
+        for note in self.args.platform_notes:
+            self._log(note)
+        if chosen.reason is not None:
+            as_name = str(chosen.dtype).removeprefix("torch.")
+            self._log(f"--dtype {self.args.dtype} runs as {as_name}: {chosen.reason}")
+        return chosen.dtype
+
+    def _allocate_kv_cache(self, dtype) -> None:
+        """The KV cache of ``kv_cache_sizing`` in ``dtype``, its manager and the memory stats."""
+        num_blocks, block_size = self.kv_cache_sizing.num_blocks, self.args.block_size
+        kv_caches = self.model.allocate_kv_caches(
+            num_blocks=num_blocks, block_size=block_size, dtype=dtype
+        )
+        self.memory = MemoryStats(
+            parameter_bytes=parameter_bytes(self.model),
+            kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
+            kv_bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
+            num_kv_slots=num_blocks * block_size,
+            block_size=block_size,
+        )
+        self.kv_cache_manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
 
     def all2all_summary(self) -> str:
         """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed

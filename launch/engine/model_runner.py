@@ -41,6 +41,7 @@ from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.sampler import Sampler, SamplingMetadata, TokenLogprobs, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
+from moe.platforms import current_platform
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,7 +91,11 @@ class ModelRunner:
         self.args = engine_args
         self.groups = groups
         self.max_num_blocks_per_req = max_num_blocks_per_req
-        self.wrapper = UBatchWrapper(self._forward, timeout_s=engine_args.distributed_timeout_s)
+        self.wrapper = UBatchWrapper(
+            self._forward,
+            timeout_s=engine_args.distributed_timeout_s,
+            use_streams=current_platform().has_ubatch_streams,
+        )
         self.input_batch = InputBatch(
             max_num_reqs=engine_args.max_num_seqs,
             max_model_len=max_num_blocks_per_req * kv_cache_manager.block_size,

@@ -38,39 +38,84 @@ def check_temperature(temperature: float, name: str = "temperature") -> None:
         )
 
 
+def offset_seed(seed: int, offset: int) -> int:
+    """``seed + offset`` wrapped into [MIN_SEED, MAX_SEED]: the seed of prompt ``offset`` of an
+    offline run, or of choice ``offset`` of an ``n``-choice request (different yet reproducible)."""
+    return (seed + offset - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _as_tuple(name: str, value, kind: type, what: str) -> tuple:
+    """``value`` (one item or a list/tuple of items of ``kind``) as a tuple; ValueError if not."""
+    items = (value,) if isinstance(value, kind) else value
+    if not isinstance(items, (list, tuple)) or not all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in items
+    ):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return tuple(items)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How to pick each next token (vLLM's ``SamplingParams`` rules).
+    """How to pick each next token: vLLM's ``SamplingParams`` (``vllm/sampling_params.py``), the
+    fields this engine implements, with vLLM's names and rules. The offline API
+    (``launch.SamplingParams``), the HTTP server and the engine share this one class.
 
-    A temperature below ``SAMPLING_EPS`` (1e-5) means greedy (argmax), as in vLLM.
+    A temperature below ``SAMPLING_EPS`` (1e-5) means greedy (argmax), as in vLLM. Unlike vLLM,
+    whose default temperature is 1.0, the default here is 0.0 (greedy): pass ``temperature`` to
+    sample. ``n`` and ``stop`` (strings) are applied by the front ends (``launch.LLM``, the
+    server), which run ``n`` engine requests and cut the text at the first stop string; the engine
+    itself generates one sequence per request and stops at ``stop_token_ids`` / eos.
+
+    ``stop`` and ``stop_token_ids`` accept one item or a list, and are kept as tuples.
 
     Raises:
-        ValueError: if ``max_tokens`` is not an int >= 1, ``temperature`` is not a finite number
-            >= 0, ``seed`` is outside [-2**63, 2**63 - 1], ``top_p`` outside (0, 1] or
-            ``logprobs`` outside [0, 20].
+        ValueError: naming the field and the accepted values, if ``n`` or ``max_tokens`` is not
+            an int >= 1, ``temperature`` is not a finite number >= 0, ``seed`` is outside
+            [-2**63, 2**63 - 1], ``top_p`` outside (0, 1], ``logprobs`` outside [0, 20],
+            ``stop`` not non-empty strings or ``stop_token_ids`` not ints.
+        TypeError: an unknown field (Python names it).
     """
 
+    n: int = 1  # sequences per prompt (front ends: n engine requests, seeds seed + i)
     max_tokens: int = 16
     temperature: float = 0.0  # below SAMPLING_EPS means greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling: keep the most likely tokens holding this much mass
     seed: int | None = None  # per-request generator seed when sampling
+    stop: tuple[str, ...] = ()  # the text ends before the first of these (front ends)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep generating past the model's eos token (benchmarks)
-    top_p: float = 1.0  # nucleus sampling: keep the most likely tokens holding this much mass
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.max_tokens, int)
-            or isinstance(self.max_tokens, bool)
-            or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_int("n", self.n, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
         check_temperature(self.temperature)
         check_seed(self.seed)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not 0.0 < self.top_p <= 1.0:  # also refuses nan
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        stop = _as_tuple("stop", self.stop, str, "a string or a list of strings")
+        if not all(stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        stop_ids = _as_tuple("stop_token_ids", self.stop_token_ids, int, "a list of token ids")
+        object.__setattr__(self, "stop", stop)  # frozen: keep the normalised tuples
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -35,7 +35,9 @@ class ChatCompletionRequest:
     chat_template_kwargs: dict
 
 
-def _message(index: int, message) -> dict:
+def parse_message(index: int, message) -> dict:
+    """``messages[index]`` checked (a role of ``ROLES``; content a string, None or text parts,
+    joined with newlines). Raises ProtocolError (a ValueError) naming it."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ProtocolError(f"{where} must be an object with a 'role' string", param="messages")
@@ -86,7 +88,7 @@ def parse_chat_request(body, *, model_name: str) -> ChatCompletionRequest:
     if top_logprobs is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return ChatCompletionRequest(
-        messages=tuple(_message(i, m) for i, m in enumerate(messages)),
+        messages=tuple(parse_message(i, m) for i, m in enumerate(messages)),
         options=options,
         logprobs=(top_logprobs or 0) if want_logprobs else None,
         add_generation_prompt=_get(body, "add_generation_prompt", (bool,), True, "a boolean"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from launch.engine.request import MAX_SEED, MIN_SEED, SamplingParams
+from launch.engine.request import MAX_SEED, MIN_SEED, SamplingParams, offset_seed
 from launch.engine.sampler import MAX_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -64,9 +64,7 @@ class SamplingOptions:
             temperature=self.temperature,
             top_p=self.top_p,
             # seed + index wrapped into the 64-bit signed range (seed 2**63 - 1 with n > 1)
-            seed=None
-            if self.seed is None
-            else (self.seed + index - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED,
+            seed=None if self.seed is None else offset_seed(self.seed, index),
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

@@ -36,6 +36,7 @@ from moe.layers.linear import (
     upcast_linear,
     upcast_wins,
 )
+from moe.platforms.cpu_capability import grouped_mm_unavailable_reason
 from moe.platforms.custom_op import CustomOp
 
 # Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
@@ -46,10 +47,6 @@ GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_pro
 
 # torch._grouped_mm's dtypes; float64 (exact comparisons) takes the reference loop
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _has_grouped_mm() -> bool:
-    return hasattr(torch, "_grouped_mm")
 
 
 @CustomOp.register("experts")
@@ -91,24 +88,26 @@ class TorchExperts(CustomOp):
 
     def process_weights_after_loading(self) -> None:
         """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or
-        float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM)."""
+        float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and
+        keep float32 copies of small bfloat16 experts (``upcast_linear``: plain torch, so they
+        are kept where oneDNN cannot pack too)."""
         self._packs, self._upcast = None, ()
         sources = (self.w1, self.w2, self.w3)
         per_expert = self.hidden_size * self.intermediate_size
         if not all(can_pack(w, num_elements=per_expert) for w in sources):
             return
-        packed: list[Tensor] = []
+        packed: list[Tensor] | None = []  # None once oneDNN could not pack
         upcast: list[Tensor] = []
         for expert in range(self.num_local_experts):  # start-up only
             w13 = torch.cat([self.w1[expert], self.w3[expert]]).detach()
-            gate_up, down = onednn_pack(w13), onednn_pack(self.w2[expert])
-            if gate_up is None or down is None:
-                packed, upcast = [], []
-                break
-            packed += [gate_up, down]
             if can_upcast(w13):
                 upcast += [w13.float(), self.w2[expert].detach().float()]
-        self._packs, self._upcast = PackedWeights.of(sources, tuple(packed)), tuple(upcast)
+            if packed is None:
+                continue
+            gate_up, down = onednn_pack(w13), onednn_pack(self.w2[expert])
+            packed = None if gate_up is None or down is None else [*packed, gate_up, down]
+        self._packs = PackedWeights.of(sources, tuple(packed or ()))
+        self._upcast = tuple(upcast)
 
     def packed_weights(self) -> tuple[Tensor, ...]:
         """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
@@ -202,16 +201,21 @@ class TorchExperts(CustomOp):
         """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection over
         the per-expert row groups (same math as ``forward_native``)."""
         packs = self.packed_weights()
-        if packs and hidden_states.dtype == self.w1.dtype:
+        if hidden_states.dtype == self.w1.dtype and (packs or self._upcast):
             return self._forward_packed(hidden_states, topk_ids, topk_weights, packs)
         return self.forward_grouped(hidden_states, topk_ids, topk_weights)
+
+    def _upcast_wins(self, rows: Tensor, index: int) -> bool:
+        """Whether ``rows`` times float32 copy ``index`` beats the bfloat16 GEMM (``upcast_wins``)."""
+        return bool(self._upcast) and upcast_wins(rows, self._upcast[index].numel())
 
     def forward_grouped(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
         """One grouped GEMM per projection over the per-expert row groups (``forward_native``
         where torch lacks ``_grouped_mm`` or for float64)."""
-        if not _has_grouped_mm() or hidden_states.dtype not in _GROUPED_MM_DTYPES:
+        dtype = hidden_states.dtype
+        if dtype not in _GROUPED_MM_DTYPES or grouped_mm_unavailable_reason(dtype) is not None:
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
         if routed is None:
@@ -280,22 +284,32 @@ class TorchExperts(CustomOp):
         local expert ``expert``: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM
         for down; a float32 expert with more than ``FLOAT32_MAX_PACKED_ROWS`` rows runs the
         reference's plain GEMMs instead (faster there, as for ``Linear``)."""
-        if rows.dtype == torch.float32 and rows.shape[0] > linear.FLOAT32_MAX_PACKED_ROWS:
+        if rows.dtype == torch.float32 and rows.shape[0] > linear.float32_max_packed_rows():
             # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
-            h = F.silu(rows @ self.w1[expert].t())
-            h.mul_(rows @ self.w3[expert].t())
-            return h @ self.w2[expert].t()
+            return self._plain_swiglu_rows(rows, expert)
         gate_up = self._packed_gemm(rows, packs, 2 * expert)  # [n, 2F]
         h = F.silu(gate_up[:, : self.intermediate_size])  # swiglu, with the product in place
         h.mul_(gate_up[:, self.intermediate_size :])
         return self._packed_gemm(h, packs, 2 * expert + 1)
 
+    def _plain_swiglu_rows(self, rows: Tensor, expert: int) -> Tensor:
+        """``_swiglu_rows`` on the plain weights (the reference's own GEMMs)."""
+        h = F.silu(rows @ self.w1[expert].t())
+        h.mul_(rows @ self.w3[expert].t())
+        return h @ self.w2[expert].t()
+
     def _packed_gemm(self, x: Tensor, packs: tuple[Tensor, ...], index: int) -> Tensor:
         """``x @ W.T`` for pack ``index`` (``[w1_e; w3_e]`` or ``w2_e``): in float32 on the
-        weight's float32 copy where that is faster (``upcast_wins``), else the oneDNN pack."""
-        if self._upcast and upcast_wins(x, self._upcast[index].numel()):
+        weight's float32 copy where that is faster (``upcast_wins``), else the oneDNN pack, else
+        (no pack: a CPU oneDNN cannot pack bfloat16 for) the plain weights."""
+        if self._upcast_wins(x, index):
             return upcast_linear(x, self._upcast[index])
-        return onednn_linear(x, packs[index])
+        if packs:
+            return onednn_linear(x, packs[index])
+        expert = index // 2
+        if index % 2:
+            return x @ self.w2[expert].t()
+        return torch.cat([x @ self.w1[expert].t(), x @ self.w3[expert].t()], dim=1)
 
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
@@ -328,16 +342,16 @@ class TorchExperts(CustomOp):
             raise ValueError(
                 f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
             )
-        packs = self.packed_weights() if self.forward_path == "forward_cpu" else ()
-        if hidden_states.dtype != self.w1.dtype:
-            packs = ()
+        fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
+        packs = self.packed_weights() if fast else ()
+        fast = fast and bool(packs or self._upcast)
         out = torch.empty_like(hidden_states)
         for expert, count in enumerate(counts):  # a loop over experts, not over tokens
             out[expert, count:].zero_()  # only the rows no expert output lands in
             if count == 0:
                 continue
             x = hidden_states[expert, :count]
-            if packs:
+            if fast:
                 out[expert, :count] = self._swiglu_rows(x, expert, packs)
             else:
                 out[expert, :count] = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ (

@@ -115,9 +115,9 @@ class FusedMoEModularKernel:
     issues its own first (``True``). On CUDA a recv hook only enqueues the receive on the comm
     stream, so vLLM's order costs nothing; on the CPU the hook blocks until the data have arrived,
     so in vLLM's order the own transfer waits for the other's to land and the link idles between
-    the two (issue 9's 12-layer float32 benchmark, 100 us / 0.28 Gbit/s, ``allgather_reducescatter``:
-    0.3-0.4 ms twice per layer, 15-20 ms of a 228 ms decode:256 DBO step). Default (``None``):
-    ``True`` on the CPU platform, ``False`` elsewhere. Either order completes every transfer before
+    the two (measured in docs/dbo.md). Default (``None``):
+    the platform's answer (``Platform.issue_before_recv_hook``: ``True`` on the CPU, ``False`` on
+    CUDA). Either order completes every transfer before
     its data are read, so results are the same.
     """
 
@@ -136,7 +136,7 @@ class FusedMoEModularKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         if issue_before_recv_hook is None:
-            issue_before_recv_hook = current_platform().dispatch_key == "cpu"
+            issue_before_recv_hook = current_platform().issue_before_recv_hook
         self.issue_before_recv_hook = issue_before_recv_hook
 
     def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:

@@ -1,15 +1,25 @@
-"""Our C++ CPU kernels, compiled on first use for the machine at hand.
+"""Our C++ CPU kernels, compiled on first use for an instruction set the caller names.
 
-``cpu_kernels()`` builds ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load`` (ninja + the
-system C++ compiler, ``-O3 -march=native``: the code is compiled for the CPU it runs on, so one
-binary never meets another CPU's instruction set) and returns the loaded module, or ``None`` when
-it cannot be built here (no compiler, no ninja, a compile error): the callers then keep their plain
-torch path, which computes the same result. The build lands in torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a directory named by a hash
-of the sources, their directory, the flags and torch's and Python's versions (two checkouts never
-overwrite each other's build), so only the first start on a machine pays for it (~20 s on 2
-cores); later starts load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels
-off (the plain path runs).
+``cpu_kernels(isa)`` builds ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load`` (ninja + the
+system C++ compiler) for one ISA and returns the loaded module, or ``None`` when there is nothing
+worth building (``isa`` None: no vector ISA) or it cannot be built here (no compiler, no ninja, a
+compile error): the callers then keep their plain torch path, which computes the same result. The
+sources are written once over ATen's ``at::vec::Vectorized`` and compiled with torch's own per-ISA
+defines (``-DCPU_CAPABILITY=AVX2 -DCPU_CAPABILITY_AVX2``, or the AVX512 ones) and the matching
+``-m`` flags, never ``-march=native``: a build only holds the instructions its ISA names.
+
+ISAs (``ISA_FLAGS``): ``"avx2"`` (AVX2 + FMA, 8 float lanes: every x86 CPU since Haswell / Zen 1)
+and ``"avx512"`` (AVX-512 F/BW/VL/DQ, 16 lanes: torch's own AVX512 level). Each ISA's build is its
+own extension module (``moe_dbo_cpu_kernels_<isa>``), so both can be loaded in one process.
+The platform picks the ISA (``current_platform().cpu_capability().isa``: the best torch found on
+this CPU, capped by ``MOE_DBO_CPU_ISA``; ``moe.platforms.cpu_capability``).
+
+The build lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), in a directory named by a hash of the sources, their directory, the
+flags (the ISA's included) and torch's and Python's versions (two checkouts never overwrite each
+other's build), so only the first start on a machine pays for it (~20 s on 2 cores); later starts
+load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path
+runs).
 
 Kernels (the module's functions):
     paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, req_ids, scale)
@@ -23,8 +33,8 @@ Kernels (the module's functions):
         ``out`` (other rows untouched); query row i of request r sits at position
         ``seq_lens[r] - q_len + i`` and attends causally. Raises ``RuntimeError`` on other
         shapes, dtypes or layouts. Releases the GIL while it runs.
-    vectorized() -> bool
-        Whether the build has the AVX-512 paths (the callers use the kernel only then).
+    isa() -> str
+        The ISA the build's vectors use: ``"avx2"`` or ``"avx512"``.
 """
 
 from __future__ import annotations
@@ -38,14 +48,49 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from moe.platforms.cpu_capability import ISA_LABELS
+
+__all__ = [
+    "ISA_FLAGS",
+    "ISA_LABELS",
+    "cpu_kernels",
+    "cpu_kernels_enabled",
+    "prepare_cpu_kernels",
+]
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-EXTENSION_NAME = "moe_dbo_cpu_kernels"
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+EXTENSION_PREFIX = "moe_dbo_cpu_kernels"
+CFLAGS = ("-O3", "-fopenmp-simd")
+# Per ISA: the -m flags and the defines under which ATen's vec headers select their AVX2 or
+# AVX-512 Vectorized (and name their inline namespace), as torch's own build passes them for its
+# per-ISA kernel copies (cmake/Codegen.cmake). -mf16c: the AVX2 headers' fp16 conversions need it.
+# The split-unaligned flags stop GCC's generic tuning from splitting 256-bit unaligned loads.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": (
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mno-avx256-split-unaligned-load",
+        "-mno-avx256-split-unaligned-store",
+        "-DCPU_CAPABILITY=AVX2",
+        "-DCPU_CAPABILITY_AVX2",
+    ),
+    "avx512": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ),
+}
 
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None | float] = {}  # "module", "seconds" (the build or load)
+_modules: dict[str, ModuleType | None] = {}  # isa -> the build (None: it failed)
+_seconds: dict[str, float] = {}  # isa -> time of its build or load
 
 
 def cpu_kernels_enabled() -> bool:
@@ -53,33 +98,57 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("MOE_DBO_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no")
 
 
-def cpu_kernels() -> ModuleType | None:
-    """The compiled kernel module, built (or loaded from the cache) on the first call; ``None`` if
-    disabled by ``MOE_DBO_CPU_KERNELS=0`` or if the build failed (logged once as a warning)."""
-    if not cpu_kernels_enabled():
+def _check_isa(isa: str | None) -> str | None:
+    isa = None if isa == "default" else isa
+    if isa is not None and isa not in ISA_FLAGS:
+        raise ValueError(f"isa={isa!r}: expected one of {sorted(ISA_FLAGS)}, 'default' or None")
+    return isa
+
+
+def cpu_kernels(isa: str | None) -> ModuleType | None:
+    """The kernel module compiled for ``isa``, built (or loaded from the cache) on the first call.
+
+    Args:
+        isa: ``"avx2"``, ``"avx512"``, or ``None`` / ``"default"`` (nothing to build). The caller
+            makes sure this CPU runs it (``current_platform().cpu_capability().isa``).
+
+    Returns:
+        The module, or ``None`` if ``isa`` is None, if disabled by ``MOE_DBO_CPU_KERNELS=0`` or if
+        the build failed (logged once as a warning).
+
+    Raises:
+        ValueError: on another ``isa``.
+    """
+    isa = _check_isa(isa)
+    if isa is None or not cpu_kernels_enabled():
         return None
     with _lock:
-        if "module" not in _state:
+        if isa not in _modules:
             start = time.perf_counter()
-            _state["module"] = _build()
-            _state["seconds"] = time.perf_counter() - start
-            if _state["module"] is not None:
-                logger.info("moe-dbo: CPU kernels ready in %.1f s", _state["seconds"])
-        return _state["module"]
+            _modules[isa] = _build(isa)
+            _seconds[isa] = time.perf_counter() - start
+            if _modules[isa] is not None:
+                logger.info("moe-dbo: CPU kernels (%s) ready in %.1f s", isa, _seconds[isa])
+        return _modules[isa]
 
 
-def prepare_cpu_kernels() -> str:
-    """Build or load the kernels now (the engine calls this at start-up, so no step pays for the
-    build) and say what runs, for the start-up log: e.g. ``"ready (AVX-512) in 0.2 s"``,
-    ``"off (MOE_DBO_CPU_KERNELS=0)"``, ``"not built: plain torch paths"``."""
+def prepare_cpu_kernels(isa: str | None) -> str:
+    """Build or load the kernels for ``isa`` now (the engine calls this at start-up, so no step pays
+    for the build) and say what runs, for the start-up log: e.g. ``"ready (AVX2) in 0.1 s"``,
+    ``"ready (AVX-512) in 22.9 s"``, ``"off (MOE_DBO_CPU_KERNELS=0): plain torch paths"``,
+    ``"not built (no AVX2 or AVX-512 to build for): plain torch paths"`` (no time spent).
+
+    Raises:
+        ValueError: on an ``isa`` other than ``"avx2"``, ``"avx512"``, ``"default"`` or None.
+    """
+    isa = _check_isa(isa)
     if not cpu_kernels_enabled():
         return "off (MOE_DBO_CPU_KERNELS=0): plain torch paths"
-    module = cpu_kernels()
-    if module is None:
-        return "not built: plain torch paths"
-    if not module.vectorized():
-        return f"built without AVX-512 in {_state['seconds']:.1f} s: plain torch paths"
-    return f"ready (AVX-512) in {_state['seconds']:.1f} s"
+    if isa is None:
+        return "not built (no AVX2 or AVX-512 to build for): plain torch paths"
+    if cpu_kernels(isa) is None:
+        return f"not built ({ISA_LABELS[isa]} build failed): plain torch paths"
+    return f"ready ({ISA_LABELS[isa]}) in {_seconds[isa]:.1f} s"
 
 
 # torch's build lock (a file another process holds while it compiles) is waited on without a
@@ -96,7 +165,9 @@ def _remove_stale_lock(lock: Path) -> None:
         pass
 
 
-def _build() -> ModuleType | None:
+def _build(isa: str) -> ModuleType | None:
+    name = f"{EXTENSION_PREFIX}_{isa}"
+    flags = [*CFLAGS, *ISA_FLAGS[isa]]
     try:
         import torch
         from torch.utils.cpp_extension import get_default_build_root, load
@@ -104,24 +175,23 @@ def _build() -> ModuleType | None:
         sources = sorted(CSRC.glob("*.cpp"))
         # the sources' directory too: torch's ninja file names the source paths, so two checkouts
         # sharing one directory would rebuild each time the other one built last
-        digest = hashlib.sha256(repr((CFLAGS, torch.__version__, sys.version, str(CSRC))).encode())
+        digest = hashlib.sha256(repr((flags, torch.__version__, sys.version, str(CSRC))).encode())
         for source in sources:
             digest.update(source.read_bytes())
-        build_directory = (
-            Path(get_default_build_root()) / f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
-        )
+        build_directory = Path(get_default_build_root()) / f"{name}_{digest.hexdigest()[:16]}"
         build_directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build_directory / "lock")
         module = load(
-            name=EXTENSION_NAME,
+            name=name,
             sources=[str(p) for p in sources],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=flags,
             build_directory=str(build_directory),
             verbose=False,
         )
     except Exception as exc:  # no compiler / ninja, or a build error: keep the torch path
         logger.warning(
-            "moe-dbo: CPU kernels not built (%s: %s); the plain torch paths run instead",
+            "moe-dbo: CPU kernels (%s) not built (%s: %s); the plain torch paths run instead",
+            isa,
             type(exc).__name__,
             str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
         )

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from moe.kernels import cpu_kernels
 from moe.platforms.custom_op import is_tracing
+from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
@@ -308,8 +309,8 @@ def _kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tens
 def _paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
     """Our compiled CPU kernel that attends over the paged cache in place (``moe.kernels``),
     where it applies: CPU tensors of one dtype (float32, float64, bfloat16), a contiguous cache,
-    no tracer running and the kernels built with their AVX-512 paths (without them its plain loops
-    are correct but not faster than SDPA); else None."""
+    no tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512,
+    the platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
     if (
         query.device.type != "cpu"
         or query.dtype != kv_cache.dtype
@@ -318,8 +319,8 @@ def _paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., No
         or is_tracing()
     ):
         return None
-    kernels = cpu_kernels()
-    if kernels is None or not kernels.vectorized():
+    kernels = cpu_kernels(current_platform().cpu_capability().isa)
+    if kernels is None:
         return None
     return kernels.paged_attention
 

@@ -32,44 +32,43 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.platforms.cpu_capability import onednn_linear_unavailable_reason
 from moe.platforms.custom_op import CustomOp, is_tracing
+from moe.platforms.plugins import current_platform
 
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...), or
-    ``"unknown"`` where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+# Where float32 GEMMs use the pack: the platform answers per CPU vendor
+# (``Platform.float32_pack_limits``: on Intel MKL's sgemm is as fast above 256 rows and oneDNN's
+# per-call cost dominates small weights; elsewhere MKL's generic path is slower at every size).
+# None: the platform's value; a number overrides it (tests set them). Read at call time.
+FLOAT32_MAX_PACKED_ROWS: int | None = None
+FLOAT32_MIN_PACKED_ELEMENTS: int | None = None
 
 
-# float32 batches above this many rows take F.linear (MKL's sgemm): on Intel CPUs it is as fast or
-# faster there; elsewhere MKL runs a generic path at half oneDNN's speed, so there is no limit.
-# Read at call time (tests set it).
-_INTEL_OR_UNKNOWN = cpu_vendor() in ("GenuineIntel", "unknown")
-FLOAT32_MAX_PACKED_ROWS = 256 if _INTEL_OR_UNKNOWN else sys.maxsize
-# float32 weights smaller than this (elements) stay on MKL: on Intel CPUs oneDNN's per-call cost
-# outweighs the saved packing there (experts of hidden 256-512: 0.3-0.8x of the grouped GEMM's
-# speed); elsewhere (MKL's generic path) the pack wins from 2^17 elements at every batch size
-# (Zen 5, 1 thread, MKL / oneDNN time: 256 x 512 1.4x at 16 rows, 2.0-2.3x at 80-2048; 512 x 1024
-# 2.2-2.3x), while 64 x 128 weights lose at 16-80 rows (0.3-0.7x).
-FLOAT32_MIN_PACKED_ELEMENTS = 1 << 20 if _INTEL_OR_UNKNOWN else 1 << 17
+def float32_max_packed_rows() -> int:
+    """Rows above which a float32 batch takes ``F.linear`` instead of the pack."""
+    if FLOAT32_MAX_PACKED_ROWS is not None:
+        return FLOAT32_MAX_PACKED_ROWS
+    return current_platform().float32_pack_limits().max_rows
+
+
+def float32_min_packed_elements() -> int:
+    """Weight elements (per matrix) below which a float32 weight is not packed."""
+    if FLOAT32_MIN_PACKED_ELEMENTS is not None:
+        return FLOAT32_MIN_PACKED_ELEMENTS
+    return current_platform().float32_pack_limits().min_elements
+
+
 _MIN_PADDED_ROWS = 16  # below it every size is its own bucket
 _FINE_PADDING_ROWS = 256  # from here on buckets are 1/64 of a power of two (at least 16 rows)
 # bfloat16 GEMMs this small run faster in float32 on exact float32 copies of the weights: oneDNN's
@@ -83,15 +82,12 @@ BFLOAT16_UPCAST_MAX_MACS = 1 << 19  # rows * weight elements
 _warned: set[str] = set()
 
 
-def packing_unavailable_reason() -> str | None:
-    """Why this torch cannot prepack oneDNN linear weights, or None if it can."""
-    if not torch.backends.mkldnn.is_available():
-        return "torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)"
-    ops = torch.ops.mkldnn
-    for name in ("_reorder_linear_weight", "_linear_pointwise"):
-        if not hasattr(ops, name):
-            return f"this torch ({torch.__version__}) has no torch.ops.mkldnn.{name}"
-    return None
+def packing_unavailable_reason(dtype: torch.dtype) -> str | None:
+    """Why weights of ``dtype`` cannot be prepacked for oneDNN on this CPU, or None if they can
+    (probed once: ``moe.platforms.cpu_capability.onednn_linear_unavailable_reason``)."""
+    if dtype not in PACKED_DTYPES:
+        return f"{dtype} has no oneDNN linear kernel"
+    return onednn_linear_unavailable_reason(dtype)
 
 
 def padded_num_rows(num_rows: int) -> int:
@@ -140,7 +136,7 @@ def upcast_linear(x: Tensor, weight32: Tensor, bias: Tensor | None = None) -> Te
 def onednn_pack(weight: Tensor) -> Tensor | None:
     """``weight`` [out_features, in_features] bfloat16 or float32 (CPU) reordered for oneDNN, or None (with
     a warning logged once per reason) where this torch or CPU cannot."""
-    reason = packing_unavailable_reason()
+    reason = packing_unavailable_reason(weight.dtype)
     if reason is None:
         try:
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
@@ -203,7 +199,7 @@ def can_pack(weight: Tensor, *, num_elements: int | None = None) -> bool:
     if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or is_tracing():
         return False
     size = weight.numel() if num_elements is None else num_elements
-    return weight.dtype != torch.float32 or size >= FLOAT32_MIN_PACKED_ELEMENTS
+    return weight.dtype != torch.float32 or size >= float32_min_packed_elements()
 
 
 def serves_packed(weight: Tensor, *, num_elements: int | None = None) -> bool:
@@ -294,7 +290,7 @@ class Linear(CustomOp):
         if (
             packed is None
             or x.dtype != self.weight.dtype
-            or (x.dtype == torch.float32 and x.numel() > FLOAT32_MAX_PACKED_ROWS * x.shape[-1])
+            or (x.dtype == torch.float32 and x.numel() > float32_max_packed_rows() * x.shape[-1])
         ):
             return F.linear(x, self.weight, self.bias)
         return onednn_linear(x, packed, self.bias)

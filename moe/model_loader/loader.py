@@ -234,7 +234,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             continue
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(seed, name))
         scale = target.shape[-1] ** -0.5
-        if target.dtype == torch.float32 and target.device.type == "cpu":
+        if target.dtype == torch.float32 and target.is_cpu:
             # straight into place: normal_ draws what randn draws (randn is empty + normal_), and
             # the float32 product is the same; no temporary (tested against the randn formula)
             target.normal_(generator=gen).mul_(scale)

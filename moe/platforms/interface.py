@@ -1,24 +1,188 @@
-"""The platforms ops dispatch on: CPU, CUDA, and the base class out-of-tree platforms subclass."""
+"""The platforms: one object per device family answers every device question once.
+
+After vLLM's ``Platform`` (``vllm/platforms/interface.py``): modules ask ``current_platform()``
+instead of testing device strings, and an out-of-tree platform (``moe_dbo.platform_plugins``,
+see ``moe.platforms.plugins``) is one subclass that overrides the answers it changes. The
+questions:
+
+- ``device_type``: the torch device type tensors live on; ``dispatch_key``: which
+  ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch everywhere).
+- ``dist_backend``: the torch.distributed backend of the process groups.
+- ``has_ubatch_streams``: whether each DBO ubatch gets its own comm stream and events
+  (``dbo.cuda_streams``); ``issue_before_recv_hook``: the transfer order under DBO. On the CPU a
+  recv hook blocks until the data land, so a ubatch issues its own transfer first and then runs
+  the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order (hook first) is kept.
+- ``graph_backend``: ``"inductor"``, ``"cuda_graph"`` or None (graph mode runs eagerly).
+- ``prepare_kernels()``: build or load the platform's own kernels before the first step; the
+  start-up line, or None where there are none.
+- ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
+  with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
+  float32: its weights are upcast exactly, once, at load).
+- ``cpu_capability()``: the CPU's ISA, vendor and flags (``moe.platforms.cpu_capability``).
+- ``check_and_update_config(args)``: refuse a configuration this platform cannot run, or adjust
+  it, before any work (``EngineArgs`` calls it from ``__post_init__``, as vLLM's ``VllmConfig``
+  does).
+"""
 
 from __future__ import annotations
 
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe.platforms.cpu_capability import (
+    CpuCapability,
+    detect_cpu_capability,
+    onednn_linear_unavailable_reason,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeDtype:
+    """The dtype a requested ``--dtype`` runs in, and why it differs (None when it does not)."""
+
+    dtype: torch.dtype
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigUpdate:
+    """What ``check_and_update_config`` changes: EngineArgs field -> new value, and one note per
+    change for the start-up log."""
+
+    changes: dict[str, Any]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Float32PackLimits:
+    """Where a float32 GEMM uses a prepacked oneDNN weight (``moe.layers.linear``): batches of at
+    most ``max_rows`` rows, weights of at least ``min_elements`` elements (per expert matrix)."""
+
+    max_rows: int
+    min_elements: int
+
 
 class Platform:
-    """A device family. ``dispatch_key`` names the ``CustomOp.forward_<key>`` method its ops use
-    (``"native"``: plain torch everywhere; out-of-tree platforms use ``"oot"``)."""
+    """A device family; the defaults are a plain-torch CPU-like device without kernels of its own.
+    Subclass and override the answers that differ (see the module docstring)."""
 
     name: str = "unspecified"
+    device_type: str = "cpu"
     dispatch_key: str = "native"
+    dist_backend: str = "gloo"
+    has_ubatch_streams: bool = False
+    issue_before_recv_hook: bool = True
+    graph_backend: str | None = None
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dispatch_key={self.dispatch_key!r})"
 
+    def cpu_capability(self) -> CpuCapability:
+        """The host CPU's capability, detected on the first call (the host CPU runs the Python
+        side on every platform)."""
+        return _host_cpu_capability()
+
+    def prepare_kernels(self) -> str | None:
+        """Build or load this platform's kernels now; the start-up line, or None if it has none."""
+        return None
+
+    def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
+        """The dtype ``dtype`` runs in here.
+
+        Raises:
+            ValueError: ``dtype`` is not in ``supported_dtypes``.
+        """
+        if dtype not in self.supported_dtypes:
+            names = [str(d).removeprefix("torch.") for d in self.supported_dtypes]
+            raise ValueError(
+                f"--dtype {dtype} is not supported on {self.name}; choose one of {names}"
+            )
+        return ComputeDtype(dtype=dtype)
+
+    def check_and_update_config(self, args: Any) -> ConfigUpdate:
+        """Check ``args`` (an ``EngineArgs``) against this platform; the changes it needs (graph
+        mode turned off where there is no graph backend).
+
+        Raises:
+            ValueError: a setting this platform cannot run (e.g. an unsupported ``--dtype``),
+                naming it and what is accepted.
+        """
+        self.compute_dtype(getattr(torch, args.dtype))  # raises for an unsupported dtype
+        if self.graph_backend is None and not args.enforce_eager:
+            return ConfigUpdate(
+                changes={"enforce_eager": True},
+                notes=(f"graph mode off: platform {self.name} has no graph backend",),
+            )
+        return ConfigUpdate(changes={})
+
+    def describe(self) -> str:
+        """One start-up line: the platform and, for the host CPU, its capability."""
+        return f"platform {self.name}: {self.cpu_capability().describe()}"
+
+    def float32_pack_limits(self) -> Float32PackLimits:
+        """Where float32 GEMMs use a prepacked oneDNN weight (CPU platforms)."""
+        return Float32PackLimits(max_rows=256, min_elements=1 << 20)
+
+
+@functools.cache
+def _host_cpu_capability() -> CpuCapability:
+    return detect_cpu_capability()
+
 
 class CpuPlatform(Platform):
+    """x86 (and other) CPUs: gloo, inductor graphs, our C++ kernels built for the detected ISA,
+    oneDNN's prepacked GEMMs where a probe shows they run."""
+
     name = "cpu"
+    device_type = "cpu"
     dispatch_key = "cpu"
+    dist_backend = "gloo"
+    has_ubatch_streams = False
+    issue_before_recv_hook = True
+    graph_backend = "inductor"
+
+    def prepare_kernels(self) -> str | None:
+        from moe.kernels import prepare_cpu_kernels  # builds C++: only when asked
+
+        return f"CPU kernels {prepare_cpu_kernels(self.cpu_capability().isa)}"
+
+    def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
+        chosen = super().compute_dtype(dtype)
+        if dtype != torch.bfloat16:
+            return chosen
+        reason = onednn_linear_unavailable_reason(torch.bfloat16)
+        if reason is None:
+            return chosen
+        # Without bfloat16 GEMMs (AVX2-only CPUs) torch converts every bfloat16 operand on the fly,
+        # and float32 runs faster (measured in docs/hardware.md).
+        return ComputeDtype(
+            dtype=torch.float32,
+            reason=f"this CPU has no bfloat16 GEMM ({reason}); weights are upcast exactly at load",
+        )
+
+    def float32_pack_limits(self) -> Float32PackLimits:
+        # On Intel CPUs MKL's sgemm is as fast as the pack above 256 rows and oneDNN's per-call
+        # cost dominates weights below 2^20 elements; elsewhere MKL takes a generic code path at
+        # about half oneDNN's speed, so the pack wins at every batch size from 2^17 elements.
+        if self.cpu_capability().vendor in ("GenuineIntel", "unknown"):
+            return Float32PackLimits(max_rows=256, min_elements=1 << 20)
+        return Float32PackLimits(max_rows=sys.maxsize, min_elements=1 << 17)
 
 
 class CudaPlatform(Platform):
+    """NVIDIA GPUs: NCCL, per-ubatch CUDA streams and events, CUDA graphs, vLLM's transfer order.
+    Written against the documented APIs; not run on a GPU by this project's CI."""
+
     name = "cuda"
+    device_type = "cuda"
     dispatch_key = "cuda"
+    dist_backend = "nccl"
+    has_ubatch_streams = True
+    issue_before_recv_hook = False
+    graph_backend = "cuda_graph"
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

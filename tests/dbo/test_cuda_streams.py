@@ -36,7 +36,7 @@ def _run(contexts, fn):
 
 
 def test_contexts_carry_streams_and_start_on_the_compute_stream():
-    contexts = make_ubatch_contexts(2, timeout_s=10, device=torch.device("cuda"))
+    contexts = make_ubatch_contexts(2, timeout_s=10, stream_device=torch.device("cuda"))
     streams = [ctx.streams for ctx in contexts]
     assert all(s is not None for s in streams)
     assert streams[0].compute_stream == streams[1].compute_stream
@@ -58,7 +58,7 @@ def test_work_enqueued_before_a_yield_is_visible_to_the_next_owner():
     """Ubatch 0 writes on its comm stream behind a long kernel and yields without syncing; ubatch
     1's reads, enqueued after the baton pass, must see the write (the hand-over event orders
     them)."""
-    contexts = make_ubatch_contexts(2, timeout_s=10, device=torch.device("cuda"))
+    contexts = make_ubatch_contexts(2, timeout_s=10, stream_device=torch.device("cuda"))
     data = torch.zeros(1 << 20, device="cuda")
     result = {}
 

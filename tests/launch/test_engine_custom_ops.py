@@ -15,7 +15,7 @@ import torch
 
 from launch.engine.request import Request, SamplingParams
 from moe import set_custom_ops
-from moe.layers import linear as linear_mod
+from tests.helpers.capability import needs_onednn
 from tests.helpers.single_rank import single_rank_engine
 
 
@@ -54,9 +54,7 @@ def test_float32_tokens_equal_with_custom_ops_all_and_none(tiny_mixtral_dir, tin
     assert all(1 <= len(t) <= 8 for t in tokens["all"])  # 8 new tokens or up to eos
 
 
-@pytest.mark.skipif(
-    linear_mod.packing_unavailable_reason() is not None, reason="no oneDNN weight packing"
-)
+@needs_onednn(torch.bfloat16)  # else the engine runs a bfloat16 request in float32
 def test_bfloat16_engine_serves_from_packed_weights(tiny_mixtral_dir, tiny_prompts):
     engine = single_rank_engine(tiny_mixtral_dir, dtype="bfloat16")
     model = engine.model_runner.model

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.chat import build_chat_tokenizer
 from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
 
 ERROR_LINE = re.compile(r"^launch\.generate( \[rank \d+\])?: error: ")
@@ -102,13 +103,16 @@ def test_adaptive_dbo_generation_equals_transformers(
 
 
 @pytest.mark.slow
-def test_fewer_prompts_than_ranks(tmp_path, tiny_mixtral_dir, tiny_prompts, transformers_greedy):
+def test_fewer_prompts_than_ranks(tmp_path, tiny_chat_dir, tiny_prompts, transformers_greedy):
+    """One text prompt (the checkpoint has a tokenizer) on 2 ranks: the output line carries the
+    prompt, its ids and the text of transformers' greedy continuation."""
     prompts = tmp_path / "one.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": tiny_prompts[3]}) + "\n")
+    text = " ".join(f"<{t}>" for t in tiny_prompts[3])
+    prompts.write_text(json.dumps({"prompt": text}) + "\n")
     out = tmp_path / "out.jsonl"
     proc = torchrun(
         2,
-        f"--model={tiny_mixtral_dir}",
+        f"--model={tiny_chat_dir}",
         f"--prompts={prompts}",
         f"--output={out}",
         "--max-tokens=8",
@@ -116,10 +120,21 @@ def test_fewer_prompts_than_ranks(tmp_path, tiny_mixtral_dir, tiny_prompts, tran
         *DBO_FLAGS,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["output_token_ids"] for r in read_outputs(out)] == [transformers_greedy[3]]
+    expected_text = build_chat_tokenizer().decode(transformers_greedy[3], skip_special_tokens=True)
+    assert read_outputs(out) == [
+        {
+            "index": 0,
+            "prompt": text,
+            "prompt_token_ids": tiny_prompts[3],
+            "output_token_ids": transformers_greedy[3],
+            "text": expected_text,
+        }
+    ]
 
 
 def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
+    text_prompt = tmp_path / "text.jsonl"
+    text_prompt.write_text(json.dumps({"prompt": "Hello"}) + "\n")
     long_prompt = tmp_path / "long.jsonl"
     long_prompt.write_text(json.dumps({"prompt_token_ids": [5] * 40}) + "\n")
     nested = tmp_path / "nested.jsonl"  # issue 28 case 7: RecursionError in json.loads
@@ -165,12 +180,17 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
         "prompt_too_long": (
             2,
             (*dp2, f"--model={model_dir}", f"--prompts={long_prompt}", "--max-model-len=32"),
-            r"prompt 0 has 40 tokens; with --max-model-len 32",
+            r"prompt 0 has 40 tokens; with max_model_len 32 \(--max-model-len\)",
+        ),
+        "text_without_tokenizer": (
+            2,
+            (*dp2, f"--model={model_dir}", f"--prompts={text_prompt}"),
+            r"text prompts need a tokenizer and \S+/tokenizer\.json does not exist",
         ),
         "deeply_nested_prompt_line": (
             2,
             (*dp2, f"--model={model_dir}", f"--prompts={nested}"),
-            r"nested.jsonl:2: JSON nested too deeply",
+            r"nested.jsonl:2: expected a JSON object .*JSON nested too deeply",
         ),
         "unknown_backend": (2, (*dp2, "--all2all-backend=nvshmem"), r"invalid choice: 'nvshmem'"),
         # checked before any work (these failed after the process group started, or at the end)
@@ -211,6 +231,7 @@ CASES = [
     "unsupported_arch",
     "prompt_too_long",
     "deeply_nested_prompt_line",
+    "text_without_tokenizer",
     "unknown_backend",
     "output_not_writable",
     "timeline_not_writable",

@@ -34,19 +34,25 @@ def torch_path_only(monkeypatch):
 
 
 def make_metadata(
-    requests: list[tuple[int, int]], *, num_padding: int = 0, seed: int = 0
+    requests: list[tuple[int, int]],
+    *,
+    num_padding: int = 0,
+    seed: int = 0,
+    block_size: int = BLOCK_SIZE,
+    num_blocks: int = NUM_BLOCKS,
+    max_blocks: int = 6,  # 10 requests * 6 <= NUM_BLOCKS; every seq_len here fits 6 blocks
 ) -> CommonAttentionMetadata:
-    """Metadata for ``requests`` with each request's blocks drawn at random from the cache."""
+    """Metadata for ``requests`` with each request's blocks drawn at random from the cache
+    (``num_blocks`` blocks of ``block_size``; ``len(requests) * max_blocks <= num_blocks``)."""
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen)
-    max_blocks = 6  # 10 requests * 6 <= NUM_BLOCKS; every seq_len here fits 4 blocks
+    perm = torch.randperm(num_blocks, generator=gen)
     block_table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
     qsl, seq_lens, slots = [0], [], []
     for i, (num_computed, q_len) in enumerate(requests):
         seq_len = num_computed + q_len
         block_table[i] = perm[i * max_blocks : (i + 1) * max_blocks].int()
         for pos in range(num_computed, seq_len):
-            slots.append(int(block_table[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+            slots.append(int(block_table[i, pos // block_size]) * block_size + pos % block_size)
         qsl.append(qsl[-1] + q_len)
         seq_lens.append(seq_len)
     num_actual = qsl[-1]

@@ -1,17 +1,19 @@
 """Our compiled CPU paged-attention kernel (``moe/kernels/csrc/paged_attention_cpu.cpp``) equals the
-per-request reference (``forward_native``): exactly up to summation order in float64 (the plain C++
-loops), within float32's and bfloat16's precision on the AVX-512 paths (head_dim a multiple of 16),
-on batches mixing decode rows and prefill chunks (fresh and mid-sequence), contexts on and off block
-boundaries, GQA ratios, padding rows, requests cut across ubatches and empty ubatches.
+per-request reference (``forward_native``), for every ISA build this CPU runs (AVX2, AVX-512; see
+``tests/helpers/cpu_kernels.py``): exactly up to summation order in float64 (the plain C++ loops),
+within float32's and bfloat16's precision on the vector paths (head_dim a multiple of the vector
+width or not), on batches mixing decode rows and prefill chunks (fresh and mid-sequence), contexts
+on and off block boundaries, contexts long enough for the key-transposed score tiles, GQA ratios,
+padding rows, requests cut across ubatches and empty ubatches.
 
-``tests/moe/test_batched_attention.py`` runs the same kinds of batches with the kernels off (the
-padded SDPA chunks). Where no compiler is found the kernel tests skip; where one is found the
+``tests/moe/test_batched_attention.py`` runs the same kinds of batches on the padded SDPA chunks
+and on each ISA's kernel. Where no compiler is found the kernel tests skip; where one is found the
 kernel must build.
 """
 
 from __future__ import annotations
 
-import shutil
+import re
 
 import pytest
 import torch
@@ -19,12 +21,8 @@ import torch
 from moe import kernels
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
+from tests.helpers.cpu_kernels import ISAS, kernel_module_for, needs_compiler
 from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metadata
-
-needs_compiler = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler on this machine: the CPU kernels cannot be built here",
-)
 
 # decode rows over contexts that end on and off block boundaries (4-token blocks; up to 6 blocks);
 # with prefill chunks that start at 0 or mid-sequence and a request with no query row
@@ -32,12 +30,17 @@ DECODES = [(7, 1), (15, 1), (0, 1), (3, 1), (22, 1), (11, 1), (1, 1), (8, 1)]
 MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1)]
 
 
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    """Each ISA whose build this CPU runs (the others skip, saying why)."""
+    kernel_module_for(request.param)
+    return request.param
+
+
 @pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts calls of the compiled kernel (and makes it run on machines without AVX-512 too)."""
-    module = kernels.cpu_kernels()
-    if module is None:
-        pytest.fail("the CPU kernels did not build on a machine with a C++ compiler")
+def kernel_calls(monkeypatch, isa):
+    """Counts calls of the compiled kernel built for ``isa``, which the layer then uses."""
+    module = kernel_module_for(isa)
     calls = []
 
     class Counting:
@@ -48,19 +51,25 @@ def kernel_calls(monkeypatch):
             calls.append(args[6].numel())  # requests with query rows
             return module.paged_attention(*args)
 
-        def vectorized(self):
-            return True
-
-    monkeypatch.setattr(batched_attention, "cpu_kernels", lambda: Counting())
+    monkeypatch.setattr(batched_attention, "cpu_kernels", lambda _isa: Counting())
     return calls
 
 
-def make_op(num_heads, num_kv_heads, head_dim, dtype, seed=1):
+def make_op(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    seed=1,
+    *,
+    num_blocks=NUM_BLOCKS,
+    block_size=BLOCK_SIZE,
+):
     op = PagedAttention(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim**-0.5
     )
     gen = torch.Generator().manual_seed(seed)
-    shape = op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)
+    shape = op.kv_cache_shape(num_blocks, block_size)
     op.bind_kv_cache(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype))
     return op
 
@@ -81,21 +90,39 @@ def inputs(op, num_tokens, dtype, seed=2):
 
 def reference(op, q, k, v, md):
     """forward_native in float64 on the same (rounded) inputs and cache."""
-    ref = make_op(op.num_heads, op.num_kv_heads, op.head_dim, torch.float64)
+    ref = PagedAttention(
+        num_heads=op.num_heads, num_kv_heads=op.num_kv_heads, head_dim=op.head_dim, scale=op.scale
+    )
     ref.bind_kv_cache(op.kv_cache.double().clone())
     return ref.forward_native(q.double(), k.double(), v.double(), md)
 
 
 @needs_compiler
-def test_cpu_kernels_build_on_a_machine_with_a_compiler():
-    module = kernels.cpu_kernels()
-    assert module is not None
-    assert isinstance(module.vectorized(), bool)
+def test_cpu_kernels_build_for_each_isa_on_a_machine_with_a_compiler(isa):
+    module = kernels.cpu_kernels(isa)
+    assert module.isa() == isa
+    assert module.__name__ == f"moe_dbo_cpu_kernels_{isa}"
+    assert re.fullmatch(
+        rf"ready \({kernels.ISA_LABELS[isa]}\) in \d+\.\d s", kernels.prepare_cpu_kernels(isa)
+    )
 
 
 def test_kernels_off_by_environment(monkeypatch):
     monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
-    assert kernels.cpu_kernels() is None
+    assert kernels.cpu_kernels("avx2") is None
+    assert kernels.prepare_cpu_kernels("avx2") == "off (MOE_DBO_CPU_KERNELS=0): plain torch paths"
+
+
+def test_no_vector_isa_builds_nothing(monkeypatch):
+    monkeypatch.setattr(kernels, "_build", lambda isa: pytest.fail(f"built for {isa}"))
+    for isa in (None, "default"):
+        assert kernels.cpu_kernels(isa) is None
+        assert kernels.prepare_cpu_kernels(isa).startswith("not built (no AVX2 or AVX-512")
+
+
+def test_unknown_isa_raises():
+    with pytest.raises(ValueError, match=r"isa='neon': expected one of \['avx2', 'avx512'\]"):
+        kernels.cpu_kernels("neon")
 
 
 @needs_compiler
@@ -126,8 +153,20 @@ def _kernel_on_mixed_batch(kernel_calls, head_dim, group, dtype):
     return op, (q, k, v), md, got
 
 
+# one AVX2 vector (half an AVX-512 one), one AVX-512 vector, 3 AVX2 vectors (1.5 AVX-512 ones: a
+# scalar tail), and 8 or 16 vectors (AVX2 sums 128 in two column chunks)
+HEAD_DIMS = [8, 16, 24, 64, 128]
+
+
+def float32_bound(op, q, k, v, md, exact) -> float:
+    """4x the error of the per-request reference run in float32 itself (two float32 roundings of
+    the same sums: the scores' dot products, exp, the weighted sums), at least 1e-6."""
+    native32 = op.forward_native(q, k, v, md).double()
+    return max(1e-6, 4 * (native32 - exact).abs().max().item())
+
+
 @needs_compiler
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_kernel_float32_within_the_reference_rounding(kernel_calls, head_dim, group):
     """float32: the error against the exact (float64) result stays within 4x that of the
@@ -135,13 +174,12 @@ def test_kernel_float32_within_the_reference_rounding(kernel_calls, head_dim, gr
     scores' dot products, exp, the weighted sums), at least 1e-6."""
     op, (q, k, v), md, got = _kernel_on_mixed_batch(kernel_calls, head_dim, group, torch.float32)
     exact = reference(op, q, k, v, md)
-    native32 = op.forward_native(q, k, v, md).double()
-    bound = max(1e-6, 4 * (native32 - exact).abs().max().item())
+    bound = float32_bound(op, q, k, v, md, exact)
     torch.testing.assert_close(got.double(), exact, rtol=0, atol=bound)
 
 
 @needs_compiler
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_kernel_bfloat16_rounds_once(kernel_calls, head_dim, group):
     """bfloat16: the output is rounded once to bfloat16 (half an ulp: 2^-8 relative), the rest
@@ -149,6 +187,32 @@ def test_kernel_bfloat16_rounds_once(kernel_calls, head_dim, group):
     exact result on the same bfloat16 inputs."""
     op, (q, k, v), md, got = _kernel_on_mixed_batch(kernel_calls, head_dim, group, torch.bfloat16)
     torch.testing.assert_close(got.double(), reference(op, q, k, v, md), rtol=2**-8, atol=1e-4)
+
+
+# contexts of up to 512 positions in 16-token blocks: prefill chunks long enough for whole groups of
+# key-transposed score tiles (8 tiles of 16 positions with AVX-512) plus partial tiles, decode rows
+# over 258-512 positions, a request with no query row
+LONG = [(0, 150), (300, 1), (130, 7), (257, 1), (64, 64), (5, 0), (511, 1)]
+LONG_BLOCKS = dict(block_size=16, num_blocks=256, max_blocks=32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_kernel_long_contexts(kernel_calls, dtype, head_dim):
+    """float64 exact up to summation order; float32 and bfloat16 within the bounds above."""
+    op = make_op(4, 2, head_dim, dtype, num_blocks=256, block_size=16)
+    md = make_metadata(LONG, num_padding=1, **LONG_BLOCKS)
+    q, k, v = inputs(op, md.num_tokens, dtype)
+    exact = reference(op, q, k, v, md)
+    got = op.forward_cpu(q, k, v, md).double()
+    assert kernel_calls == [6]
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got, exact, rtol=0, atol=float32_bound(op, q, k, v, md, exact))
+    else:
+        torch.testing.assert_close(got, exact, rtol=2**-8, atol=1e-4)
 
 
 @needs_compiler

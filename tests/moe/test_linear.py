@@ -22,14 +22,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from moe import TorchExperts, set_custom_ops
 from moe.layers import linear as linear_mod
 from moe.layers.linear import Linear, padded_num_rows, process_weights_after_loading
+from tests.helpers.capability import needs_onednn, onednn_dtypes
 
 BF16_LINEAR_REL = 2**-7
 BF16_EXPERTS_TOL = 2**-6
 FLOAT32_EXPERTS_TOL = 1e-6
-needs_onednn = pytest.mark.skipif(
-    linear_mod.packing_unavailable_reason() is not None,
-    reason=f"no oneDNN packing: {linear_mod.packing_unavailable_reason()}",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +100,7 @@ def test_linear_cpu_path_equals_native(dtype, num_rows, bias):
     _assert_equal_to_native(layer, x.reshape(1, num_rows, 48))  # leading dims kept
     with torch.no_grad():
         is_packed = layer.packed_weight() is not None
-    expect = dtype != torch.float64 and linear_mod.packing_unavailable_reason() is None
+    expect = dtype != torch.float64 and linear_mod.packing_unavailable_reason(dtype) is None
     assert is_packed == expect
 
 
@@ -115,8 +112,7 @@ def test_float32_batches_above_the_threshold_take_f_linear(monkeypatch):
         assert torch.equal(layer(x), layer.forward_native(x))
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", onednn_dtypes(torch.float32, torch.bfloat16))
 def test_linear_repacks_weights_written_after_packing(dtype):
     layer = _linear(dtype, bias=True)
     x = torch.randn(17, 48).to(dtype)
@@ -140,7 +136,7 @@ def test_custom_ops_none_runs_f_linear():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
-@needs_onednn
+@needs_onednn(torch.bfloat16)
 def test_traced_linear_uses_the_weight_it_is_given():
     """Graph mode traces a piece once and calls the graph with each layer's weights: the trace
     must hold F.linear on its weight input, never one layer's pack as a constant."""
@@ -159,7 +155,7 @@ def test_traced_linear_uses_the_weight_it_is_given():
 
 def test_linear_falls_back_with_a_logged_reason(monkeypatch, caplog):
     reason = "this torch has no torch.ops.mkldnn._linear_pointwise (test)"
-    monkeypatch.setattr(linear_mod, "packing_unavailable_reason", lambda: reason)
+    monkeypatch.setattr(linear_mod, "packing_unavailable_reason", lambda dtype: reason)
     with caplog.at_level(logging.WARNING, logger="moe.layers.linear"):
         layer = _linear(torch.bfloat16, bias=True)
     assert reason in caplog.text
@@ -185,8 +181,7 @@ def _experts(dtype, seed=0) -> TorchExperts:
     return experts
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", onednn_dtypes(torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("num_tokens", [0, 1, 17, 40])
 def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
     experts = _experts(dtype)
@@ -203,8 +198,7 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
             experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", onednn_dtypes(torch.float32, torch.bfloat16))
 def test_batched_experts_run_the_packed_gemms_and_equal_native(monkeypatch, dtype):
     """``apply_batched`` (DeepEP low-latency layout ``[E, M, H]`` + counts, unweighted) runs every
     expert with rows on the oneDNN packs, equals the reference's per-expert SwiGLU within the
@@ -257,7 +251,7 @@ def test_batched_experts_run_the_packed_gemms_and_equal_native(monkeypatch, dtyp
         assert not plain_out.isnan().any()
 
 
-@needs_onednn
+@needs_onednn(torch.float32)
 def test_float32_experts_above_the_row_threshold_take_the_plain_gemms(monkeypatch):
     """An expert with more than FLOAT32_MAX_PACKED_ROWS rows runs the reference's own GEMMs (bit
     for bit when every token goes there); beside packed experts the result stays within the
@@ -282,7 +276,8 @@ def test_float64_experts_are_not_packed():
         assert _experts(torch.float64).packed_weights() == ()
 
 
-@needs_onednn
+@needs_onednn(torch.float32)
+@needs_onednn(torch.bfloat16)
 def test_small_float32_weights_stay_on_f_linear(monkeypatch):
     monkeypatch.setattr(linear_mod, "FLOAT32_MIN_PACKED_ELEMENTS", 48 * 40 + 1)
     layer = _linear(torch.float32, bias=False)
@@ -294,7 +289,7 @@ def test_small_float32_weights_stay_on_f_linear(monkeypatch):
         assert _experts(torch.bfloat16).packed_weights() != ()  # bfloat16 packs any size
 
 
-@needs_onednn
+@needs_onednn(torch.bfloat16)
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_bfloat16_linear_runs_in_float32_within_one_ulp(monkeypatch, bias):
     """A small bfloat16 weight keeps an exact float32 copy; batches up to
@@ -320,16 +315,25 @@ def test_small_bfloat16_linear_runs_in_float32_within_one_ulp(monkeypatch, bias)
         assert _linear(torch.bfloat16, bias=bias).upcast_weight() is None  # too big: none kept
 
 
-@needs_onednn
 @pytest.mark.parametrize("num_tokens", [1, 17, 40])
-def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(monkeypatch, num_tokens):
+@pytest.mark.parametrize("has_pack", [True, False])
+def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(
+    monkeypatch, num_tokens, has_pack
+):
     """Small bfloat16 experts run their GEMMs in float32 on exact float32 copies (a batch above
-    BFLOAT16_UPCAST_MAX_MACS rows x weight takes the oneDNN pack), within the bfloat16 bound."""
+    BFLOAT16_UPCAST_MAX_MACS rows x weight takes the oneDNN pack, or the plain GEMMs where oneDNN
+    cannot pack bfloat16: the copies need no oneDNN), within the bfloat16 bound."""
     from moe.fused_moe import experts as experts_mod
 
     monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 2 * 32 * 24)
     monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_MACS", 12 * 2 * 32 * 24)
     calls = _count_calls(monkeypatch, experts_mod, "upcast_linear")
+    if not has_pack:  # as on a CPU without bfloat16 GEMMs (AVX2)
+        monkeypatch.setattr(linear_mod, "packing_unavailable_reason", lambda dtype: "test")
+    elif linear_mod.packing_unavailable_reason(torch.bfloat16) is not None:
+        pytest.skip(
+            f"no oneDNN bfloat16 pack: {linear_mod.packing_unavailable_reason(torch.bfloat16)}"
+        )
     experts = _experts(torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(-1, 4, (num_tokens, 2), generator=gen)
@@ -344,5 +348,5 @@ def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(monkeypatch, n
             )
             assert calls  # every expert with <= 12 rows (down: <= 24) runs in float32
             experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
-        experts.packed_weights()  # re-makes the packs and copies of the re-loaded weights
+        assert (experts.packed_weights() != ()) == has_pack  # re-makes packs and copies
         assert torch.equal(experts._upcast[1], experts.w2[0].float())

@@ -19,25 +19,46 @@
 // Query row i of request r sits at position seq_lens[r] - q_len + i and attends to key positions
 // 0 .. that position (causal). Query head h reads KV head h / (num_heads / num_kv_heads).
 //
+// Vectors: one source over ATen's at::vec::Vectorized<float> (torch's own CPU kernels' idiom),
+// compiled once per ISA by moe/kernels/__init__.py with torch's defines (CPU_CAPABILITY=AVX2 and
+// CPU_CAPABILITY_AVX2 with -mavx2 -mfma, or the AVX512 ones with -mavx512f/bw/vl/dq): a vector
+// holds kLanes = Vectorized<float>::size() floats, 8 with AVX2, 16 with AVX-512. Without those
+// defines at::vec falls back to plain loops over an 8-lane array: correct, not fast (the Python
+// side does not build that variant).
+//
 // Precision: float32 and bfloat16 accumulate in float32 with exp from a degree-6 polynomial
-// (relative error below 2e-7, under float32's half-ulp of 6e-8 times a few); float64 accumulates in
-// double with std::exp (the reference tests compare in float64).
+// (relative error below 2.4e-7 on [-87, 0], about two float32 ulps, mean 3e-8); float64
+// accumulates in double with std::exp in plain loops (the reference tests compare in float64).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using IVec = at::vec::Vectorized<int32_t>;
+constexpr int64_t kLanes = Vec::size();
+
+// Vectors that hold running sums in the loops below: half the register file (32 vector registers
+// with AVX-512, 16 with AVX2), the other half takes loads and broadcasts, so no sum is spilled.
+// An FMA's result is ready ~4 cycles later and two issue per cycle: a loop needs ~8 independent
+// sums to keep both units busy, which fits either budget.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kAccVectors = 16;
+#else
+constexpr int kAccVectors = 8;
+#endif
 
 inline float to_float(float x) { return x; }
 inline double to_float(double x) { return x; }
@@ -48,17 +69,27 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
-template <typename acc_t>
-struct Exp;
+inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const c10::BFloat16* p) {  // kLanes bf16 -> float (a 16-bit shift each)
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
 
-template <>
-struct Exp<double> {
-  static inline double eval(double x) { return std::exp(x); }
-};
+inline float reduce_add(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+}
 
-// exp(x) for x <= 0 (scores minus their max), in float: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by
-// its Taylor polynomial to degree 6 (truncation < 3e-8 relative), then times 2^k. The scalar
-// Exp<float> and the 16-lane loop in exp_shifted_sum share these constants.
+inline float reduce_max(const Vec& v) {
+  return at::vec::vec_reduce_all<float>(
+      [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// exp(x) for x <= 0 (scores minus their max), kLanes floats at a time: x = k ln2 + r,
+// |r| <= ln2 / 2, exp(r) by its Taylor polynomial to degree 6 (truncation < 3e-8 relative), then
+// times 2^k, k + 127 written into the exponent bits (x >= kExpMin keeps k + 127 >= 1, a normal
+// float). Measured against double on [-87, 0]: relative error at most 2.31e-7 with AVX2 and
+// AVX-512 alike. at::vec's exp_u20 is not used: 3.7e-7 near -79, and 0 (not 1.6e-38) at -87.
 constexpr float kExpMin = -87.0f;  // exp(-87) ~ 1.6e-38, still a normal float
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in float
@@ -66,206 +97,190 @@ constexpr float kLn2Lo = 1.42860682030941723212e-6f;
 constexpr float kExpTaylor[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f,
                                  0.5f,           1.0f,          1.0f};  // Horner, highest first
 
-template <>
-struct Exp<float> {
-  // 2^k by building the exponent bits
-  static inline float eval(float x) {
-    x = x < kExpMin ? kExpMin : x;
-    const float k = std::floor(x * kLog2e + 0.5f);
-    const float r = x - k * kLn2Hi - k * kLn2Lo;
-    float p = kExpTaylor[0];
-    for (int i = 1; i < 7; ++i) p = p * r + kExpTaylor[i];
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
-  }
-};
-
-// Vector helpers. With AVX-512 (compiled with -march=native on a machine that has it) the dot
-// products reduce through a shuffle tree and exp runs 16 lanes at a time; without it the plain loops
-// below run (same results up to summation order, slower; `vectorized()` tells the caller).
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+inline Vec exp_vec(Vec x) {
+  x = at::vec::clamp_min(x, Vec(kExpMin));
+  const Vec k = (x * Vec(kLog2e)).round();  // to nearest
+  Vec r = at::vec::fmadd(k, Vec(-kLn2Hi), x);
+  r = at::vec::fmadd(k, Vec(-kLn2Lo), r);
+  Vec p(kExpTaylor[0]);
+  for (int i = 1; i < 7; ++i) p = at::vec::fmadd(p, r, Vec(kExpTaylor[i]));
+  const IVec bits = (at::vec::convert_to_int_of_same_size(k) + IVec(127)) << IVec(23);
+  return p * at::vec::cast<float>(bits);
 }
-#endif
 
-// sum_d q[d] * k[d] (q already in the accumulation type)
+// sum_d q[d] * k[d] (q already in the accumulation type). Two sums: the FMAs of one dot product
+// alternate between them, so they do not all wait on each other.
 template <typename scalar_t, typename acc_t>
 inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (n % 16 == 0) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t d = 0; d < n; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), sum);
-      return _mm512_reduce_add_ps(sum);
-    }
-  }
-#endif
+  int64_t d = 0;
   acc_t s = 0;
-  for (int64_t d = 0; d < n; ++d) s += q[d] * to_float(k[d]);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    Vec a0(0.0f), a1(0.0f);
+    for (; d + 2 * kLanes <= n; d += 2 * kLanes) {
+      a0 = at::vec::fmadd(Vec::loadu(q + d), load_float(k + d), a0);
+      a1 = at::vec::fmadd(Vec::loadu(q + d + kLanes), load_float(k + d + kLanes), a1);
+    }
+    if (d + kLanes <= n) {
+      a0 = at::vec::fmadd(Vec::loadu(q + d), load_float(k + d), a0);
+      d += kLanes;
+    }
+    s = reduce_add(a0 + a1);
+  }
+  for (; d < n; ++d) s += q[d] * to_float(k[d]);
   return s;
 }
 
-// acc[d] += p * v[d]
-template <typename scalar_t, typename acc_t>
-inline void axpy(acc_t* acc, acc_t p, const scalar_t* v, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (n % 16 == 0) {
-      const __m512 pv = _mm512_set1_ps(p);
-      for (int64_t d = 0; d < n; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
-      return;
-    }
-  }
-#endif
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
-}
-
-#if defined(__AVX512F__)
-// out[0 .. 16 * NV) = sum_{t < n} p[t] * v_t, v_t = rows[t] + offset: the accumulators stay in
-// registers (two sets, for alternate positions, so consecutive FMAs do not wait on each other)
-template <int NV, typename scalar_t>
+// out[0 .. kLanes * NV) = sum_{t < n} p[t] * v_t, v_t = rows[t] + offset: the NV * NSETS sums stay
+// in registers; NSETS sets take consecutive positions in turn, so consecutive FMAs on one output
+// vector do not wait on each other where NV alone is too few.
+template <int NV, int NSETS, typename scalar_t>
 inline void weighted_sum(float* out, const float* p, const scalar_t* const* rows, int64_t offset,
                          int64_t n) {
-  __m512 a[NV], b[NV];
-  for (int j = 0; j < NV; ++j) a[j] = b[j] = _mm512_setzero_ps();
+  Vec a[NSETS][NV];
+  for (int s = 0; s < NSETS; ++s)
+    for (int j = 0; j < NV; ++j) a[s][j] = Vec(0.0f);
   int64_t t = 0;
-  for (; t + 2 <= n; t += 2) {
-    const scalar_t* v0 = rows[t] + offset;
-    const scalar_t* v1 = rows[t + 1] + offset;
-    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
-    for (int j = 0; j < NV; ++j) {
-      a[j] = _mm512_fmadd_ps(p0, load16(v0 + 16 * j), a[j]);
-      b[j] = _mm512_fmadd_ps(p1, load16(v1 + 16 * j), b[j]);
+  for (; t + NSETS <= n; t += NSETS) {
+    for (int s = 0; s < NSETS; ++s) {
+      const scalar_t* v = rows[t + s] + offset;
+      const Vec ps(p[t + s]);
+      for (int j = 0; j < NV; ++j)
+        a[s][j] = at::vec::fmadd(ps, load_float(v + kLanes * j), a[s][j]);
     }
   }
-  if (t < n) {
-    const scalar_t* v0 = rows[t] + offset;
-    const __m512 p0 = _mm512_set1_ps(p[t]);
-    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p0, load16(v0 + 16 * j), a[j]);
+  for (; t < n; ++t) {
+    const scalar_t* v = rows[t] + offset;
+    const Vec ps(p[t]);
+    for (int j = 0; j < NV; ++j) a[0][j] = at::vec::fmadd(ps, load_float(v + kLanes * j), a[0][j]);
   }
-  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_add_ps(a[j], b[j]));
+  for (int j = 0; j < NV; ++j) {
+    Vec sum = a[0][j];
+    for (int s = 1; s < NSETS; ++s) sum = sum + a[s][j];
+    sum.store(out + kLanes * j);
+  }
 }
-#endif
+
+// weighted_sum over num_vectors vectors of each row, in column chunks of NV vectors (then NV / 2,
+// ...): two sets where 2 NV sums fit the budget, one set for the widest chunks (enough sums alone)
+template <int NV, typename scalar_t>
+inline void weighted_chunks(float* out, const float* p, const scalar_t* const* rows,
+                            int64_t offset, int64_t n, int64_t num_vectors) {
+  constexpr int kSets = 2 * NV <= kAccVectors ? 2 : 1;
+  for (; num_vectors >= NV; num_vectors -= NV, out += NV * kLanes, offset += NV * kLanes)
+    weighted_sum<NV, kSets>(out, p, rows, offset, n);
+  if constexpr (NV > 1) {
+    if (num_vectors > 0) weighted_chunks<NV / 2>(out, p, rows, offset, n, num_vectors);
+  }
+}
 
 // acc[0 .. head_dim) = sum_{t < n} p[t] * v_t, v_t = rows[t] + offset
 template <typename scalar_t, typename acc_t>
 inline void weighted_rows(acc_t* acc, const acc_t* p, const scalar_t* const* rows, int64_t offset,
                           int64_t n, int64_t head_dim) {
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    switch (head_dim) {
-      case 16: return weighted_sum<1>(acc, p, rows, offset, n);
-      case 32: return weighted_sum<2>(acc, p, rows, offset, n);
-      case 64: return weighted_sum<4>(acc, p, rows, offset, n);
-      case 128: return weighted_sum<8>(acc, p, rows, offset, n);
-      default: break;
-    }
+    if (head_dim % kLanes == 0)
+      return weighted_chunks<kAccVectors>(acc, p, rows, offset, n, head_dim / kLanes);
   }
-#endif
   std::fill(acc, acc + head_dim, acc_t(0));
-  for (int64_t t = 0; t < n; ++t) axpy(acc, p[t], rows[t] + offset, head_dim);
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* v = rows[t] + offset;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * to_float(v[d]);
+  }
 }
 
-// x[t] = exp(x[t] - m) for t < n; returns their sum
+// x[t] = exp(x[t] - m) for t < n; returns their sum (double: std::exp in a plain loop). x's row
+// is padded to a multiple of kLanes, so the last partial vector is loaded and stored whole (the
+// lanes past n are never read back) and only its first n - t lanes are summed.
 template <typename acc_t>
 inline acc_t exp_shifted_sum(acc_t* x, acc_t m, int64_t n) {
-  int64_t t = 0;
-  acc_t sum = 0;
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    // Exp<float>'s algorithm and constants, 16 lanes: 2^k by scalef
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= n; t += 16) {
-      __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm), _mm512_set1_ps(kExpMin));
-      const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), v);
-      v = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), v);
-      __m512 p = _mm512_set1_ps(kExpTaylor[0]);
-      for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(kExpTaylor[i]));
-      p = _mm512_scalef_ps(p, k);
-      _mm512_storeu_ps(x + t, p);
-      vsum = _mm512_add_ps(vsum, p);
+    const Vec vm(m);
+    Vec vsum(0.0f);
+    int64_t t = 0;
+    for (; t + kLanes <= n; t += kLanes) {
+      const Vec p = exp_vec(Vec::loadu(x + t) - vm);
+      p.store(x + t);
+      vsum = vsum + p;
     }
-    sum = _mm512_reduce_add_ps(vsum);
+    if (t < n) {
+      const Vec p = exp_vec(Vec::loadu(x + t) - vm);
+      p.store(x + t);
+      vsum = vsum + Vec::set(Vec(0.0f), p, n - t);
+    }
+    return reduce_add(vsum);
   }
-#endif
-  for (; t < n; ++t) {
-    const acc_t p = Exp<acc_t>::eval(x[t] - m);
+  acc_t sum = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const acc_t p = std::exp(x[t] - m);
     x[t] = p;
     sum += p;
   }
   return sum;
 }
 
-#if defined(__AVX512F__)
 // Keys of positions [0, seq_len) transposed to kt[e * seq_pad + t] (float; e = kv_head * head_dim +
-// d indexes a slot's [num_kv_heads, head_dim] row), positions seq_len .. seq_pad - 1 zero: then 16
-// consecutive positions' scores are one vector FMA per head_dim element, with no horizontal sums.
+// d indexes a slot's [num_kv_heads, head_dim] row), positions seq_len .. seq_pad - 1 zero: then
+// kLanes consecutive positions' scores are one vector FMA per head_dim element, with no horizontal
+// sums.
 template <typename scalar_t>
 void transpose_keys(float* kt, const scalar_t* const* slots, int64_t seq_len, int64_t seq_pad,
                     int64_t width) {
-  for (int64_t t0 = 0; t0 < seq_pad; t0 += 16) {
-    const int64_t m = std::min<int64_t>(16, seq_len - t0);
+  for (int64_t t0 = 0; t0 < seq_pad; t0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, seq_len - t0);
     for (int64_t e = 0; e < width; ++e) {
       float* dst = kt + e * seq_pad + t0;
       for (int64_t j = 0; j < m; ++j) dst[j] = to_float(slots[t0 + j][e]);
-      for (int64_t j = m; j < 16; ++j) dst[j] = 0.0f;
+      for (int64_t j = m; j < kLanes; ++j) dst[j] = 0.0f;
     }
   }
 }
 
-// Keeps the max of scores[t0 .. t0 + 16) that lie below n in vmax.
-inline __m512 max_of_tile(__m512 vmax, __m512 tile, int64_t t0, int64_t n) {
+// Keeps the max of scores[t0 .. t0 + kLanes) that lie below n in vmax (the lanes past n hold
+// scores of keys this row must not see, or of the zero padding).
+inline Vec max_of_tile(const Vec& vmax, const Vec& tile, int64_t t0, int64_t n) {
   const int64_t valid = n - t0;
-  if (valid >= 16) return _mm512_max_ps(vmax, tile);
-  return _mm512_mask_max_ps(vmax, static_cast<__mmask16>((1u << valid) - 1), vmax, tile);
+  if (valid >= kLanes) return at::vec::maximum(vmax, tile);
+  return Vec::set(vmax, at::vec::maximum(vmax, tile), valid);
 }
 
-// scores[t] = q . k_t for t < n rounded up to 16, from one KV head's transposed keys kt_g
+// Tiles of kLanes positions that scores_transposed computes together: one sum each, and enough of
+// them to hide the FMA latency (see kAccVectors).
+constexpr int kScoreTiles = kAccVectors / 2;
+
+// scores[t] = q . k_t for t < n rounded up to kLanes, from one KV head's transposed keys kt_g
 // ([head_dim, seq_pad], zero past the keys); returns max_{t < n} scores[t]. Every FMA chain
-// has independent neighbours (four 16-position tiles at a time, then the last tiles one at a
-// time with head_dim split four ways): a single chain waits on each FMA's latency, 4x slower.
+// has independent neighbours (kScoreTiles tiles at a time, then the last tiles one at a time with
+// head_dim split four ways): a single chain waits on each FMA's latency, 4x slower.
 inline float scores_transposed(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
                                int64_t n, int64_t head_dim) {
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  Vec vmax(-std::numeric_limits<float>::infinity());
   int64_t t0 = 0;
-  for (; t0 + 64 <= n; t0 += 64) {
-    __m512 a[4];
-    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+  for (; t0 + kScoreTiles * kLanes <= n; t0 += kScoreTiles * kLanes) {
+    Vec a[kScoreTiles];
+    for (int j = 0; j < kScoreTiles; ++j) a[j] = Vec(0.0f);
     for (int64_t d = 0; d < head_dim; ++d) {
-      const __m512 qd = _mm512_set1_ps(q[d]);
+      const Vec qd(q[d]);
       const float* k = kt_g + d * seq_pad + t0;
-      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 16 * j), a[j]);
+      for (int j = 0; j < kScoreTiles; ++j)
+        a[j] = at::vec::fmadd(qd, Vec::loadu(k + kLanes * j), a[j]);
     }
-    for (int j = 0; j < 4; ++j) {
-      _mm512_storeu_ps(scores + t0 + 16 * j, a[j]);
-      vmax = _mm512_max_ps(vmax, a[j]);
+    for (int j = 0; j < kScoreTiles; ++j) {
+      a[j].store(scores + t0 + kLanes * j);
+      vmax = at::vec::maximum(vmax, a[j]);
     }
   }
-  for (; t0 < n; t0 += 16) {  // head_dim is a multiple of 16, so of 4
-    __m512 a[4];
-    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+  for (; t0 < n; t0 += kLanes) {  // the caller checks head_dim % 4 == 0
+    Vec a[4] = {Vec(0.0f), Vec(0.0f), Vec(0.0f), Vec(0.0f)};
     for (int64_t d = 0; d < head_dim; d += 4) {
-      for (int j = 0; j < 4; ++j) {
-        a[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + j]),
-                               _mm512_loadu_ps(kt_g + (d + j) * seq_pad + t0), a[j]);
-      }
+      for (int j = 0; j < 4; ++j)
+        a[j] = at::vec::fmadd(Vec(q[d + j]), Vec::loadu(kt_g + (d + j) * seq_pad + t0), a[j]);
     }
-    const __m512 tile = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-    _mm512_storeu_ps(scores + t0, tile);
+    const Vec tile = (a[0] + a[1]) + (a[2] + a[3]);
+    tile.store(scores + t0);
     vmax = max_of_tile(vmax, tile, t0, n);
   }
-  return _mm512_reduce_max_ps(vmax);
+  return reduce_max(vmax);
 }
-#endif
 
 // Query rows per request from which the keys are transposed once for all rows (prefill chunks);
 // fewer rows (decode) take one dot product per key and head.
@@ -274,113 +289,145 @@ constexpr int64_t kTransposeMinQueryRows = 4;
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
+// The kernel's inputs as raw pointers and sizes (see the layout at the top).
+template <typename scalar_t>
+struct PagedAttentionArgs {
+  const scalar_t* q_base;
+  scalar_t* out_base;
+  const scalar_t* k_base;
+  int64_t v_offset;  // V's slot of position t = K's slot + v_offset
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group_size, max_blocks;
+  acc_type_t<scalar_t> scale;
+};
+
+// One thread's buffers, reused across its requests.
+template <typename scalar_t>
+struct Workspace {
+  using acc_t = acc_type_t<scalar_t>;
+  std::vector<acc_t> q, acc, scores, row_max, row_sum;
+  std::vector<const scalar_t*> slots;  // the K slot ([num_kv_heads, head_dim]) of each position
+  std::vector<float> kt;               // transposed keys (prefill chunks)
+  int64_t seq_pad = 0;                 // the scores' row stride: seq_len rounded up to kLanes
+  bool transposed = false;
+};
+
+// pass 1 for one query row: scores[h][t] = q_h . k_t for t < n (query head h reads KV head
+// h / group_size); row_max[h] their max
+template <typename scalar_t>
+void row_scores(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, int64_t n) {
+  using acc_t = acc_type_t<scalar_t>;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (w.transposed) {
+      for (int64_t h = 0; h < a.num_heads; ++h) {
+        w.row_max[h] = scores_transposed(
+            w.scores.data() + h * w.seq_pad, w.q.data() + h * a.head_dim,
+            w.kt.data() + (h / a.group_size) * a.head_dim * w.seq_pad, w.seq_pad, n, a.head_dim);
+      }
+      return;
+    }
+  }
+  for (int64_t h = 0; h < a.num_heads; ++h) w.row_max[h] = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* k_token = w.slots[t];
+    for (int64_t h = 0; h < a.num_heads; ++h) {
+      const acc_t s = dot(w.q.data() + h * a.head_dim, k_token + (h / a.group_size) * a.head_dim,
+                          a.head_dim);
+      w.scores[h * w.seq_pad + t] = s;
+      w.row_max[h] = s > w.row_max[h] ? s : w.row_max[h];
+    }
+  }
+}
+
+// Query row i of the request whose context is in w: scaled query in, attention row out.
+template <typename scalar_t>
+void attend_row(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, int64_t token,
+                int64_t n) {
+  using acc_t = acc_type_t<scalar_t>;
+  const int64_t width = a.num_heads * a.head_dim;
+  const scalar_t* q_row = a.q_base + token * width;
+  acc_t* q_scaled = w.q.data();
+#pragma omp simd
+  for (int64_t e = 0; e < width; ++e) q_scaled[e] = to_float(q_row[e]) * a.scale;
+  row_scores(a, w, n);
+  // pass 2: softmax numerators and their sums
+  for (int64_t h = 0; h < a.num_heads; ++h)
+    w.row_sum[h] = exp_shifted_sum(w.scores.data() + h * w.seq_pad, w.row_max[h], n);
+  // pass 3: acc_h = sum_t p[h][t] v_t, one head at a time (its sums stay in registers; the
+  // request's values are read from the cache once per head, from L2 after the first)
+  for (int64_t h = 0; h < a.num_heads; ++h) {
+    weighted_rows(w.acc.data() + h * a.head_dim, w.scores.data() + h * w.seq_pad, w.slots.data(),
+                  a.v_offset + (h / a.group_size) * a.head_dim, n, a.head_dim);
+  }
+  scalar_t* o_row = a.out_base + token * width;
+  for (int64_t h = 0; h < a.num_heads; ++h) {
+    const acc_t inv = acc_t(1) / w.row_sum[h];
+    for (int64_t d = 0; d < a.head_dim; ++d)
+      o_row[h * a.head_dim + d] = static_cast<scalar_t>(w.acc[h * a.head_dim + d] * inv);
+  }
+}
+
+// All query rows of request r.
+template <typename scalar_t>
+void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, int64_t r) {
+  const int64_t seq_len = a.seq_lens[r];
+  const int64_t q_start = a.query_start_loc[r];
+  const int64_t q_len = a.query_start_loc[r + 1] - q_start;
+  if (q_len <= 0) return;
+  const int64_t token_stride = a.num_kv_heads * a.head_dim;  // one cache slot
+  w.slots.resize(seq_len);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const int64_t block = a.block_table[r * a.max_blocks + t / a.block_size];
+    w.slots[t] = a.k_base + (block * a.block_size + t % a.block_size) * token_stride;
+  }
+  w.seq_pad = (seq_len + kLanes - 1) / kLanes * kLanes;
+  w.scores.resize(a.num_heads * w.seq_pad);
+  w.transposed = false;
+  if constexpr (std::is_same_v<acc_type_t<scalar_t>, float>) {
+    if (q_len >= kTransposeMinQueryRows && a.head_dim % 4 == 0) {
+      w.kt.resize(token_stride * w.seq_pad);
+      transpose_keys(w.kt.data(), w.slots.data(), seq_len, w.seq_pad, token_stride);
+      w.transposed = true;
+    }
+  }
+  // row i sits at position seq_len - q_len + i: it sees that many keys plus one
+  for (int64_t i = 0; i < q_len; ++i) attend_row(a, w, q_start + i, seq_len - q_len + i + 1);
+}
+
 template <typename scalar_t>
 void paged_attention_impl(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    const at::Tensor& req_ids, double scale_d) {
-  using acc_t = acc_type_t<scalar_t>;
-  const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group_size = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t num_reqs_work = req_ids.size(0);
-  const acc_t scale = static_cast<acc_t>(scale_d);
-
-  const scalar_t* q_base = query.data_ptr<scalar_t>();
-  scalar_t* out_base = out.data_ptr<scalar_t>();
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+    const at::Tensor& req_ids, double scale) {
+  PagedAttentionArgs<scalar_t> a;
+  a.num_heads = query.size(1);
+  a.head_dim = query.size(2);
+  a.block_size = kv_cache.size(2);
+  a.num_kv_heads = kv_cache.size(3);
+  a.group_size = a.num_heads / a.num_kv_heads;
+  a.max_blocks = block_table.size(1);
+  a.scale = static_cast<acc_type_t<scalar_t>>(scale);
+  a.q_base = query.data_ptr<scalar_t>();
+  a.out_base = out.data_ptr<scalar_t>();
+  a.k_base = kv_cache.data_ptr<scalar_t>();
+  a.v_offset = kv_cache.size(1) * a.block_size * a.num_kv_heads * a.head_dim;
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
   const int64_t* reqs = req_ids.data_ptr<int64_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
 
   // One work item per request: its tokens' K (then V) rows for all KV heads are adjacent in the
   // cache ([block_size, num_kv_heads, head_dim] per block), so each block streams from memory
   // once, in order, for all heads.
-  at::parallel_for(0, num_reqs_work, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q(num_heads * head_dim), acc(num_heads * head_dim);
-    std::vector<acc_t> scores, row_max(num_heads), row_sum(num_heads);
-    std::vector<const scalar_t*> slots;
-    std::vector<float> kt;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = reqs[work];
-      const int64_t seq_len = lens[r];
-      const int64_t q_start = qsl[r];
-      const int64_t q_len = qsl[r + 1] - q_start;
-      if (q_len <= 0) continue;
-      // the cache slot ([num_kv_heads, head_dim] of K) of every context position
-      slots.resize(seq_len);
-      for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t block = bt[r * max_blocks + t / block_size];
-        slots[t] = k_base + (block * block_size + t % block_size) * token_stride;
-      }
-      const int64_t v_offset = v_base - k_base;
-      const int64_t seq_pad = (seq_len + 15) / 16 * 16;  // the scores' row stride
-      scores.resize(num_heads * seq_pad);
-      bool transposed = false;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<acc_t, float>) {
-        if (q_len >= kTransposeMinQueryRows && head_dim % 16 == 0) {
-          kt.resize(token_stride * seq_pad);
-          transpose_keys(kt.data(), slots.data(), seq_len, seq_pad, token_stride);
-          transposed = true;
-        }
-      }
-#endif
-      for (int64_t i = 0; i < q_len; ++i) {
-        const int64_t n = seq_len - q_len + i + 1;  // keys this row sees
-        const scalar_t* q_row = q_base + (q_start + i) * num_heads * head_dim;
-        acc_t* q_scaled = q.data();
-#pragma omp simd
-        for (int64_t e = 0; e < num_heads * head_dim; ++e) q_scaled[e] = to_float(q_row[e]) * scale;
-        for (int64_t h = 0; h < num_heads; ++h)
-          row_max[h] = -std::numeric_limits<acc_t>::infinity();
-        // pass 1: scores[h][t] = q_h . k_t (query head h reads KV head h / group_size)
-        if (transposed) {
-#if defined(__AVX512F__)
-          if constexpr (std::is_same_v<acc_t, float>) {
-            for (int64_t h = 0; h < num_heads; ++h) {
-              row_max[h] = scores_transposed(scores.data() + h * seq_pad, q.data() + h * head_dim,
-                                             kt.data() + (h / group_size) * head_dim * seq_pad,
-                                             seq_pad, n, head_dim);
-            }
-          }
-#endif
-        } else {
-          for (int64_t t = 0; t < n; ++t) {
-            const scalar_t* k_token = slots[t];
-            for (int64_t h = 0; h < num_heads; ++h) {
-              const scalar_t* k = k_token + (h / group_size) * head_dim;
-              const acc_t s = dot(q.data() + h * head_dim, k, head_dim);
-              scores[h * seq_pad + t] = s;
-              row_max[h] = s > row_max[h] ? s : row_max[h];
-            }
-          }
-        }
-        // pass 2: softmax numerators and their sums
-        for (int64_t h = 0; h < num_heads; ++h) {
-          row_sum[h] = exp_shifted_sum(scores.data() + h * seq_pad, row_max[h], n);
-        }
-        // pass 3: acc_h = sum_t p[h][t] v_t, one head at a time (its sums stay in registers; the
-        // request's values are read from the cache once per head, from L2 after the first)
-        for (int64_t h = 0; h < num_heads; ++h) {
-          weighted_rows(acc.data() + h * head_dim, scores.data() + h * seq_pad, slots.data(),
-                        v_offset + (h / group_size) * head_dim, n, head_dim);
-        }
-        scalar_t* o_row = out_base + (q_start + i) * num_heads * head_dim;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const acc_t inv = acc_t(1) / row_sum[h];
-          for (int64_t d = 0; d < head_dim; ++d)
-            o_row[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
-        }
-      }
-    }
+  at::parallel_for(0, req_ids.size(0), 1, [&](int64_t begin, int64_t end) {
+    Workspace<scalar_t> w;
+    w.q.resize(a.num_heads * a.head_dim);
+    w.acc.resize(a.num_heads * a.head_dim);
+    w.row_max.resize(a.num_heads);
+    w.row_sum.resize(a.num_heads);
+    for (int64_t work = begin; work < end; ++work) attend_request(a, w, reqs[work]);
   });
 }
 
@@ -422,18 +469,21 @@ void paged_attention(
   }
 }
 
-}  // namespace
-
-bool vectorized() {
-#if defined(__AVX512F__)
-  return true;
+// The instruction set this build's vectors use (the Python side names each build after it).
+std::string isa() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "default";
 #endif
 }
 
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("vectorized", &vectorized, "Whether the kernels were built with AVX-512 vector paths");
+  m.def("isa", &isa, "The ISA the vectors were compiled for: 'avx512', 'avx2' or 'default'");
   // the GIL is released while the kernel runs, as torch's own ops do: under DBO the other ubatch's
   // thread and the communication threads keep running Python meanwhile
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),

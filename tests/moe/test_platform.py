@@ -1,0 +1,237 @@
+"""The Platform: CPU capability detection and its cap, the probes, the answers each platform
+gives, ``check_and_update_config`` through ``EngineArgs``, and an out-of-tree platform plugin
+package installed into a temporary directory and run end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.engine.arg_utils import EngineArgs
+from moe import TorchExperts
+from moe.fused_moe.modular_kernel import FusedMoEModularKernel
+from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from moe.platforms import (
+    ComputeDtype,
+    ConfigUpdate,
+    CpuPlatform,
+    CudaPlatform,
+    Platform,
+    current_platform,
+    detect_cpu_capability,
+    set_current_platform,
+)
+from moe.platforms import interface as interface_mod
+from moe.platforms.cpu_capability import (
+    CpuCapability,
+    grouped_mm_unavailable_reason,
+    onednn_linear_unavailable_reason,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = REPO / "tests" / "plugins" / "moe_dbo_test_platform"
+CPUINFO = "vendor_id\t: GenuineIntel\nmodel name\t: Test Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
+
+
+@pytest.fixture(autouse=True)
+def _restore_platform():
+    yield
+    set_current_platform(None)
+
+
+def _capability(tmp_path, environ, torch_capability, monkeypatch) -> CpuCapability:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(CPUINFO)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: torch_capability)
+    return detect_cpu_capability(environ=environ, cpuinfo_path=str(cpuinfo))
+
+
+@pytest.mark.parametrize(
+    ("torch_capability", "cap", "isa", "capped"),
+    [
+        ("AVX512", None, "avx512", None),
+        ("AVX512", "avx2", "avx2", "avx2"),
+        ("AVX512", "AVX512", "avx512", None),
+        ("AVX2", "avx512", "avx2", None),  # a cap never raises the ISA
+        ("AVX2", "none", "default", "default"),
+        ("DEFAULT", None, "default", None),
+        ("ZVECTOR", None, "default", None),
+    ],
+)
+def test_isa_is_torchs_capped_by_our_variable(
+    tmp_path, monkeypatch, torch_capability, cap, isa, capped
+):
+    environ = {} if cap is None else {"MOE_DBO_CPU_ISA": cap}
+    capability = _capability(tmp_path, environ, torch_capability, monkeypatch)
+    assert (capability.isa, capability.cap) == (isa, capped)
+    assert (capability.vendor, capability.model_name) == ("GenuineIntel", "Test Xeon")
+    assert capability.has_avx512_bf16 == capability.has_amx == (isa == "avx512")
+
+
+def test_describe_names_the_isa_extras_and_the_cap(tmp_path, monkeypatch):
+    full = _capability(tmp_path, {}, "AVX512", monkeypatch)
+    assert full.describe() == "AVX-512 + avx512_bf16 + AMX (GenuineIntel, Test Xeon)"
+    capped = _capability(tmp_path, {"MOE_DBO_CPU_ISA": "avx2"}, "AVX512", monkeypatch)
+    assert capped.describe() == "AVX2 (GenuineIntel, Test Xeon, capped by MOE_DBO_CPU_ISA=avx2)"
+
+
+def test_a_bad_isa_cap_is_refused_naming_the_choices(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"MOE_DBO_CPU_ISA='sse9' is not one of \('default'"):
+        _capability(tmp_path, {"MOE_DBO_CPU_ISA": "sse9"}, "AVX512", monkeypatch)
+
+
+def test_unreadable_cpuinfo_gives_unknown(monkeypatch):
+    capability = detect_cpu_capability(environ={}, cpuinfo_path="/nonexistent/cpuinfo")
+    assert (capability.vendor, capability.model_name, capability.flags) == (
+        "unknown",
+        "unknown",
+        frozenset(),
+    )
+
+
+def test_probes_answer_for_the_dtypes_every_cpu_has():
+    # float32 oneDNN linears and grouped GEMMs run on every x86 CPU torch supports
+    assert onednn_linear_unavailable_reason(torch.float32) is None
+    assert grouped_mm_unavailable_reason(torch.float32) is None
+    reason = onednn_linear_unavailable_reason(torch.float64)  # oneDNN has no float64 linear
+    assert reason is not None and "float64" in reason
+
+
+def test_cpu_platform_answers():
+    cpu = CpuPlatform()
+    assert (cpu.device_type, cpu.dispatch_key, cpu.dist_backend) == ("cpu", "cpu", "gloo")
+    assert (cpu.has_ubatch_streams, cpu.issue_before_recv_hook) == (False, True)
+    assert cpu.graph_backend == "inductor"
+    assert cpu.compute_dtype(torch.float32) == ComputeDtype(dtype=torch.float32)
+    cuda = CudaPlatform()
+    assert (cuda.dist_backend, cuda.has_ubatch_streams, cuda.issue_before_recv_hook) == (
+        "nccl",
+        True,
+        False,
+    )
+    assert cuda.graph_backend == "cuda_graph"
+
+
+def test_bfloat16_runs_as_float32_exactly_where_the_probe_fails(monkeypatch):
+    chosen = CpuPlatform().compute_dtype(torch.bfloat16)
+    if onednn_linear_unavailable_reason(torch.bfloat16) is None:
+        assert chosen == ComputeDtype(dtype=torch.bfloat16)
+    else:
+        assert chosen.dtype == torch.float32 and "no bfloat16 GEMM" in chosen.reason
+    monkeypatch.setattr(interface_mod, "onednn_linear_unavailable_reason", lambda dtype: "test")
+    forced = CpuPlatform().compute_dtype(torch.bfloat16)
+    assert forced.dtype == torch.float32 and "(test)" in forced.reason
+
+
+def test_float32_pack_limits_follow_the_vendor(monkeypatch):
+    def with_vendor(vendor):
+        capability = CpuCapability(
+            isa="avx512",
+            torch_capability="AVX512",
+            vendor=vendor,
+            model_name="x",
+            flags=frozenset(),
+        )
+        monkeypatch.setattr(CpuPlatform, "cpu_capability", lambda self: capability)
+        return CpuPlatform().float32_pack_limits()
+
+    intel, amd = with_vendor("GenuineIntel"), with_vendor("AuthenticAMD")
+    assert (intel.max_rows, intel.min_elements) == (256, 1 << 20)
+    assert amd.max_rows == sys.maxsize and amd.min_elements == 1 << 17
+
+
+class _NoGraphsPlatform(Platform):
+    name = "no_graphs"
+    supported_dtypes = (torch.float32, torch.float64)
+
+
+def test_engine_args_apply_the_platforms_update_with_a_note():
+    set_current_platform(_NoGraphsPlatform())
+    args = EngineArgs(dtype="float32")
+    assert args.enforce_eager is True
+    assert args.platform_notes == ("graph mode off: platform no_graphs has no graph backend",)
+    with pytest.raises(ValueError, match=r"--dtype torch.bfloat16 is not supported on no_graphs"):
+        EngineArgs(dtype="bfloat16")
+
+
+def test_a_platform_can_refuse_a_config_before_any_work():
+    class Picky(CpuPlatform):
+        def check_and_update_config(self, args) -> ConfigUpdate:
+            if args.enable_dbo:
+                raise ValueError("--enable-dbo is not supported on picky")
+            return super().check_and_update_config(args)
+
+    set_current_platform(Picky())
+    with pytest.raises(ValueError, match="--enable-dbo is not supported on picky"):
+        EngineArgs(data_parallel_size=2, enable_expert_parallel=True, enable_dbo=True)
+
+
+def test_modular_kernel_takes_the_platforms_transfer_order():
+    for platform, expected in ((CpuPlatform(), True), (CudaPlatform(), False)):
+        set_current_platform(platform)
+        experts = TorchExperts(num_local_experts=2, hidden_size=4, intermediate_size=4)
+        kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=2), experts)
+        assert kernel.issue_before_recv_hook is expected
+    assert current_platform().name == "cuda"
+
+
+@pytest.fixture(scope="module")
+def installed_plugin(tmp_path_factory) -> Path:
+    """The plugin package installed (pip, no network) into a directory of its own."""
+    target = tmp_path_factory.mktemp("plugin_site")
+    build = tmp_path_factory.mktemp("plugin_build")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+         "--no-build-isolation", "--target", str(target), str(PLUGIN)],
+        check=True, timeout=240, cwd=build, capture_output=True,
+    )  # fmt: skip
+    return target
+
+
+@pytest.mark.slow
+def test_installed_plugin_platform_changes_the_engines_decisions(installed_plugin):
+    """With the plugin active, one 1-rank generate run takes its answers: its kernels line, its
+    compute dtype for a bfloat16 request, its config change and graph mode off (no backend)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(installed_plugin), str(REPO)]),
+        "MOE_DBO_TEST_PLATFORM": "1",
+    }
+    check = (
+        "from moe.platforms import current_platform; from moe import TorchExperts;"
+        "p = current_platform(); e = TorchExperts(num_local_experts=1, hidden_size=4, "
+        "intermediate_size=4); print(p.name, p.issue_before_recv_hook, e.forward_path)"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert probe.stdout.split() == ["plugin_cpu", "False", "forward_native"], probe.stderr
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        "-m", "launch.generate", "--max-tokens", "4", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in (
+        "moe-dbo: platform plugin_cpu:",
+        "moe-dbo: graph mode off: platform plugin_cpu has no graph backend",
+        "moe-dbo: --max-num-seqs capped at 8 by the plugin device",
+        "moe-dbo: --dtype bfloat16 runs as float32: the plugin device computes in float32",
+        "moe-dbo: plugin kernels ready",
+    ):
+        assert line in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_plugin_stays_inactive_unless_enabled(installed_plugin):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_plugin), str(REPO)])}
+    env.pop("MOE_DBO_TEST_PLATFORM", None)
+    check = "from moe.platforms import current_platform; print(current_platform().name)"
+    proc = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip() in ("cpu", "cuda"), proc.stderr
