@@ -110,7 +110,9 @@ def measure(num_prompts: int, prompt_bytes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="launch.benchmarks.health_latency", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-bytes", type=int, default=1_000_000)
     ns = parser.parse_args(argv)
