@@ -107,6 +107,18 @@ def test_cpu_kernels_build_for_each_isa_on_a_machine_with_a_compiler(isa):
     )
 
 
+@needs_compiler
+def test_the_layer_runs_the_build_for_default_cpu_isa():
+    """Under ATEN_CPU_CAPABILITY / MOE_DBO_CPU_ISA caps too: the capped ISA's build runs."""
+    isa = kernels.default_cpu_isa()
+    if isa is None:
+        pytest.skip(f"no vector ISA here (torch: {torch.backends.cpu.get_cpu_capability()})")
+    module = kernel_module_for(isa)
+    op = make_op(4, 2, 16, torch.float32)
+    q = torch.zeros(1, 4, 16, dtype=torch.float32)
+    assert batched_attention._paged_attention_kernel(q, op.kv_cache) is module.paged_attention
+
+
 def test_kernels_off_by_environment(monkeypatch):
     monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
     assert kernels.cpu_kernels("avx2") is None
