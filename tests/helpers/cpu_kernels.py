@@ -32,8 +32,10 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def kernel_module_for(isa: str):
-    """The kernel module built for ``isa``; skips if this CPU (or a cap) rules ``isa`` out, fails
-    if it does not build on a machine with a compiler."""
+    """The kernel module built for ``isa``; skips if there is no C++ compiler or if this CPU (or a
+    cap) rules ``isa`` out, fails if it does not build on a machine with a compiler."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the CPU kernels cannot be built here")
     if isa not in runnable_isas():
         pytest.skip(
             f"no {isa} build here: torch's CPU capability is "

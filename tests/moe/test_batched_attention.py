@@ -1,6 +1,7 @@
 """Batched paged attention (forward_cpu) equals the per-request reference (forward_native), float64,
-on its plain torch path (the padded SDPA chunks; the compiled kernel is off here and tested against
-the same reference in test_cpu_kernels.py).
+on its plain torch path (the padded SDPA chunks, the compiled kernel off) and, where a test takes
+``gqa_path``, also on our compiled kernel built for each ISA this CPU runs (AVX2, AVX-512; the
+others skip, saying why). test_cpu_kernels.py tests the kernel in float32 and bfloat16 too.
 
 Batches mix decode rows and prefill chunks with contexts that start and end on and off block
 boundaries, blocks in scrambled order, padding rows, requests cut across two ubatches (run one
@@ -18,6 +19,8 @@ from dbo import CommonAttentionMetadata, make_ubatch_slices, split_attn_metadata
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
+from moe.platforms import CpuPlatform
+from tests.helpers.cpu_kernels import ISAS, kernel_module_for
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -31,6 +34,19 @@ MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (11, 2), (8, 4), (4, 0), (2, 6
 def torch_path_only(monkeypatch):
     """The padded SDPA chunks, which run wherever the compiled kernel does not (GPU, no compiler)."""
     monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
+
+
+@pytest.fixture(params=["sdpa", *ISAS])
+def gqa_path(request, monkeypatch):
+    """The padded SDPA chunks, or our compiled kernel built for each ISA this CPU runs."""
+    if request.param != "sdpa":
+        monkeypatch.delenv("MOE_DBO_CPU_KERNELS")
+        kernel_module_for(request.param)
+        platform = CpuPlatform()
+        capability = dataclasses.replace(platform.cpu_capability(), isa=request.param)
+        monkeypatch.setattr(platform, "cpu_capability", lambda: capability)
+        monkeypatch.setattr(batched_attention, "current_platform", lambda: platform)
+    return request.param
 
 
 def make_metadata(
@@ -145,7 +161,7 @@ def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding, chunk_byte
 
 
 @pytest.mark.parametrize("requests", [[(0, 1)] * 5, [(3, 1), (4, 1), (7, 1), (8, 1)], [(0, 13)]])
-def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests):
+def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests, gqa_path):
     native, batched = make_gqa(8, 2), make_gqa(8, 2)
     md = make_metadata(requests, num_padding=1)
     q, k, v = gqa_inputs(native, md.num_tokens)
@@ -170,7 +186,7 @@ def test_gqa_request_cut_across_ubatches(chunk_bytes):
 
 
 @pytest.mark.parametrize("num_padding", [0, 2])
-def test_gqa_empty_ubatch(num_padding):
+def test_gqa_empty_ubatch(num_padding, gqa_path):
     op = make_gqa(4, 2)
     md = make_metadata([], num_padding=num_padding)
     q, k, v = gqa_inputs(op, num_padding)
@@ -295,7 +311,7 @@ def test_padding_plan_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
     assert len(calls) == 1 + len(slices)
 
 
-def test_kv_write_skips_real_rows_without_slot():
+def test_kv_write_skips_real_rows_without_slot(gqa_path):
     """A real row whose slot is -1 is not written, as in the reference ``write_kv_cache``."""
     native, batched = make_gqa(4, 2), make_gqa(4, 2)
     md = make_metadata([(3, 4), (0, 2)])
@@ -327,7 +343,7 @@ def test_additive_mask_equals_bool_mask_bitwise(dtype):
     )
 
 
-def test_layers_with_different_plans_share_metadata(monkeypatch):
+def test_layers_with_different_plans_share_metadata(monkeypatch, gqa_path):
     """Layers whose K/V rows differ in size (so their chunks differ) on one (u)batch's metadata:
     each uses its own plan's gather rows and equals its reference."""
     # float64, head_dim 8: 128 context bytes per token and KV head -> up to 3 requests of 16

@@ -21,6 +21,7 @@ import torch
 from moe import kernels
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
+from moe.platforms import current_platform
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for, needs_compiler
 from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metadata
 
@@ -105,6 +106,18 @@ def test_cpu_kernels_build_for_each_isa_on_a_machine_with_a_compiler(isa):
     assert re.fullmatch(
         rf"ready \({kernels.ISA_LABELS[isa]}\) in \d+\.\d s", kernels.prepare_cpu_kernels(isa)
     )
+
+
+@needs_compiler
+def test_the_layer_runs_the_build_for_the_platforms_isa():
+    """Under ATEN_CPU_CAPABILITY / MOE_DBO_CPU_ISA caps too: the capped ISA's build runs."""
+    isa = current_platform().cpu_capability().isa
+    if isa == "default":
+        pytest.skip(f"no vector ISA here (torch: {torch.backends.cpu.get_cpu_capability()})")
+    module = kernel_module_for(isa)
+    op = make_op(4, 2, 16, torch.float32)
+    q = torch.zeros(1, 4, 16, dtype=torch.float32)
+    assert batched_attention._paged_attention_kernel(q, op.kv_cache) is module.paged_attention
 
 
 def test_kernels_off_by_environment(monkeypatch):

@@ -243,42 +243,64 @@ inline Vec max_of_tile(const Vec& vmax, const Vec& tile, int64_t t0, int64_t n) 
   return Vec::set(vmax, at::vec::maximum(vmax, tile), valid);
 }
 
-// Tiles of kLanes positions that scores_transposed computes together: one sum each, and enough of
-// them to hide the FMA latency (see kAccVectors).
+// Score tiles of kLanes positions that score_tiles computes together at most: one sum each, and
+// enough of them to hide the FMA latency (see kAccVectors).
 constexpr int kScoreTiles = kAccVectors / 2;
 
+// scores[t0 + t] = q . k_{t0 + t} for t < T * kLanes, from one KV head's transposed keys kt_g
+// ([head_dim, seq_pad]); returns vmax updated with the scores below n. The T * S sums are
+// independent chains: S splits head_dim, so that fewer tiles (T < kScoreTiles) keep as many FMAs
+// in flight as T = kScoreTiles does.
+template <int T, int S>
+inline Vec score_tiles(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
+                       int64_t t0, int64_t n, int64_t head_dim, Vec vmax) {
+  Vec a[S][T];
+  for (int s = 0; s < S; ++s)
+    for (int j = 0; j < T; ++j) a[s][j] = Vec(0.0f);
+  int64_t d = 0;
+  for (; d + S <= head_dim; d += S) {
+    for (int s = 0; s < S; ++s) {
+      const Vec qd(q[d + s]);
+      const float* k = kt_g + (d + s) * seq_pad + t0;
+      for (int j = 0; j < T; ++j) a[s][j] = at::vec::fmadd(qd, Vec::loadu(k + kLanes * j), a[s][j]);
+    }
+  }
+  for (; d < head_dim; ++d) {
+    const Vec qd(q[d]);
+    const float* k = kt_g + d * seq_pad + t0;
+    for (int j = 0; j < T; ++j) a[0][j] = at::vec::fmadd(qd, Vec::loadu(k + kLanes * j), a[0][j]);
+  }
+  for (int j = 0; j < T; ++j) {
+    Vec tile = a[0][j];
+    for (int s = 1; s < S; ++s) tile = tile + a[s][j];
+    tile.store(scores + t0 + kLanes * j);
+    vmax = max_of_tile(vmax, tile, t0 + kLanes * j, n);
+  }
+  return vmax;
+}
+
+// score_tiles over num_tiles tiles from t0 on, T at a time (then T / 2, ...)
+template <int T>
+inline Vec score_tile_groups(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
+                             int64_t t0, int64_t num_tiles, int64_t n, int64_t head_dim, Vec vmax) {
+  for (; num_tiles >= T; num_tiles -= T, t0 += T * kLanes)
+    vmax = score_tiles<T, kScoreTiles / T>(scores, q, kt_g, seq_pad, t0, n, head_dim, vmax);
+  if constexpr (T > 1) {
+    if (num_tiles > 0)
+      vmax = score_tile_groups<T / 2>(scores, q, kt_g, seq_pad, t0, num_tiles, n, head_dim, vmax);
+  }
+  return vmax;
+}
+
 // scores[t] = q . k_t for t < n rounded up to kLanes, from one KV head's transposed keys kt_g
-// ([head_dim, seq_pad], zero past the keys); returns max_{t < n} scores[t]. Every FMA chain
-// has independent neighbours (kScoreTiles tiles at a time, then the last tiles one at a time with
-// head_dim split four ways): a single chain waits on each FMA's latency, 4x slower.
+// ([head_dim, seq_pad], zero past the keys); returns max_{t < n} scores[t]. Every FMA chain has
+// independent neighbours (kScoreTiles tiles at a time, then fewer tiles with head_dim split): a
+// single chain waits on each FMA's latency, 4x slower.
 inline float scores_transposed(float* scores, const float* q, const float* kt_g, int64_t seq_pad,
                                int64_t n, int64_t head_dim) {
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  int64_t t0 = 0;
-  for (; t0 + kScoreTiles * kLanes <= n; t0 += kScoreTiles * kLanes) {
-    Vec a[kScoreTiles];
-    for (int j = 0; j < kScoreTiles; ++j) a[j] = Vec(0.0f);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const Vec qd(q[d]);
-      const float* k = kt_g + d * seq_pad + t0;
-      for (int j = 0; j < kScoreTiles; ++j)
-        a[j] = at::vec::fmadd(qd, Vec::loadu(k + kLanes * j), a[j]);
-    }
-    for (int j = 0; j < kScoreTiles; ++j) {
-      a[j].store(scores + t0 + kLanes * j);
-      vmax = at::vec::maximum(vmax, a[j]);
-    }
-  }
-  for (; t0 < n; t0 += kLanes) {  // the caller checks head_dim % 4 == 0
-    Vec a[4] = {Vec(0.0f), Vec(0.0f), Vec(0.0f), Vec(0.0f)};
-    for (int64_t d = 0; d < head_dim; d += 4) {
-      for (int j = 0; j < 4; ++j)
-        a[j] = at::vec::fmadd(Vec(q[d + j]), Vec::loadu(kt_g + (d + j) * seq_pad + t0), a[j]);
-    }
-    const Vec tile = (a[0] + a[1]) + (a[2] + a[3]);
-    tile.store(scores + t0);
-    vmax = max_of_tile(vmax, tile, t0, n);
-  }
+  const Vec vmax = score_tile_groups<kScoreTiles>(scores, q, kt_g, seq_pad, 0,
+                                                  (n + kLanes - 1) / kLanes, n, head_dim,
+                                                  Vec(-std::numeric_limits<float>::infinity()));
   return reduce_max(vmax);
 }
 
@@ -386,7 +408,7 @@ void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& 
   w.scores.resize(a.num_heads * w.seq_pad);
   w.transposed = false;
   if constexpr (std::is_same_v<acc_type_t<scalar_t>, float>) {
-    if (q_len >= kTransposeMinQueryRows && a.head_dim % 4 == 0) {
+    if (q_len >= kTransposeMinQueryRows) {
       w.kt.resize(token_stride * w.seq_pad);
       transpose_keys(w.kt.data(), w.slots.data(), seq_len, w.seq_pad, token_stride);
       w.transposed = true;
