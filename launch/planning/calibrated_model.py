@@ -1,0 +1,139 @@
+"""``CalibratedCostModel``: the planner's cost model with every term fitted to one timeline run
+(``launch.planning.calibration`` reads the samples)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.planning.calibration import (
+    PARTS,
+    PER_KIND,
+    Affine,
+    TimelineSamples,
+    collect,
+    fit_affine,
+    read_kinds,
+    read_rank_spans,
+)
+from launch.planning.links import LinkModel, from_gbps
+from launch.planning.schedule import LayerCosts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibratedCostModel:
+    """Fitted terms (ms per layer and ubatch as functions of its tokens; see ``calibration``).
+
+    ``parts``: part name -> ``Affine``; ``bytes_per_token``: op -> bytes per token on the wire;
+    ``outside``: per-step ms outside the MoE layers with DBO off; ``dbo_step_ms``: what a DBO step
+    adds outside the layers (thread start and join); ``yield_ms``: one baton pass;
+    ``link``: the fitted link; ``num_moe_layers``.
+    """
+
+    parts: dict[str, Affine]
+    bytes_per_token: dict[str, float]
+    outside: Affine
+    dbo_step_ms: float
+    yield_ms: float
+    link: LinkModel
+    num_moe_layers: int
+    source: str = ""
+
+    def _part(self, name: str, kind: str, num_tokens: float) -> float:
+        fit = self.parts.get(name)
+        return fit(kind, num_tokens) if fit is not None else 0.0
+
+    def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
+        """One ubatch of ``num_tokens`` tokens in one MoE layer."""
+
+        def p(*names):
+            return sum(self._part(n, kind, num_tokens) for n in names)
+
+        return LayerCosts(
+            pre_ms=p("attention", "router", "dispatch_prep"),
+            mid_ms=p("dispatch_finish", "experts", "combine_prep"),
+            shared_ms=p("shared_experts"),
+            post_ms=p("combine_finish"),
+            dispatch_bytes=self.bytes_per_token.get("dispatch", 0.0) * num_tokens,
+            combine_bytes=self.bytes_per_token.get("combine", 0.0) * num_tokens,
+        )
+
+    def outside_ms(self, kind: str, num_tokens: float, num_ubatches: int) -> float:
+        """Per step outside the MoE layers; a DBO step adds ``dbo_step_ms`` per extra ubatch."""
+        return self.outside(kind, num_tokens) + self.dbo_step_ms * (num_ubatches - 1)
+
+    def describe(self) -> str:
+        return f"calibrated on {self.source}"
+
+
+def _fit_link(samples: TimelineSamples, name: str) -> LinkModel:
+    """``latency + bytes / bandwidth`` over the DBO-off transfers (least squares)."""
+    import numpy as np
+
+    if len(samples.transfers) < 2:
+        raise ValueError("--calibrate: need DBO-off steps with transfers (run the off arm)")
+    x = np.array([[1.0, b] for b, _ in samples.transfers])
+    y = np.array([ms for _, ms in samples.transfers])
+    (alpha_ms, ms_per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
+    ms_per_byte = max(float(ms_per_byte), 1e-15)
+    gbps = 8 / (ms_per_byte * 1e6)  # bits per ns = Gbit/s
+    return from_gbps(max(float(alpha_ms), 0.0) * 1e3, gbps, name=name, source=f"fitted on {name}")
+
+
+def _bytes_per_token(samples: TimelineSamples) -> dict[str, float]:
+    return {
+        op: sum(b for _, b in pts) / max(sum(t for t, _ in pts), 1e-9)
+        for op, pts in samples.bytes_per_op.items()
+    }
+
+
+def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
+    """Fit every term (see the module docstring of ``calibration``).
+
+    Raises:
+        ValueError: no MoE layer spans, or no DBO-off transfers.
+    """
+    if not samples.num_layers or not samples.parts:
+        raise ValueError("--calibrate: no layer spans in the timeline (was it a launch.bench run?)")
+    parts = {
+        part: fit_affine(samples.parts[part], per_kind=part in PER_KIND)
+        for part in PARTS
+        if samples.parts.get(part)
+    }
+    off = [(k, t, ms) for k, t, n, ms in samples.outside if n == 1]
+    outside = fit_affine(off, per_kind=True)
+    extra = [ms - outside(k, t) for k, t, n, ms in samples.outside if n > 1]
+    return CalibratedCostModel(
+        parts=parts,
+        bytes_per_token=_bytes_per_token(samples),
+        outside=outside,
+        dbo_step_ms=max(statistics.median(extra), 0.0) if extra else 0.0,
+        yield_ms=statistics.median(samples.batons_ms) if samples.batons_ms else 0.0,
+        link=_fit_link(samples, source),
+        num_moe_layers=samples.num_layers,
+        source=source,
+    )
+
+
+def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> CalibratedCostModel:
+    """Read ``timeline_dir`` (rank files, and ``results.json`` unless ``results`` names the
+    ``launch.bench --output`` file) and fit the model.
+
+    Raises:
+        ValueError: a missing or unreadable input, or too little data to fit.
+    """
+    directory = Path(timeline_dir)
+    if not directory.is_dir():
+        raise ValueError(f"--calibrate {timeline_dir!r}: not a directory")
+    results_path = Path(results) if results else directory / "results.json"
+    if not results_path.is_file():
+        raise ValueError(
+            f"--calibrate: {results_path} not found (run launch.bench with --output "
+            f"{directory}/results.json, or pass --calibrate-results)"
+        )
+    kinds = read_kinds(results_path)
+    samples = TimelineSamples()
+    for spans in read_rank_spans(directory):
+        collect(spans, kinds, samples)
+    return fit(samples, source=str(directory))

@@ -1,0 +1,179 @@
+"""Fit the planner's compute and link terms to a ``launch.bench --timeline-dir`` run.
+
+Inputs: ``DIR/rank<r>.json`` (each rank's spans) and ``DIR/results.json`` (``launch.bench
+--output``: which token counts were decode and which prefill). From every engine step:
+- per MoE-layer part (``layer{i}.attention``, ``.router``, ``.dispatch_prep``, ``.dispatch_finish``,
+  ``.experts``, ``.combine_prep``, ``.shared_experts``, ``.combine_finish``) its mean ms per layer
+  and ubatch, against the ubatch's tokens (steps with DBO off give the whole batch, steps with DBO
+  on its halves: the split's cost is in the data);
+- every ``dispatch`` / ``combine`` of a DBO-off step: its bytes and ms (alone on the link);
+- the step's time outside the layers (scheduling, DP vote, embedding, LM head, sampling, and with
+  DBO on the ubatch threads' start and join) and the median baton pass.
+Fits (least squares): each part ``a + b * tokens`` (attention and the outside time with a slope
+per kind), the link ``latency + bytes / bandwidth``, the bytes per token, a fixed extra per DBO step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dbo.timeline.metrics import Span, spans_from_chrome_trace
+from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_STEP
+
+PARTS = (
+    "attention", "router", "dispatch_prep", "dispatch_finish",
+    "experts", "combine_prep", "shared_experts", "combine_finish",
+)  # fmt: skip
+PER_KIND = ("attention",)  # parts whose cost per token differs between decode and prefill
+_LAYER_SPAN = re.compile(r"^layer(\d+)\.(\w+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Affine:
+    """``intercept + slope[kind] * tokens`` in ms (a missing kind uses the other kind's slope)."""
+
+    intercept: float
+    slope: dict[str, float]
+
+    def __call__(self, kind: str, num_tokens: float) -> float:
+        slope = self.slope.get(kind, statistics.fmean(self.slope.values()) if self.slope else 0.0)
+        return max(self.intercept + slope * num_tokens, 0.0)
+
+
+@dataclass(slots=True)
+class TimelineSamples:
+    """What calibration reads from a timeline (ms, bytes, tokens per ubatch)."""
+
+    parts: dict[str, list[tuple[str, float, float]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    transfers: list[tuple[float, float]] = field(default_factory=list)  # (bytes, ms), DBO off
+    bytes_per_op: dict[str, list[tuple[float, float]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )  # op -> (tokens, bytes)
+    outside: list[tuple[str, float, int, float]] = field(default_factory=list)  # kind, T, N, ms
+    batons_ms: list[float] = field(default_factory=list)
+    num_layers: int = 0
+
+
+def read_kinds(results_path: Path) -> dict[int, str]:
+    """Tokens per rank -> batch kind from a ``launch.bench --output`` file.
+
+    Raises:
+        ValueError: unreadable file, or one token count benchmarked as both kinds.
+    """
+    try:
+        records = json.loads(results_path.read_text(encoding="utf-8"))
+        pairs = [(int(r["num_tokens_per_rank"]), str(r["batch_kind"])) for r in records]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"--calibrate: cannot read {results_path} as launch.bench records ({e})"
+        ) from None
+    kinds: dict[int, str] = {}
+    for tokens, kind in pairs:
+        if kinds.setdefault(tokens, kind) != kind:
+            raise ValueError(f"--calibrate: {tokens} tokens benchmarked as both decode and prefill")
+    return kinds
+
+
+def read_rank_spans(timeline_dir: Path) -> list[list[Span]]:
+    """Each ``rank<r>.json`` of ``timeline_dir`` as a list of spans.
+
+    Raises:
+        ValueError: no rank file, or one that is not a Chrome trace.
+    """
+    files = sorted(timeline_dir.glob("rank*.json"))
+    if not files:
+        raise ValueError(
+            f"--calibrate {timeline_dir}: no rank<r>.json (run launch.bench --timeline-dir)"
+        )
+    out = []
+    for path in files:
+        try:
+            trace = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--calibrate: cannot read {path} ({e})") from None
+        out.append(spans_from_chrome_trace(trace, rank=0))
+    return out
+
+
+def collect(spans: list[Span], kinds: dict[int, str], samples: TimelineSamples) -> None:
+    """Add one rank's steps to ``samples`` (steps whose token count is not in ``kinds`` are
+    skipped: drain steps at other sizes)."""
+    spans = sorted(spans, key=lambda s: s.start_ns)
+    steps = [s for s in spans if s.cat == CAT_STEP]
+    i = 0
+    for step in steps:
+        while i < len(spans) and spans[i].start_ns < step.start_ns:
+            i += 1
+        j = i
+        while j < len(spans) and spans[j].start_ns < step.end_ns:
+            j += 1
+        kind = kinds.get(int(step.args.get("num_tokens", 0)))
+        if kind is not None:
+            _collect_step(step, spans[i:j], kind, samples)
+
+
+def _collect_step(step: Span, spans: list[Span], kind: str, samples: TimelineSamples) -> None:
+    tracks = {s.track.split(" ")[0] for s in spans if s.track.startswith("ubatch")}
+    num_ubatches = max(len(tracks), 1)
+    tokens = int(step.args.get("num_tokens_padded") or step.args["num_tokens"]) / num_ubatches
+    per_part: dict[str, list[float]] = defaultdict(list)
+    layer_start, layer_end, layers = math.inf, -math.inf, set()
+    for s in spans:
+        match = _LAYER_SPAN.match(s.name)
+        if match is None:
+            if s.cat == CAT_BATON and num_ubatches > 1:
+                samples.batons_ms.append((s.end_ns - s.start_ns) / 1e6)
+            continue
+        layer, part = int(match.group(1)), match.group(2)
+        layers.add(layer)
+        layer_start, layer_end = min(layer_start, s.start_ns), max(layer_end, s.end_ns)
+        ms = (s.end_ns - s.start_ns) / 1e6
+        if s.cat == CAT_COMPUTE and part in PARTS:
+            per_part[part].append(ms)
+        elif s.cat == CAT_COMM and part in ("dispatch", "combine"):
+            num_bytes = float(s.args.get("num_bytes", 0))
+            samples.bytes_per_op[part].append((tokens, num_bytes))
+            if num_ubatches == 1:
+                samples.transfers.append((num_bytes, ms))
+    if not layers:
+        return
+    num_layers = len(layers)
+    samples.num_layers = max(samples.num_layers, num_layers)
+    for part, values in per_part.items():
+        # the mean per layer and ubatch: sum over the step / (layers * ubatches)
+        samples.parts[part].append((kind, tokens, sum(values) / (num_layers * num_ubatches)))
+    step_ms = (step.end_ns - step.start_ns) / 1e6
+    samples.outside.append(
+        (kind, tokens * num_ubatches, num_ubatches, step_ms - (layer_end - layer_start) / 1e6)
+    )
+
+
+def fit_affine(points: list[tuple[str, float, float]], *, per_kind: bool) -> Affine:
+    """Least squares ``a + b[kind] * x`` over ``(kind, x, y)`` points (a, b clamped to >= 0;
+    with one distinct x the intercept is 0: the cost is taken as proportional)."""
+    import numpy as np
+
+    if not points:
+        return Affine(intercept=0.0, slope={})
+    kinds = sorted({k for k, _, _ in points}) if per_kind else ["*"]
+    xs = {x for _, x, _ in points}
+    rows = []
+    for kind, x, _ in points:
+        row = [1.0] if len(xs) > 1 else []
+        row += [x if (kind == k or not per_kind) else 0.0 for k in kinds]
+        rows.append(row)
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array([y for _, _, y in points]), rcond=None)
+    coef = [max(float(c), 0.0) for c in coef]
+    intercept = coef[0] if len(xs) > 1 else 0.0
+    slopes = coef[1:] if len(xs) > 1 else coef
+    if per_kind:
+        return Affine(intercept=intercept, slope=dict(zip(kinds, slopes, strict=True)))
+    return Affine(intercept=intercept, slope={"decode": slopes[0], "prefill": slopes[0]})

@@ -1,0 +1,158 @@
+"""The model shapes the planner needs, read from an HF ``config.json`` or a named preset.
+
+The config is read by the project's own parser (``MoEModelConfig.from_hf_config``); the planner
+only needs sizes, so a Qwen3-MoE config (``model_type: qwen3_moe``, which the engine does not load)
+is read with the Qwen2-MoE rules: the fields the planner uses (``num_experts``,
+``moe_intermediate_size``, ``head_dim``, ``decoder_sparse_step``, ``mlp_only_layers``) mean the
+same in both (transformers' ``Qwen3MoeConfig`` / ``Qwen2MoeConfig``).
+
+Presets are the published ``config.json`` values of each model card (the fields the planner
+reads, copied from huggingface.co/<repo>/blob/main/config.json, named in ``source``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe.models.config import MoEModelConfig
+
+# model_type read with another architecture's rules (same meaning of the planner's fields)
+_READ_AS = {"qwen3_moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPreset:
+    """A named model: its HF config fields and where they come from."""
+
+    name: str
+    source: str
+    hf_config: dict
+
+
+def _deepseek_v3() -> dict:
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+    }
+
+
+def _qwen3(hidden, inter, layers, heads, kv_heads, experts, moe_inter, vocab) -> dict:
+    return {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 128,
+        "num_experts": experts,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": moe_inter,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 40960,
+    }
+
+
+def _mixtral_8x7b() -> dict:
+    return {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768,
+    }
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name.lower(): p
+    for p in (
+        ModelPreset(
+            name="DeepSeek-V3",
+            source="huggingface.co/deepseek-ai/DeepSeek-V3 config.json",
+            hf_config=_deepseek_v3(),
+        ),
+        ModelPreset(
+            name="Qwen3-30B-A3B",
+            source="huggingface.co/Qwen/Qwen3-30B-A3B config.json",
+            hf_config=_qwen3(2048, 6144, 48, 32, 4, 128, 768, 151936),
+        ),
+        ModelPreset(
+            name="Qwen3-235B-A22B",
+            source="huggingface.co/Qwen/Qwen3-235B-A22B config.json",
+            hf_config=_qwen3(4096, 12288, 94, 64, 4, 128, 1536, 151936),
+        ),
+        ModelPreset(
+            name="Mixtral-8x7B",
+            source="huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json",
+            hf_config=_mixtral_8x7b(),
+        ),
+    )
+}
+
+
+def config_from_hf(hf_config: dict) -> MoEModelConfig:
+    """``MoEModelConfig`` of an HF config dict (Qwen3-MoE read with the Qwen2-MoE rules).
+
+    Raises:
+        ValueError: unsupported ``model_type`` or a missing / invalid field (the parser's message).
+    """
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+    if model_type in _READ_AS:
+        as_type, arch = _READ_AS[model_type]
+        hf_config = {**hf_config, "model_type": as_type, "architectures": [arch]}
+    return MoEModelConfig.from_hf_config(hf_config)
+
+
+def load_model(name_or_path: str) -> tuple[str, MoEModelConfig]:
+    """A preset (case-insensitive name) or a ``config.json`` path (or a directory holding one).
+
+    Returns:
+        (display name, config).
+
+    Raises:
+        ValueError: neither a preset nor a readable JSON config, or an invalid config.
+    """
+    preset = PRESETS.get(name_or_path.lower())
+    if preset is not None:
+        return preset.name, config_from_hf(preset.hf_config)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        names = ", ".join(p.name for p in PRESETS.values())
+        raise ValueError(f"--model {name_or_path!r}: not a preset ({names}) nor a config.json path")
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {name_or_path!r}: cannot read {path} as JSON ({e})") from None
+    return str(path), config_from_hf(hf_config)

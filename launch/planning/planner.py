@@ -1,0 +1,123 @@
+"""Predictions: step time with DBO off and on per N, speedups, crossovers and thresholds.
+
+A cost model (``RooflineCostModel`` from presets, ``CalibratedCostModel`` from a timeline) gives
+one ubatch's ``LayerCosts`` and the per-step work outside the MoE layers; ``schedule`` turns them
+into step times. A step with N ubatches of a batch of T tokens costs::
+
+    outside(T, N) + simulate_layers(layer_costs(T / N), N ubatches, the link)
+
+and DBO off is N = 1. The speedup is off / on; a crossover is the smallest token count from which
+the best N beats off by more than the adaptive policy's tie tolerance (1 %).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from launch.planning.schedule import serial_layer_ms, simulate_layers
+
+TIE_TOLERANCE = 0.01  # dbo.AdaptivePolicyConfig.tie_tolerance: on must beat off by this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    """One batch shape: per-layer C and M (ms, DBO off), step ms off and per N, speedups."""
+
+    kind: str
+    num_tokens: int
+    compute_ms: float
+    comm_ms: float
+    step_ms_off: float
+    step_ms_on: dict[int, float]
+
+    @property
+    def speedup(self) -> dict[int, float]:
+        return {n: self.step_ms_off / ms for n, ms in self.step_ms_on.items()}
+
+    @property
+    def best_n(self) -> int:
+        return min(self.step_ms_on, key=self.step_ms_on.get)
+
+    @property
+    def ideal_speedup(self) -> float:
+        c, m = self.compute_ms, self.comm_ms
+        return (c + m) / max(c, m, 1e-12)
+
+
+def step_ms(model, link, kind: str, num_tokens: int, num_ubatches: int) -> float:
+    """Predicted ms of one step of ``num_tokens`` tokens per device cut into ``num_ubatches``.
+
+    Raises:
+        ValueError: ``num_tokens < num_ubatches`` (an empty ubatch) or ``num_ubatches < 1``.
+    """
+    if num_ubatches < 1 or num_tokens < num_ubatches:
+        raise ValueError(f"cannot cut {num_tokens} tokens into {num_ubatches} non-empty ubatches")
+    costs = model.layer_costs(kind, num_tokens / num_ubatches)
+    layers = simulate_layers(
+        costs,
+        num_layers=model.num_moe_layers,
+        num_ubatches=num_ubatches,
+        link=link,
+        yield_ms=model.yield_ms,
+    )
+    return model.outside_ms(kind, num_tokens, num_ubatches) + layers
+
+
+def predict(model, link, kind: str, num_tokens: int, ubatch_counts: Sequence[int]) -> Prediction:
+    """``Prediction`` for one shape; N values that would leave a ubatch empty are skipped."""
+    c, m = serial_layer_ms(model.layer_costs(kind, num_tokens), link)
+    return Prediction(
+        kind=kind,
+        num_tokens=num_tokens,
+        compute_ms=c,
+        comm_ms=m,
+        step_ms_off=step_ms(model, link, kind, num_tokens, 1),
+        step_ms_on={
+            n: step_ms(model, link, kind, num_tokens, n) for n in ubatch_counts if num_tokens >= n
+        },
+    )
+
+
+def token_sweep(low: int = 1, high: int = 16384) -> list[int]:
+    """Powers of two and their midpoints between ``low`` and ``high`` (inclusive)."""
+    out, t = [], 1
+    while t <= high:
+        out += [v for v in (t, t + t // 2) if low <= v <= high and (v == t or t >= 2)]
+        t *= 2
+    return sorted(set(out))
+
+
+def crossover(model, link, kind: str, ubatch_counts: Sequence[int], tokens: Sequence[int]):
+    """(smallest token count from which DBO with its best N wins by > 1 % at every larger count
+    of ``tokens``, that N); (None, None) if it never wins at the largest count."""
+    best: tuple[int | None, int | None] = (None, None)
+    for t in sorted(tokens, reverse=True):
+        p = predict(model, link, kind, t, ubatch_counts)
+        if not p.step_ms_on:
+            break
+        n = p.best_n
+        if p.speedup[n] <= 1 + TIE_TOLERANCE:
+            break
+        best = (t, n if best[1] is None else best[1])
+    return best
+
+
+def recommend(model, link, ubatch_counts: Sequence[int], max_tokens: int = 16384) -> dict:
+    """Thresholds to pass to the engine: per kind the crossover (``never`` when DBO does not pay
+    below ``max_tokens``) and the N chosen at the largest winning count."""
+    tokens = [t for t in token_sweep(2, max_tokens)]
+    out = {}
+    for kind in ("decode", "prefill"):
+        t, n = crossover(model, link, kind, ubatch_counts, tokens)
+        out[kind] = {"threshold": t, "num_ubatches": n}
+    return out
+
+
+def bucket_prior(model, link, kind: str, log2_tokens: int, num_ubatches: int = 2) -> float:
+    """Predicted speedup of N = ``num_ubatches`` for the adaptive policy's bucket
+    ``[2**b, 2**(b+1))``, at its geometric middle; 0 if a ubatch would be empty."""
+    t = max(int(round(2 ** (log2_tokens + 0.5))), 1)
+    if t < num_ubatches:
+        return 0.0
+    return step_ms(model, link, kind, t, 1) / step_ms(model, link, kind, t, num_ubatches)

@@ -1,0 +1,113 @@
+"""The overlap model: one MoE layer stack run by N ubatches passing a baton in a ring.
+
+Each ubatch runs, per MoE layer, two compute segments separated by two transfers::
+
+    pre (attention, router, dispatch prep) -> [dispatch] -> mid (experts, combine prep)
+    -> [combine] while shared experts run -> next layer's pre
+
+The schedule (the one ``dbo.UBatchContext`` implements, for any N):
+- one compute resource: exactly one ubatch computes at a time; the turn passes in a ring
+  0 -> 1 -> ... -> N-1 -> 0 at each transfer (a yield), costing ``yield_ms``;
+- a ubatch that gets the turn first waits for its own last transfer to land;
+- one link per rank: a transfer starts when it is issued and the link is free (bytes go one
+  transfer after another, ``wire_ms``), and lands ``latency`` after its last byte (latencies
+  overlap); ``sm_fraction`` of the wire time also occupies the compute resource at issue.
+So each transfer hides behind the other N-1 ubatches' compute segments. DBO off is the same
+schedule with N = 1 and the whole batch: every transfer is waited for at once (the combine before
+the shared experts run, as the engine's synchronous combine does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCosts:
+    """One ubatch's work in one MoE layer: compute in ms, transfers in bytes.
+
+    ``pre_ms`` before the dispatch is issued, ``mid_ms`` between the dispatch landing and the
+    combine being issued, ``shared_ms`` after the combine is issued (shared experts), ``post_ms``
+    after the combine lands (receive-side unpacking); ``dispatch_bytes`` / ``combine_bytes`` on
+    the wire.
+
+    Raises:
+        ValueError: a negative entry.
+    """
+
+    pre_ms: float
+    mid_ms: float
+    shared_ms: float = 0.0
+    post_ms: float = 0.0
+    dispatch_bytes: float = 0.0
+    combine_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("pre_ms", "mid_ms", "shared_ms", "post_ms", "dispatch_bytes", "combine_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerCosts.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def compute_ms(self) -> float:
+        return self.pre_ms + self.mid_ms + self.shared_ms + self.post_ms
+
+
+@dataclass(slots=True)
+class _Link:
+    latency_ms: float
+    free_ms: float = 0.0
+
+    def send(self, issue_ms: float, wire_ms: float) -> float:
+        """Book a transfer; return when it lands."""
+        start = max(issue_ms, self.free_ms)
+        self.free_ms = start + wire_ms
+        return self.free_ms + self.latency_ms
+
+
+def simulate_layers(
+    costs: LayerCosts,
+    *,
+    num_layers: int,
+    num_ubatches: int,
+    link,
+    yield_ms: float = 0.0,
+) -> float:
+    """Milliseconds for ``num_ubatches`` ubatches, each with ``costs`` per layer, to run
+    ``num_layers`` MoE layers under the ring schedule of the module docstring (``link``: a
+    ``LinkModel``). ``num_ubatches == 1`` is DBO off (``yield_ms`` is then not charged).
+
+    Raises:
+        ValueError: ``num_layers < 1`` or ``num_ubatches < 1``.
+    """
+    if num_layers < 1 or num_ubatches < 1:
+        raise ValueError(
+            f"need num_layers >= 1 and num_ubatches >= 1, got {num_layers}, {num_ubatches}"
+        )
+    wire = {op: link.wire_ms(op, getattr(costs, f"{op}_bytes")) for op in ("dispatch", "combine")}
+    sm_ms = {op: link.sm_fraction * wire[op] for op in wire}
+    baton = yield_ms if num_ubatches > 1 else 0.0
+    state = _Link(latency_ms=link.latency_us / 1e3)
+    now = 0.0
+    ready = [0.0] * num_ubatches
+    for layer in range(num_layers):
+        for u in range(num_ubatches):  # pre, then issue the dispatch
+            now = max(now, ready[u]) + baton + (costs.post_ms if layer else 0.0) + costs.pre_ms
+            now += sm_ms["dispatch"]
+            ready[u] = state.send(now, wire["dispatch"])
+        for u in range(num_ubatches):  # mid, issue the combine, shared experts meanwhile
+            now = max(now, ready[u]) + baton + costs.mid_ms + sm_ms["combine"]
+            ready[u] = state.send(now, wire["combine"])
+            if num_ubatches == 1:  # DBO off: the combine is waited for before the shared experts
+                now = ready[u]
+            now += costs.shared_ms
+    for u in range(num_ubatches):
+        now = max(now, ready[u]) + costs.post_ms
+    return now
+
+
+def serial_layer_ms(costs: LayerCosts, link) -> tuple[float, float]:
+    """(C, M) of one layer run alone: compute ms and transfer ms (latency included)."""
+    comm = link.transfer_ms("dispatch", costs.dispatch_bytes) + link.transfer_ms(
+        "combine", costs.combine_bytes
+    )
+    return costs.compute_ms, comm
