@@ -7,6 +7,7 @@ are what the best published kernels reach on these parts, each with its source i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -18,8 +19,10 @@ class DeviceSpec:
     """One accelerator (or CPU core) as the roofline sees it.
 
     Fields: ``peak_tflops`` per dtype (dense, TFLOP/s); ``mem_tbps`` memory bandwidth (TB/s);
-    ``gemm_efficiency`` / ``mem_efficiency`` achieved fractions of those peaks; ``kernel_us`` the
-    floor of one kernel (launch or CUDA-graph node, µs); ``sources`` a citation per number.
+    ``gemm_efficiency`` the achieved fraction of the FLOP/s peak for GEMMs of >= 4096 rows,
+    ``gemm_efficiency_small`` for <= 256 rows (log-interpolated between); ``mem_efficiency`` the
+    achieved fraction of the bandwidth; ``kernel_us`` the floor of one kernel (launch or CUDA-graph
+    node, µs); ``sources`` a citation per number.
 
     Raises:
         ValueError: a non-positive peak or bandwidth, or a fraction outside (0, 1].
@@ -30,6 +33,7 @@ class DeviceSpec:
     mem_tbps: float
     gemm_efficiency: float
     mem_efficiency: float
+    gemm_efficiency_small: float | None = None  # None: gemm_efficiency
     kernel_us: float
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -38,33 +42,44 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: peak_tflops must be > 0, got {self.peak_tflops}")
         if not self.mem_tbps > 0:
             raise ValueError(f"device {self.name}: mem_tbps must be > 0, got {self.mem_tbps}")
-        for name in ("gemm_efficiency", "mem_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
+        for name in ("gemm_efficiency", "mem_efficiency", "gemm_efficiency_small"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
                 raise ValueError(f"device {self.name}: {name} must be in (0, 1]")
         if self.kernel_us < 0:
             raise ValueError(f"device {self.name}: kernel_us must be >= 0, got {self.kernel_us}")
 
-    def flops_per_s(self, dtype: str) -> float:
-        """Achieved FLOP/s for ``dtype`` (fp8 falls back to bf16 where the part has none).
+    def flops_per_s(self, dtype: str, rows: float = 4096) -> float:
+        """Achieved FLOP/s for ``dtype`` on a GEMM of ``rows`` rows per group (fp8 falls back to
+        bf16, bf16 to any other listed dtype, where the part has none).
 
         Raises:
             ValueError: unknown dtype.
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        peak = (
-            self.peak_tflops.get(dtype) or self.peak_tflops.get("bf16") or self.peak_tflops["fp32"]
-        )
-        return peak * 1e12 * self.gemm_efficiency
+        peaks = self.peak_tflops
+        peak = peaks.get(dtype) or peaks.get("bf16") or next(iter(peaks.values()))
+        return peak * 1e12 * self.efficiency(rows)
+
+    def efficiency(self, rows: float) -> float:
+        """The achieved fraction of peak FLOP/s at ``rows`` rows (see the class docstring)."""
+        small = self.gemm_efficiency_small or self.gemm_efficiency
+        x = min(max((math.log2(max(rows, 1)) - 8) / 4, 0.0), 1.0)  # 256 rows -> 0, 4096 -> 1
+        return small + (self.gemm_efficiency - small) * x
 
     @property
     def bytes_per_s(self) -> float:
         return self.mem_tbps * 1e12 * self.mem_efficiency
 
 
+# DeepGEMM README (2025-02, H800, FP8): grouped GEMMs 1093-1297 TFLOPS at 4096-8192 rows per
+# group (0.55-0.66 of 1979); masked (decode) 815-932 TFLOPS at 256 rows (0.41-0.47); dense GEMMs
+# of 64-128 rows move 1.5-2.7 TB/s (0.45-0.80 of 3.35 TB/s)
 _HOPPER_SOURCES = {
-    "gemm_efficiency": "DeepGEMM README: up to 1550 TFLOPS FP8 on H800 = 0.78 of 1979",
-    "mem_efficiency": "FlashMLA README: up to 3000 GB/s memory-bound on H800 = 0.90 of 3.35 TB/s",
+    "gemm_efficiency": "DeepGEMM README 2025-02: contiguous grouped 1093-1297 TFLOPS -> 0.6",
+    "gemm_efficiency_small": "DeepGEMM README 2025-02: masked grouped, 256 rows: 815-932 -> 0.45",
+    "mem_efficiency": "DeepGEMM README 2025-02: 64-128-row GEMMs 1.5-2.7 TB/s -> 0.7",
     "kernel_us": "assumption: ~3 µs per kernel node in a CUDA graph (not a published figure)",
 }
 
@@ -74,8 +89,9 @@ def _hopper(name: str, mem_tbps: float, datasheet: str) -> DeviceSpec:
         name=name,
         peak_tflops={"fp8": 1979.0, "bf16": 989.0, "fp32": 67.0},
         mem_tbps=mem_tbps,
-        gemm_efficiency=0.78,
-        mem_efficiency=0.90,
+        gemm_efficiency=0.6,
+        gemm_efficiency_small=0.45,
+        mem_efficiency=0.7,
         kernel_us=3.0,
         sources={"peak_tflops, mem_tbps": datasheet, **_HOPPER_SOURCES},
     )
@@ -113,6 +129,7 @@ def measure_this_machine(dtype: str = "fp32", *, seconds: float = 0.3) -> Device
         peak_tflops={dtype: peak},
         mem_tbps=2 * src.numel() * 4 / copy_s / 1e12,  # read + write
         gemm_efficiency=1.0,
+        gemm_efficiency_small=1.0,
         mem_efficiency=1.0,
         kernel_us=tiny_s * 1e6,
         sources={"all": "measured now: 1024^3 GEMM, 256 MiB copy, 8-element add (torch)"},

@@ -89,28 +89,26 @@ def token_sweep(low: int = 1, high: int = 16384) -> list[int]:
 
 
 def crossover(model, link, kind: str, ubatch_counts: Sequence[int], tokens: Sequence[int]):
-    """(smallest token count from which DBO with its best N wins by > 1 % at every larger count
-    of ``tokens``, that N); (None, None) if it never wins at the largest count."""
-    best: tuple[int | None, int | None] = (None, None)
+    """The smallest of ``tokens`` from which DBO with its best N beats off by more than the tie
+    tolerance at every larger one; None if it does not at the largest."""
+    threshold = None
     for t in sorted(tokens, reverse=True):
         p = predict(model, link, kind, t, ubatch_counts)
-        if not p.step_ms_on:
+        if not p.step_ms_on or p.speedup[p.best_n] <= 1 + TIE_TOLERANCE:
             break
-        n = p.best_n
-        if p.speedup[n] <= 1 + TIE_TOLERANCE:
-            break
-        best = (t, n if best[1] is None else best[1])
-    return best
+        threshold = t
+    return threshold
 
 
-def recommend(model, link, ubatch_counts: Sequence[int], max_tokens: int = 16384) -> dict:
-    """Thresholds to pass to the engine: per kind the crossover (``never`` when DBO does not pay
-    below ``max_tokens``) and the N chosen at the largest winning count."""
-    tokens = [t for t in token_sweep(2, max_tokens)]
+def recommend(model, link, ubatch_counts: Sequence[int], max_tokens: dict[str, int]) -> dict:
+    """Per kind: the threshold to pass to the engine (the crossover on a sweep of token counts up
+    to ``max_tokens[kind]``; None: DBO does not pay there) and the best N at ``max_tokens[kind]``."""
     out = {}
-    for kind in ("decode", "prefill"):
-        t, n = crossover(model, link, kind, ubatch_counts, tokens)
-        out[kind] = {"threshold": t, "num_ubatches": n}
+    for kind, high in max_tokens.items():
+        threshold = crossover(model, link, kind, ubatch_counts, token_sweep(2, high))
+        best = predict(model, link, kind, high, ubatch_counts)
+        n = best.best_n if threshold is not None and best.step_ms_on else None
+        out[kind] = {"threshold": threshold, "num_ubatches": n}
     return out
 
 

@@ -89,16 +89,19 @@ class RooflineCostModel:
         self.num_dense_layers = config.num_hidden_layers - self.num_moe_layers
 
     # --- one kernel ------------------------------------------------------------------------
-    def _kernel_ms(self, flops: float, num_bytes: float, dtype: str, count: int = 1) -> float:
+    def _kernel_ms(
+        self, flops: float, num_bytes: float, dtype: str, count: int = 1, rows: float = 4096
+    ) -> float:
         d = self.device
-        return max(flops / d.flops_per_s(dtype), num_bytes / d.bytes_per_s) * 1e3 + (
-            count * d.kernel_us / 1e3
-        )
+        compute_s = flops / d.flops_per_s(dtype, rows)
+        return max(compute_s, num_bytes / d.bytes_per_s) * 1e3 + count * d.kernel_us / 1e3
 
     def _gemm_ms(self, rows: float, k: int, n: int, *, dtype: str | None = None) -> float:
         dtype = dtype or self.weight_dtype
         act = 2.0  # bf16 activations in and out
-        return self._kernel_ms(2 * rows * k * n, k * n * BYTES[dtype] + rows * (k + n) * act, dtype)
+        return self._kernel_ms(
+            2 * rows * k * n, k * n * BYTES[dtype] + rows * (k + n) * act, dtype, rows=rows
+        )
 
     # --- parts of a layer ------------------------------------------------------------------
     def attention_ms(self, kind: str, num_tokens: float) -> float:
@@ -157,7 +160,11 @@ class RooflineCostModel:
         w_bytes = active * 3 * h * inter * BYTES[self.weight_dtype]
         flops = 2 * rows * 3 * h * inter
         return self._kernel_ms(
-            flops, w_bytes + rows * (3 * h + 2 * inter) * 2, self.weight_dtype, 3
+            flops,
+            w_bytes + rows * (3 * h + 2 * inter) * 2,
+            self.weight_dtype,
+            count=3,
+            rows=rows / max(active, 1.0),  # rows per expert: the grouped GEMM's M
         )
 
     def mlp_ms(self, num_tokens: float, intermediate: int) -> float:

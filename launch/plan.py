@@ -1,0 +1,214 @@
+"""Will DBO pay? Predict DBO's speedup per batch shape and N: ``python -m launch.plan``.
+
+From presets (a model, a device, a link, an EP size) or from one of our own timelines
+(``--calibrate DIR``, a ``launch.bench --timeline-dir`` run), it predicts per MoE layer the compute
+C and the communication M, the step time with DBO off and with N ubatches, the speedup, the
+crossovers, and prints the ``--dbo-decode-token-threshold`` / ``--dbo-prefill-token-threshold``
+it recommends. Overlap model: ``launch.planning.schedule``; every preset's source:
+``launch.planning.devices`` / ``links`` / ``model_presets``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launch.engine.arg_utils import OneLineErrorParser
+
+PROG = "launch.plan"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", default="DeepSeek-V3", help="preset (DeepSeek-V3, Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) or a config.json path")  # fmt: skip
+    add("--device", default="h100-sxm", help="h100-sxm, h800-sxm, h200 or this-machine (measured)")
+    add(
+        "--link",
+        default="deepep-ll",
+        choices=("deepep-ll", "deepep-ht"),
+        help="DeepEP table preset",
+    )
+    add("--link-latency-us", type=float, default=None, help="custom link: latency per transfer, µs")
+    add("--link-gbps", type=float, default=None, help="custom link: bandwidth, Gbit/s")
+    add("--ep-size", type=int, default=64, help="expert-parallel ranks")
+    add(
+        "--weight-dtype",
+        default="fp8",
+        choices=("fp8", "bf16", "fp32"),
+        help="linear layers' dtype",
+    )
+    add("--decode-tokens", type=_int_list, default=[16, 32, 64, 128, 256, 512], help="decode tokens per device")  # fmt: skip
+    add("--context-len", type=int, default=2000, help="cached tokens per decode request")
+    add("--prefill-tokens", type=_int_list, default=[1024, 4096, 16384], help="prefill tokens per device")  # fmt: skip
+    add("--prompt-len", type=int, default=2000, help="tokens per prefill request")
+    add("--num-ubatches", type=_int_list, default=[2, 3, 4], help="N values to compare (>= 2)")
+    add("--calibrate", metavar="TIMELINE_DIR", default=None, help="fit compute and link to a launch.bench --timeline-dir run")  # fmt: skip
+    add("--calibrate-results", default=None, help="its launch.bench --output (default TIMELINE_DIR/results.json)")  # fmt: skip
+    add("--compare", action="append", default=[], metavar="RESULTS_JSON", help="predicted vs measured for a launch.bench --output file (repeatable)")  # fmt: skip
+    add("--png", default=None, help="draw predicted speedup against tokens per device")
+    add("--write-prior", default=None, help="write the adaptive policy's prior (JSON)")
+    return parser
+
+
+def check_args(ns) -> None:
+    """Refuse bad combinations before any work (one line, via ``parser.error``)."""
+    if (ns.link_latency_us is None) != (ns.link_gbps is None):
+        raise ValueError("--link-latency-us and --link-gbps go together")
+    if ns.ep_size < 2:
+        raise ValueError(f"--ep-size must be >= 2, got {ns.ep_size}")
+    if min(ns.num_ubatches) < 2:
+        raise ValueError(f"--num-ubatches values must be >= 2, got {ns.num_ubatches}")
+    if ns.context_len < 1 or ns.prompt_len < 1:
+        raise ValueError("--context-len and --prompt-len must be >= 1")
+
+
+def resolve(ns):
+    """(cost model, link, description lines) for the command line.
+
+    Raises:
+        ValueError: a bad preset name, config, device, link or timeline.
+    """
+    from launch.planning.links import deepep_link, from_gbps
+
+    custom = None
+    if ns.link_gbps is not None:
+        custom = from_gbps(ns.link_latency_us, ns.link_gbps, name="custom")
+    if ns.calibrate:
+        from launch.planning.calibrated_model import calibrate
+
+        model = calibrate(ns.calibrate, ns.calibrate_results)
+        link = custom or model.link
+        return (
+            model,
+            link,
+            [f"cost model: {model.describe()}", _link_line(model.link, "fitted link")],
+        )
+    from launch.planning.devices import resolve_device
+    from launch.planning.model_presets import PRESETS, load_model
+    from launch.planning.roofline import RooflineCostModel, Workload
+
+    name, config = load_model(ns.model)
+    device = resolve_device(ns.device, ns.weight_dtype)
+    model = RooflineCostModel(
+        config, device, ep_size=ns.ep_size, weight_dtype=ns.weight_dtype,
+        workload=Workload(context_len=ns.context_len, prompt_len=ns.prompt_len),
+    )  # fmt: skip
+    link = custom or deepep_link(ns.link, ns.ep_size)
+    preset = PRESETS.get(name.lower())
+    lines = [
+        f"model: {name}" + (f" ({preset.source})" if preset else ""),
+        f"device: {device.name}; " + "; ".join(f"{k}: {v}" for k, v in device.sources.items()),
+        f"cost model: {model.describe()}",
+    ]
+    return model, link, lines
+
+
+def _link_line(link, what: str = "link") -> str:
+    return (
+        f"{what}: {link.name}: latency {link.latency_us:.1f} µs, dispatch "
+        f"{link.dispatch_gbytes * 8:.3g} / combine {link.combine_gbytes * 8:.3g} Gbit/s, "
+        f"SM fraction {link.sm_fraction:.2f} ({link.source})"
+    )
+
+
+def run(ns, model, link, lines: list[str]) -> None:
+    """Print the predictions, crossovers, thresholds, sensitivity; write the optional files."""
+    from launch.planning import planner, report
+
+    ns_list = ns.num_ubatches
+    print(*lines, _link_line(link), sep="\n")
+    print(
+        "overlap model: N ubatches take turns on the compute in a ring; each transfer hides behind "
+        "the other N-1 ubatches' compute; transfers share the link, latencies overlap; DBO off = N 1"
+    )
+    shapes = [("decode", t) for t in ns.decode_tokens] + [("prefill", t) for t in ns.prefill_tokens]
+    preds = [planner.predict(model, link, k, t, ns_list) for k, t in shapes]
+    print(report.format_table(preds, ns_list))
+    _print_recommendation(ns, model, link)
+    kind, tokens = (
+        ("decode", max(ns.decode_tokens))
+        if ns.decode_tokens
+        else ("prefill", max(ns.prefill_tokens))
+    )
+    sens = report.sensitivity(model, link, kind, tokens, 2)
+    print(report.format_sensitivity(kind, tokens, 2, sens))
+    for path in ns.compare:
+        print(f"predicted vs measured ({path}):")
+        print(report.format_compare(report.compare(model, link, path)))
+    _write_files(ns, model, link, ns_list)
+
+
+def _print_recommendation(ns, model, link) -> None:
+    """The crossover per kind and the thresholds (and N) to pass to the engine."""
+    from launch.planning import planner
+
+    highs = {}
+    if ns.decode_tokens:
+        highs["decode"] = max(ns.decode_tokens)
+    if ns.prefill_tokens:
+        highs["prefill"] = max(ns.prefill_tokens)
+    rec = planner.recommend(model, link, ns.num_ubatches, highs)
+    flags = []
+    for kind, r in rec.items():
+        if r["threshold"]:
+            where = f">= {r['threshold']} tokens per device, best N at {highs[kind]}: {r['num_ubatches']}"
+        else:
+            where = f"never up to {highs[kind]} tokens per device"
+        print(f"crossover {kind}: DBO pays {where}")
+        flags.append(f"--dbo-{kind}-token-threshold {r['threshold'] or 'never'}")
+    print("recommended: " + " ".join(flags) + " ('never': keep DBO off for that kind)")
+
+
+def _write_files(ns, model, link, ns_list) -> None:
+    from launch.planning import planner, report
+
+    if ns.write_prior:
+        with open(ns.write_prior, "w", encoding="utf-8") as f:
+            json.dump(report.prior_table(model, link), f, indent=1)
+        print(f"{PROG}: wrote {ns.write_prior}")
+    if ns.png:
+        tokens = planner.token_sweep(2, 16384)
+        curves = {}
+        for kind in ("decode", "prefill"):
+            for n in ns_list:
+                curves[f"{kind}, N={n}"] = [
+                    (t, planner.predict(model, link, kind, t, [n]).speedup[n])
+                    for t in tokens
+                    if t >= n
+                ]
+        report.draw_png(ns.png, curves, f"{PROG}: {link.name}")
+        print(f"{PROG}: wrote {ns.png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        check_args(ns)
+        model, link, lines = resolve(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        run(ns, model, link, lines)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

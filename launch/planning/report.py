@@ -1,0 +1,180 @@
+"""What ``launch.plan`` prints and writes: the table, sensitivity, predicted-vs-measured, the
+adaptive policy's prior and the PNG."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from distributed.link_emulation import LinkSpec
+from launch.planning.links import LinkModel, from_gbps
+from launch.planning.planner import Prediction, bucket_prior, predict
+
+PRIOR_FORMAT = "moe-dbo adaptive prior v1"
+MAX_PRIOR_LOG2 = 16  # buckets 2**0 .. 2**16 tokens
+
+
+def format_table(predictions: Sequence[Prediction], ubatch_counts: Sequence[int]) -> str:
+    """One row per shape: C and M per layer (DBO off), ideal, step ms off and per N, speedups."""
+    ns = list(ubatch_counts)
+    head = ["batch", "C ms/layer", "M ms/layer", "ideal", "off ms"]
+    head += [f"N={n} ms" for n in ns] + [f"N={n} x" for n in ns] + ["best"]
+    rows = [head]
+    for p in predictions:
+        row = [f"{p.kind}:{p.num_tokens}", f"{p.compute_ms:.3f}", f"{p.comm_ms:.3f}"]
+        row += [f"{p.ideal_speedup:.2f}", f"{p.step_ms_off:.2f}"]
+        row += [f"{p.step_ms_on[n]:.2f}" if n in p.step_ms_on else "-" for n in ns]
+        row += [f"{p.speedup[n]:.3f}" if n in p.speedup else "-" for n in ns]
+        best = p.best_n if p.step_ms_on else None
+        row.append(f"N={best}" if best and p.speedup[best] > 1.01 else "off")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def _perturbed(model, link, name: str, factor: float):
+    """``(model, link)`` with one input scaled by ``factor``; None if the model lacks it."""
+    if name == "link bandwidth":
+        gb = (link.dispatch_gbytes * factor, link.combine_gbytes * factor)
+        return model, replace(link, dispatch_gbytes=gb[0], combine_gbytes=gb[1])
+    if name == "link latency":
+        return model, replace(link, latency_us=link.latency_us * factor)
+    device = getattr(model, "device", None)
+    if device is None:
+        return None
+    field = {
+        "device FLOP/s": "peak_tflops",
+        "memory bandwidth": "mem_tbps",
+        "kernel floor": "kernel_us",
+    }
+    value = getattr(device, field[name])
+    value = {k: v * factor for k, v in value.items()} if isinstance(value, dict) else value * factor
+    clone = model.__class__.__new__(model.__class__)
+    clone.__dict__.update(model.__dict__)
+    clone.device = replace(device, **{field[name]: value})
+    return clone, link
+
+
+SENSITIVITY_INPUTS = (
+    "link bandwidth",
+    "link latency",
+    "device FLOP/s",
+    "memory bandwidth",
+    "kernel floor",
+)
+
+
+def sensitivity(model, link, kind: str, num_tokens: int, num_ubatches: int, factor: float = 1.25):
+    """Per input, the predicted speedup with it scaled by ``1/factor`` and ``factor``; and the
+    input that moves the speedup most. Returns (base, {input: (low, high)}, most)."""
+    base = predict(model, link, kind, num_tokens, [num_ubatches]).speedup[num_ubatches]
+    out = {}
+    for name in SENSITIVITY_INPUTS:
+        pair = []
+        for f in (1 / factor, factor):
+            scaled = _perturbed(model, link, name, f)
+            if scaled is None:
+                break
+            pair.append(predict(*scaled, kind, num_tokens, [num_ubatches]).speedup[num_ubatches])
+        if pair:
+            out[name] = tuple(pair)
+    most = max(out, key=lambda k: max(abs(v - base) for v in out[k]))
+    return base, out, most
+
+
+def format_sensitivity(kind, num_tokens, num_ubatches, result, factor: float = 1.25) -> str:
+    base, out, most = result
+    parts = [f"{k} {lo:.2f}..{hi:.2f}" for k, (lo, hi) in out.items()]
+    return (
+        f"sensitivity ({kind}:{num_tokens}, N={num_ubatches}, speedup {base:.2f}; each input /{factor} "
+        f"and x{factor}): " + ", ".join(parts) + f"; matters most: {most}"
+    )
+
+
+def link_of_record(record: dict, fallback: LinkModel) -> LinkModel:
+    """The link a ``launch.bench`` record ran on (its ``emulate_link``), else ``fallback``."""
+    spec = record.get("emulate_link")
+    if not spec:
+        return fallback
+    parsed = LinkSpec.parse(spec)
+    return from_gbps(
+        parsed.latency_us, parsed.gbps, name=spec, source="the record's --emulate-link"
+    )
+
+
+def compare(model, link, results_path: str) -> list[dict]:
+    """Predicted vs measured DBO speedup (N = 2) for every record of a ``launch.bench`` output.
+
+    Raises:
+        ValueError: an unreadable file or a record without the expected fields.
+    """
+    try:
+        records = json.loads(Path(results_path).read_text(encoding="utf-8"))
+        rows = []
+        for r in records:
+            run_link = link_of_record(r, link)
+            kind, tokens = r["batch_kind"], int(r["num_tokens_per_rank"])
+            p = predict(model, run_link, kind, tokens, [2])
+            rows.append(
+                {
+                    "batch": r["batch"],
+                    "link": run_link.name,
+                    "measured": r["speedup"],
+                    "predicted": p.speedup.get(2, float("nan")),
+                }  # fmt: skip
+            )
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--compare {results_path}: not launch.bench records ({e})") from None
+    return rows
+
+
+def format_compare(rows: list[dict]) -> str:
+    lines = [
+        "| link | batch | measured | predicted | difference (points) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        diff = 100 * (r["predicted"] - r["measured"])
+        lines.append(
+            f"| {r['link']} | {r['batch']} | {r['measured']:.2f}x | {r['predicted']:.2f}x | {diff:+.0f} |"
+        )
+    worst = max((abs(r["predicted"] - r["measured"]) for r in rows), default=0.0)
+    return "\n".join(lines) + f"\nlargest difference: {100 * worst:.0f} points"
+
+
+def prior_table(model, link, num_ubatches: int = 2) -> dict:
+    """The adaptive policy's prior: predicted speedup per (kind, log2 bucket) for N = 2."""
+    return {
+        "format": PRIOR_FORMAT,
+        "num_ubatches": num_ubatches,
+        **{
+            kind: {
+                str(b): round(bucket_prior(model, link, kind, b, num_ubatches), 4)
+                for b in range(MAX_PRIOR_LOG2 + 1)
+            }
+            for kind in ("decode", "prefill")
+        },
+    }
+
+
+def draw_png(path: str, curves: dict[str, list[tuple[int, float]]], title: str) -> None:
+    """Speedup against tokens per device, one line per (kind, N); 1.0 dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, points in curves.items():
+        ax.plot([t for t, _ in points], [s for _, s in points], marker=".", label=label)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per device per step")
+    ax.set_ylabel("predicted DBO speedup (off / on)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
