@@ -80,7 +80,7 @@ _HOPPER_SOURCES = {
     "gemm_efficiency": "DeepGEMM README 2025-02: contiguous grouped 1093-1297 TFLOPS -> 0.6",
     "gemm_efficiency_small": "DeepGEMM README 2025-02: masked grouped, 256 rows: 815-932 -> 0.45",
     "mem_efficiency": "DeepGEMM README 2025-02: 64-128-row GEMMs 1.5-2.7 TB/s -> 0.7",
-    "kernel_us": "assumption: ~3 µs per kernel node in a CUDA graph (not a published figure)",
+    "kernel_us": "assumption: ~4 µs launch gap and ramp of a small kernel in a CUDA graph (not published)",
 }
 
 
@@ -92,7 +92,7 @@ def _hopper(name: str, mem_tbps: float, datasheet: str) -> DeviceSpec:
         gemm_efficiency=0.6,
         gemm_efficiency_small=0.45,
         mem_efficiency=0.7,
-        kernel_us=3.0,
+        kernel_us=4.0,
         sources={"peak_tflops, mem_tbps": datasheet, **_HOPPER_SOURCES},
     )
 

@@ -37,10 +37,9 @@ def format_table(predictions: Sequence[Prediction], ubatch_counts: Sequence[int]
 def _perturbed(model, link, name: str, factor: float):
     """``(model, link)`` with one input scaled by ``factor``; None if the model lacks it."""
     if name == "link bandwidth":
-        gb = (link.dispatch_gbytes * factor, link.combine_gbytes * factor)
-        return model, replace(link, dispatch_gbytes=gb[0], combine_gbytes=gb[1])
+        return model, link.scaled(bandwidth=factor)
     if name == "link latency":
-        return model, replace(link, latency_us=link.latency_us * factor)
+        return model, link.scaled(latency=factor)
     device = getattr(model, "device", None)
     if device is None:
         return None

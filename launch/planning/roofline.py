@@ -22,9 +22,10 @@ from moe.models.config import MoEModelConfig
 
 BYTES = {"fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
 FP8_SCALE_BYTES_PER_ELEMENT = 4 / 128  # DeepEP FP8 dispatch: one fp32 scale per 128 channels
-# assumption: kernels per layer beyond the GEMMs counted below (norms, rope, activation, top-k,
-# quantisation, residual adds); not a published figure
-NUM_MISC_KERNELS = 8
+# kernels per layer and ubatch besides the GEMMs, attention and grouped GEMMs priced below, as in
+# a DeepSeek decode layer: 4 RMSNorms, rope, the second absorbed bmm, 6 FP8 activation
+# quantisations, top-k, 2 SiLU-and-mul, the residual add (a count, not a measurement)
+NUM_MISC_KERNELS = 16
 KINDS = ("decode", "prefill")
 
 
@@ -96,7 +97,9 @@ class RooflineCostModel:
         compute_s = flops / d.flops_per_s(dtype, rows)
         return max(compute_s, num_bytes / d.bytes_per_s) * 1e3 + count * d.kernel_us / 1e3
 
-    def _gemm_ms(self, rows: float, k: int, n: int, *, dtype: str | None = None) -> float:
+    def gemm_ms(self, rows: float, k: int, n: int, *, dtype: str | None = None) -> float:
+        """One GEMM ``[rows, k] @ [k, n]``: max(2 rows k n / FLOP/s, bytes / bandwidth) + the
+        kernel floor, in ms; weights in ``dtype`` (default the model's), activations bf16."""
         dtype = dtype or self.weight_dtype
         act = 2.0  # bf16 activations in and out
         return self._kernel_ms(
@@ -110,9 +113,7 @@ class RooflineCostModel:
         if c.attention_type == "mla":
             return self._mla_ms(kind, num_tokens)
         h, hd, q, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        proj = self._gemm_ms(num_tokens, h, (q + 2 * kv) * hd) + self._gemm_ms(
-            num_tokens, q * hd, h
-        )
+        proj = self.gemm_ms(num_tokens, h, (q + 2 * kv) * hd) + self.gemm_ms(num_tokens, q * hd, h)
         if kind == "decode":
             ctx = self.workload.context_len
             core = self._kernel_ms(
@@ -131,12 +132,12 @@ class RooflineCostModel:
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         latent = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank:
-            q = self._gemm_ms(t, h, c.q_lora_rank) + self._gemm_ms(t, c.q_lora_rank, nh * qk)
+            q = self.gemm_ms(t, h, c.q_lora_rank) + self.gemm_ms(t, c.q_lora_rank, nh * qk)
         else:
-            q = self._gemm_ms(t, h, nh * qk)
-        kv_a = self._gemm_ms(t, h, latent)
-        kv_b = self._gemm_ms(t, c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim))
-        o = self._gemm_ms(t, nh * c.v_head_dim, h)
+            q = self.gemm_ms(t, h, nh * qk)
+        kv_a = self.gemm_ms(t, h, latent)
+        kv_b = self.gemm_ms(t, c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim))
+        o = self.gemm_ms(t, nh * c.v_head_dim, h)
         if kind == "decode":  # absorbed: multi-query attention over the cached latent (bf16)
             ctx = self.workload.context_len
             core = self._kernel_ms(
@@ -172,7 +173,7 @@ class RooflineCostModel:
         if intermediate <= 0:
             return 0.0
         h = self.config.hidden_size
-        return self._gemm_ms(num_tokens, h, 2 * intermediate) + self._gemm_ms(
+        return self.gemm_ms(num_tokens, h, 2 * intermediate) + self.gemm_ms(
             num_tokens, intermediate, h
         )
 
@@ -186,7 +187,7 @@ class RooflineCostModel:
     def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
         """One ubatch of ``num_tokens`` tokens in one MoE layer."""
         c = self.config
-        router = self._gemm_ms(num_tokens, c.hidden_size, c.num_experts, dtype="bf16")
+        router = self.gemm_ms(num_tokens, c.hidden_size, c.num_experts, dtype="bf16")
         copies = num_tokens * c.num_experts_per_tok
         dispatch_elem = (
             1 + FP8_SCALE_BYTES_PER_ELEMENT if self.weight_dtype == "fp8" else BYTES["bf16"]
@@ -214,7 +215,7 @@ class RooflineCostModel:
             )
         )
         rows = num_tokens if kind == "decode" else math.ceil(num_tokens / self.workload.prompt_len)
-        return dense + self._gemm_ms(rows, c.hidden_size, c.vocab_size, dtype="bf16")
+        return dense + self.gemm_ms(rows, c.hidden_size, c.vocab_size, dtype="bf16")
 
     def describe(self) -> str:
         return (

@@ -54,14 +54,13 @@ class LayerCosts:
 
 @dataclass(slots=True)
 class _Link:
-    latency_ms: float
     free_ms: float = 0.0
 
-    def send(self, issue_ms: float, wire_ms: float) -> float:
+    def send(self, issue_ms: float, wire_ms: float, latency_ms: float) -> float:
         """Book a transfer; return when it lands."""
         start = max(issue_ms, self.free_ms)
         self.free_ms = start + wire_ms
-        return self.free_ms + self.latency_ms
+        return self.free_ms + latency_ms
 
 
 def simulate_layers(
@@ -86,17 +85,18 @@ def simulate_layers(
     wire = {op: link.wire_ms(op, getattr(costs, f"{op}_bytes")) for op in ("dispatch", "combine")}
     sm_ms = {op: link.sm_fraction * wire[op] for op in wire}
     baton = yield_ms if num_ubatches > 1 else 0.0
-    state = _Link(latency_ms=link.latency_us / 1e3)
+    latency = {op: link.latency_ms(op) for op in wire}
+    state = _Link()
     now = 0.0
     ready = [0.0] * num_ubatches
     for layer in range(num_layers):
         for u in range(num_ubatches):  # pre, then issue the dispatch
             now = max(now, ready[u]) + baton + (costs.post_ms if layer else 0.0) + costs.pre_ms
             now += sm_ms["dispatch"]
-            ready[u] = state.send(now, wire["dispatch"])
+            ready[u] = state.send(now, wire["dispatch"], latency["dispatch"])
         for u in range(num_ubatches):  # mid, issue the combine, shared experts meanwhile
             now = max(now, ready[u]) + baton + costs.mid_ms + sm_ms["combine"]
-            ready[u] = state.send(now, wire["combine"])
+            ready[u] = state.send(now, wire["combine"], latency["combine"])
             if num_ubatches == 1:  # DBO off: the combine is waited for before the shared experts
                 now = ready[u]
             now += costs.shared_ms
