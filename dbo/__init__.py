@@ -8,6 +8,7 @@ from dbo.adaptive_policy import (
     Bucket,
     PolicyChoice,
     format_crossover,
+    prior_from_table,
 )
 from dbo.attention_metadata import CommonAttentionMetadata
 from dbo.dp_coordination import (
@@ -46,6 +47,7 @@ __all__ = [
     "Bucket",
     "PolicyChoice",
     "format_crossover",
+    "prior_from_table",
     "CommonAttentionMetadata",
     "DPMicrobatchDecision",
     "TimelineRecorder",

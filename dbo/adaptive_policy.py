@@ -19,7 +19,13 @@ The rule (everything below is a pure function of data every DP rank holds identi
 - **Re-check.** The bucket explores again (both arms' samples dropped) after ``recheck_interval``
   exploit steps, or as soon as the median of the chosen arm's last ``window`` samples since the
   decision differs from its median at the decision by more than ``drift_tolerance``.
-- Buckets never seen start with exploration (no prediction from neighbours).
+- **Prior.** Without one, a bucket never seen starts with full exploration. With a prior (the
+  planner's predicted speedup off / on per bucket, ``launch.plan --write-prior``) that is
+  confident (``|speedup - 1| > prior_margin``), a new bucket first explores only
+  ``num_prior_explore_steps`` steps per arm: if their medians agree with the prediction it
+  decides there; if not, it explores on to ``num_explore_steps`` and the samples decide, as
+  without a prior. Samples always decide; the prior only shortens an exploration it agrees with.
+  Re-checks explore fully.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 KINDS = ("decode", "prefill")
@@ -47,16 +54,21 @@ class AdaptivePolicyConfig:
     # machine the median of 5 step times swings by +-30 % with no change in the workload.
     drift_tolerance: float = 0.5
     recheck_interval: int = 500  # exploit steps of a bucket before it explores again
+    # a prior's predicted speedup counts when it is this far from 1 (the planner's error on the
+    # emulated link was within 10 points); then a new bucket explores this many steps per arm
+    # (at most num_explore_steps)
+    prior_margin: float = 0.15
+    num_prior_explore_steps: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_explore_steps", "window", "recheck_interval"):
+        for name in ("num_explore_steps", "window", "recheck_interval", "num_prior_explore_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.window < self.num_explore_steps:
             raise ValueError(
                 f"window ({self.window}) must be >= num_explore_steps ({self.num_explore_steps})"
             )
-        for name in ("tie_tolerance", "drift_tolerance"):
+        for name in ("tie_tolerance", "drift_tolerance", "prior_margin"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
@@ -109,6 +121,8 @@ class _BucketState:
     reference_ms: float = 0.0  # chosen arm's median at the decision
     num_since_decision: int = 0
     last_decision: bool | None = None  # survives re-exploration (for the crossover)
+    num_explore: int = 0  # samples per arm before deciding (shorter with an agreeing prior)
+    prior_choice: bool | None = None  # the prior's arm while it shortens the exploration
 
 
 class AdaptiveDBOPolicy:
@@ -120,19 +134,41 @@ class AdaptiveDBOPolicy:
     Use per step: ``record(prev_step_ms)`` with the combined time of the previous step (it is
     attributed to the bucket and arm that ``begin_step`` named), ``choose(bucket)``, then
     ``begin_step(bucket, use_ubatch)`` with what actually runs.
+
+    ``prior``: the predicted speedup (DBO off / on; > 1: microbatching pays) of a bucket, or None
+    where there is no prediction (see the module docstring, **Prior**); ``prior_from_table``
+    builds one from ``launch.plan --write-prior``'s JSON.
     """
 
-    def __init__(self, config: AdaptivePolicyConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: AdaptivePolicyConfig | None = None,
+        prior: Callable[[Bucket], float | None] | None = None,
+    ) -> None:
         self.config = config or AdaptivePolicyConfig()
         self._buckets: dict[Bucket, _BucketState] = {}
         self._pending: tuple[Bucket, bool] | None = None
         self.num_exploration_steps = 0
+        self.prior = prior
+
+    def set_prior(self, prior: Callable[[Bucket], float | None] | None) -> None:
+        """Use ``prior`` for the buckets not seen yet (None: no prior)."""
+        self.prior = prior
 
     def _state(self, bucket: Bucket) -> _BucketState:
         state = self._buckets.get(bucket)
         if state is None:
             w = self.config.window
-            state = _BucketState(samples={False: deque(maxlen=w), True: deque(maxlen=w)})
+            state = _BucketState(
+                samples={False: deque(maxlen=w), True: deque(maxlen=w)},
+                num_explore=self.config.num_explore_steps,
+            )
+            predicted = self.prior(bucket) if self.prior is not None else None
+            if predicted is not None and abs(predicted - 1.0) > self.config.prior_margin:
+                state.prior_choice = predicted > 1.0
+                state.num_explore = min(
+                    self.config.num_prior_explore_steps, self.config.num_explore_steps
+                )
             self._buckets[bucket] = state
         return state
 
@@ -171,7 +207,7 @@ class AdaptiveDBOPolicy:
         if state.choice is None:
             state.num_round[arm] += 1
             state.last_explored = arm
-            if min(state.num_round.values()) >= self.config.num_explore_steps:
+            if min(state.num_round.values()) >= state.num_explore:
                 self._decide(state)
         elif arm == state.choice:
             state.num_since_decision += 1
@@ -180,7 +216,15 @@ class AdaptiveDBOPolicy:
     def _decide(self, state: _BucketState) -> None:
         med_off = statistics.median(state.samples[False])
         med_on = statistics.median(state.samples[True])
-        state.choice = med_on < med_off * (1.0 - self.config.tie_tolerance)
+        measured = med_on < med_off * (1.0 - self.config.tie_tolerance)
+        if state.prior_choice is not None and measured != state.prior_choice:
+            # the samples contradict the prior: explore as long as without one, samples decide
+            state.prior_choice = None
+            state.num_explore = self.config.num_explore_steps
+            if min(state.num_round.values()) < state.num_explore:
+                return
+        state.prior_choice = None
+        state.choice = measured
         state.last_decision = state.choice
         state.reference_ms = med_on if state.choice else med_off
         state.num_since_decision = 0
@@ -197,6 +241,7 @@ class AdaptiveDBOPolicy:
             state.num_round = {False: 0, True: 0}
             state.last_explored = None
             state.choice = None
+            state.num_explore = cfg.num_explore_steps
 
     def crossover_tokens(self, kind: str) -> float:
         """Tokens per rank from which microbatching pays for ``kind``, as learned so far: the lowest
@@ -234,6 +279,28 @@ class AdaptiveDBOPolicy:
             state = "exploring" if s.choice is None else ("on" if s.choice else "off")
             out[bucket.label] = {"choice": state, "median_ms": medians}
         return out
+
+
+def prior_from_table(table: Mapping) -> Callable[[Bucket], float | None]:
+    """A ``prior`` from ``launch.plan --write-prior``'s JSON: ``{"decode": {"<log2_tokens>":
+    speedup, ...}, "prefill": {...}}`` (speedups <= 0 and missing buckets: no prediction).
+
+    Raises:
+        ValueError: not that shape (a kind that is not a mapping of integers to numbers).
+    """
+    speedups: dict[Bucket, float] = {}
+    for kind in KINDS:
+        entries = table.get(kind, {}) if isinstance(table, Mapping) else None
+        if not isinstance(entries, Mapping):
+            raise ValueError(f"prior: {kind!r} must map log2 token buckets to speedups")
+        for key, value in entries.items():
+            try:
+                log2_tokens, speedup = int(key), float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"prior: bad entry {kind}[{key!r}] = {value!r}") from None
+            if speedup > 0 and log2_tokens >= 0:
+                speedups[Bucket(kind=kind, log2_tokens=log2_tokens)] = speedup
+    return speedups.get
 
 
 def format_crossover(value: float) -> str:

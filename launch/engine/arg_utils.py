@@ -77,6 +77,8 @@ class EngineArgs:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | str = 32  # or "auto": learned (dbo.AdaptiveDBOPolicy)
     dbo_prefill_token_threshold: int | str = 512
+    # `launch.plan --write-prior` JSON: the adaptive policy's predicted speedup per bucket
+    dbo_adaptive_prior: str | None = None
     all2all_backend: str | None = (
         None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
     )
@@ -154,6 +156,7 @@ class EngineArgs:
                 f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
             )
         self.link_spec()  # raises ValueError on a malformed --emulate-link
+        self.adaptive_prior()  # raises ValueError on an unreadable --dbo-adaptive-prior
         self.graph_capture_sizes()  # raises ValueError on bad capture sizes
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
@@ -191,6 +194,25 @@ class EngineArgs:
             ("prefill", self.dbo_prefill_token_threshold),
         )
         return frozenset(kind for kind, value in kinds if value == AUTO)
+
+    def adaptive_prior(self):
+        """``--dbo-adaptive-prior`` as the adaptive policy's ``prior`` (None when not given).
+
+        Raises:
+            ValueError: the file is unreadable, not JSON, or not ``launch.plan``'s prior table.
+        """
+        if self.dbo_adaptive_prior is None:
+            return None
+        import json
+
+        from dbo.adaptive_policy import prior_from_table
+
+        path = self.dbo_adaptive_prior
+        try:
+            with open(path, encoding="utf-8") as f:
+                return prior_from_table(json.load(f))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            raise ValueError(f"--dbo-adaptive-prior {path!r}: {e}") from None
 
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
@@ -356,6 +378,13 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         type=dbo_threshold,
         default=d.dbo_prefill_token_threshold,
         help="min tokens of a batch with a prefill to microbatch it, or 'auto' (learned)",
+    )
+    add(
+        "--dbo-adaptive-prior",
+        default=None,
+        metavar="FILE",
+        help="with 'auto' thresholds, start each new batch size from launch.plan's predicted "
+        "speedup (launch.plan --write-prior FILE): fewer exploration steps where samples agree",
     )
     add(
         "--all2all-backend",

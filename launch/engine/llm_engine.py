@@ -205,6 +205,7 @@ class LLMEngine:
             groups=groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
+        self.model_runner.adaptive_policy.set_prior(engine_args.adaptive_prior())
         freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
 
     def _log(self, line: str) -> None:

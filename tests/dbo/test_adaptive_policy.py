@@ -15,6 +15,7 @@ from dbo import (
     coordinate_batch_across_dp,
     decide_from_gathered,
     format_crossover,
+    prior_from_table,
 )
 from tests.helpers.distributed import run_distributed
 
@@ -231,3 +232,59 @@ def test_ranks_with_different_local_times_agree_every_step():
     assert per_rank[0][2] == math.inf
     assert per_rank[0][1]["decode:64-127"]["choice"] == "on"
     assert per_rank[0][1]["decode:256-511"]["choice"] == "off"
+
+
+def _prior(speedup):
+    return lambda bucket: speedup
+
+
+@pytest.mark.parametrize("on_is_faster", [True, False])
+def test_an_agreeing_prior_halves_the_exploration(on_is_faster):
+    policy = AdaptiveDBOPolicy(prior=_prior(1.4 if on_is_faster else 0.6))
+
+    def times(use_ubatch, i):
+        return 10.0 if use_ubatch == on_is_faster else 13.0
+
+    trace = drive(policy, DECODE_64, times, 12)
+    # 2 samples per arm (off, on, on, off) instead of 4, then the faster arm
+    assert trace[:4] == [(False, True), (True, True), (True, True), (False, True)]
+    assert trace[4:] == [(on_is_faster, False)] * 8
+    assert policy.num_exploration_steps == 4
+
+
+def test_a_contradicted_prior_explores_fully_and_the_samples_decide():
+    policy = AdaptiveDBOPolicy(prior=_prior(1.5))  # predicts on; off is faster
+
+    trace = drive(policy, DECODE_64, lambda on, i: 13.0 if on else 10.0, 12)
+    assert [e for _, e in trace[:8]] == [True] * 8  # the full 4 + 4 steps
+    assert trace[8:] == [(False, False)] * 4
+    assert policy.num_exploration_steps == 8
+
+
+def test_an_unsure_or_missing_prior_changes_nothing():
+    for prior in (_prior(1.05), _prior(None), None):
+        policy = AdaptiveDBOPolicy(prior=prior)
+        drive(policy, DECODE_64, lambda on, i: 10.0 if on else 13.0, 12)
+        assert policy.num_exploration_steps == 8
+
+
+def test_rechecks_explore_fully_with_a_prior():
+    cfg = AdaptivePolicyConfig(recheck_interval=3)
+    policy = AdaptiveDBOPolicy(cfg, prior=_prior(1.5))
+    trace = drive(policy, DECODE_64, lambda on, i: 10.0 if on else 13.0, 4 + 3 + 8)
+    assert [e for _, e in trace] == [True] * 4 + [False] * 3 + [True] * 8
+
+
+def test_prior_from_table():
+    prior = prior_from_table({"format": "x", "decode": {"6": 0.7, "8": 1.3}, "prefill": {"10": 0}})
+    assert prior(DECODE_64) == 0.7
+    assert prior(Bucket(kind="decode", log2_tokens=7)) is None
+    assert prior(Bucket(kind="prefill", log2_tokens=10)) is None  # 0: no prediction
+    with pytest.raises(ValueError, match="bad entry decode"):
+        prior_from_table({"decode": {"x": 1.0}})
+    with pytest.raises(ValueError, match="'prefill' must map"):
+        prior_from_table({"prefill": [1.0]})
+    with pytest.raises(ValueError, match="num_prior_explore_steps must be >= 1"):
+        AdaptivePolicyConfig(num_prior_explore_steps=0)
+    with pytest.raises(ValueError, match="prior_margin must be in"):
+        AdaptivePolicyConfig(prior_margin=1.5)

@@ -8,12 +8,14 @@ import math
 
 import pytest
 
+from dbo import Bucket
 from launch import plan
 from launch.planning.calibrated_model import calibrate
 from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
 from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
 from launch.planning.model_presets import PRESETS, load_model
 from launch.planning.planner import bucket_prior, crossover, predict, step_ms, token_sweep
+from launch.planning.report import prior_table
 from launch.planning.roofline import RooflineCostModel, Workload
 from launch.planning.schedule import LayerCosts, simulate_layers
 
@@ -285,3 +287,21 @@ def test_infinite_or_bad_links_are_refused():
     assert math.isfinite(
         deepep_link("deepep-ll", 300).dispatch_gbytes
     )  # beyond the table: last row
+
+
+def test_engine_reads_the_prior_and_refuses_a_bad_one(tmp_path):
+    from launch.engine.arg_utils import EngineArgs
+
+    model, link = sglang_decode_model()
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(prior_table(model, link)))
+    prior = EngineArgs(dbo_adaptive_prior=str(path)).adaptive_prior()
+    assert prior(Bucket(kind="decode", log2_tokens=8)) == pytest.approx(
+        bucket_prior(model, link, "decode", 8), abs=1e-4
+    )
+    for text, message in (("{", "Expecting"), ('{"decode": [1]}', "must map")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"--dbo-adaptive-prior '{path}': .*{message}"):
+            EngineArgs(dbo_adaptive_prior=str(path))
+    with pytest.raises(ValueError, match="No such file"):
+        EngineArgs(dbo_adaptive_prior=str(tmp_path / "missing.json"))
