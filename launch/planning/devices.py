@@ -118,8 +118,9 @@ def measure_this_machine(dtype: str = "fp32", *, seconds: float = 0.3) -> Device
     torch_dtype = torch.bfloat16 if dtype in ("bf16", "fp8") else torch.float32
     a = torch.randn(1024, 1024, dtype=torch_dtype)
     gemm_s = _time_per_call(lambda: a @ a, seconds)
-    src = torch.empty(64 * 1024 * 1024, dtype=torch.float32)
-    copy_s = _time_per_call(lambda: src.clone(), seconds)
+    src = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    dst = torch.zeros_like(src)  # touched once here: the copy below measures bandwidth, not faults
+    copy_s = _time_per_call(lambda: dst.copy_(src), seconds)
     tiny = torch.ones(8)
     tiny_s = _time_per_call(lambda: tiny + tiny, seconds / 3)
     peak = 2 * 1024**3 / gemm_s / 1e12

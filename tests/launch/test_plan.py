@@ -305,3 +305,11 @@ def test_engine_reads_the_prior_and_refuses_a_bad_one(tmp_path):
             EngineArgs(dbo_adaptive_prior=str(path))
     with pytest.raises(ValueError, match="No such file"):
         EngineArgs(dbo_adaptive_prior=str(tmp_path / "missing.json"))
+
+
+def test_this_machine_is_measured():
+    from launch.planning.devices import measure_this_machine
+
+    device = measure_this_machine("fp32", seconds=0.05)
+    assert device.peak_tflops["fp32"] > 0 and device.mem_tbps > 0 and device.kernel_us > 0
+    assert "measured" in device.sources["all"]
