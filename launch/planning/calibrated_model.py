@@ -44,6 +44,10 @@ class CalibratedCostModel:
         fit = self.parts.get(name)
         return fit(kind, num_tokens) if fit is not None else 0.0
 
+    def parts_ms(self, kind: str, num_tokens: float) -> dict[str, float]:
+        """One MoE layer's compute by fitted part (ms) for ``num_tokens`` tokens."""
+        return {name: fit(kind, num_tokens) for name, fit in self.parts.items()}
+
     def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
         """One ubatch of ``num_tokens`` tokens in one MoE layer."""
 

@@ -184,18 +184,29 @@ class RooflineCostModel:
         )
 
     # --- the CostModel interface ----------------------------------------------------------
+    def parts_ms(self, kind: str, num_tokens: float) -> dict[str, float]:
+        """One MoE layer's compute by part (ms) for ``num_tokens`` tokens."""
+        c = self.config
+        return {
+            "attention": self.attention_ms(kind, num_tokens),
+            "router": self.gemm_ms(num_tokens, c.hidden_size, c.num_experts, dtype="bf16"),
+            "other kernels": self._misc_ms(num_tokens),
+            "experts": self.experts_ms(num_tokens),
+            "shared experts": self.mlp_ms(num_tokens, c.shared_intermediate_size),
+        }
+
     def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
         """One ubatch of ``num_tokens`` tokens in one MoE layer."""
         c = self.config
-        router = self.gemm_ms(num_tokens, c.hidden_size, c.num_experts, dtype="bf16")
+        parts = self.parts_ms(kind, num_tokens)
         copies = num_tokens * c.num_experts_per_tok
         dispatch_elem = (
             1 + FP8_SCALE_BYTES_PER_ELEMENT if self.weight_dtype == "fp8" else BYTES["bf16"]
         )
         return LayerCosts(
-            pre_ms=self.attention_ms(kind, num_tokens) + router + self._misc_ms(num_tokens),
-            mid_ms=self.experts_ms(num_tokens),
-            shared_ms=self.mlp_ms(num_tokens, c.shared_intermediate_size),
+            pre_ms=parts["attention"] + parts["router"] + parts["other kernels"],
+            mid_ms=parts["experts"],
+            shared_ms=parts["shared experts"],
             dispatch_bytes=copies * c.hidden_size * dispatch_elem,
             combine_bytes=copies * c.hidden_size * BYTES[self.combine_dtype],
         )
