@@ -138,7 +138,9 @@ def run(ns, model, link, lines: list[str]) -> None:
     shapes = [("decode", t) for t in ns.decode_tokens] + [("prefill", t) for t in ns.prefill_tokens]
     preds = [planner.predict(model, link, k, t, ns_list) for k, t in shapes]
     print(report.format_table(preds, ns_list))
-    largest = {kind: t for kind, t in shapes}  # the largest requested shape per kind
+    largest: dict[str, int] = {}  # the largest requested shape per kind
+    for kind, t in shapes:
+        largest[kind] = max(t, largest.get(kind, 0))
     for kind, t in largest.items():
         parts = model.parts_ms(kind, t)
         print(f"C of {kind}:{t} per layer: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
