@@ -11,6 +11,11 @@ Inputs: ``DIR/rank<r>.json`` (each rank's spans) and ``DIR/results.json`` (``lau
   DBO on the ubatch threads' start and join) and the median baton pass.
 Fits (least squares): each part ``a + b * tokens`` (attention and the outside time with a slope
 per kind), the link ``latency + bytes / bandwidth``, the bytes per token, a fixed extra per DBO step.
+
+Steps are told apart by their token count, so a run must not hold two shapes of one count: a
+``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to
+``--max-num-batched-tokens`` tokens, which must not equal a ``prefill:`` shape's count (e.g. pass
+``--max-num-batched-tokens 4096`` with ``decode:256,prefill:1024``).
 """
 
 from __future__ import annotations
