@@ -313,3 +313,17 @@ def test_this_machine_is_measured():
     device = measure_this_machine("fp32", seconds=0.05)
     assert device.peak_tflops["fp32"] > 0 and device.mem_tbps > 0 and device.kernel_us > 0
     assert "measured" in device.sources["all"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PRESETS.values()))
+def test_every_preset_predicts_from_a_config_file(name, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS[name.lower()].hf_config))
+    shown, config = load_model(str(tmp_path))
+    assert shown == str(tmp_path / "config.json")
+    model = RooflineCostModel(config, DEVICE_PRESETS["h200"], ep_size=16)
+    for kind, tokens in (("decode", 64), ("prefill", 4096)):
+        p = predict(model, deepep_link("deepep-ht", 16), kind, tokens, [2, 3])
+        assert p.step_ms_off > 0 and all(0 < s < 3 for s in p.speedup.values())
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model(str(tmp_path))
