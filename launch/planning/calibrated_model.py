@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.planning.calibration import (
@@ -28,7 +28,8 @@ class CalibratedCostModel:
     ``parts``: part name -> ``Affine``; ``bytes_per_token``: op -> bytes per token on the wire;
     ``outside``: per-step ms outside the MoE layers with DBO off; ``dbo_step_ms``: what a DBO step
     adds outside the layers (thread start and join); ``yield_ms``: one baton pass;
-    ``link``: the fitted link; ``num_moe_layers``.
+    ``link``: the fitted link; ``num_moe_layers``; ``ubatched_factor``: part -> measured / fitted
+    time of the part in DBO steps (the ubatch threads and the transfers in flight share the CPU).
     """
 
     parts: dict[str, Affine]
@@ -39,20 +40,24 @@ class CalibratedCostModel:
     link: LinkModel
     num_moe_layers: int
     source: str = ""
+    ubatched_factor: dict[str, float] = field(default_factory=dict)
 
-    def _part(self, name: str, kind: str, num_tokens: float) -> float:
+    def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
         fit = self.parts.get(name)
-        return fit(kind, num_tokens) if fit is not None else 0.0
+        if fit is None:
+            return 0.0
+        factor = self.ubatched_factor.get(name, 1.0) if num_ubatches > 1 else 1.0
+        return fit(kind, num_tokens) * factor
 
     def parts_ms(self, kind: str, num_tokens: float) -> dict[str, float]:
         """One MoE layer's compute by fitted part (ms) for ``num_tokens`` tokens."""
         return {name: fit(kind, num_tokens) for name, fit in self.parts.items()}
 
-    def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
-        """One ubatch of ``num_tokens`` tokens in one MoE layer."""
+    def layer_costs(self, kind: str, num_tokens: float, *, num_ubatches: int = 1) -> LayerCosts:
+        """One ubatch of ``num_tokens`` tokens in one MoE layer of a step cut in ``num_ubatches``."""
 
         def p(*names):
-            return sum(self._part(n, kind, num_tokens) for n in names)
+            return sum(self._part(n, kind, num_tokens, num_ubatches) for n in names)
 
         return LayerCosts(
             pre_ms=p("attention", "router", "dispatch_prep"),
@@ -100,11 +105,19 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
     """
     if not samples.num_layers or not samples.parts:
         raise ValueError("--calibrate: no layer spans in the timeline (was it a launch.bench run?)")
-    parts = {
-        part: fit_affine(samples.parts[part], per_kind=part in PER_KIND)
-        for part in PARTS
-        if samples.parts.get(part)
-    }
+    parts, factors = {}, {}
+    for part in PARTS:
+        points = samples.parts.get(part)
+        if not points:
+            continue
+        off = [(k, t) for k, t, n, _ in points if n == 1]
+        fitted = fit_affine(
+            [(k, t, ms) for k, t, n, ms in points if n == 1 or not off], per_kind=part in PER_KIND
+        )
+        ratios = [ms / fitted(k, t) for k, t, n, ms in points if n > 1 and fitted(k, t) > 0]
+        parts[part] = fitted
+        if off and ratios:
+            factors[part] = statistics.median(ratios)
     off = [(k, t, ms) for k, t, n, ms in samples.outside if n == 1]
     outside = fit_affine(off, per_kind=True)
     extra = [ms - outside(k, t) for k, t, n, ms in samples.outside if n > 1]
@@ -117,6 +130,7 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
         link=_fit_link(samples, source),
         num_moe_layers=samples.num_layers,
         source=source,
+        ubatched_factor=factors,
     )
 
 

@@ -4,13 +4,15 @@ Inputs: ``DIR/rank<r>.json`` (each rank's spans) and ``DIR/results.json`` (``lau
 --output``: which token counts were decode and which prefill). From every engine step:
 - per MoE-layer part (``layer{i}.attention``, ``.router``, ``.dispatch_prep``, ``.dispatch_finish``,
   ``.experts``, ``.combine_prep``, ``.shared_experts``, ``.combine_finish``) its mean ms per layer
-  and ubatch, against the ubatch's tokens (steps with DBO off give the whole batch, steps with DBO
-  on its halves: the split's cost is in the data);
+  and ubatch, against the ubatch's tokens;
 - every ``dispatch`` / ``combine`` of a DBO-off step: its bytes and ms (alone on the link);
 - the step's time outside the layers (scheduling, DP vote, embedding, LM head, sampling, and with
   DBO on the ubatch threads' start and join) and the median baton pass.
-Fits (least squares): each part ``a + b * tokens`` (attention and the outside time with a slope
-per kind), the link ``latency + bytes / bandwidth``, the bytes per token, a fixed extra per DBO step.
+Fits (least squares): each part ``a + b * tokens`` on the DBO-off steps (attention and the outside
+time with a slope per kind; ``a`` is what every call costs, so a split pays it per ubatch), and per
+part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
+threads and the transfers in flight compete for the cores); the link ``latency + bytes /
+bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers.
 
 Steps are told apart by their token count, so a run must not hold two shapes of one count: a
 ``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to
@@ -55,7 +57,8 @@ class Affine:
 class TimelineSamples:
     """What calibration reads from a timeline (ms, bytes, tokens per ubatch)."""
 
-    parts: dict[str, list[tuple[str, float, float]]] = field(
+    # part -> (kind, tokens per ubatch, number of ubatches, ms per layer and ubatch)
+    parts: dict[str, list[tuple[str, float, int, float]]] = field(
         default_factory=lambda: defaultdict(list)
     )
     transfers: list[tuple[float, float]] = field(default_factory=list)  # (bytes, ms), DBO off
@@ -154,7 +157,8 @@ def _collect_step(step: Span, spans: list[Span], kind: str, samples: TimelineSam
     samples.num_layers = max(samples.num_layers, num_layers)
     for part, values in per_part.items():
         # the mean per layer and ubatch: sum over the step / (layers * ubatches)
-        samples.parts[part].append((kind, tokens, sum(values) / (num_layers * num_ubatches)))
+        mean_ms = sum(values) / (num_layers * num_ubatches)
+        samples.parts[part].append((kind, tokens, num_ubatches, mean_ms))
     step_ms = (step.end_ns - step.start_ns) / 1e6
     samples.outside.append(
         (kind, tokens * num_ubatches, num_ubatches, step_ms - (layer_end - layer_start) / 1e6)

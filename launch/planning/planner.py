@@ -4,7 +4,7 @@ A cost model (``RooflineCostModel`` from presets, ``CalibratedCostModel`` from a
 one ubatch's ``LayerCosts`` and the per-step work outside the MoE layers; ``schedule`` turns them
 into step times. A step with N ubatches of a batch of T tokens costs::
 
-    outside(T, N) + simulate_layers(layer_costs(T / N), N ubatches, the link)
+    outside(T, N) + simulate_layers(layer_costs(T / N, N), N ubatches, the link)
 
 and DBO off is N = 1. The speedup is off / on; a crossover is the smallest token count from which
 the best N beats off by more than the adaptive policy's tie tolerance (1 %).
@@ -53,7 +53,7 @@ def step_ms(model, link, kind: str, num_tokens: int, num_ubatches: int) -> float
     """
     if num_ubatches < 1 or num_tokens < num_ubatches:
         raise ValueError(f"cannot cut {num_tokens} tokens into {num_ubatches} non-empty ubatches")
-    costs = model.layer_costs(kind, num_tokens / num_ubatches)
+    costs = model.layer_costs(kind, num_tokens / num_ubatches, num_ubatches=num_ubatches)
     layers = simulate_layers(
         costs,
         num_layers=model.num_moe_layers,

@@ -195,8 +195,9 @@ class RooflineCostModel:
             "shared experts": self.mlp_ms(num_tokens, c.shared_intermediate_size),
         }
 
-    def layer_costs(self, kind: str, num_tokens: float) -> LayerCosts:
-        """One ubatch of ``num_tokens`` tokens in one MoE layer."""
+    def layer_costs(self, kind: str, num_tokens: float, *, num_ubatches: int = 1) -> LayerCosts:
+        """One ubatch of ``num_tokens`` tokens in one MoE layer (the roofline prices a ubatch
+        the same whatever ``num_ubatches``)."""
         c = self.config
         parts = self.parts_ms(kind, num_tokens)
         copies = num_tokens * c.num_experts_per_tok

@@ -151,18 +151,19 @@ BYTES_PER_TOKEN, OUTSIDE_MS, NUM_LAYERS = 1000.0, 2.0, 2
 TRUTH_LINK = from_gbps(100.0, 0.512)  # 64 tokens: 64 kB = 1 ms on the wire
 
 
-def _synthetic_step(events, step, t0, tokens, num_ubatches) -> float:
-    """Append one step's spans (laid out one after another); return its end in ms."""
+def _synthetic_step(events, step, t0, tokens, num_ubatches, slowdown) -> float:
+    """Append one step's spans (laid out one after another; parts of a DBO step ``slowdown``
+    times slower); return its end in ms."""
     now = t0 + OUTSIDE_MS / 2
     per = tokens / num_ubatches
+    factor = slowdown if num_ubatches > 1 else 1.0
     for layer in range(NUM_LAYERS):
         for u in range(num_ubatches):
             tid = 10 + u if num_ubatches > 1 else 1
             for part, (a, b) in TRUTH.items():
-                events.append(
-                    _trace_event(f"layer{layer}.{part}", "compute", tid, now, a + b * per)
-                )
-                now += a + b * per
+                ms = (a + b * per) * factor
+                events.append(_trace_event(f"layer{layer}.{part}", "compute", tid, now, ms))
+                now += ms
             for op in ("dispatch", "combine"):
                 ms = TRUTH_LINK.transfer_ms(op, BYTES_PER_TOKEN * per)
                 args = {"num_bytes": BYTES_PER_TOKEN * per}
@@ -176,7 +177,7 @@ def _synthetic_step(events, step, t0, tokens, num_ubatches) -> float:
     return end
 
 
-def write_synthetic_timeline(directory) -> None:
+def write_synthetic_timeline(directory, slowdown: float = 1.0) -> None:
     """A ``launch.bench`` run in miniature: decode:64 and decode:256, off and on."""
     names = {0: "engine step", 1: "main compute", 101: "main comm", 10: "ubatch0 compute",
              11: "ubatch1 compute", 110: "ubatch0 comm", 111: "ubatch1 comm"}  # fmt: skip
@@ -187,7 +188,7 @@ def write_synthetic_timeline(directory) -> None:
     now, step = 0.0, 0
     for tokens in (64, 256):
         for num_ubatches in (1, 2, 1, 2):
-            now = _synthetic_step(events, step, now, tokens, num_ubatches) + 1.0
+            now = _synthetic_step(events, step, now, tokens, num_ubatches, slowdown) + 1.0
             step += 1
     (directory / "rank0.json").write_text(json.dumps({"traceEvents": events}))
     records = [{"num_tokens_per_rank": t, "batch_kind": "decode", "batch": f"decode:{t}",
@@ -196,8 +197,9 @@ def write_synthetic_timeline(directory) -> None:
 
 
 def test_calibration_recovers_a_synthetic_timeline(tmp_path):
-    write_synthetic_timeline(tmp_path)
+    write_synthetic_timeline(tmp_path, slowdown=1.1)
     model = calibrate(tmp_path)
+    assert model.ubatched_factor["experts"] == pytest.approx(1.1)
     assert model.num_moe_layers == NUM_LAYERS
     assert model.link.latency_us == pytest.approx(100, rel=1e-3)
     assert model.link.dispatch_gbytes * 8 == pytest.approx(0.512, rel=1e-3)
