@@ -10,10 +10,10 @@ from pathlib import Path
 from launch.planning.calibration import (
     PARTS,
     PER_KIND,
-    Affine,
+    Curve,
     TimelineSamples,
     collect,
-    fit_affine,
+    fit_curve,
     read_kinds,
     read_rank_spans,
 )
@@ -25,16 +25,16 @@ from launch.planning.schedule import LayerCosts
 class CalibratedCostModel:
     """Fitted terms (ms per layer and ubatch as functions of its tokens; see ``calibration``).
 
-    ``parts``: part name -> ``Affine``; ``bytes_per_token``: op -> bytes per token on the wire;
+    ``parts``: part name -> ``Curve``; ``bytes_per_token``: op -> bytes per token on the wire;
     ``outside``: per-step ms outside the MoE layers with DBO off; ``dbo_step_ms``: what a DBO step
     adds outside the layers (thread start and join); ``yield_ms``: one baton pass;
     ``link``: the fitted link; ``num_moe_layers``; ``ubatched_factor``: part -> measured / fitted
     time of the part in DBO steps (the ubatch threads and the transfers in flight share the CPU).
     """
 
-    parts: dict[str, Affine]
+    parts: dict[str, Curve]
     bytes_per_token: dict[str, float]
-    outside: Affine
+    outside: Curve
     dbo_step_ms: float
     yield_ms: float
     link: LinkModel
@@ -111,7 +111,7 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
         if not points:
             continue
         off = [(k, t) for k, t, n, _ in points if n == 1]
-        fitted = fit_affine(
+        fitted = fit_curve(
             [(k, t, ms) for k, t, n, ms in points if n == 1 or not off], per_kind=part in PER_KIND
         )
         ratios = [ms / fitted(k, t) for k, t, n, ms in points if n > 1 and fitted(k, t) > 0]
@@ -119,14 +119,15 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
         if off and ratios:
             factors[part] = statistics.median(ratios)
     off = [(k, t, ms) for k, t, n, ms in samples.outside if n == 1]
-    outside = fit_affine(off, per_kind=True)
+    outside = fit_curve(off, per_kind=True)
     extra = [ms - outside(k, t) for k, t, n, ms in samples.outside if n > 1]
     return CalibratedCostModel(
         parts=parts,
         bytes_per_token=_bytes_per_token(samples),
         outside=outside,
         dbo_step_ms=max(statistics.median(extra), 0.0) if extra else 0.0,
-        yield_ms=statistics.median(samples.batons_ms) if samples.batons_ms else 0.0,
+        # the mean, not the median: a few passes wait ~1 ms for a core and the sum is what counts
+        yield_ms=statistics.fmean(samples.batons_ms) if samples.batons_ms else 0.0,
         link=_fit_link(samples, source),
         num_moe_layers=samples.num_layers,
         source=source,

@@ -186,3 +186,38 @@ def fit_affine(points: list[tuple[str, float, float]], *, per_kind: bool) -> Aff
     if per_kind:
         return Affine(intercept=intercept, slope=dict(zip(kinds, slopes, strict=True)))
     return Affine(intercept=intercept, slope={"decode": slopes[0], "prefill": slopes[0]})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Curve:
+    """A measured cost curve in ms: through the median of the samples at each measured token
+    count (linear in between), and beyond the measured counts the ``Affine`` fit's shape scaled to
+    meet the nearest measured point (a fixed cost per call stays fixed, the rest scales).
+    ``points``: kind ("*" for any kind) -> sorted ``(tokens, ms)``."""
+
+    points: dict[str, tuple[tuple[float, float], ...]]
+    fallback: Affine
+
+    def __call__(self, kind: str, num_tokens: float) -> float:
+        pts = self.points.get(kind) or self.points.get("*") or ()
+        if not pts:
+            return self.fallback(kind, num_tokens)
+        if num_tokens <= pts[0][0] or num_tokens >= pts[-1][0]:
+            x0, y0 = pts[0] if num_tokens <= pts[0][0] else pts[-1]
+            base = self.fallback(kind, x0)
+            return y0 * self.fallback(kind, num_tokens) / base if base > 0 else y0
+        i = next(i for i, (x, _) in enumerate(pts) if x >= num_tokens)
+        (xa, ya), (xb, yb) = pts[i - 1], pts[i]
+        return ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
+
+
+def fit_curve(points: list[tuple[str, float, float]], *, per_kind: bool) -> Curve:
+    """``Curve`` through ``(kind, tokens, ms)`` samples (pooled over kinds unless ``per_kind``)."""
+    grouped: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for kind, x, y in points:
+        grouped[kind if per_kind else "*"][x].append(y)
+    curves = {
+        key: tuple(sorted((x, statistics.median(ys)) for x, ys in by_x.items()))
+        for key, by_x in grouped.items()
+    }
+    return Curve(points=curves, fallback=fit_affine(points, per_kind=per_kind))

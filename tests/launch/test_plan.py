@@ -205,8 +205,11 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
     assert model.link.dispatch_gbytes * 8 == pytest.approx(0.512, rel=1e-3)
     assert model.bytes_per_token["dispatch"] == pytest.approx(BYTES_PER_TOKEN)
     for part, (a, b) in TRUTH.items():
-        assert model.parts[part].intercept == pytest.approx(a, rel=1e-3)
-        assert model.parts[part].slope["decode"] == pytest.approx(b, rel=1e-3)
+        fallback = model.parts[part].fallback
+        assert fallback.intercept == pytest.approx(a, rel=1e-3)
+        assert fallback.slope["decode"] == pytest.approx(b, rel=1e-3)
+        for tokens in (16, 64, 100, 256, 1024):  # on the measured points, between, beyond
+            assert model.parts[part]("decode", tokens) == pytest.approx(a + b * tokens, rel=1e-3)
     assert model.outside("decode", 64) == pytest.approx(OUTSIDE_MS, rel=1e-3)
     assert model.dbo_step_ms == pytest.approx(0.5, rel=1e-3)
     assert model.yield_ms == pytest.approx(0.04, rel=1e-3)
@@ -329,3 +332,20 @@ def test_every_preset_predicts_from_a_config_file(name, tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match="cannot read"):
         load_model(str(tmp_path))
+
+
+def test_curve_interpolates_and_scales_beyond():
+    from launch.planning.calibration import fit_curve
+
+    # experts-like: 1 ms at 64 tokens, 5 ms at 256, 20 ms at 1024 (not affine)
+    curve = fit_curve(
+        [("decode", 64, 1.0), ("decode", 256, 5.0), ("prefill", 1024, 20.0)], per_kind=False
+    )
+    assert curve("decode", 64) == pytest.approx(1.0) and curve("prefill", 1024) == pytest.approx(
+        20.0
+    )
+    assert curve("decode", 160) == pytest.approx(3.0)  # halfway between 64 and 256
+    below = curve("decode", 32)
+    assert 0 < below < 1.0
+    a, b = curve.fallback.intercept, curve.fallback.slope["decode"]
+    assert below == pytest.approx((a + 32 * b) / (a + 64 * b))
