@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-ubatches", type=_int_list, default=[2, 3, 4], help="N values to compare (>= 2)")
     add("--calibrate", metavar="TIMELINE_DIR", default=None, help="fit compute and link to a launch.bench --timeline-dir run")  # fmt: skip
     add("--calibrate-results", default=None, help="its launch.bench --output (default TIMELINE_DIR/results.json)")  # fmt: skip
-    add("--compare", action="append", default=[], metavar="RESULTS_JSON", help="predicted vs measured for a launch.bench --output file (repeatable)")  # fmt: skip
+    add("--compare", action="append", default=[], metavar="RESULTS_JSON", help="predicted vs measured for a launch.bench --output file (repeatable: the median over the files)")  # fmt: skip
     add("--png", default=None, help="draw predicted speedup against tokens per device")
     add("--write-prior", default=None, help="write the adaptive policy's prior (JSON)")
     return parser
@@ -152,9 +152,9 @@ def run(ns, model, link, lines: list[str]) -> None:
     )
     sens = report.sensitivity(model, link, kind, tokens, 2)
     print(report.format_sensitivity(kind, tokens, 2, sens))
-    for path in ns.compare:
-        print(f"predicted vs measured ({path}):")
-        print(report.format_compare(report.compare(model, link, path)))
+    if ns.compare:
+        print(f"predicted vs measured (N=2; median over {len(ns.compare)} run(s)):")
+        print(report.format_compare(report.compare(model, link, ns.compare)))
     _write_files(ns, model, link, ns_list)
 
 

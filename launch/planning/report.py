@@ -4,6 +4,7 @@ adaptive policy's prior and the PNG."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -103,41 +104,61 @@ def link_of_record(record: dict, fallback: LinkModel) -> LinkModel:
     )
 
 
-def compare(model, link, results_path: str) -> list[dict]:
-    """Predicted vs measured DBO speedup (N = 2) for every record of a ``launch.bench`` output.
+def _read_records(path: str) -> list[dict]:
+    try:
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+        for r in records:
+            r["batch_kind"], r["num_tokens_per_rank"], r["speedup"]  # noqa: B018 - fields present
+        return records
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--compare {path}: not launch.bench records ({e})") from None
+
+
+def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
+    """Predicted vs measured DBO speedup (N = 2) per (link, batch shape) over one or more
+    ``launch.bench --output`` files: the measured value is the median over the files (a record
+    whose DBO arm did not microbatch is left out).
 
     Raises:
         ValueError: an unreadable file or a record without the expected fields.
     """
-    try:
-        records = json.loads(Path(results_path).read_text(encoding="utf-8"))
-        rows = []
-        for r in records:
+    measured: dict[tuple[str, str], list[float]] = {}
+    shapes: dict[tuple[str, str], tuple[LinkModel, str, int]] = {}
+    for path in results_paths:
+        for r in _read_records(path):
+            if not r.get("dbo_engaged", True):
+                continue
             run_link = link_of_record(r, link)
-            kind, tokens = r["batch_kind"], int(r["num_tokens_per_rank"])
-            p = predict(model, run_link, kind, tokens, [2])
-            rows.append(
-                {
-                    "batch": r["batch"],
-                    "link": run_link.name,
-                    "measured": r["speedup"],
-                    "predicted": p.speedup.get(2, float("nan")),
-                }  # fmt: skip
-            )
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"--compare {results_path}: not launch.bench records ({e})") from None
+            key = (run_link.name, r["batch"])
+            measured.setdefault(key, []).append(float(r["speedup"]))
+            shapes[key] = (run_link, r["batch_kind"], int(r["num_tokens_per_rank"]))
+    rows = []
+    for key, values in measured.items():
+        run_link, kind, tokens = shapes[key]
+        p = predict(model, run_link, kind, tokens, [2])
+        rows.append(
+            {
+                "link": key[0],
+                "batch": key[1],
+                "measured": statistics.median(values),
+                "runs": sorted(values),
+                "predicted": p.speedup.get(2, float("nan")),
+            }  # fmt: skip
+        )
     return rows
 
 
 def format_compare(rows: list[dict]) -> str:
     lines = [
-        "| link | batch | measured | predicted | difference (points) |",
+        "| link | batch | measured (runs) | predicted | difference (points) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         diff = 100 * (r["predicted"] - r["measured"])
+        runs = ", ".join(f"{v:.2f}" for v in r["runs"])
         lines.append(
-            f"| {r['link']} | {r['batch']} | {r['measured']:.2f}x | {r['predicted']:.2f}x | {diff:+.0f} |"
+            f"| {r['link']} | {r['batch']} | {r['measured']:.2f}x ({runs}) | "
+            f"{r['predicted']:.2f}x | {diff:+.0f} |"
         )
     worst = max((abs(r["predicted"] - r["measured"]) for r in rows), default=0.0)
     return "\n".join(lines) + f"\nlargest difference: {100 * worst:.0f} points"
