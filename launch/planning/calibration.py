@@ -86,7 +86,10 @@ def read_kinds(results_path: Path) -> dict[int, str]:
     kinds: dict[int, str] = {}
     for tokens, kind in pairs:
         if kinds.setdefault(tokens, kind) != kind:
-            raise ValueError(f"--calibrate: {tokens} tokens benchmarked as both decode and prefill")
+            raise ValueError(
+                f"--calibrate: {tokens} tokens benchmarked as both decode and prefill (steps are "
+                "told apart by their token count: calibrate on a run without such a pair)"
+            )
     return kinds
 
 
