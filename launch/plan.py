@@ -91,7 +91,7 @@ def resolve(ns):
         from launch.planning.calibrated_model import calibrate
 
         model = calibrate(ns.calibrate, ns.calibrate_results)
-        link = custom or model.link
+        link = model.adapt_link(custom) if custom else model.link
         return (
             model,
             link,

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launch.planning.calibration import (
@@ -41,6 +42,10 @@ class CalibratedCostModel:
     num_moe_layers: int
     source: str = ""
     ubatched_factor: dict[str, float] = field(default_factory=dict)
+    # the fitted link against the calibration run's --emulate-link: extra µs per transfer and the
+    # ratio of bandwidths, carried over to any other link it predicts (adapt_link)
+    link_overhead_us: float = 0.0
+    bandwidth_ratio: float = 1.0
 
     def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
         fit = self.parts.get(name)
@@ -74,6 +79,16 @@ class CalibratedCostModel:
 
     def describe(self) -> str:
         return f"calibrated on {self.source}"
+
+    def adapt_link(self, link: LinkModel) -> LinkModel:
+        """``link`` as this machine would run it: plus the per-transfer overhead and times the
+        bandwidth ratio measured against the calibration run's emulated link."""
+        return replace(
+            link.scaled(bandwidth=self.bandwidth_ratio),
+            latency_us=link.latency_us + self.link_overhead_us,
+            combine_latency_us=None,
+            name=link.name,
+        )
 
 
 def _fit_link(samples: TimelineSamples, name: str) -> LinkModel:
@@ -155,4 +170,23 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
     samples = TimelineSamples()
     for spans in read_rank_spans(directory):
         collect(spans, kinds, samples)
-    return fit(samples, source=str(directory))
+    model = fit(samples, source=str(directory))
+    emulated = _emulated_link(results_path)
+    if emulated is None:
+        return model
+    return replace(
+        model,
+        link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
+        bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
+    )
+
+
+def _emulated_link(results_path: Path):
+    """The ``--emulate-link`` of a ``launch.bench`` run (``LinkSpec``), or None."""
+    from distributed.link_emulation import LinkSpec
+
+    records = json.loads(results_path.read_text(encoding="utf-8"))
+    specs = {r.get("emulate_link") for r in records}
+    if len(specs) != 1 or None in specs:
+        return None
+    return LinkSpec.parse(specs.pop())

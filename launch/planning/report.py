@@ -131,6 +131,8 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
             if not r.get("dbo_engaged", True):
                 continue
             run_link = link_of_record(r, link)
+            if run_link is not link and hasattr(model, "adapt_link"):
+                run_link = model.adapt_link(run_link)
             key = (run_link.name, r["batch"])
             measured.setdefault(key, []).append(float(r["speedup"]))
             if r.get("step_ms_on_min"):

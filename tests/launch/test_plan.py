@@ -204,6 +204,13 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
     assert model.link.latency_us == pytest.approx(100, rel=1e-3)
     assert model.link.dispatch_gbytes * 8 == pytest.approx(0.512, rel=1e-3)
     assert model.bytes_per_token["dispatch"] == pytest.approx(BYTES_PER_TOKEN)
+    # the run's --emulate-link is what was fitted: nothing to carry over to other links
+    assert model.link_overhead_us == pytest.approx(0, abs=0.1)
+    assert model.bandwidth_ratio == pytest.approx(1, rel=1e-3)
+    other = model.adapt_link(from_gbps(200, 0.14))
+    assert other.latency_us == pytest.approx(
+        200, abs=0.1
+    ) and other.dispatch_gbytes * 8 == pytest.approx(0.14, rel=1e-3)
     for part, (a, b) in TRUTH.items():
         fallback = model.parts[part].fallback
         assert fallback.intercept == pytest.approx(a, rel=1e-3)
