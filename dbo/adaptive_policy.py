@@ -54,9 +54,9 @@ class AdaptivePolicyConfig:
     # machine the median of 5 step times swings by +-30 % with no change in the workload.
     drift_tolerance: float = 0.5
     recheck_interval: int = 500  # exploit steps of a bucket before it explores again
-    # a prior's predicted speedup counts when it is this far from 1 (the planner's error on the
-    # emulated link was within 10 points); then a new bucket explores this many steps per arm
-    # (at most num_explore_steps)
+    # a prior's predicted speedup counts when it is this far from 1 (closer, the planner's error
+    # could flip it); then a new bucket explores this many steps per arm (at most
+    # num_explore_steps) and decides there if the samples agree
     prior_margin: float = 0.15
     num_prior_explore_steps: int = 2
 
