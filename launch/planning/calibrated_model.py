@@ -17,6 +17,7 @@ from launch.planning.calibration import (
     fit_curve,
     read_kinds,
     read_rank_spans,
+    transfer_delays_ms,
 )
 from launch.planning.links import LinkModel, from_gbps
 from launch.planning.schedule import LayerCosts
@@ -46,6 +47,9 @@ class CalibratedCostModel:
     # ratio of bandwidths, carried over to any other link it predicts (adapt_link)
     link_overhead_us: float = 0.0
     bandwidth_ratio: float = 1.0
+    # mean µs a transfer of a DBO step lands later than one of a DBO-off step beyond the link
+    # model (a collective completes when the last rank has issued it: the ranks' jitter)
+    ubatched_delay_us: float = 0.0
 
     def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
         fit = self.parts.get(name)
@@ -79,6 +83,16 @@ class CalibratedCostModel:
 
     def describe(self) -> str:
         return f"calibrated on {self.source}"
+
+    def ubatched_link(self, link: LinkModel) -> LinkModel:
+        """``link`` in a DBO step: each transfer lands ``ubatched_delay_us`` later."""
+        return replace(
+            link,
+            latency_us=link.latency_us + self.ubatched_delay_us,
+            combine_latency_us=None
+            if link.combine_latency_us is None
+            else link.combine_latency_us + self.ubatched_delay_us,
+        )
 
     def adapt_link(self, link: LinkModel) -> LinkModel:
         """``link`` as this machine would run it: plus the per-transfer overhead and times the
@@ -168,16 +182,21 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
         )
     kinds = read_kinds(results_path)
     samples = TimelineSamples()
-    for spans in read_rank_spans(directory):
+    ranks = read_rank_spans(directory)
+    for spans in ranks:
         collect(spans, kinds, samples)
     model = fit(samples, source=str(directory))
     emulated = _emulated_link(results_path)
     if emulated is None:
         return model
+    delays = [transfer_delays_ms(spans, emulated) for spans in ranks]
+    off = statistics.fmean(d for rank in delays for d in rank[False]) if delays else 0.0
+    on = [d for rank in delays for d in rank[True]]
     return replace(
         model,
         link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
         bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
+        ubatched_delay_us=max(statistics.fmean(on) - off, 0.0) * 1e3 if on else 0.0,
     )
 
 

@@ -54,6 +54,8 @@ def step_ms(model, link, kind: str, num_tokens: int, num_ubatches: int) -> float
     if num_ubatches < 1 or num_tokens < num_ubatches:
         raise ValueError(f"cannot cut {num_tokens} tokens into {num_ubatches} non-empty ubatches")
     costs = model.layer_costs(kind, num_tokens / num_ubatches, num_ubatches=num_ubatches)
+    if num_ubatches > 1 and hasattr(model, "ubatched_link"):
+        link = model.ubatched_link(link)
     layers = simulate_layers(
         costs,
         num_layers=model.num_moe_layers,
