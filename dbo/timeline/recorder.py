@@ -179,6 +179,11 @@ def set_timeline_layer(layer_idx: int | None) -> None:
     _local.layer = layer_idx
 
 
+def timeline_layer() -> int | None:
+    """This thread's current decoder layer (``set_timeline_layer``), None outside one."""
+    return getattr(_local, "layer", None)
+
+
 def span_name(name: str) -> str:
     """``name`` prefixed with this thread's current layer, e.g. ``layer3.attention``."""
     layer = getattr(_local, "layer", None)
