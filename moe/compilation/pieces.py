@@ -108,49 +108,34 @@ def structure_key(piece: fx.GraphModule, example: list[Tensor]) -> tuple[str, li
     return repr((lines, inputs, consts)), constants
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    """One piece of a split forward: its graph, example inputs for compiling it (the real
+    weights, zeros of the traced shapes and strides for the rest), which inputs are weights."""
+
+    name: str
+    module: fx.GraphModule
+    example: list[Tensor]
+    is_weight: list[bool]
+
+
 @dataclass(slots=True)
 class SplitForward:
-    """A traced forward cut at its splitting ops; call ``(input_ids, positions)`` once its pieces
-    are compiled (``compile_pieces``)."""
+    """A traced forward cut at its splitting ops: ``graph`` calls ``submod_k`` in order, each a
+    splitting op's runner or a piece (``pieces``) until ``bind`` replaces it by its compiled
+    graph. Call ``(input_ids, positions)``, both [num_rows] int64 -> [num_rows, hidden_size]."""
 
-    graph: fx.GraphModule  # top level: calls submod_k (pieces, splitting ops) in order
+    graph: fx.GraphModule
     weights: tuple[Tensor, ...]
-    ops: tuple[SplittingOp, ...]
+    pieces: list[Piece]
 
     def __call__(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         return self.graph.forward(*self.weights, input_ids, positions)
 
-    def _submodules(self) -> list[tuple[fx.Node, fx.GraphModule]]:
-        return [
-            (n, getattr(self.graph, n.target))
-            for n in self.graph.graph.nodes
-            if n.op == "call_module"
-        ]
-
-    def compile_pieces(
-        self,
-        compile_piece: Callable[[fx.GraphModule, list[Tensor], list[bool]], object],
-        shared: dict[str, list] | None,
-    ) -> int:
-        """Replace every submodule by a compiled piece or its splitting op's runner; returns the
-        number of graphs compiled. ``shared`` (structure key -> [(constants, graph)]) lends
-        graphs between pieces of equal structure; None compiles every piece (CUDA graphs)."""
-        placeholders = {n: i for i, n in enumerate(self.graph.graph.nodes) if n.op == "placeholder"}
-        num_compiled = 0
-        for node, sub in self._submodules():
-            ops = [
-                n for n in sub.graph.nodes if n.op == "call_function" and n.target is SPLITTING_OP
-            ]
-            if ops:
-                runner = _op_runner(sub, ops[0], self.ops)
-            else:
-                runner, is_new = _compiled_piece(
-                    sub, node, placeholders, len(self.weights), self.weights, compile_piece, shared
-                )
-                num_compiled += is_new
-            del self.graph._modules[node.target]
-            setattr(self.graph, node.target, runner)
-        return num_compiled
+    def bind(self, name: str, runner: Callable[..., tuple[Tensor, ...]]) -> None:
+        """Call ``runner`` instead of submodule ``name`` (a plain attribute: no module call)."""
+        del self.graph._modules[name]
+        setattr(self.graph, name, runner)
 
 
 def _op_runner(
@@ -168,39 +153,39 @@ def _op_runner(
     return run
 
 
-def _compiled_piece(
-    sub: fx.GraphModule,
+def _piece(
     node: fx.Node,
-    placeholders: dict[fx.Node, int],
-    num_weights: int,
+    sub: fx.GraphModule,
+    weight_index: dict[fx.Node, int],
     weights: tuple[Tensor, ...],
-    compile_piece: Callable[[fx.GraphModule, list[Tensor], list[bool]], object],
-    shared: dict[str, list] | None,
-) -> tuple[object, bool]:
-    """(graph of one piece, whether it was compiled now rather than lent by an equal piece)."""
+) -> Piece:
+    """The piece ``sub`` that ``node`` calls, with example inputs for compiling it."""
     example, is_weight = [], []
-    for arg, ph in zip(
-        node.args, [n for n in sub.graph.nodes if n.op == "placeholder"], strict=True
-    ):
-        position = placeholders.get(arg)
-        weight = position is not None and position < num_weights
-        is_weight.append(weight)
-        example.append(weights[position] if weight else _fake_to_zeros(ph.meta["val"]))
-    if shared is None:
-        return compile_piece(sub, example, is_weight), True
-    key, constants = structure_key(sub, example)
-    for other_constants, graph in shared.setdefault(key, []):
-        if all(torch.equal(a, b) for a, b in zip(constants, other_constants, strict=True)):
-            return graph, False
-    graph = compile_piece(sub, example, is_weight)
-    shared[key].append((constants, graph))
-    return graph, True
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for arg, placeholder in zip(node.args, inputs, strict=True):
+        index = weight_index.get(arg)
+        is_weight.append(index is not None)
+        example.append(
+            weights[index] if index is not None else _fake_to_zeros(placeholder.meta["val"])
+        )
+    return Piece(name=node.target, module=sub, example=example, is_weight=is_weight)
 
 
 def split_forward(traced: TracedForward) -> SplitForward:
-    """Cut ``traced`` at its splitting ops (``split_module``; every submodule returns a tuple)."""
+    """Cut ``traced`` at its splitting ops (``split_module``; every submodule returns a tuple):
+    splitting-op submodules are bound to their runners, the others listed as pieces."""
     ids = _partitions(traced.graph.graph)
     graph = split_module(
         traced.graph, traced.graph, lambda n: ids[n], keep_original_order=True, tuple_return=True
     )
-    return SplitForward(graph=graph, weights=traced.weights, ops=traced.ops)
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    weight_index = {n: i for i, n in enumerate(placeholders[: len(traced.weights)])}
+    split = SplitForward(graph=graph, weights=traced.weights, pieces=[])
+    for node in [n for n in graph.graph.nodes if n.op == "call_module"]:
+        sub = getattr(graph, node.target)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is SPLITTING_OP]
+        if ops:
+            split.bind(node.target, _op_runner(sub, ops[0], traced.ops))
+        else:
+            split.pieces.append(_piece(node, sub, weight_index, traced.weights))
+    return split

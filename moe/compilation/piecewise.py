@@ -28,15 +28,16 @@ compiled code, nothing Dynamo: both ubatch threads run the same code, each with 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
-from dbo.timeline.recorder import set_timeline_layer
+from dbo.timeline.recorder import set_timeline_layer, timeline_span
 from moe.compilation.backends import CUDAGraphPiece, InductorGraph
 from moe.compilation.config import bucket_for
-from moe.compilation.pieces import SplitForward, split_forward, trace_forward
+from moe.compilation.pieces import Piece, SplitForward, split_forward, structure_key, trace_forward
 from moe.compilation.splitting import pad_rows, splitting_context
 
 BACKENDS = ("inductor", "cuda_graph")
@@ -52,6 +53,16 @@ class CaptureStats:
     seconds: float
     capture_sizes: tuple[int, ...]
     backend: str
+
+
+def _spanned(graph: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
+    """``graph`` recorded as a ``graph`` compute span (of the current layer) on the timeline."""
+
+    def run(*args: Tensor) -> tuple[Tensor, ...]:
+        with timeline_span("graph"):
+            return graph(*args)
+
+    return run
 
 
 class GraphModeModel(nn.Module):
@@ -97,35 +108,52 @@ class GraphModeModel(nn.Module):
         if self._stats is not None:
             return self._stats
         start = time.perf_counter()
-        compiled: dict[str, list] = {}  # structure key -> [(constants, graph)], shared by buckets
-        num_graphs = 0
         with torch.inference_mode():
             trace_forward(self.lm, self.capture_sizes[0])  # builds lazily made tables (RoPE)
+            splits = {b: split_forward(trace_forward(self.lm, b)) for b in self.capture_sizes}
+            groups = self._group_pieces(splits)
             bar = tqdm(
-                self.capture_sizes,
-                desc=f"graph mode ({self.backend})",
-                unit="bucket",
-                disable=not progress,
+                groups, desc=f"graph mode ({self.backend})", unit="graph", disable=not progress
             )
-            for bucket in bar:
-                split = split_forward(trace_forward(self.lm, bucket))
-                shared = compiled if self.backend == "inductor" else None
-                num_graphs += split.compile_pieces(self._compile_piece, shared)
-                self._forwards[bucket] = split
+            for pieces in bar:
+                graph = _spanned(self._compile_piece(pieces[0][1]))
+                for bucket, piece in pieces:
+                    splits[bucket].bind(piece.name, graph)
+        for split in splits.values():
+            split.pieces.clear()  # their example inputs and uncompiled graphs are not needed now
+        self._forwards = splits
         self._stats = CaptureStats(
-            num_graphs=num_graphs,
+            num_graphs=len(groups),
             seconds=time.perf_counter() - start,
             capture_sizes=self.capture_sizes,
             backend=self.backend,
         )
         return self._stats
 
-    def _compile_piece(
-        self, piece: fx.GraphModule, example: list[Tensor], is_weight: list[bool]
-    ) -> object:
+    def _group_pieces(self, splits: dict[int, SplitForward]) -> list[list[tuple[int, Piece]]]:
+        """Pieces that one graph serves: those of equal structure and constants (inductor, whose
+        graphs take the weights as inputs), else each piece alone (CUDA graphs)."""
+        groups: dict[str, list[tuple[list[Tensor], list[tuple[int, Piece]]]]] = {}
+        alone = []
+        for bucket, split in splits.items():
+            for piece in split.pieces:
+                if self.backend != "inductor":
+                    alone.append([(bucket, piece)])
+                    continue
+                key, constants = structure_key(piece.module, piece.example)
+                candidates = groups.setdefault(key, [])
+                for other, members in candidates:
+                    if all(torch.equal(a, b) for a, b in zip(constants, other, strict=True)):
+                        members.append((bucket, piece))
+                        break
+                else:
+                    candidates.append((constants, [(bucket, piece)]))
+        return alone + [members for entries in groups.values() for _, members in entries]
+
+    def _compile_piece(self, piece: Piece) -> Callable[..., tuple[Tensor, ...]]:
         if self.backend == "inductor":
-            return InductorGraph(piece, example, cpp_wrapper=True)
-        return CUDAGraphPiece(piece, example, is_weight)
+            return InductorGraph(piece.module, piece.example, cpp_wrapper=True)
+        return CUDAGraphPiece(piece.module, piece.example, piece.is_weight)
 
     # no_grad, not inference_mode: as MoEForCausalLM.forward (a recv hook may finalize a combine
     # outside the caller's inference mode)

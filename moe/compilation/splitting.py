@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dbo.timeline.recorder import set_timeline_layer, timeline_layer
+from dbo.timeline.recorder import set_timeline_layer, timeline_layer, timeline_span
 
 OP_NAME = "moe_dbo::splitting_op"
 
@@ -46,12 +46,14 @@ def _(tensors: list[Tensor], index: int, out_shape: list[int]) -> Tensor:
 
 @dataclass(frozen=True, slots=True)
 class SplittingOp:
-    """One recorded call: ``fn``, whether it takes the attention metadata, and the decoder layer
-    the timeline was in when it was traced (restored around each call)."""
+    """One recorded call: ``fn``, whether it takes the attention metadata, the decoder layer the
+    timeline was in when it was traced (restored around each call) and its span name (None: no
+    span, e.g. for a call that records its own compute and communication spans)."""
 
     fn: Callable[..., Tensor]
     takes_attn_metadata: bool
     timeline_layer: int | None
+    span: str | None
 
 
 _recorded: list[SplittingOp] | None = None  # set only while graph mode traces, at start-up
@@ -59,7 +61,11 @@ _context = threading.local()  # .num_rows, .attn_metadata of this thread's graph
 
 
 def splitting_op(
-    fn: Callable[..., Tensor], *tensors: Tensor, out_shape: Sequence[int], attn_metadata: Any = None
+    fn: Callable[..., Tensor],
+    *tensors: Tensor,
+    out_shape: Sequence[int],
+    attn_metadata: Any = None,
+    span: str | None = None,
 ) -> Tensor:
     """``fn(*tensors)``, or ``fn(*tensors, attn_metadata)`` when ``attn_metadata`` is given; a
     point where graph mode splits the forward.
@@ -70,10 +76,12 @@ def splitting_op(
         tensors: row tensors, each [num_tokens, ...] (any dtype).
         out_shape: the trailing dims of ``fn``'s output.
         attn_metadata: this (u)batch's attention metadata, for an attention core.
+        span: the timeline span graph mode records the call as (eagerly the caller's spans
+            cover it).
     """
     if _recorded is None:  # eager: one global read
         return fn(*tensors) if attn_metadata is None else fn(*tensors, attn_metadata)
-    _recorded.append(SplittingOp(fn, attn_metadata is not None, timeline_layer()))
+    _recorded.append(SplittingOp(fn, attn_metadata is not None, timeline_layer(), span))
     return torch.ops.moe_dbo.splitting_op(list(tensors), len(_recorded) - 1, list(out_shape))
 
 
@@ -118,5 +126,9 @@ def run_splitting_op(op: SplittingOp, *tensors: Tensor) -> Tensor:
     num_rows = _context.num_rows
     rows = [t[:num_rows] for t in tensors]
     set_timeline_layer(op.timeline_layer)
-    out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+    if op.span is None:
+        out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+    else:
+        with timeline_span(op.span):
+            out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
     return pad_rows(out, tensors[0].shape[0])

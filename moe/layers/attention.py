@@ -299,5 +299,6 @@ class GQAAttention(nn.Module):
             v,
             out_shape=(self.attn.num_heads * self.attn.head_dim,),
             attn_metadata=attn_metadata,
+            span="attention",
         )
         return self.o_proj(out)

@@ -220,6 +220,7 @@ class MLAAttention(nn.Module):
             k_pe[:, 0],
             out_shape=(self.num_heads, self.v_dim),
             attn_metadata=attn_metadata,
+            span="attention",
         )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
