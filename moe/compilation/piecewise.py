@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dbo.timeline.recorder import set_timeline_layer, timeline_span
+from dbo.timeline.recorder import is_timeline_active, set_timeline_layer, timeline_span
 from moe.compilation.backends import CUDAGraphPiece, InductorGraph
 from moe.compilation.config import bucket_for
 from moe.compilation.pieces import Piece, SplitForward, split_forward, structure_key, trace_forward
@@ -59,6 +59,8 @@ def _spanned(graph: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Te
     """``graph`` recorded as a ``graph`` compute span (of the current layer) on the timeline."""
 
     def run(*args: Tensor) -> tuple[Tensor, ...]:
+        if not is_timeline_active():
+            return graph(*args)
         with timeline_span("graph"):
             return graph(*args)
 
