@@ -119,6 +119,26 @@ def test_graph_mode_equals_eager_mla_dense_and_shared_experts(tiny_arch_dirs, mo
         _close(g, e)
 
 
+def test_graph_mode_timeline_names_attention_cores_and_pieces_per_layer(tiny_mixtral_dir):
+    from dbo.timeline.recorder import TimelineRecorder, set_timeline_recorder
+
+    graph_lm, _ = _model(tiny_mixtral_dir)
+    graph = GraphModeModel(graph_lm, (4,))
+    graph.capture(progress=False)
+    recorder = TimelineRecorder(rank=0)
+    set_timeline_recorder(recorder)
+    try:
+        with torch.inference_mode():
+            graph(torch.tensor([5, 6]), torch.tensor([3, 2]), _metadata([1, 1], [4, 3], 0))
+    finally:
+        set_timeline_recorder(None)
+    names = [s.name for s in recorder.spans()]
+    # pieces are named after the layer of the splitting op before them: none before layer 0's
+    # input piece; each layer's attention-out piece and the piece after its MoE kernel
+    assert [names.count(f"{p}graph") for p in ("", "layer0.", "layer1.")] == [1, 2, 2]
+    assert names.count("layer0.attention") == names.count("layer1.attention") == 1
+
+
 def test_a_metadata_read_outside_a_splitting_op_is_refused():
     from moe.compilation.pieces import trace_forward
 
