@@ -111,7 +111,7 @@ class GraphModeModel(nn.Module):
             return self._stats
         start = time.perf_counter()
         with torch.inference_mode():
-            trace_forward(self.lm, self.capture_sizes[0])  # builds lazily made tables (RoPE)
+            trace_forward(self.lm, self.capture_sizes[0], real=True)  # builds lazy tables (RoPE)
             splits = {b: split_forward(trace_forward(self.lm, b)) for b in self.capture_sizes}
             groups = self._group_pieces(splits)
             bar = tqdm(
