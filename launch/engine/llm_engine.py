@@ -140,6 +140,18 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
     )
 
 
+def check_num_ubatches(backend, num_ubatches: int) -> None:
+    """Raise ValueError if ``backend`` (an ``All2AllBackend`` or None) cannot have
+    ``num_ubatches`` ubatches' transfers in flight at once (its ``max_num_ubatches``)."""
+    limit = None if backend is None else backend.max_num_ubatches
+    if limit is not None and num_ubatches > limit:
+        raise ValueError(
+            f"--ubatch-size {num_ubatches}: {backend.name} ({backend.implementation}) holds at "
+            f"most {limit} ubatches' results at a time; use --ubatch-size <= {limit} or another "
+            "--all2all-backend"
+        )
+
+
 class LLMEngine:
     """One DP rank's engine. ``groups`` is this process's ``distributed.ParallelGroups``."""
 
@@ -154,6 +166,8 @@ class LLMEngine:
         dtype = self._compute_dtype(platform)
         config = model.config
         backend = _make_all2all_backend(engine_args, groups, config)
+        if engine_args.enable_dbo:
+            check_num_ubatches(backend, engine_args.num_ubatches)
         self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
@@ -283,6 +297,7 @@ class LLMEngine:
                 num_tokens=out.num_tokens,
                 num_tokens_padded=out.num_tokens_padded,
                 is_ubatched=out.is_ubatched,
+                num_ubatches=out.num_ubatches,
                 ran_model=out.ran_model,
             )
             if out.adaptive is not None:  # marks exploration steps in the timeline
