@@ -92,6 +92,29 @@ def should_ubatch_locally(
     return num_tokens >= threshold
 
 
+def _check_table(
+    rows: Tensor, dp_rank: int, *, has_policy: bool, adaptive_kinds: frozenset[str]
+) -> None:
+    """``decide_from_gathered``'s argument checks (ValueError as it documents)."""
+    if rows.dim() != 2 or rows.shape[1] != NUM_VOTE_COLUMNS or rows.shape[0] < 1:
+        raise ValueError(
+            f"rows must be [dp_size >= 1, {NUM_VOTE_COLUMNS}], got shape {tuple(rows.shape)}"
+        )
+    dp_size = rows.shape[0]
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    if adaptive_kinds and not has_policy:
+        raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
+
+
+def _agreed_num_ubatches(table: list[list[int]], num_tokens: list[int]) -> int:
+    """The ubatch count of a step every rank microbatches: the smallest any rank asked for,
+    lowered while some rank, padded to the largest token count, would run a ubatch without a real
+    token (its real tokens all lie before the ubatch's first row); 1: not even two ubatches."""
+    requested = min(int(r[_NUM_UBATCHES]) for r in table)
+    return max_num_ubatches(max(num_tokens), min(num_tokens), requested)
+
+
 def decide_from_gathered(
     rows: Tensor,
     dp_rank: int,
@@ -122,15 +145,7 @@ def decide_from_gathered(
     Raises:
         ValueError: on a wrong shape, an out-of-range ``dp_rank``, or adaptive kinds without policy.
     """
-    if rows.dim() != 2 or rows.shape[1] != NUM_VOTE_COLUMNS or rows.shape[0] < 1:
-        raise ValueError(
-            f"rows must be [dp_size >= 1, {NUM_VOTE_COLUMNS}], got shape {tuple(rows.shape)}"
-        )
-    dp_size = rows.shape[0]
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    if adaptive_kinds and policy is None:
-        raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
+    _check_table(rows, dp_rank, has_policy=policy is not None, adaptive_kinds=adaptive_kinds)
     table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
     num_tokens = [int(r[_NUM_TOKENS]) for r in table]
     has_work = [bool(r[_HAS_WORK]) for r in table]
@@ -145,13 +160,8 @@ def decide_from_gathered(
                 choice = policy.choose(bucket)
                 should_ubatch = choice.use_ubatch and all(bool(r[_CAN_UBATCH]) for r in table)
     max_num_tokens = max(num_tokens)
-    # with every rank padded to max_num_tokens, a rank whose real tokens all lie before a ubatch's
-    # first row would run that ubatch empty: fewer ubatches, or none
-    num_ubatches = 1
-    if should_ubatch:
-        requested = min(int(r[_NUM_UBATCHES]) for r in table)
-        num_ubatches = max_num_ubatches(max_num_tokens, min(num_tokens), requested)
-        should_ubatch = num_ubatches >= 2
+    num_ubatches = _agreed_num_ubatches(table, num_tokens) if should_ubatch else 1
+    should_ubatch = num_ubatches >= 2
     if choice is not None:
         policy.begin_step(choice.bucket, should_ubatch)
     return DPMicrobatchDecision(
@@ -211,17 +221,8 @@ def coordinate_batch_across_dp(
         raise ValueError(f"num_ubatches must be >= 2, got {num_ubatches}")
     can_ubatch = vote if can_ubatch is None else can_ubatch
     rows = torch.zeros(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64)
-    rows[dp_rank] = torch.tensor(
-        [
-            num_tokens,
-            int(vote),
-            int(has_work),
-            int(is_decode_only),
-            int(can_ubatch),
-            prev_step_us,
-            num_ubatches,
-        ]
-    )
+    row = (num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us, num_ubatches)
+    rows[dp_rank] = torch.tensor([int(x) for x in row])  # in the _NUM_TOKENS ... column order
     if dp_size > 1:
         if dp_group is None:
             raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")

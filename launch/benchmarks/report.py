@@ -79,9 +79,7 @@ def make_record(
         "overlap_ratio_off": _median(mean_of(off, "overlap_ratio")),
         "ideal_speedup": ideal_speedup,
         "fraction_of_ideal_speedup": speedup / ideal_speedup,
-        "dbo_engaged": all(r["is_ubatched"] for ranks in on for r in ranks),
-        # the ubatch counts the on steps ran (fewer than asked where a ubatch would be empty)
-        "ubatches_run": sorted({r.get("num_ubatches", 2) for ranks in on for r in ranks}),
+        **_engaged_fields(on),
         "baton_pass_us_median": _median(batons),
         "timeline_overhead_pct": _median(overhead),
         "reps": len(on),
@@ -89,6 +87,15 @@ def make_record(
             per_arm("adaptive"), per_arm("adaptive", exploring=True), off, on, step_off, step_on
         ),
         **{k: v for k, v in meta.items() if k != "reps"},
+    }
+
+
+def _engaged_fields(on) -> dict:
+    """``dbo_engaged``: every on step microbatched; ``ubatches_run``: the ubatch counts the on
+    steps ran (fewer than asked where a ubatch would have been empty)."""
+    return {
+        "dbo_engaged": all(r["is_ubatched"] for ranks in on for r in ranks),
+        "ubatches_run": sorted({r.get("num_ubatches", 2) for ranks in on for r in ranks}),
     }
 
 

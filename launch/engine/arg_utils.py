@@ -124,21 +124,7 @@ class EngineArgs:
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-        for flag, value in (
-            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
-            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
-        ):
-            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
-                raise ValueError(
-                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
-                )
-        if self.ubatch_size is not None and not (
-            isinstance(self.ubatch_size, int) and 2 <= self.ubatch_size <= MAX_UBATCH_SIZE
-        ):
-            raise ValueError(
-                f"--ubatch-size (ubatches per microbatched step) must be an integer in "
-                f"[2, {MAX_UBATCH_SIZE}], got {self.ubatch_size!r}"
-            )
+        self._check_dbo_settings()
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -173,6 +159,24 @@ class EngineArgs:
                 "no all-to-all to overlap"
             )
         self._apply_platform()
+
+    def _check_dbo_settings(self) -> None:
+        """The DBO thresholds and ``--ubatch-size`` (ValueError naming the value and the range)."""
+        for flag, value in (
+            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
+            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
+        ):
+            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
+                raise ValueError(
+                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
+                )
+        if self.ubatch_size is not None and not (
+            isinstance(self.ubatch_size, int) and 2 <= self.ubatch_size <= MAX_UBATCH_SIZE
+        ):
+            raise ValueError(
+                f"--ubatch-size (ubatches per microbatched step) must be an integer in "
+                f"[2, {MAX_UBATCH_SIZE}], got {self.ubatch_size!r}"
+            )
 
     def _apply_platform(self) -> None:
         """The platform's ``check_and_update_config`` (vLLM's hook): it raises ValueError for a

@@ -121,11 +121,15 @@ class MemoryStats:
 
 def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfig):
     """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
-    behind an emulated link when ``--emulate-link`` is given."""
+    behind an emulated link when ``--emulate-link`` is given.
+
+    Raises:
+        ValueError: under DBO, more ubatches than the backend can have in flight.
+    """
     link_spec = engine_args.link_spec()
     if groups.ep_size == 1:
         return None
-    return make_all2all_backend(
+    backend = make_all2all_backend(
         engine_args.all2all_backend,
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -138,6 +142,9 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
         hidden_size=config.hidden_size,
         num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
+    if engine_args.enable_dbo:
+        check_num_ubatches(backend, engine_args.num_ubatches)
+    return backend
 
 
 def check_num_ubatches(backend, num_ubatches: int) -> None:
@@ -166,8 +173,6 @@ class LLMEngine:
         dtype = self._compute_dtype(platform)
         config = model.config
         backend = _make_all2all_backend(engine_args, groups, config)
-        if engine_args.enable_dbo:
-            check_num_ubatches(backend, engine_args.num_ubatches)
         self.all2all_backend = backend
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()

@@ -205,24 +205,7 @@ class ModelRunner:
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = self.input_batch.prepare_inputs(scheduler_output, num_rows=num_rows)
-        ubatch_slices = (
-            make_ubatch_slices(
-                inputs.attn_metadata.query_start_loc, num_rows, decision.num_ubatches
-            )
-            if decision.should_ubatch
-            else None
-        )
-        # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
-        # has the same row count on every rank; telling the all-to-all spares it a blocking
-        # count exchange in the overlapped window.
-        # Without microbatching every rank runs max(num_tokens, 1) rows (a dummy row when idle):
-        # known from the vote, so e.g. DeepEP's low-latency dispatch sizes its slots without a
-        # message (vLLM's forward-context DP metadata).
-        num_padded_tokens_across_dp = (
-            [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
-            if ubatch_slices
-            else [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
-        )
+        ubatch_slices, num_padded_tokens_across_dp = self._slices(decision, inputs, num_rows)
         hidden_states = self.wrapper(
             inputs.input_ids,
             inputs.positions,
@@ -241,6 +224,21 @@ class ModelRunner:
             adaptive=decision.adaptive,
             num_ubatches=decision.num_ubatches,
         )
+
+    def _slices(self, decision: DPMicrobatchDecision, inputs: ModelInputs, num_rows: int):
+        """(the ubatch slices or None, every DP rank's row count per ubatch, or of the whole batch
+        without microbatching: one entry)."""
+        if not decision.should_ubatch:
+            # Every rank runs max(num_tokens, 1) rows (a dummy row when idle): known from the vote,
+            # so e.g. DeepEP's low-latency dispatch sizes its slots without a message (vLLM's
+            # forward-context DP metadata).
+            return None, [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
+        qsl = inputs.attn_metadata.query_start_loc
+        ubatch_slices = make_ubatch_slices(qsl, num_rows, decision.num_ubatches)
+        # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
+        # has the same row count on every rank; telling the all-to-all spares it a blocking
+        # count exchange in the overlapped window.
+        return ubatch_slices, [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
 
     def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
         """This rank's vote and previous step time, all-gathered over DP, and the decision (the
