@@ -83,6 +83,7 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         dtype=torch.float64,
         experts_implementation="eager",  # no fp64 grouped GEMM
     ).eval()
+    cache: dict = {}  # transformers' logits per sequence, computed once for every engine
     for backend in ALL2ALL_BACKENDS:
         for num_ubatches in NUM_UBATCHES:
             expected = expected_num_ubatches(tiny_prompts, world_size, num_ubatches)
@@ -94,6 +95,7 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
                 tiny_prompts,
                 label=f"{backend}, {num_ubatches} ubatches",
                 atol=FLOAT64_ATOL,
+                cache=cache,
             )
     # N ubatches were used where the step allowed, fewer where a decode step was too small
     assert expected_num_ubatches(tiny_prompts, 2, 4) == [4, 4, 4]
