@@ -24,44 +24,36 @@ from moe.model_loader.loader import (
     load_checkpoint,
     load_config,
 )
+from moe.models.architectures import ARCHITECTURES, supported_architectures
 from moe.models.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
 from moe.models.config import MoEModelConfig
-from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from moe.models.hf_config import SUPPORTED_ARCHITECTURES
-from moe.models.mixtral import MixtralForCausalLM
-from moe.models.olmoe import OlmoeForCausalLM
-from moe.models.qwen2_moe import Qwen2MoeForCausalLM
-from moe.models.registry import MODEL_REGISTRY, build_model, make_prepare_finalize
+from moe.models.registry import build_model, make_prepare_finalize
+from moe.models.spec import ArchitectureSpec
 from moe.platforms.custom_op import CustomOp, get_custom_ops, parse_custom_ops, set_custom_ops
 from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
 from moe.platforms.plugins import current_platform
 
 __all__ = [
-    "MODEL_REGISTRY",
+    "ARCHITECTURES",
+    "ArchitectureSpec",
     "PARAM_CATEGORIES",
-    "SUPPORTED_ARCHITECTURES",
     "All2AllPrepareAndFinalize",
     "CompletedHandle",
     "CpuPlatform",
     "CudaPlatform",
     "CustomOp",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
     "DenseMLP",
     "FusedMoE",
     "FusedMoEModularKernel",
     "FusedMoEPrepareAndFinalize",
     "LoadStats",
     "MLAAttention",
-    "MixtralForCausalLM",
     "MoEForCausalLM",
     "MoEModelConfig",
     "NoEPPrepareAndFinalize",
-    "OlmoeForCausalLM",
     "PagedAttention",
     "PagedMLACache",
     "Platform",
-    "Qwen2MoeForCausalLM",
     "RMSNorm",
     "RotaryEmbedding",
     "Router",
@@ -83,6 +75,7 @@ __all__ = [
     "parse_custom_ops",
     "rotate_half",
     "select_experts",
+    "supported_architectures",
     "set_custom_ops",
     "swiglu",
     "write_kv_cache",

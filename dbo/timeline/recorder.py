@@ -173,10 +173,21 @@ def _profiler_on() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+def is_timeline_active() -> bool:
+    """Whether spans are being recorded (a recorder installed or a torch profiler running): a
+    hot path may skip building a span when not."""
+    return _recorder is not None or _profiler_on()
+
+
 def set_timeline_layer(layer_idx: int | None) -> None:
     """Name this thread's following spans after decoder layer ``layer_idx`` (``layer3.experts``);
     ``None`` ends the layer. Thread-local, so each ubatch thread tracks its own layer."""
     _local.layer = layer_idx
+
+
+def timeline_layer() -> int | None:
+    """This thread's current decoder layer (``set_timeline_layer``), None outside one."""
+    return getattr(_local, "layer", None)
 
 
 def span_name(name: str) -> str:

@@ -2,13 +2,11 @@
 
 Builds the model (``--model`` checkpoint or the embedded one) on one process without EP, and for
 each ``--num-tokens`` n: a decode batch of n requests with ``--context-len`` cached tokens each.
-Times, interleaved (eager, graph, graph, eager, ...), medians of ``--reps``:
-
-- ``pieces``: only what graph mode compiles (``AttnIn``, ``AttnOut`` of every layer and ``Final``),
-  eager modules vs the bucket's compiled graphs (padding included);
-- ``forward``: the whole model forward (attention core and MoE kernel eager in both).
-
-Prints one line per n with both ratios (eager time / graph time: > 1 means graph mode is faster).
+Prints the capture (graphs compiled, seconds: inductor's cache in ``TORCHINDUCTOR_CACHE_DIR``,
+default ``~/.cache/moe-dbo/inductor``, so point it at an empty directory for a cold start), then
+times the whole model forward, eager and graph mode, interleaved (eager, graph, graph, eager,
+...), medians of ``--reps`` (attention cores and MoE kernels run eagerly in both), and prints one
+line per n with the ratio (eager time / graph time: > 1 means graph mode is faster).
 """
 
 from __future__ import annotations
@@ -91,27 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             meta = _metadata(n, ns.context_len, block_size)
             ids = torch.randint(3, resolved.config.vocab_size, (n,), generator=gen)
             pos = torch.full((n,), ns.context_len, dtype=torch.int64)
-            pieces = graph._pieces
-            inputs = [graph._example_inputs(piece, n) for piece in pieces]
-            for x in inputs:
-                for t in x:
-                    if t.is_floating_point():
-                        t.copy_(torch.randn(t.shape, generator=gen))
-
-            def eager_pieces(inputs=inputs, pieces=pieces):
-                for piece, x in zip(pieces, inputs, strict=True):
-                    piece(*x)
-
-            def graph_pieces(inputs=inputs, n=n):
-                for i, x in enumerate(inputs):
-                    graph._run(i, n, *x)
-
-            e_p, g_p = _median_ms([eager_pieces, graph_pieces], ns.reps)
             args = (ids, pos, meta)
             e_f, g_f = _median_ms([lambda a=args: model(*a), lambda a=args: graph(*a)], ns.reps)
             print(
-                f"n={n:4d} {ns.dtype}: pieces eager {e_p:.3f} ms, graph {g_p:.3f} ms, "
-                f"ratio {e_p / g_p:.2f}x | forward eager {e_f:.3f} ms, graph {g_f:.3f} ms, "
+                f"n={n:4d} {ns.dtype}: forward eager {e_f:.3f} ms, graph {g_f:.3f} ms, "
                 f"ratio {e_f / g_f:.2f}x",
                 flush=True,
             )

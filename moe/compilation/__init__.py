@@ -1,5 +1,5 @@
-"""Graph mode: pure-compute pieces of the decoder as compiled (CPU) or captured (CUDA) graphs per
-padding bucket; attention core and MoE communication stay eager."""
+"""Graph mode: the model's forward traced per padding bucket, cut at its splitting ops (attention
+cores, MoE kernels: ``splitting_op``), its pieces compiled (CPU) or captured (CUDA)."""
 
 from moe.compilation.config import (
     DEFAULT_CAPTURE_SIZES,
@@ -7,7 +7,8 @@ from moe.compilation.config import (
     parse_compilation_config,
     resolve_capture_sizes,
 )
-from moe.compilation.piecewise import CaptureStats, GraphModeModel, pad_rows
+from moe.compilation.piecewise import CaptureStats, GraphModeModel
+from moe.compilation.splitting import pad_rows, splitting_op
 
 __all__ = [
     "DEFAULT_CAPTURE_SIZES",
@@ -17,4 +18,5 @@ __all__ = [
     "pad_rows",
     "parse_compilation_config",
     "resolve_capture_sizes",
+    "splitting_op",
 ]

@@ -1,20 +1,20 @@
 """Graph backends for one piece at one bucket size: inductor on CPU, CUDA graphs on CUDA.
 
-Both take a piece module (``moe.compilation.pieces``) and example row inputs of the bucket's size
-and return a callable with the piece's signature that is only valid for inputs of that size.
+A piece is an FX ``GraphModule`` cut out of the traced model forward
+(``moe.compilation.piecewise``): a pure function of its inputs, the weights it reads among them.
 
-- ``InductorGraph`` (CPU): the piece is traced with ``make_fx`` as a function of
-  (its parameters, its inputs) and compiled with ``torch._inductor.standalone_compile`` (static
-  shapes, ``cpp_wrapper``). The parameters are graph INPUTS, so all layers of one structure share
-  one compiled graph per bucket, and the graph's FX-cache key does not depend on weight values (the
-  on-disk cache then serves any checkpoint of the same shapes). The call skips Dynamo entirely: no
-  guards, no recompilation at serving time, nothing thread-local, so the two DBO ubatch threads may
-  call it (one at a time, as the baton ensures; the code itself holds no shared mutable state).
-- ``CUDAGraphPiece`` (CUDA): ``torch.cuda.CUDAGraph`` capture of the eager piece on static input
-  buffers (documented API: warm up on a side stream, then ``torch.cuda.graph``); replay copies the
-  inputs in and CLONES the outputs, because the two DBO ubatches replay the same graph in turn and
-  the second replay would overwrite the first one's outputs. Written against the documented API;
-  its tests are marked ``gpu`` (no GPU in this project's CI).
+- ``InductorGraph`` (CPU): ``torch._inductor.standalone_compile`` of the piece (static shapes,
+  ``cpp_wrapper``, eager's precision casts emulated). The weights are graph INPUTS, so pieces of
+  equal structure (the same code of every layer) share one compiled graph per bucket, and the
+  graph's FX-cache key does not depend on weight values (the on-disk cache then serves any
+  checkpoint of the same shapes). The call skips Dynamo entirely: no guards, no recompilation at
+  serving time, nothing thread-local, so the two DBO ubatch threads may call it (one at a time, as
+  the baton ensures; the code itself holds no shared mutable state).
+- ``CUDAGraphPiece`` (CUDA): ``torch.cuda.CUDAGraph`` capture of the piece on static input
+  buffers (documented API: warm up on a side stream, then ``torch.cuda.graph``); the weights are
+  captured in place, replay copies the other inputs in and CLONES the outputs, because the two DBO
+  ubatches replay the same graph in turn and the second replay would overwrite the first one's
+  outputs. Written against the documented API; its tests are marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx
 
 
 def has_standalone_compile() -> bool:
@@ -34,84 +34,58 @@ def has_standalone_compile() -> bool:
     return True
 
 
-def piece_state(piece: nn.Module) -> dict[str, Tensor]:
-    """Parameters and buffers of ``piece`` by name (the tensors a traced graph takes as inputs)."""
-    return {**dict(piece.named_parameters()), **dict(piece.named_buffers())}
-
-
 class InductorGraph:
-    """One piece compiled by inductor for inputs of one size; call with the state of any layer
-    of the same structure: ``graph(state_tensors, *inputs)``.
+    """One piece compiled by inductor for inputs of the example's shapes, strides and dtypes:
+    ``graph(*inputs) -> tuple of tensors`` (the piece's outputs)."""
 
-    ``state_names`` lists the state entries the graph reads (unused parameters, e.g. the experts
-    of a layer's MoE block, are dropped from the trace).
-    """
-
-    def __init__(self, piece: nn.Module, example_inputs: Sequence[Tensor], *, cpp_wrapper: bool):
+    def __init__(
+        self, piece: fx.GraphModule, example_inputs: Sequence[Tensor], *, cpp_wrapper: bool
+    ):
         from torch._inductor import config as inductor_config
         from torch._inductor import standalone_compile
-        from torch.fx.experimental.proxy_tensor import make_fx
 
-        state = piece_state(piece)
-        names = list(state)
-
-        def fn(*args: Tensor):
-            values = dict(zip(names, args[: len(names)], strict=True))
-            return torch.func.functional_call(piece, values, tuple(args[len(names) :]))
-
-        state_values = [state[n] for n in names]
-        gm = make_fx(fn)(*state_values, *example_inputs)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        kept = []
-        for name, node in zip(names, placeholders[: len(names)], strict=True):
-            if node.users:
-                kept.append(name)
-            else:
-                gm.graph.erase_node(node)
-        gm.graph.lint()
-        gm.recompile()
-        self.state_names = tuple(kept)
         with inductor_config.patch({"cpp_wrapper": cpp_wrapper, "emulate_precision_casts": True}):
             self._compiled = standalone_compile(
-                gm,
-                [state[n] for n in kept] + list(example_inputs),
-                dynamic_shapes="from_example_inputs",
+                piece, list(example_inputs), dynamic_shapes="from_example_inputs"
             )
 
-    def __call__(self, state: Sequence[Tensor], *inputs: Tensor) -> tuple[Tensor, ...]:
-        out = self._compiled(*state, *inputs)
-        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return tuple(self._compiled(*inputs))
 
 
 class CUDAGraphPiece:
-    """One layer's piece captured as a CUDA graph for inputs of one size (CUDA only).
+    """One piece captured as a CUDA graph (CUDA only); ``static_inputs[i]`` True marks an input
+    that is the same tensor at every call (a weight), used in place instead of copied.
 
     Raises:
         RuntimeError: if CUDA is not available.
     """
 
     def __init__(
-        self, piece: nn.Module, example_inputs: Sequence[Tensor], *, num_warmup: int = 2
+        self,
+        piece: Callable[..., Sequence[Tensor]],
+        example_inputs: Sequence[Tensor],
+        static_inputs: Sequence[bool] | None = None,
+        *,
+        num_warmup: int = 2,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDAGraphPiece needs a CUDA device")
-        self._static_inputs = [t.clone() for t in example_inputs]
+        static = static_inputs or [False] * len(example_inputs)
+        self._inputs = [t if s else t.clone() for t, s in zip(example_inputs, static, strict=True)]
+        self._copied = [i for i, s in enumerate(static) if not s]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # documented recipe: warm up on a side stream
             for _ in range(num_warmup):
-                piece(*self._static_inputs)
+                piece(*self._inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph):
-            out = piece(*self._static_inputs)
-        self._static_outputs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+            self._outputs = tuple(piece(*self._inputs))
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        for static, value in zip(self._static_inputs, inputs, strict=True):
-            static.copy_(value)
+        for i in self._copied:
+            self._inputs[i].copy_(inputs[i])
         self._graph.replay()
-        return tuple(t.clone() for t in self._static_outputs)
-
-
-GraphFactory = Callable[[nn.Module, Sequence[Tensor]], Callable[..., tuple[Tensor, ...]]]
+        return tuple(t.clone() for t in self._outputs)

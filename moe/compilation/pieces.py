@@ -1,113 +1,198 @@
-"""The pure-compute pieces of a decoder step, between attention and the MoE communication.
-
-A step of ``MoEModel`` alternates compute with two things a graph cannot hold: the paged attention
-core (its request layout changes every step) and the MoE dispatch/combine (the DBO yield points,
-``moe.fused_moe.modular_kernel``). Per layer the pieces are (vLLM's piecewise split, with the MoE
-communication as a second splitting op)::
-
-    AttnIn   (h, mlp_out, positions) -> residual = h + mlp_out; x = input_layernorm(residual);
-             GQA: q, k, v = projections of x (q/k norm, clip), RoPE on q and k
-             MLA: x (the MLA module runs eagerly on it)
-    [attention core, eager: KV write + paged attention]
-    AttnOut  (residual, attn) -> h = residual + o_proj(attn) (GQA) or residual + attn (MLA);
-             y = post_attention_layernorm(h); MoE layer: router(y) -> topk_weights, topk_ids
-                                               dense layer: mlp_out = mlp(y)
-    [MoE kernel, eager: dispatch -> experts -> combine, shared experts; dbo_yield lives here]
-    Final    (h, mlp_out) -> norm(h + mlp_out)
-
-Layer 0's AttnIn has no ``mlp_out``. Every piece takes and returns row tensors (leading dim =
-num_tokens), so a batch of ``n`` rows can run a graph of any bucket ``>= n`` on zero-padded rows and
-keep the first ``n`` rows of each output: zero rows stay finite through RMSNorm (rsqrt(0 + eps))
-and the router, and they never reach attention or the all-to-all.
-"""
+"""The traced forward and its pieces: ``trace_forward`` (``make_fx``, weights as inputs),
+``split_forward`` (cut at the splitting ops), and the structure key that lets pieces of equal
+code over other layers' weights share one compiled graph."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from torch import Tensor, nn
+import torch
+from torch import Tensor, fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.split_module import split_module
 
-if TYPE_CHECKING:
-    from moe.models.decoder import DecoderLayer, MoEModel
+from moe.compilation.splitting import (
+    SplittingOp,
+    recording_splitting_ops,
+    run_splitting_op,
+)
+
+SPLITTING_OP = torch.ops.moe_dbo.splitting_op.default
 
 
-def is_gqa(layer: DecoderLayer) -> bool:
-    """Whether the layer's attention splits into projections + core + o_proj (GQA), not MLA."""
-    return hasattr(layer.self_attn, "q_proj") and hasattr(layer.self_attn, "attn")
+class TracingMetadata:
+    """The attention metadata a trace sees: ``num_tokens`` only. Reading anything else raises,
+    since the metadata belongs inside a splitting op (a traced read would be baked into a graph)."""
+
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"graph mode traced a read of attn_metadata.{name} outside a splitting op; pass the "
+            f"metadata to moe.compilation.splitting.splitting_op instead"
+        )
 
 
-def is_moe(layer: DecoderLayer) -> bool:
-    return hasattr(getattr(layer, layer.mlp_name), "kernel")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracedForward:
+    """``graph(*weights, input_ids, positions)``: the forward on ``num_rows`` rows."""
+
+    graph: fx.GraphModule
+    weights: tuple[Tensor, ...]  # the parameters and buffers the graph reads, in input order
+    ops: tuple[SplittingOp, ...]  # by the index in each splitting-op node
 
 
-class AttnIn(nn.Module):
-    """Residual add, input norm and (GQA) q/k/v projections with RoPE of one layer."""
+def trace_forward(model: nn.Module, num_rows: int, *, real: bool = False) -> TracedForward:
+    """Trace ``model(input_ids [num_rows], positions [num_rows], attn_metadata)`` with
+    ``make_fx`` as a function of (its parameters and buffers, input_ids, positions).
 
-    def __init__(self, layer: DecoderLayer, *, is_first: bool):
-        super().__init__()
-        self.layer = layer
-        self.is_first = is_first
+    On fake tensors (``real`` False: one fake mode for the whole trace, several times faster), or
+    running the real ops (``real`` True: state the model builds lazily on its first call, like
+    RoPE tables, is then built from real values; do this once before fake traces)."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    names = list(state)
+    meta = TracingMetadata(num_rows)
 
-    def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
-        """Args ``(h, positions)`` for layer 0, else ``(h, mlp_out, positions)``; h, mlp_out:
-        [n, hidden_size], positions [n] int64. Returns ``(residual, q, k, v)`` with q
-        [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] (GQA), or ``(residual, x)``."""
-        if self.is_first:
-            residual, positions = args
+    def fn(*args: Tensor) -> Tensor:
+        values = dict(zip(names, args[: len(names)], strict=True))
+        return torch.func.functional_call(model, values, (*args[len(names) :], meta))
+
+    device = next(iter(state.values())).device
+    ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    with recording_splitting_ops() as ops:
+        mode = "real" if real else "fake"
+        graph = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not real)(
+            *state.values(), ids, ids.clone()
+        )
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    weights = []
+    for name, node in zip(names, placeholders, strict=False):
+        if node.users:
+            weights.append(state[name])
         else:
-            h, mlp_out, positions = args
-            residual = h + mlp_out
-        layer = self.layer
-        x = layer.input_layernorm(residual)
-        if not is_gqa(layer):
-            return residual, x
-        attn = layer.self_attn
-        n = x.shape[0]
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        if attn.clip_qkv is not None:
-            q, k, v = (t.clamp(-attn.clip_qkv, attn.clip_qkv) for t in (q, k, v))
-        q = q.view(n, attn.attn.num_heads, attn.attn.head_dim)
-        k = k.view(n, attn.attn.num_kv_heads, attn.attn.head_dim)
-        rotary = attn.rotary_emb
-        if rotary.forward_path == "forward_cpu":  # the table lookup, minus its host-sync check
-            q, k = rotary.forward_table(positions, q, k)
+            graph.graph.erase_node(node)
+    graph.graph.lint()
+    graph.recompile()
+    return TracedForward(graph=graph, weights=tuple(weights), ops=tuple(ops))
+
+
+def _partitions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Partition of each node: a new one after each splitting op, which sits alone in its own."""
+    partition, ids = 0, {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is SPLITTING_OP:
+            ids[node] = partition + 1
+            partition += 2
         else:
-            q, k = rotary(positions, q, k)
-        return residual, q.reshape(n, -1), k.reshape(n, -1), v
+            ids[node] = partition
+    return ids
 
 
-class AttnOut(nn.Module):
-    """o_proj (GQA), residual add, post-attention norm and the router or the dense MLP."""
-
-    def __init__(self, layer: DecoderLayer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, residual: Tensor, attn_output: Tensor) -> tuple[Tensor, ...]:
-        """residual [n, hidden_size]; attn_output [n, num_heads * head_dim] (GQA core output) or
-        [n, hidden_size] (MLA). Returns ``(h, y, topk_weights [n, k] float32, topk_ids [n, k]
-        int64)`` for a MoE layer, ``(h, mlp_out)`` for a dense one."""
-        layer = self.layer
-        if is_gqa(layer):
-            attn_output = layer.self_attn.o_proj(attn_output)
-        h = residual + attn_output
-        y = layer.post_attention_layernorm(h)
-        mlp = getattr(layer, layer.mlp_name)
-        if not is_moe(layer):
-            return h, mlp(y)
-        routing = mlp.gate(y)
-        return h, y, routing.topk_weights, routing.topk_ids
+def _fake_to_zeros(val: Tensor) -> Tensor:
+    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
 
 
-class Final(nn.Module):
-    """The last residual add and the final norm."""
+def structure_key(piece: fx.GraphModule, example: list[Tensor]) -> tuple[str, list[Tensor]]:
+    """(key, constants): pieces with equal keys and equal constants compute the same function of
+    their inputs (the same op sequence on inputs of the same shapes, strides and dtypes)."""
+    index: dict[fx.Node, str] = {}
+    lines, constants = [], []
+    for i, node in enumerate(piece.graph.nodes):
+        index[node] = f"%{i}"
+        if node.op == "get_attr":
+            constants.append(getattr(piece, node.target))
+            lines.append(f"get_attr {len(constants) - 1}")
+            continue
+        target = "" if node.op == "placeholder" else str(node.target)
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        lines.append(f"{node.op} {target} {args!r}")
+    inputs = [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in example]
+    consts = [(tuple(t.shape), t.dtype) for t in constants]
+    return repr((lines, inputs, consts)), constants
 
-    def __init__(self, model: MoEModel):
-        super().__init__()
-        self.norm = model.norm
 
-    def forward(self, h: Tensor, mlp_out: Tensor) -> Tensor:
-        """h, mlp_out: [n, hidden_size] -> [n, hidden_size]."""
-        return self.norm(h + mlp_out)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    """One piece of a split forward: its graph, example inputs for compiling it (the real
+    weights, zeros of the traced shapes and strides for the rest), which inputs are weights."""
+
+    name: str
+    module: fx.GraphModule
+    example: list[Tensor]
+    is_weight: list[bool]
+
+
+@dataclass(slots=True)
+class SplitForward:
+    """A traced forward cut at its splitting ops: ``graph`` calls ``submod_k`` in order, each a
+    splitting op's runner or a piece (``pieces``) until ``bind`` replaces it by its compiled
+    graph. Call ``(input_ids, positions)``, both [num_rows] int64 -> [num_rows, hidden_size]."""
+
+    graph: fx.GraphModule
+    weights: tuple[Tensor, ...]
+    pieces: list[Piece]
+
+    def __call__(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.graph.forward(*self.weights, input_ids, positions)
+
+    def bind(self, name: str, runner: Callable[..., tuple[Tensor, ...]]) -> None:
+        """Call ``runner`` instead of submodule ``name`` (a plain attribute: no module call)."""
+        del self.graph._modules[name]
+        setattr(self.graph, name, runner)
+
+
+def _op_runner(
+    sub: fx.GraphModule, op_node: fx.Node, ops: tuple[SplittingOp, ...]
+) -> Callable[..., tuple[Tensor]]:
+    """The submodule of one splitting op as a call of ``run_splitting_op`` on its inputs."""
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    tensors, op_index = op_node.args[0], op_node.args[1]
+    order = [inputs.index(t) for t in tensors]
+    op = ops[op_index]
+
+    def run(*args: Tensor) -> tuple[Tensor]:
+        return (run_splitting_op(op, *[args[i] for i in order]),)
+
+    return run
+
+
+def _piece(
+    node: fx.Node,
+    sub: fx.GraphModule,
+    weight_index: dict[fx.Node, int],
+    weights: tuple[Tensor, ...],
+) -> Piece:
+    """The piece ``sub`` that ``node`` calls, with example inputs for compiling it."""
+    example, is_weight = [], []
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for arg, placeholder in zip(node.args, inputs, strict=True):
+        index = weight_index.get(arg)
+        is_weight.append(index is not None)
+        example.append(
+            weights[index] if index is not None else _fake_to_zeros(placeholder.meta["val"])
+        )
+    return Piece(name=node.target, module=sub, example=example, is_weight=is_weight)
+
+
+def split_forward(traced: TracedForward) -> SplitForward:
+    """Cut ``traced`` at its splitting ops (``split_module``; every submodule returns a tuple):
+    splitting-op submodules are bound to their runners, the others listed as pieces."""
+    ids = _partitions(traced.graph.graph)
+    graph = split_module(
+        traced.graph, traced.graph, lambda n: ids[n], keep_original_order=True, tuple_return=True
+    )
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    weight_index = {n: i for i, n in enumerate(placeholders[: len(traced.weights)])}
+    split = SplitForward(graph=graph, weights=traced.weights, pieces=[])
+    for node in [n for n in graph.graph.nodes if n.op == "call_module"]:
+        sub = getattr(graph, node.target)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is SPLITTING_OP]
+        if ops:
+            split.bind(node.target, _op_runner(sub, ops[0], traced.ops))
+        else:
+            split.pieces.append(_piece(node, sub, weight_index, traced.weights))
+    return split

@@ -1,38 +1,48 @@
-"""Graph mode: a causal LM whose pure-compute pieces run as graphs, one per padding bucket.
+"""Graph mode: the model's own forward, traced per padding bucket, cut at its splitting ops, and
+its pieces compiled (CPU) or captured (CUDA) (after vLLM's piecewise backend,
+``vllm/compilation/backends.py``: ``split_graph`` at ``splitting_ops``, a compiled piece per shape).
 
-``GraphModeModel`` wraps a built and loaded ``MoEForCausalLM`` and offers the same
-``forward(input_ids, positions, attn_metadata)`` / ``compute_logits``. A forward of ``n`` rows
-(one ubatch under DBO: each ubatch picks its own bucket) with ``n`` <= the largest bucket:
+``GraphModeModel`` wraps a built and loaded causal LM and offers the same
+``forward(input_ids, positions, attn_metadata)`` / ``compute_logits``. ``capture`` does, per
+bucket ``b``, at start-up only:
 
-1. pads ``input_ids`` / ``positions`` with zeros to the bucket ``b`` (smallest >= n) and embeds;
-2. per layer runs ``AttnIn`` and ``AttnOut`` (``moe.compilation.pieces``) as graphs of size ``b``;
-   the attention core and the MoE kernel (dispatch, experts, combine, shared experts, and with
-   them every ``dbo_yield``) run eagerly on the first ``n`` rows, and their outputs are padded
-   back to ``b`` rows for the next piece;
-3. ``Final`` as a graph; returns the first ``n`` rows.
+1. ``make_fx`` traces ``causal_lm(input_ids, positions, attn_metadata)`` on ``b`` rows as a
+   function of (its parameters and buffers, input_ids, positions): weights are graph inputs. Each
+   ``splitting_op`` call (``moe.compilation.splitting``: the attention cores, the MoE kernels)
+   becomes one opaque node. The trace reads nothing of ``attn_metadata`` but ``num_tokens``
+   (anything else raises: the metadata belongs inside a splitting op).
+2. ``split_module`` cuts the graph at those nodes: pieces of pure compute between them.
+3. Each piece is compiled; pieces of equal structure (the same code over other layers' weights,
+   with equal constants) share one compiled graph (inductor), so a model needs (distinct pieces) x
+   (buckets) graphs whatever its depth. The splitting-op nodes call ``run_splitting_op``.
 
-Padding rows never reach the KV cache (the attention core only sees the first ``n`` rows, and rows
-past ``num_actual_tokens`` of those are the model runner's own padding, which it never caches) nor
-the all-to-all. A forward above the largest bucket (or before ``capture``) runs the wrapped model
-eagerly. ``capture`` compiles every graph at start-up (tqdm progress); nothing compiles later.
-(Piecewise graphs after vLLM's ``CUDAGraphWrapper`` / ``PiecewiseBackend``; see
-``shared/seeds/graph-capture-bucketing.md``.)
+A forward of ``n`` rows (one ubatch under DBO: each ubatch picks its own bucket) with ``n`` <= the
+largest bucket pads ``input_ids`` / ``positions`` with zeros to the bucket and runs the split
+graph; every splitting op sees only the first ``n`` rows, so padding never reaches attention, the
+KV cache or the all-to-all, and no DBO yield is inside a graph. Above the largest bucket (or
+before ``capture``) the wrapped model runs eagerly. The split graph is plain Python calling
+compiled code, nothing Dynamo: both ubatch threads run the same code, each with its own
+``splitting_context``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from dbo.timeline.recorder import set_timeline_layer, timeline_span
-from moe.compilation.backends import CUDAGraphPiece, InductorGraph, piece_state
+from dbo.timeline.recorder import is_timeline_active, set_timeline_layer, timeline_span
+from moe.compilation.backends import CUDAGraphPiece, InductorGraph
 from moe.compilation.config import bucket_for
-from moe.compilation.pieces import AttnIn, AttnOut, Final, is_gqa, is_moe
+from moe.compilation.pieces import Piece, SplitForward, split_forward, structure_key, trace_forward
+from moe.compilation.splitting import pad_rows, splitting_context
 
 BACKENDS = ("inductor", "cuda_graph")
+
+__all__ = ["BACKENDS", "CaptureStats", "GraphModeModel", "pad_rows"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,29 +55,24 @@ class CaptureStats:
     backend: str
 
 
-def pad_rows(x: Tensor, num_rows: int) -> Tensor:
-    """``x`` [n, ...] zero-padded to [num_rows, ...] (``x`` itself when n == num_rows)."""
-    n = x.shape[0]
-    if n == num_rows:
-        return x
-    out = x.new_zeros((num_rows, *x.shape[1:]))
-    out[:n] = x
-    return out
+def _spanned(graph: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
+    """``graph`` recorded as a ``graph`` compute span (of the current layer) on the timeline."""
 
+    def run(*args: Tensor) -> tuple[Tensor, ...]:
+        if not is_timeline_active():
+            return graph(*args)
+        with timeline_span("graph"):
+            return graph(*args)
 
-def _structure_key(piece: nn.Module) -> tuple:
-    """Pieces with equal keys trace to the same graph (same code, state shapes and dtypes)."""
-    layer = getattr(piece, "layer", None)
-    flags = () if layer is None else (is_gqa(layer), is_moe(layer))
-    state = tuple((n, tuple(t.shape), t.dtype) for n, t in piece_state(piece).items())
-    return (type(piece).__name__, *flags, state)
+    return run
 
 
 class GraphModeModel(nn.Module):
-    """``MoEForCausalLM`` with its pieces run as graphs per bucket (see the module docstring).
+    """A causal LM whose forward runs as compiled pieces per bucket (see the module docstring).
 
     Args:
-        causal_lm: the built model, weights loaded (graphs are captured from its current state).
+        causal_lm: the built model, weights loaded (graphs are captured from its current state);
+            ``forward(input_ids [n] int64, positions [n] int64, attn_metadata) -> [n, hidden]``.
         capture_sizes: ascending buckets (``moe.compilation.config.resolve_capture_sizes``).
         backend: ``"inductor"`` (CPU) or ``"cuda_graph"``.
 
@@ -86,88 +91,71 @@ class GraphModeModel(nn.Module):
         self.lm = causal_lm
         self.capture_sizes = tuple(capture_sizes)
         self.backend = backend
-        model = causal_lm.model
-        layers = list(model.layers)
-        # plain lists: the pieces share the model's modules, they are not extra submodules
-        self._attn_in = [AttnIn(layer, is_first=False) for layer in layers]
-        self._attn_out = [AttnOut(layer) for layer in layers]
-        self._final = Final(model)
-        self._pieces: list[nn.Module] = [*self._attn_in, *self._attn_out, self._final]
-        self._graphs: dict[tuple[int, int], object] = {}  # (piece index, bucket) -> graph
-        self._states: list[list[Tensor]] = []
-        self.is_captured = False
+        self._forwards: dict[int, SplitForward] = {}  # bucket -> its split, compiled forward
+        self._stats: CaptureStats | None = None
+
+    @property
+    def is_captured(self) -> bool:
+        return self._stats is not None
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         return self.lm.compute_logits(hidden_states)
 
-    def _example_inputs(self, piece: nn.Module, num_rows: int) -> list[Tensor]:
-        ref = self.lm.model.embed_tokens.weight
-        hidden = ref.new_zeros((num_rows, ref.shape[1]))
-        if isinstance(piece, AttnIn):
-            return [hidden, hidden.clone(), torch.zeros(num_rows, dtype=torch.int64)]
-        if isinstance(piece, AttnOut):
-            attn = piece.layer.self_attn
-            width = attn.o_proj.in_features if is_gqa(piece.layer) else ref.shape[1]
-            return [hidden, ref.new_zeros((num_rows, width))]
-        return [hidden, hidden.clone()]
-
     @torch.no_grad()
     def capture(self, *, progress: bool = True) -> CaptureStats:
-        """Compile (inductor) or capture (CUDA graphs) every piece at every bucket; idempotent.
-
-        Inductor graphs are shared by the pieces of equal structure (all MoE layers' ``AttnOut``,
-        ...), so their number is (distinct pieces) x (buckets), not layers x buckets.
-        """
+        """Trace, split and compile (inductor) or capture (CUDA graphs) the forward at every
+        bucket; idempotent. See the module docstring."""
         from tqdm import tqdm
 
+        if self._stats is not None:
+            return self._stats
         start = time.perf_counter()
-        keys = [_structure_key(p) for p in self._pieces]
-        if self.backend == "inductor":
-            owners = {key: keys.index(key) for key in keys}  # first piece of each structure
-            jobs = [(i, b) for i in sorted(set(owners.values())) for b in self.capture_sizes]
-        else:
-            owners = {}
-            jobs = [(i, b) for i in range(len(self._pieces)) for b in self.capture_sizes]
         with torch.inference_mode():
-            for (
-                piece
-            ) in self._pieces:  # eager once: lazily built tables (RoPE) exist before tracing
-                piece(*self._example_inputs(piece, self.capture_sizes[0]))
+            trace_forward(self.lm, self.capture_sizes[0], real=True)  # builds lazy tables (RoPE)
+            splits = {b: split_forward(trace_forward(self.lm, b)) for b in self.capture_sizes}
+            groups = self._group_pieces(splits)
             bar = tqdm(
-                jobs, desc=f"graph mode ({self.backend})", unit="graph", disable=not progress
+                groups, desc=f"graph mode ({self.backend})", unit="graph", disable=not progress
             )
-            for index, bucket in bar:
-                piece = self._pieces[index]
-                example = self._example_inputs(piece, bucket)
-                if self.backend == "inductor":
-                    graph = InductorGraph(piece, example, cpp_wrapper=True)
-                else:
-                    graph = CUDAGraphPiece(piece, example)
-                self._graphs[(index, bucket)] = graph
-            if self.backend == "inductor":
-                for i, key in enumerate(keys):
-                    for bucket in self.capture_sizes:
-                        self._graphs[(i, bucket)] = self._graphs[(owners[key], bucket)]
-                self._states = [
-                    [
-                        piece_state(p)[n]
-                        for n in self._graphs[(i, self.capture_sizes[0])].state_names
-                    ]
-                    for i, p in enumerate(self._pieces)
-                ]
-        self.is_captured = True
-        return CaptureStats(
-            num_graphs=len(jobs),
+            for pieces in bar:
+                graph = _spanned(self._compile_piece(pieces[0][1]))
+                for bucket, piece in pieces:
+                    splits[bucket].bind(piece.name, graph)
+        for split in splits.values():
+            split.pieces.clear()  # their example inputs and uncompiled graphs are not needed now
+        self._forwards = splits
+        self._stats = CaptureStats(
+            num_graphs=len(groups),
             seconds=time.perf_counter() - start,
             capture_sizes=self.capture_sizes,
             backend=self.backend,
         )
+        return self._stats
 
-    def _run(self, piece_index: int, bucket: int, *inputs: Tensor) -> tuple[Tensor, ...]:
-        graph = self._graphs[(piece_index, bucket)]
+    def _group_pieces(self, splits: dict[int, SplitForward]) -> list[list[tuple[int, Piece]]]:
+        """Pieces that one graph serves: those of equal structure and constants (inductor, whose
+        graphs take the weights as inputs), else each piece alone (CUDA graphs)."""
+        groups: dict[str, list[tuple[list[Tensor], list[tuple[int, Piece]]]]] = {}
+        alone = []
+        for bucket, split in splits.items():
+            for piece in split.pieces:
+                if self.backend != "inductor":
+                    alone.append([(bucket, piece)])
+                    continue
+                key, constants = structure_key(piece.module, piece.example)
+                candidates = groups.setdefault(key, [])
+                for other, members in candidates:
+                    if all(torch.equal(a, b) for a, b in zip(constants, other, strict=True)):
+                        members.append((bucket, piece))
+                        break
+                else:
+                    candidates.append((constants, [(bucket, piece)]))
+        return alone + [members for entries in groups.values() for _, members in entries]
+
+    def _compile_piece(self, piece: Piece) -> Callable[..., tuple[Tensor, ...]]:
         if self.backend == "inductor":
-            return graph(self._states[piece_index], *inputs)
-        return graph(*inputs)
+            return InductorGraph(piece.module, piece.example, cpp_wrapper=True)
+        return CUDAGraphPiece(piece.module, piece.example, piece.is_weight)
 
     # no_grad, not inference_mode: as MoEForCausalLM.forward (a recv hook may finalize a combine
     # outside the caller's inference mode)
@@ -178,33 +166,9 @@ class GraphModeModel(nn.Module):
         bucket = bucket_for(n, self.capture_sizes) if self.is_captured else None
         if bucket is None:
             return self.lm(input_ids, positions, attn_metadata)
-        model = self.lm.model
-        num_layers = len(self._attn_in)
-        positions_padded = pad_rows(positions, bucket)
-        h = model.embed_tokens(pad_rows(input_ids, bucket))
-        mlp_out = torch.zeros_like(h)  # layer 0: h + 0 == h exactly
-        for i, layer in enumerate(model.layers):
-            set_timeline_layer(i)  # names this thread's spans layer{i}.attention, ...
-            with timeline_span("attention"):
-                outs = self._run(i, bucket, h, mlp_out, positions_padded)
-                residual = outs[0]
-                if is_gqa(layer):
-                    q, k, v = (t[:n] for t in outs[1:])
-                    attn_output = layer.self_attn.attn(q, k, v, attn_metadata)
-                else:
-                    attn_output = layer.self_attn(positions, outs[1][:n], attn_metadata)
-            with timeline_span("router"):
-                outs = self._run(num_layers + i, bucket, residual, pad_rows(attn_output, bucket))
-            if len(outs) == 2:  # dense MLP layer: all of it ran in the graph
-                h, mlp_out = outs
-                continue
-            h, y, topk_weights, topk_ids = outs
-            mlp = getattr(layer, layer.mlp_name)
-            shared = mlp._shared_experts if mlp.shared_expert_name else None
-            routed = mlp.kernel.forward(
-                y[:n], topk_ids[:n], topk_weights[:n], shared_experts=shared
+        with splitting_context(n, attn_metadata):
+            hidden_states = self._forwards[bucket](
+                pad_rows(input_ids, bucket), pad_rows(positions, bucket)
             )
-            mlp_out = pad_rows(routed, bucket)
         set_timeline_layer(None)
-        (hidden_states,) = self._run(2 * num_layers, bucket, h, mlp_out)
         return hidden_states[:n]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import timeline_span
+from moe.compilation.splitting import splitting_op
 from moe.fused_moe.experts import MIXTRAL_EXPERT_NAMES, TorchExperts
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
 from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
@@ -97,7 +98,15 @@ class FusedMoE(nn.Module):
         """hidden_states: [num_tokens, hidden_size] -> [num_tokens, hidden_size] (same dtype)."""
         with timeline_span("router"):
             routing = self.gate(hidden_states)
-        shared = self._shared_experts if self.shared_expert_name else None
-        return self.kernel.forward(
-            hidden_states, routing.topk_ids, routing.topk_weights, shared_experts=shared
+        return splitting_op(  # dispatch/combine and their DBO yields: never inside a graph
+            self._experts,
+            hidden_states,
+            routing.topk_ids,
+            routing.topk_weights,
+            out_shape=(hidden_states.shape[1],),
         )
+
+    def _experts(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The modular kernel (dispatch -> experts -> combine) with the shared experts."""
+        shared = self._shared_experts if self.shared_expert_name else None
+        return self.kernel.forward(hidden_states, topk_ids, topk_weights, shared_experts=shared)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.compilation.splitting import splitting_op
 from moe.layers.batched_attention import batched_paged_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
@@ -291,5 +292,13 @@ class GQAAttention(nn.Module):
         q = q.view(num_tokens, self.attn.num_heads, self.attn.head_dim)
         k = k.view(num_tokens, self.attn.num_kv_heads, self.attn.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn_metadata)
+        out = splitting_op(  # the attention core: graph mode keeps it out of its graphs
+            self.attn,
+            q.reshape(num_tokens, -1),
+            k.reshape(num_tokens, -1),
+            v,
+            out_shape=(self.attn.num_heads * self.attn.head_dim,),
+            attn_metadata=attn_metadata,
+            span="attention",
+        )
         return self.o_proj(out)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.compilation.splitting import splitting_op
 from moe.layers.attention import iter_request_spans
 from moe.layers.batched_attention import batched_mla_attention
 from moe.layers.linear import Linear
@@ -211,9 +212,30 @@ class MLAAttention(nn.Module):
         )
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
+        out = splitting_op(  # the attention core: graph mode keeps it out of its graphs
+            self._attend,
+            q_nope,
+            q_pe,
+            kv_c,
+            k_pe[:, 0],
+            out_shape=(self.num_heads, self.v_dim),
+            attn_metadata=attn_metadata,
+            span="attention",
+        )
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        kv_c: Tensor,
+        k_pe: Tensor,
+        attn_metadata: CommonAttentionMetadata,
+    ) -> Tensor:
+        """The core: write the real rows' latents (kv_c [T, r], k_pe [T, rope]) to the cache,
+        then attend (q_nope [T, H, nope], q_pe [T, H, rope]) -> [T, H, v]."""
         num_actual = attn_metadata.num_actual_tokens
         self.attn.write(
-            kv_c[:num_actual], k_pe[:num_actual, 0], attn_metadata.slot_mapping[:num_actual]
+            kv_c[:num_actual], k_pe[:num_actual], attn_metadata.slot_mapping[:num_actual]
         )
-        out = self.attn(q_nope, q_pe, self.kv_b_proj.weight, attn_metadata, scale=self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.attn(q_nope, q_pe, self.kv_b_proj.weight, attn_metadata, scale=self.scale)

@@ -1,19 +1,22 @@
-"""Models: ``MoEModelConfig`` (parsed from ``config.json`` by ``hf_config``), the generic decoder
-stack, ``MoEForCausalLM``, one module per architecture and the registry ``build_model`` reads.
+"""Models: ``MoEModelConfig``, the generic decoder stack, ``MoEForCausalLM``, and one module per
+architecture holding its ``ArchitectureSpec`` (``moe.models.spec``), listed in
+``moe.models.architectures``; ``build_model`` builds any of them.
 
-Adding an architecture: its class in a module of its own, its config parser in ``hf_config``, and
-one entry in ``registry.MODEL_REGISTRY``.
+Adding an architecture: one module with its spec and one line in
+``architectures.ARCHITECTURE_MODULES`` (docs/models.md).
 """
 
+from moe.models.architectures import ARCHITECTURES, supported_architectures
 from moe.models.causal_lm import MoEForCausalLM
 from moe.models.config import MoEModelConfig
-from moe.models.hf_config import SUPPORTED_ARCHITECTURES
-from moe.models.registry import MODEL_REGISTRY, build_model
+from moe.models.registry import build_model
+from moe.models.spec import ArchitectureSpec
 
 __all__ = [
-    "MODEL_REGISTRY",
-    "SUPPORTED_ARCHITECTURES",
+    "ARCHITECTURES",
+    "ArchitectureSpec",
     "MoEForCausalLM",
     "MoEModelConfig",
     "build_model",
+    "supported_architectures",
 ]

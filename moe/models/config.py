@@ -1,9 +1,8 @@
 """Model configuration parsed from a Hugging Face ``config.json`` dict.
 
 Only the fields the engine needs are kept; unknown keys are ignored. Supported architectures are
-listed in ``moe.models.hf_config.SUPPORTED_ARCHITECTURES`` (``model_type`` -> architecture class
-name); anything else raises ``ValueError`` naming them. The per-architecture parsing lives in
-``moe.models.hf_config``, which does not import this module (no import circle).
+the specs registered in ``moe.models.architectures`` (one module per architecture, which also
+parses its ``config.json``); anything else raises ``ValueError`` naming them.
 """
 
 from __future__ import annotations
@@ -13,9 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.fused_moe.router import SCORING_FUNCS, TOPK_METHODS
-from moe.models.hf_config import SUPPORTED_ARCHITECTURES, parse_hf_config
-
-ATTENTION_TYPES = ("gqa", "mla")
+from moe.models.architectures import (
+    spec_for_architecture,
+    spec_for_model_type,
+    supported_architectures,
+)
+from moe.models.spec import ArchitectureSpec
 
 
 def _positive(name: str, value: int) -> None:
@@ -32,10 +34,10 @@ class MoEModelConfig:
     shared expert MLP's (0: none). ``num_experts`` counts routed experts per layer in the whole model,
     not per EP rank. ``moe_layers[i]`` says whether layer i is sparse (else dense MLP).
 
-    Attention: ``attention_type`` "gqa" (q/k/v projections, ``head_dim``; ``qkv_bias``,
-    ``o_bias``, ``qk_norm``, ``clip_qkv`` options) or "mla" (DeepSeek multi-head latent attention:
-    ``q_lora_rank`` (None: plain q_proj), ``kv_lora_rank``, ``qk_nope_head_dim``,
-    ``qk_rope_head_dim``, ``v_head_dim``). RoPE: ``rope_theta``, ``rope_scaling`` (yarn parameters
+    Attention: ``attention_type`` (the architecture spec's) "gqa" (q/k/v projections,
+    ``head_dim``; ``qkv_bias``, ``o_bias``, ``qk_norm``, ``clip_qkv`` options) or "mla" (DeepSeek
+    multi-head latent attention: ``q_lora_rank`` (None: plain q_proj), ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). RoPE: ``rope_theta``, ``rope_scaling`` (yarn parameters
     as sorted (key, value) pairs, or None), ``rope_interleave`` (rotate adjacent pairs).
     Routing fields mirror ``moe.router.RoutingConfig``.
     """
@@ -53,14 +55,12 @@ class MoEModelConfig:
     moe_intermediate_size: int | None = None  # None: intermediate_size
     moe_layers: tuple[bool, ...] | None = None  # None: every layer is sparse
     shared_intermediate_size: int = 0
-    has_shared_expert_gate: bool = False
     norm_topk_prob: bool = True
     scoring_func: str = "softmax"
     topk_method: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    attention_type: str = "gqa"
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
@@ -79,11 +79,7 @@ class MoEModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
-            raise ValueError(
-                f"architecture {self.architecture!r} is not supported; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES.values())}"
-            )
+        spec_for_architecture(self.architecture)  # ValueError naming the supported ones
         if self.moe_intermediate_size is None:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if self.moe_layers is None:
@@ -114,11 +110,22 @@ class MoEModelConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
+    @property
+    def spec(self) -> ArchitectureSpec:
+        """The architecture's declaration (``moe.models.spec``)."""
+        return spec_for_architecture(self.architecture)
+
+    @property
+    def attention_type(self) -> str:
+        """``"gqa"`` or ``"mla"``, as the architecture declares."""
+        return self.spec.attention
+
+    @property
+    def has_shared_expert_gate(self) -> bool:
+        """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
+        return self.spec.has_shared_expert_gate and self.shared_intermediate_size > 0
+
     def _check_attention(self) -> None:
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(
-                f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}"
-            )
         if self.attention_type == "gqa":
             if self.num_attention_heads % self.num_key_value_heads:
                 raise ValueError(
@@ -166,13 +173,17 @@ class MoEModelConfig:
         if not isinstance(d, Mapping):
             raise ValueError(f"config.json must be a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
+        spec = spec_for_model_type(model_type) if isinstance(model_type, str) else None
+        if spec is None:
             archs = d.get("architectures")
             raise ValueError(
                 f"unsupported model (model_type={model_type!r}, architectures={archs!r}); "
-                f"supported architectures: {sorted(SUPPORTED_ARCHITECTURES.values())}"
+                f"supported architectures: {sorted(supported_architectures().values())}"
             )
         try:
-            return cls(**parse_hf_config(model_type, d))
+            fields = spec.parse_config(d)
+            num_layers = fields["num_hidden_layers"]
+            moe_layers = spec.moe_layers(d, num_layers)
+            return cls(architecture=spec.architecture, moe_layers=moe_layers, **fields)
         except KeyError as e:
             raise ValueError(f"HF config for {model_type!r} is missing field {e.args[0]!r}") from e

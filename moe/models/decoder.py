@@ -1,8 +1,9 @@
 """Decoder-only MoE models (Mixtral, DeepSeek-V2/V3, Qwen2-MoE, OLMoE) for DP attention + EP.
 
-One generic stack, configured by ``MoEModelConfig``: per layer an attention (GQA with optional
-q/k norm and biases, or DeepSeek MLA) and an MLP (dense, or ``FusedMoE`` with optional shared
-experts). Module and parameter names follow each architecture's HF checkpoint
+One generic stack, configured by ``MoEModelConfig`` and its architecture's ``ArchitectureSpec``
+(``moe.models.spec``): per layer an attention (GQA with optional q/k norm and biases, or DeepSeek
+MLA) and an MLP (dense, or ``FusedMoE`` with optional shared experts). Module and parameter names
+follow each architecture's HF checkpoint as its spec declares them
 (``model.layers.{i}.self_attn.q_proj``, ``...mlp.gate`` / ``...block_sparse_moe.gate`` …) so the
 loader maps names one to one, except the routed experts, which are stacked per rank
 (``...experts.w1`` [num_local_experts, F, H] <- ``...experts.{e}.gate_proj.weight`` or ``.w1.weight``).
@@ -10,14 +11,12 @@ loader maps names one to one, except the routed experts, which are stacked per r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import set_timeline_layer, timeline_span
-from moe.fused_moe.experts import GATE_UP_DOWN_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import RoutingConfig
@@ -31,25 +30,8 @@ if TYPE_CHECKING:
     from dbo.attention_metadata import CommonAttentionMetadata
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointNaming:
-    """Where an architecture's checkpoint puts the MoE block and its parts."""
-
-    moe_block: str  # "block_sparse_moe" (Mixtral) or "mlp"
-    expert_names: dict
-    shared_expert: str  # "shared_experts" (DeepSeek) or "shared_expert" (Qwen2-MoE)
-
-
-NAMING: dict[str, CheckpointNaming] = {
-    "MixtralForCausalLM": CheckpointNaming("block_sparse_moe", MIXTRAL_EXPERT_NAMES, ""),
-    "DeepseekV2ForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_experts"),
-    "DeepseekV3ForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_experts"),
-    "Qwen2MoeForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, "shared_expert"),
-    "OlmoeForCausalLM": CheckpointNaming("mlp", GATE_UP_DOWN_EXPERT_NAMES, ""),
-}
-
-
 def routing_config(config: MoEModelConfig) -> RoutingConfig:
+    """The router's settings from the model config."""
     return RoutingConfig(
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
@@ -77,10 +59,10 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        attention_cls = MLAAttention if config.attention_type == "mla" else GQAAttention
+        spec = config.spec
+        attention_cls = MLAAttention if spec.attention == "mla" else GQAAttention
         self.self_attn = attention_cls(config, **kw)
-        naming = NAMING[config.architecture]
-        self.mlp_name = naming.moe_block
+        self.mlp_name = spec.moe_block
         if config.moe_layers[layer_idx]:
             mlp = FusedMoE(
                 hidden_size=config.hidden_size,
@@ -90,10 +72,10 @@ class DecoderLayer(nn.Module):
                 ep_rank=ep_rank,
                 ep_size=ep_size,
                 routing=routing_config(config),
-                fp32_router=config.attention_type == "mla",  # DeepSeek routes in float32
-                expert_checkpoint_names=naming.expert_names,
+                fp32_router=spec.router_dtype == "float32",
+                expert_checkpoint_names=dict(spec.expert_names),
                 shared_intermediate_size=config.shared_intermediate_size,
-                shared_expert_name=naming.shared_expert or "shared_experts",
+                shared_expert_name=spec.shared_experts or "shared_experts",
                 has_shared_expert_gate=config.has_shared_expert_gate,
                 **kw,
             )

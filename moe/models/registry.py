@@ -1,4 +1,5 @@
-"""Model construction for one rank: pick the class by architecture, wire the prepare/finalize."""
+"""Model construction for one rank: the generic ``MoEForCausalLM`` shaped by the architecture's
+spec (``moe.models.architectures``), with the prepare/finalize wired in."""
 
 from __future__ import annotations
 
@@ -15,25 +16,11 @@ from moe.fused_moe.prepare_finalize import (
     NoEPPrepareAndFinalize,
 )
 from moe.layers.linear import Linear
+from moe.models.causal_lm import MoEForCausalLM
 from moe.models.config import MoEModelConfig
-from moe.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from moe.models.mixtral import MixtralForCausalLM
-from moe.models.olmoe import OlmoeForCausalLM
-from moe.models.qwen2_moe import Qwen2MoeForCausalLM
 
 if TYPE_CHECKING:
     from distributed import All2AllBackend
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    cls.__name__: cls
-    for cls in (
-        MixtralForCausalLM,
-        DeepseekV2ForCausalLM,
-        DeepseekV3ForCausalLM,
-        Qwen2MoeForCausalLM,
-        OlmoeForCausalLM,
-    )
-}
 
 
 def make_prepare_finalize(
@@ -88,7 +75,7 @@ def build_model(
 
     Raises:
         ValueError: both given; ep_size > 1 without a backend; num_experts not divisible by
-            ep_size; a backend whose num_local_experts disagrees; unsupported architecture.
+            ep_size; a backend whose num_local_experts disagrees.
     """
     if prepare_finalize is not None and all2all_backend is not None:
         raise ValueError("give prepare_finalize or all2all_backend, not both")
@@ -111,14 +98,8 @@ def build_model(
             f"prepare_finalize serves {prepare_finalize.num_local_experts} local experts, but "
             f"num_experts={config.num_experts} / ep_size={ep_size} = {num_local_experts}"
         )
-    try:
-        model_cls = MODEL_REGISTRY[config.architecture]
-    except KeyError:
-        raise ValueError(
-            f"architecture {config.architecture!r} not supported; supported: {sorted(MODEL_REGISTRY)}"
-        ) from None
     with skip_default_init():
-        return model_cls(
+        return MoEForCausalLM(
             config,
             prepare_finalize=prepare_finalize,
             ep_rank=ep_rank,

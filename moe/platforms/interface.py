@@ -165,13 +165,17 @@ class CpuPlatform(Platform):
             reason=f"this CPU has no bfloat16 GEMM ({reason}); weights are upcast exactly at load",
         )
 
-    def float32_pack_limits(self) -> Float32PackLimits:
+    @functools.cached_property
+    def _float32_pack_limits(self) -> Float32PackLimits:
         # On Intel CPUs MKL's sgemm is as fast as the pack above 256 rows and oneDNN's per-call
         # cost dominates weights below 2^20 elements; elsewhere MKL takes a generic code path at
         # about half oneDNN's speed, so the pack wins at every batch size from 2^17 elements.
         if self.cpu_capability().vendor in ("GenuineIntel", "unknown"):
             return Float32PackLimits(max_rows=256, min_elements=1 << 20)
         return Float32PackLimits(max_rows=sys.maxsize, min_elements=1 << 17)
+
+    def float32_pack_limits(self) -> Float32PackLimits:
+        return self._float32_pack_limits  # asked on every linear call: decided once
 
 
 class CudaPlatform(Platform):

@@ -124,33 +124,43 @@ def test_graph_mode_equals_eager_embedded_model():
     _assert_graph_equals_eager(per_rank, ["graph"])
 
 
+def _norm_piece(device="cpu"):
+    """A piece as graph mode cuts them: an FX graph of (residual add, RMSNorm) taking its weight
+    as an input."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe.layers.norm import RMSNorm
+
+    norm = RMSNorm(32, 1e-5, device=device)
+    torch.nn.init.normal_(norm.weight)
+
+    def piece(weight, h, mlp_out):
+        return (torch.func.functional_call(norm, {"weight": weight}, (h + mlp_out,)),)
+
+    example = [norm.weight.detach(), torch.randn(8, 32, device=device)]
+    example.append(torch.randn(8, 32, device=device))
+    with torch.inference_mode():
+        return make_fx(piece)(*example), example
+
+
 @pytest.mark.slow
 def test_compiled_piece_is_reentrant_across_threads():
     """Two threads call one compiled graph at once (no baton): results equal the eager piece's."""
     from moe.compilation.backends import InductorGraph
-    from moe.compilation.pieces import Final
-    from moe.layers.norm import RMSNorm
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = RMSNorm(32, 1e-5)
 
     torch.manual_seed(0)
-    model = Model()
-    torch.nn.init.normal_(model.norm.weight)
-    piece = Final(model)
+    piece, example = _norm_piece()
+    weight = example[0]
     inputs = [[torch.randn(8, 32), torch.randn(8, 32)] for _ in range(2)]
     with torch.inference_mode():
-        graph = InductorGraph(piece, inputs[0], cpp_wrapper=True)
-        state = [dict(piece.named_parameters())[n] for n in graph.state_names]
-        expected = [piece(*x) for x in inputs]
+        graph = InductorGraph(piece, example, cpp_wrapper=True)
+        expected = [piece(weight, *x)[0] for x in inputs]
         errors = []
 
         def worker(i):
             with torch.inference_mode():
                 for _ in range(500):
-                    (out,) = graph(state, *inputs[i])
+                    (out,) = graph(weight, *inputs[i])
                     if not torch.allclose(out, expected[i], rtol=0, atol=1e-6):
                         errors.append(i)
                         return
@@ -167,17 +177,9 @@ def test_compiled_piece_is_reentrant_across_threads():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_piece_equals_eager():
     from moe.compilation.backends import CUDAGraphPiece
-    from moe.compilation.pieces import Final
-    from moe.layers.norm import RMSNorm
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = RMSNorm(32, 1e-5, device="cuda")
-
-    piece = Final(Model())
-    x, y = torch.randn(8, 32, device="cuda"), torch.randn(8, 32, device="cuda")
+    piece, (weight, x, y) = _norm_piece("cuda")
     with torch.inference_mode():
-        graph = CUDAGraphPiece(piece, [x, y])
-        (out,) = graph(x * 2, y)
-        torch.testing.assert_close(out, piece(x * 2, y), rtol=0, atol=1e-6)
+        graph = CUDAGraphPiece(piece, [weight, x, y], [True, False, False])
+        (out,) = graph(weight, x * 2, y)
+        torch.testing.assert_close(out, piece(weight, x * 2, y)[0], rtol=0, atol=1e-6)

@@ -71,7 +71,8 @@ def test_graph_mode_equals_eager_in_float64(tiny_mixtral_dir, monkeypatch):
         lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
     )
     stats = graph.capture(progress=False)
-    assert calls == [] and stats.num_graphs == 3  # AttnIn, AttnOut, Final shared by both layers
+    # layer 0's input piece (embedding), attention-out (both layers), attention-in (layer 1), final
+    assert calls == [] and stats.num_graphs == 4
     gen = torch.Generator().manual_seed(0)
     # prefill 7 + 3 tokens and 2 padding rows of the runner: 12 rows, bucket 16 pads 4 more
     meta = _metadata([7, 3], [7, 3], num_padding=2)
@@ -94,3 +95,69 @@ def test_graph_mode_equals_eager_in_float64(tiny_mixtral_dir, monkeypatch):
         meta = _metadata([17], [17], num_padding=0)
         ids, pos = torch.randint(3, 128, (17,), generator=gen), torch.arange(17)
         torch.testing.assert_close(graph(ids, pos, meta), eager(ids, pos, meta), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe"])
+def test_graph_mode_equals_eager_mla_dense_and_shared_experts(tiny_arch_dirs, model_type):
+    """MLA (its core a splitting op), dense layers and shared experts: prefill then decode."""
+    path = tiny_arch_dirs[model_type]
+    eager, eager_caches = _model(path)
+    graph_lm, graph_caches = _model(path)
+    graph = GraphModeModel(graph_lm, (4, 16))
+    graph.capture(progress=False)
+    gen = torch.Generator().manual_seed(0)
+    meta = _metadata([7, 3], [7, 3], num_padding=0)
+    ids = torch.randint(3, 128, (10,), generator=gen)
+    pos = torch.tensor([*range(7), *range(3)])
+    with torch.inference_mode():
+        _close(graph(ids, pos, meta), eager(ids, pos, meta))
+        meta = _metadata([1, 1], [8, 4], num_padding=0)
+        ids, pos = torch.randint(3, 128, (2,), generator=gen), torch.tensor([7, 3])
+        _close(graph(ids, pos, meta), eager(ids, pos, meta))
+    for g, e in zip(graph_caches, eager_caches, strict=True):
+        _close(g, e)
+
+
+def test_graph_mode_timeline_names_attention_cores_and_pieces_per_layer(tiny_mixtral_dir):
+    from dbo.timeline.recorder import TimelineRecorder, set_timeline_recorder
+
+    graph_lm, _ = _model(tiny_mixtral_dir)
+    graph = GraphModeModel(graph_lm, (4,))
+    graph.capture(progress=False)
+    recorder = TimelineRecorder(rank=0)
+    set_timeline_recorder(recorder)
+    try:
+        with torch.inference_mode():
+            graph(torch.tensor([5, 6]), torch.tensor([3, 2]), _metadata([1, 1], [4, 3], 0))
+    finally:
+        set_timeline_recorder(None)
+    names = [s.name for s in recorder.spans()]
+    # pieces are named after the layer of the splitting op before them: none before layer 0's
+    # input piece; each layer's attention-out piece and the piece after its MoE kernel
+    assert [names.count(f"{p}graph") for p in ("", "layer0.", "layer1.")] == [1, 2, 2]
+    assert names.count("layer0.attention") == names.count("layer1.attention") == 1
+
+
+def test_a_metadata_read_outside_a_splitting_op_is_refused():
+    from moe.compilation.pieces import trace_forward
+
+    class ReadsSlots(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, input_ids, positions, attn_metadata):
+            return input_ids[: attn_metadata.num_actual_tokens] * self.weight
+
+    with pytest.raises(AttributeError, match=r"attn_metadata\.num_actual_tokens outside a split"):
+        trace_forward(ReadsSlots(), 4)
+
+
+def test_compilation_holds_no_model_code():
+    from tests.helpers.distributed import REPO
+
+    for path in (REPO / "moe" / "compilation").glob("*.py"):
+        text = path.read_text()
+        for name in ("self_attn", "_shared_experts", "kernel.forward", "moe.models", "moe.layers"):
+            assert name not in text, (path.name, name)

@@ -1,0 +1,134 @@
+"""Splitting ops: the calls graph mode keeps out of its graphs (vLLM's ``splitting_ops``).
+
+The model marks each call a graph must not hold with ``splitting_op(fn, *tensors, ...)``: the
+paged-attention core (its request layout changes every step) and the MoE kernel (dispatch,
+experts, combine, shared experts: every DBO yield is there). Eagerly it is a plain call,
+``fn(*tensors)`` (or ``fn(*tensors, attn_metadata)``). While graph mode traces the forward
+(``recording_splitting_ops``) it records ``fn`` and emits one opaque ``moe_dbo::splitting_op``
+node instead, registered with ``torch.library`` with a fake implementation giving its output
+shape; the graph is then cut at those nodes (``moe.compilation.piecewise``).
+
+At run time graph mode calls the recorded ``fn`` through ``run_splitting_op``: on the first
+``num_rows`` rows of its (bucket-padded) inputs, with this thread's attention metadata
+(``splitting_context``), its output zero-padded back to the bucket. So padding rows never reach
+attention or the all-to-all, and each DBO ubatch thread runs the ops of its own forward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dbo.timeline.recorder import set_timeline_layer, timeline_layer, timeline_span
+
+OP_NAME = "moe_dbo::splitting_op"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _splitting_op(tensors: list[Tensor], index: int, out_shape: list[int]) -> Tensor:
+    # Reached only by a real-mode trace (make_fx runs ops while it records them): the value is a
+    # stand-in of the right shape; graph mode never calls the op itself at run time.
+    if _recorded is None:
+        raise RuntimeError(f"{OP_NAME} runs only while graph mode traces a forward")
+    return tensors[0].new_zeros((tensors[0].shape[0], *out_shape))
+
+
+@_splitting_op.register_fake
+def _(tensors: list[Tensor], index: int, out_shape: list[int]) -> Tensor:
+    return tensors[0].new_empty((tensors[0].shape[0], *out_shape))
+
+
+@dataclass(frozen=True, slots=True)
+class SplittingOp:
+    """One recorded call: ``fn``, whether it takes the attention metadata, the decoder layer the
+    timeline was in when it was traced (restored around each call) and its span name (None: no
+    span, e.g. for a call that records its own compute and communication spans)."""
+
+    fn: Callable[..., Tensor]
+    takes_attn_metadata: bool
+    timeline_layer: int | None
+    span: str | None
+
+
+_recorded: list[SplittingOp] | None = None  # set only while graph mode traces, at start-up
+_context = threading.local()  # .num_rows, .attn_metadata of this thread's graph-mode forward
+
+
+def splitting_op(
+    fn: Callable[..., Tensor],
+    *tensors: Tensor,
+    out_shape: Sequence[int],
+    attn_metadata: Any = None,
+    span: str | None = None,
+) -> Tensor:
+    """``fn(*tensors)``, or ``fn(*tensors, attn_metadata)`` when ``attn_metadata`` is given; a
+    point where graph mode splits the forward.
+
+    Args:
+        fn: the call to keep out of graphs; returns [num_tokens, *out_shape] in the dtype of
+            ``tensors[0]``.
+        tensors: row tensors, each [num_tokens, ...] (any dtype).
+        out_shape: the trailing dims of ``fn``'s output.
+        attn_metadata: this (u)batch's attention metadata, for an attention core.
+        span: the timeline span graph mode records the call as (eagerly the caller's spans
+            cover it).
+    """
+    if _recorded is None:  # eager: one global read
+        return fn(*tensors) if attn_metadata is None else fn(*tensors, attn_metadata)
+    _recorded.append(SplittingOp(fn, attn_metadata is not None, timeline_layer(), span))
+    return torch.ops.moe_dbo.splitting_op(list(tensors), len(_recorded) - 1, list(out_shape))
+
+
+@contextmanager
+def recording_splitting_ops() -> Iterator[list[SplittingOp]]:
+    """Within: ``splitting_op`` records its calls (yielded list; node ``index`` = list index)
+    instead of running them. Not thread-safe: for graph-mode start-up only."""
+    global _recorded
+    if _recorded is not None:
+        raise RuntimeError("graph mode is already tracing a forward")
+    _recorded = []
+    try:
+        yield _recorded
+    finally:
+        _recorded = None
+
+
+@contextmanager
+def splitting_context(num_rows: int, attn_metadata: Any) -> Iterator[None]:
+    """Within: this thread's splitting ops run on the first ``num_rows`` rows with
+    ``attn_metadata`` (graph mode sets it around one compiled forward)."""
+    _context.num_rows, _context.attn_metadata = num_rows, attn_metadata
+    try:
+        yield
+    finally:
+        _context.num_rows = _context.attn_metadata = None
+
+
+def pad_rows(x: Tensor, num_rows: int) -> Tensor:
+    """``x`` [n, ...] zero-padded to [num_rows, ...] (``x`` itself when n == num_rows)."""
+    n = x.shape[0]
+    if n == num_rows:
+        return x
+    out = x.new_zeros((num_rows, *x.shape[1:]))
+    out[:n] = x
+    return out
+
+
+def run_splitting_op(op: SplittingOp, *tensors: Tensor) -> Tensor:
+    """Run a recorded op inside a compiled forward: tensors [bucket, ...] -> [bucket, *out_shape],
+    ``op.fn`` seeing only the first ``num_rows`` rows (``splitting_context``)."""
+    num_rows = _context.num_rows
+    rows = [t[:num_rows] for t in tensors]
+    set_timeline_layer(op.timeline_layer)
+    if op.span is None:
+        out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+    else:
+        with timeline_span(op.span):
+            out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+    return pad_rows(out, tensors[0].shape[0])
