@@ -2,8 +2,10 @@
 
 Every DP rank votes; the ranks microbatch only if all vote yes, because the expert all-to-all is a
 collective over all EP ranks and every rank must hit the same yield points. Then all ranks pad to
-the largest token count, and if that padding would leave some rank's second ubatch without a real
-token, nobody microbatches (vLLM's ``is_second_ubatch_empty``).
+the largest token count and cut it into the same number of ubatches N: the smallest N any rank
+asked for (``--ubatch-size``; the same on every rank when all run one command line), lowered to
+the largest N >= 2 with a real token in every ubatch of every rank; if not even two ubatches have
+one, nobody microbatches (vLLM's ``is_second_ubatch_empty``, for N ubatches).
 
 With the adaptive policy (``dbo.adaptive_policy``) the same all-gather also carries each rank's
 batch kind, whether it could microbatch at all, and its measured time of the previous step; every
@@ -21,10 +23,11 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dbo.adaptive_policy import AdaptiveDBOPolicy, Bucket, PolicyChoice
+from dbo.ubatch_slicing import max_num_ubatches
 
-# columns of the gathered [dp_size, 6] int64 table
-_NUM_TOKENS, _VOTE, _HAS_WORK, _IS_DECODE_ONLY, _CAN_UBATCH, _PREV_STEP_US = range(6)
-NUM_VOTE_COLUMNS = 6
+# columns of the gathered [dp_size, 7] int64 table
+_NUM_TOKENS, _VOTE, _HAS_WORK, _IS_DECODE_ONLY, _CAN_UBATCH, _PREV_STEP_US, _NUM_UBATCHES = range(7)
+NUM_VOTE_COLUMNS = 7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +42,7 @@ class DPMicrobatchDecision:
         has_work_across_dp: ``[dp_size]`` whether each rank has any scheduled request.
         adaptive: the adaptive policy's choice if it governed this step (its kind is ``auto``),
             else None; ``should_ubatch`` may still be False if the choice was infeasible.
+        num_ubatches: ubatches every rank cuts its batch into (>= 2 if ``should_ubatch``, else 1).
     """
 
     should_ubatch: bool
@@ -46,6 +50,7 @@ class DPMicrobatchDecision:
     num_tokens_padded: int
     has_work_across_dp: list[bool]
     adaptive: PolicyChoice | None = None
+    num_ubatches: int = 1
 
     def __post_init__(self) -> None:
         if len(self.num_tokens_across_dp) != len(self.has_work_across_dp):
@@ -56,6 +61,11 @@ class DPMicrobatchDecision:
             )
         if self.num_tokens_padded < 0:
             raise ValueError(f"num_tokens_padded must be >= 0, got {self.num_tokens_padded}")
+        if (self.num_ubatches >= 2) != self.should_ubatch or self.num_ubatches < 1:
+            raise ValueError(
+                f"num_ubatches must be >= 2 when microbatching, else 1; got {self.num_ubatches} "
+                f"with should_ubatch={self.should_ubatch}"
+            )
 
 
 def should_ubatch_locally(
@@ -82,6 +92,29 @@ def should_ubatch_locally(
     return num_tokens >= threshold
 
 
+def _check_table(
+    rows: Tensor, dp_rank: int, *, has_policy: bool, adaptive_kinds: frozenset[str]
+) -> None:
+    """``decide_from_gathered``'s argument checks (ValueError as it documents)."""
+    if rows.dim() != 2 or rows.shape[1] != NUM_VOTE_COLUMNS or rows.shape[0] < 1:
+        raise ValueError(
+            f"rows must be [dp_size >= 1, {NUM_VOTE_COLUMNS}], got shape {tuple(rows.shape)}"
+        )
+    dp_size = rows.shape[0]
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    if adaptive_kinds and not has_policy:
+        raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
+
+
+def _agreed_num_ubatches(table: list[list[int]], num_tokens: list[int]) -> int:
+    """The ubatch count of a step every rank microbatches: the smallest any rank asked for,
+    lowered while some rank, padded to the largest token count, would run a ubatch without a real
+    token (its real tokens all lie before the ubatch's first row); 1: not even two ubatches."""
+    requested = min(int(r[_NUM_UBATCHES]) for r in table)
+    return max_num_ubatches(max(num_tokens), min(num_tokens), requested)
+
+
 def decide_from_gathered(
     rows: Tensor,
     dp_rank: int,
@@ -93,16 +126,18 @@ def decide_from_gathered(
 
     Static kinds: microbatch iff every rank voted yes. A kind in ``adaptive_kinds`` (the step's
     kind is "prefill" if any rank with work has a prefill): microbatch iff every rank can and
-    ``policy`` chooses to. Either way, not if some rank's second ubatch would be empty. With a
+    ``policy`` chooses to. Either way into N ubatches, N the smallest ``num_ubatches`` of any row,
+    lowered to the most that leave a real token in every ubatch of every rank
+    (``ubatch_slicing.max_num_ubatches``); not at all if even two would not. With a
     ``policy``, the slowest rank's previous step time is first recorded into it, and the step that
     runs now is noted for the next call; the policy's state changes only as a function of the
     table, so ranks that hold the same table stay identical.
 
     Args:
-        rows: ``[dp_size, 6]`` int64 (any integer dtype, any device), one row per DP rank:
-            ``(num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us)``; flags 0 or
-            1, ``prev_step_us`` the rank's time of its previous step
-            in microseconds (0: not measured).
+        rows: ``[dp_size, 7]`` int64 (any integer dtype, any device), one row per DP rank:
+            ``(num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us,
+            num_ubatches)``; flags 0 or 1, ``prev_step_us`` the rank's time of its previous step
+            in microseconds (0: not measured), ``num_ubatches`` the ubatches the rank asks for.
         dp_rank: this rank's row, in ``[0, dp_size)``.
         policy: the adaptive policy (one per rank, fed the same tables on every rank).
         adaptive_kinds: the kinds ("decode", "prefill") whose threshold is ``auto``.
@@ -110,15 +145,7 @@ def decide_from_gathered(
     Raises:
         ValueError: on a wrong shape, an out-of-range ``dp_rank``, or adaptive kinds without policy.
     """
-    if rows.dim() != 2 or rows.shape[1] != NUM_VOTE_COLUMNS or rows.shape[0] < 1:
-        raise ValueError(
-            f"rows must be [dp_size >= 1, {NUM_VOTE_COLUMNS}], got shape {tuple(rows.shape)}"
-        )
-    dp_size = rows.shape[0]
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    if adaptive_kinds and policy is None:
-        raise ValueError(f"adaptive_kinds {sorted(adaptive_kinds)} need a policy")
+    _check_table(rows, dp_rank, has_policy=policy is not None, adaptive_kinds=adaptive_kinds)
     table = rows.tolist()  # host-device sync if rows live on a GPU (a few ints)
     num_tokens = [int(r[_NUM_TOKENS]) for r in table]
     has_work = [bool(r[_HAS_WORK]) for r in table]
@@ -133,10 +160,8 @@ def decide_from_gathered(
                 choice = policy.choose(bucket)
                 should_ubatch = choice.use_ubatch and all(bool(r[_CAN_UBATCH]) for r in table)
     max_num_tokens = max(num_tokens)
-    # with every rank padded to max_num_tokens, the split point is max_num_tokens // 2; a rank whose
-    # real tokens all lie before it would run an empty second ubatch
-    if should_ubatch and max_num_tokens // 2 >= min(num_tokens):
-        should_ubatch = False
+    num_ubatches = _agreed_num_ubatches(table, num_tokens) if should_ubatch else 1
+    should_ubatch = num_ubatches >= 2
     if choice is not None:
         policy.begin_step(choice.bucket, should_ubatch)
     return DPMicrobatchDecision(
@@ -145,6 +170,7 @@ def decide_from_gathered(
         num_tokens_padded=max_num_tokens if should_ubatch else num_tokens[dp_rank],
         has_work_across_dp=has_work,
         adaptive=choice,
+        num_ubatches=num_ubatches,
     )
 
 
@@ -167,20 +193,22 @@ def coordinate_batch_across_dp(
     prev_step_us: int = 0,
     policy: AdaptiveDBOPolicy | None = None,
     adaptive_kinds: frozenset[str] = frozenset(),
+    num_ubatches: int = 2,
 ) -> DPMicrobatchDecision:
     """Exchange every DP rank's row (see ``decide_from_gathered``) and decide.
 
-    One all-gather of every rank's row into a ``[dp_size, 6]`` int64 table over ``dp_group``, done
+    One all-gather of every rank's row into a ``[dp_size, 7]`` int64 table over ``dp_group``, done
     as an ``all_to_all_single`` (each rank sends its row to every rank): gloo's cheapest collective
     here, 172 us against 440-600 us for the ``all_reduce`` of the zero-filled table it replaces
     (2 ranks, 2 cores). On an NCCL group the table lives on the current CUDA device. ``dp_size == 1`` skips
     communication. Every rank gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``)
     says whether this rank could microbatch at all, for the adaptive policy; ``prev_step_us`` is
-    this rank's measured time of its previous step (0: none).
+    this rank's measured time of its previous step (0: none); ``num_ubatches`` the ubatches this
+    rank asks for when it microbatches (``--ubatch-size``; the ranks use the smallest asked for).
 
     Raises:
-        ValueError: on an out-of-range ``dp_rank``, a negative count, a missing ``dp_group`` with
-            ``dp_size > 1`` or a group whose size is not ``dp_size``.
+        ValueError: on an out-of-range ``dp_rank``, a negative count, ``num_ubatches < 2``, a
+            missing ``dp_group`` with ``dp_size > 1`` or a group whose size is not ``dp_size``.
         RuntimeError/TimeoutError: from the collective (the group's timeout applies).
     """
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -189,18 +217,12 @@ def coordinate_batch_across_dp(
         raise ValueError(
             f"num_tokens and prev_step_us must be >= 0, got {num_tokens}, {prev_step_us}"
         )
+    if num_ubatches < 2:
+        raise ValueError(f"num_ubatches must be >= 2, got {num_ubatches}")
     can_ubatch = vote if can_ubatch is None else can_ubatch
     rows = torch.zeros(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64)
-    rows[dp_rank] = torch.tensor(
-        [
-            num_tokens,
-            int(vote),
-            int(has_work),
-            int(is_decode_only),
-            int(can_ubatch),
-            prev_step_us,
-        ]
-    )
+    row = (num_tokens, vote, has_work, is_decode_only, can_ubatch, prev_step_us, num_ubatches)
+    rows[dp_rank] = torch.tensor([int(x) for x in row])  # in the _NUM_TOKENS ... column order
     if dp_size > 1:
         if dp_group is None:
             raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")

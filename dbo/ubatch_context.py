@@ -1,9 +1,14 @@
 """The ping-pong protocol between ubatch threads (vLLM's ``UBatchContext`` and ``dbo_*`` functions).
 
 Each ubatch thread runs the model inside its ``UBatchContext``. Exactly one of them runs at a time:
-it holds the *baton* and hands it on, in a ring 0 -> 1 -> 0 ..., at every ``dbo_yield()``. While
-one ubatch computes, the other's all-to-all is in flight; the *recv hook* a ubatch registers (the
-``wait()`` of its collective) is run by the other ubatch at its next ``dbo_maybe_run_recv_hook()``.
+it holds the *baton* and hands it on, in a ring 0 -> 1 -> ... -> N-1 -> 0 ..., at every
+``dbo_yield()``. While one ubatch computes, the others' all-to-alls are in flight; the *recv hook*
+a ubatch registers (the ``wait()`` of its collective) is run by the ubatch that holds the baton
+last before it comes back to the registering one (the previous one in the ring), at that
+ubatch's next ``dbo_maybe_run_recv_hook()``. With two ubatches that is the other one, as in vLLM;
+with more, vLLM hands the hook to the next one, which on the CPU (where a hook blocks until the
+data land) would leave each transfer one compute segment to hide behind. Handed to the previous
+one, a transfer stays in flight behind the compute of all N-1 other ubatches.
 
 The current context is thread-local. Every blocking wait has a timeout (``TimeoutError`` naming
 the wait). A failure in one ubatch marks the group aborted and wakes the others, which raise
@@ -153,10 +158,11 @@ class UBatchContext:
             self.streams.wait_after_yield(group.handed_event)
 
     def register_recv_hook(self, hook: Callable[[], None]) -> None:
-        """Give ``hook`` to the next ubatch in the ring (this one if all others have finished)."""
+        """Give ``hook`` to the ubatch that runs last before this one gets the baton back: the
+        previous unfinished one in the ring (this one if all others have finished)."""
         group = self._group
         with group.lock:
-            group.hooks[group.next_unfinished(self.id)].append(hook)
+            group.hooks[group.previous_unfinished(self.id)].append(hook)
 
     def maybe_run_recv_hook(self) -> None:
         """Run and clear this ubatch's pending hooks, oldest first (outside the lock)."""
@@ -264,8 +270,10 @@ def dbo_switch_to_compute() -> None:
 
 
 def dbo_register_recv_hook(hook: Callable[[], None]) -> None:
-    """Give ``hook`` (typically a collective's ``wait``) to the OTHER ubatch, which runs it at its
-    next ``dbo_maybe_run_recv_hook()`` or when it leaves its context (no-op when DBO is off)."""
+    """Give ``hook`` (typically a collective's ``wait``) to the ubatch that runs last before the
+    baton comes back to this one (the previous unfinished one in the ring; with two ubatches the
+    other one), which runs it at its next ``dbo_maybe_run_recv_hook()`` or when it leaves its
+    context (no-op when DBO is off)."""
     ctx = _current()
     if ctx is not None:
         ctx.register_recv_hook(hook)

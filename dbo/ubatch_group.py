@@ -60,12 +60,23 @@ class UBatchGroup:
         # CUDA: the event the last owner recorded before handing on (None on CPU)
         self.handed_event: torch.cuda.Event | None = None
 
-    # next_unfinished, hand_on, raise_if_aborted and abort are called with self.lock held
+    # next_unfinished, previous_unfinished, hand_on, raise_if_aborted and abort are called with
+    # self.lock held
 
     def next_unfinished(self, ubatch_id: int) -> int:
         """The next ubatch in the ring after ``ubatch_id`` that has not finished (maybe itself)."""
         for step in range(1, self.num_ubatches + 1):
             candidate = (ubatch_id + step) % self.num_ubatches
+            if not self.finished[candidate]:
+                return candidate
+        return ubatch_id
+
+    def previous_unfinished(self, ubatch_id: int) -> int:
+        """The unfinished ubatch that runs last before the baton comes back to ``ubatch_id``: the
+        previous one in the ring, skipping finished ones (``ubatch_id`` itself if all others
+        finished; with two ubatches, the other one)."""
+        for step in range(1, self.num_ubatches + 1):
+            candidate = (ubatch_id - step) % self.num_ubatches
             if not self.finished[candidate]:
                 return candidate
         return ubatch_id

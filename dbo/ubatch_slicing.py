@@ -1,10 +1,11 @@
 """Cut one step's flat batch into ubatches and slice its attention metadata accordingly.
 
-Follows vLLM's ``ubatch_utils`` / ``ubatch_splitting``: the token range is cut at
-``num_tokens_padded // 2``, a prefill request may be cut in the middle (its first part runs in
-ubatch 0), and padding rows go to the last ubatch. A cut request is correct because ubatch 0 always
-runs layer L's attention (and KV write) before ubatch 1 does (the baton order), so the continuation
-in ubatch 1 can attend to the first part through the KV cache with the request's full ``seq_len``.
+Follows vLLM's ``ubatch_utils`` / ``ubatch_splitting``, for N >= 2 ubatches: ubatch ``k`` starts at
+row ``k * num_tokens_padded // N`` (for two, the cut is at ``num_tokens_padded // 2``, as in vLLM),
+a prefill request may be cut in the middle, even across several ubatches, and padding rows go to
+the last ubatch. A cut request is correct because ubatch ``k`` always runs layer L's attention (and
+KV write) before ubatch ``k + 1`` does (the baton passes in ring order), so a continuation can
+attend to the earlier parts through the KV cache with the request's full ``seq_len``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,30 @@ def _as_int_list(query_start_loc: Sequence[int] | Tensor) -> list[int]:
     return [int(x) for x in query_start_loc]
 
 
+def ubatch_bounds(num_tokens_padded: int, num_ubatches: int) -> list[int]:
+    """``[num_ubatches + 1]`` row bounds: ubatch ``k`` has rows ``[bounds[k], bounds[k + 1])``,
+    ``bounds[k] = k * num_tokens_padded // num_ubatches`` (ints, non-decreasing, last one
+    ``num_tokens_padded``)."""
+    return [k * num_tokens_padded // num_ubatches for k in range(num_ubatches)] + [
+        num_tokens_padded
+    ]
+
+
+def max_num_ubatches(num_tokens_padded: int, min_num_tokens: int, num_ubatches: int) -> int:
+    """The most ubatches, at most ``num_ubatches``, that every DP rank can run with a real token
+    in each: ranks pad to ``num_tokens_padded`` rows, the fewest real tokens on a rank is
+    ``min_num_tokens``. 1 (do not microbatch) if not even two can.
+
+    Ubatch ``k`` of ``n`` has a real token on every rank iff it has a row and its first row is
+    below ``min_num_tokens``: ``num_tokens_padded >= n`` and
+    ``(n - 1) * num_tokens_padded // n < min_num_tokens``.
+    """
+    for n in range(num_ubatches, 1, -1):
+        if num_tokens_padded >= n and (n - 1) * num_tokens_padded // n < min_num_tokens:
+            return n
+    return 1
+
+
 def make_ubatch_slices(
     query_start_loc: Sequence[int] | Tensor, num_tokens_padded: int, num_ubatches: int = 2
 ) -> list[UBatchSlice]:
@@ -79,7 +104,7 @@ def make_ubatch_slices(
         num_tokens_padded: rows after padding (``>= query_start_loc[-1]``); rows past the real
             tokens are padding and go to the last ubatch.
         num_ubatches: ``>= 1``; ubatch ``k`` starts at row ``k * num_tokens_padded // num_ubatches``
-            (for two ubatches the split point is ``num_tokens_padded // 2``, as in vLLM).
+            (``ubatch_bounds``; for two ubatches the split point is ``num_tokens_padded // 2``).
 
     Returns:
         One ``UBatchSlice`` per ubatch, in order; a request cut by a split point appears in both.
@@ -99,8 +124,7 @@ def make_ubatch_slices(
             f"num_tokens_padded={num_tokens_padded} must be >= the real token count "
             f"{num_actual_tokens}"
         )
-    bounds = [k * num_tokens_padded // num_ubatches for k in range(num_ubatches)]
-    bounds.append(num_tokens_padded)
+    bounds = ubatch_bounds(num_tokens_padded, num_ubatches)
     slices = []
     for k in range(num_ubatches):
         start, stop = bounds[k], bounds[k + 1]

@@ -5,7 +5,9 @@ then runs ``--reps`` steps per arm, INTERLEAVED in rotating order, through ``LLM
 (scheduler, model runner, DP vote, UBatchWrapper), recording the timeline of every step. Arms
 (``--arms``, default ``off,on,adaptive``): DBO off; DBO on with the numeric thresholds given (an
 ``auto`` one counts as the minimum, 2: always microbatch); adaptive (both thresholds ``auto``: the
-engine's ``dbo.AdaptiveDBOPolicy``, which learns from adaptive steps only). After the warm-up the
+engine's ``dbo.AdaptiveDBOPolicy``, which learns from adaptive steps only). ``--ubatch-size 2 3 4``
+(a list) splits the on arm into one arm per ubatch count, all interleaved, and reports each count
+against the same DBO-off steps (the adaptive arm runs with the first count). After the warm-up the
 adaptive arm runs consecutive steps until the policy has decided the shape's bucket; those and any
 later re-exploration steps are reported apart from its measured steps. A step's time is the slowest rank's (ranks run in lockstep). Rank 0 prints
 a table (medians, with min-max) and writes ``--output`` (JSON list of records). Metrics follow
@@ -21,6 +23,7 @@ namespaces joined by a ``tbf``-shaped veth link; it passes ``--network netns``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -30,6 +33,7 @@ from distributed.parallel_state import TorchrunEnv
 from launch.benchmarks.report import format_table, make_record, write_records
 from launch.benchmarks.workload import BatchSpec, Workload, parse_batches
 from launch.engine.arg_utils import (
+    DEFAULT_UBATCH_SIZE,
     OneLineErrorParser,
     add_engine_args,
     engine_args_from_namespace,
@@ -59,8 +63,26 @@ def parse_arms(text: str) -> tuple[str, ...]:
     return arms
 
 
+def expand_arms(arms: tuple[str, ...], ubatch_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The interleaved arms: ``on`` becomes ``on:N`` for each ubatch count N (``off,on`` with
+    counts 2 and 3 -> ``off, on:2, on:3``)."""
+    expanded: list[str] = []
+    for arm in arms:
+        expanded += [f"on:{n}" for n in ubatch_sizes] if arm == "on" else [arm]
+    return tuple(expanded)
+
+
+def split_arm(label: str) -> tuple[str, int | None]:
+    """``"on:3"`` -> ``("on", 3)``; ``"off"`` -> ``("off", None)``."""
+    arm, _, count = label.partition(":")
+    return arm, int(count) if count else None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    # "resolve": --ubatch-size takes a list here, replacing the engine flag of one count
+    parser = OneLineErrorParser(
+        prog=PROG, description=__doc__.splitlines()[0], conflict_handler="resolve"
+    )
     add = parser.add_argument
     add("--batches", default="decode:16,decode:64,prefill:256,prefill:1024",
         help="batch shapes: decode:T / prefill:T, T = tokens per rank per step")  # fmt: skip
@@ -75,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-layers", type=int, default=None, help="override the number of decoder layers")
     add("--num-threads", type=int, default=None, help="torch intra-op threads per rank")
     add_engine_args(parser)
+    add("--ubatch-size", "--num-ubatches", dest="ubatch_sizes", type=int, nargs="+",
+        default=[DEFAULT_UBATCH_SIZE], metavar="N",
+        help="ubatch counts of the on arm to compare, e.g. 2 3 4 (one on arm each, interleaved)")  # fmt: skip
     return parser
 
 
@@ -143,8 +168,10 @@ def balanced_order(arms: tuple[str, ...], rep: int) -> tuple[str, ...]:
     return rotated if (rep // n) % 2 == 0 else rotated[::-1]
 
 
-def set_arm(engine, arm: str, args) -> None:
-    """Switch the engine's model runner to ``arm`` (see the module docstring)."""
+def set_arm(engine, label: str, args) -> None:
+    """Switch the engine's model runner to the arm ``label`` (``off``, ``on:N``, ``adaptive``; see
+    the module docstring); off and adaptive keep the engine args' ubatch count."""
+    arm, num_ubatches = split_arm(label)
 
     def static(threshold):
         return 2 if threshold == "auto" else threshold
@@ -160,14 +187,18 @@ def set_arm(engine, arm: str, args) -> None:
         enable_dbo=arm != "off",
         dbo_decode_token_threshold=thresholds[0],
         dbo_prefill_token_threshold=thresholds[1],
+        ubatch_size=num_ubatches or args.num_ubatches,
     )
 
 
-def measure_step(engine, workload: Workload, arm: str, args) -> dict:
-    """Run one engine step of ``arm``; return this rank's metrics of it (a dict)."""
+def measure_step(engine, workload: Workload, label: str, args) -> dict:
+    """Run one engine step of the arm ``label``; return this rank's metrics of it (a dict): the
+    step's metrics, ``arm`` (off / on / adaptive), ``ubatch_size`` (the count the arm asked for),
+    ``num_ubatches`` (the count the step ran; 1 without microbatching), ``exploring``."""
     from dbo.timeline.metrics import spans_from_recorder, step_metrics
 
-    set_arm(engine, arm, args)
+    arm, num_ubatches = split_arm(label)
+    set_arm(engine, label, args)
     workload.before_step()
     first = len(engine.timeline)
     engine.step()
@@ -178,6 +209,8 @@ def measure_step(engine, workload: Workload, arm: str, args) -> dict:
         **metrics.as_dict(),
         "arm": arm,
         "dbo": arm != "off",
+        "ubatch_size": num_ubatches or args.num_ubatches,
+        "num_ubatches": int(step_span.args.get("num_ubatches", 1)),
         "exploring": step_span.args.get("dbo_policy") == "explore",
         "num_spans": len(spans),
     }
@@ -187,7 +220,7 @@ def run_batch(engine, spec: BatchSpec, ns, args, vocab_size: int, progress) -> l
     """Warm-up, the adaptive arm's exploration, interleaved measured steps of one batch shape;
     this rank's step dicts of the exploration and measured steps (the same sequence on every
     rank: the policy's state is identical on every rank)."""
-    arms = parse_arms(ns.arms)
+    arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
     num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
     workload = Workload(engine, spec, num_steps=num_steps, vocab_size=vocab_size, seed=ns.seed)
     workload.prepare()
@@ -217,16 +250,21 @@ def resolve_run(ns, rank: int, world_size: int):
     Exits with one line naming the bad value (``fail``)."""
     try:
         specs = parse_batches(ns.batches)
-        arms = parse_arms(ns.arms)
+        if len(set(ns.ubatch_sizes)) != len(ns.ubatch_sizes):
+            raise ValueError(f"--ubatch-size {ns.ubatch_sizes}: each count once")
+        arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
         if ns.warmup < 0 or ns.reps < 1:
             raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
         num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
         limits = Workload.limits(specs, num_steps)
         ns.enable_dbo = True  # the benchmark switches DBO per step
+        ns.ubatch_size = ns.ubatch_sizes[0]  # the engine's count; the on arms set theirs
         ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])
         ns.max_num_batched_tokens = max(ns.max_num_batched_tokens, limits["max_num_batched_tokens"])
         ns.max_model_len = ns.max_model_len or limits["max_model_len"]
         args = engine_args_from_namespace(ns)
+        for n in ns.ubatch_sizes[1:]:
+            dataclasses.replace(args, ubatch_size=n)  # ValueError for a count out of range
         args.check_world_size(world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
@@ -239,7 +277,7 @@ def run_all_batches(engine, specs, arms, ns, args, model, rank: int) -> list[lis
     """Every batch shape in turn, with a progress bar on rank 0; per shape, this rank's steps."""
     from tqdm import tqdm
 
-    total = len(specs) * len(arms) * (ns.warmup + ns.reps)
+    total = len(specs) * len(arms) * (ns.warmup + ns.reps)  # arms: expanded (expand_arms)
     per_spec = []
     with tqdm(total=total, desc=PROG, disable=rank != 0, file=sys.stderr) as progress:
         for spec in specs:
@@ -248,16 +286,31 @@ def run_all_batches(engine, specs, arms, ns, args, model, rank: int) -> list[lis
     return per_spec
 
 
+def steps_of_count(steps: list[dict], num_ubatches: int, first: int) -> list[dict]:
+    """The steps a record of ``num_ubatches`` compares: every off step, the on steps that asked
+    for that count, and the adaptive steps if it is the ``first`` count (the one they ran with)."""
+    return [
+        s
+        for s in steps
+        if s["arm"] == "off"
+        or (s["arm"] == "on" and s["ubatch_size"] == num_ubatches)
+        or (s["arm"] == "adaptive" and num_ubatches == first)
+    ]
+
+
 def report(everyone: list, specs, ns, args, model, all2all: str) -> None:
-    """Rank 0: one record per batch shape from every rank's steps; the table and the JSON file."""
+    """Rank 0: one record per batch shape and ubatch count from every rank's steps; the table and
+    the JSON file."""
+    first = ns.ubatch_sizes[0]
     records = [
         make_record(
             spec,
-            [steps[i] for steps, _ in everyone],
+            [steps_of_count(steps[i], n, first) for steps, _ in everyone],
             span_cost_ns=statistics.median(c for _, c in everyone),
-            meta={**run_meta(ns, args, model), "all2all": all2all},
+            meta={**run_meta(ns, args, model), "all2all": all2all, "ubatch_size": n},
         )
         for i, spec in enumerate(specs)
+        for n in ns.ubatch_sizes
     ]
     print(format_table(records), flush=True)
     if ns.output:
@@ -274,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from distributed import destroy_distributed
-    from launch.engine.llm_engine import LLMEngine, init_parallel_groups
+    from launch.engine.llm_engine import LLMEngine, check_num_ubatches, init_parallel_groups
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
@@ -282,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
+        for n in ns.ubatch_sizes:
+            check_num_ubatches(engine.all2all_backend, n)
         engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
         if groups.rank == 0:
             print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)

@@ -47,14 +47,19 @@ def format_metrics_table(rows: Sequence[tuple[str, dict]]) -> str:
 
 
 def metric_rows(metrics: Sequence[StepMetrics]) -> list[tuple[str, dict]]:
-    """Summary rows: per rank (all steps, microbatched steps) and over all ranks."""
+    """Summary rows: per rank (all steps, microbatched steps: one row per ubatch count when
+    several ran, ``DBO N=3``) and over all ranks."""
     rows = []
     for rank in sorted({m.rank for m in metrics}):
         mine = [m for m in metrics if m.rank == rank]
         rows.append((f"rank {rank} all", summarize(mine).as_dict()))
         ubatched = [m for m in mine if m.is_ubatched]
-        if ubatched:
+        counts = sorted({m.num_ubatches for m in ubatched})
+        if len(counts) == 1:
             rows.append((f"rank {rank} DBO", summarize(ubatched).as_dict()))
+        for n in counts if len(counts) > 1 else ():
+            same = [m for m in ubatched if m.num_ubatches == n]
+            rows.append((f"rank {rank} DBO N={n}", summarize(same).as_dict()))
     rows.append(("overall", summarize(metrics).as_dict()))
     return rows
 

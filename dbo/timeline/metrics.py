@@ -52,6 +52,7 @@ class StepMetrics:
     rank: int
     step: int
     is_ubatched: bool
+    num_ubatches: int  # ubatches the step ran (1 without microbatching)
     num_tokens: int
     step_ms: float
     compute_ms: float
@@ -147,6 +148,10 @@ def _one_step(rank: int, step: Span, spans: Sequence[Span]) -> StepMetrics:
         rank=rank,
         step=int(step.args.get("step", -1)),
         is_ubatched=bool(step.args.get("is_ubatched", False)),
+        # timelines written before N ubatches existed: two when microbatched
+        num_ubatches=int(
+            step.args.get("num_ubatches", 2 if step.args.get("is_ubatched", False) else 1)
+        ),
         num_tokens=int(step.args.get("num_tokens", 0)),
         step_ms=step_ns / 1e6,
         compute_ms=c_ns / 1e6,

@@ -135,6 +135,9 @@ class All2AllBackend(ABC):
     implementation: str = "torch.distributed"
     # whether dispatch blocks on a count exchange even when num_tokens_across_ep is given
     blocks_under_dbo: ClassVar[bool] = False
+    # how many ubatches may have a dispatch or combine in flight at once (None: any number);
+    # DeepEP's low-latency kernels double-buffer, so their results allow two
+    max_num_ubatches: int | None = None
 
     def __init__(
         self,

@@ -16,6 +16,10 @@ from ``--max-num-batched-tokens``: no step, microbatched or not, has more rows p
 whose token counts on every rank are known (``num_tokens_across_ep``: the DP ranks agreed on them,
 e.g. the ubatch size under DBO) uses their max as its C, the same on every rank without a message;
 otherwise the full capacity. More tokens than the capacity raise ``ValueError`` naming both.
+
+Ubatches: our emulation allocates each call's buffers, so any number of ubatches may have calls in
+flight; DeepEP's kernels double-buffer (a call's results live in one of two buffer halves until
+the next-but-one call), so with them ``max_num_ubatches`` is 2 and the engine refuses more.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ from torch.distributed import ProcessGroup
 
 from distributed.all2all.base import BatchedDispatchResult, DispatchMetadata
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
-from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
+from distributed.all2all.deepep_kernels import (
+    DEEPEP_KERNELS,
+    completion_work,
+    make_deepep_buffer,
+)
 from distributed.comm_handle import CommHandle
 from distributed.link_emulation import EmulatedLink
 
@@ -94,6 +102,10 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
             ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
             timeout=timeout, link=link, buffer=buffer,
         )  # fmt: skip
+        if self.implementation == DEEPEP_KERNELS:
+            # DeepEP's LL buffer has two halves: a third call overwrites the first's results
+            # ("do not hold more than 2 low-latency kernels' result tensors at a time")
+            self.max_num_ubatches = 2
 
     def dispatch_capacity(self, num_tokens: int, counts: list[int] | None) -> int:
         """The call's C: the agreed max row count (>= 1) when known, else the full capacity.

@@ -21,7 +21,8 @@ def make_record(
 
     Args:
         steps_per_rank: per rank, its step dicts (``StepMetrics`` fields + ``arm`` ("off", "on",
-            "adaptive") + ``dbo`` + ``exploring`` + ``num_spans``) in the same order on every rank.
+            "adaptive") + ``dbo`` + ``exploring`` + ``num_spans``, optionally ``num_ubatches``:
+            the ubatches the step ran) in the same order on every rank.
         span_cost_ns: cost of recording one span (for the timeline overhead estimate).
         meta: run description copied into the record.
 
@@ -78,7 +79,7 @@ def make_record(
         "overlap_ratio_off": _median(mean_of(off, "overlap_ratio")),
         "ideal_speedup": ideal_speedup,
         "fraction_of_ideal_speedup": speedup / ideal_speedup,
-        "dbo_engaged": all(r["is_ubatched"] for ranks in on for r in ranks),
+        **_engaged_fields(on),
         "baton_pass_us_median": _median(batons),
         "timeline_overhead_pct": _median(overhead),
         "reps": len(on),
@@ -86,6 +87,15 @@ def make_record(
             per_arm("adaptive"), per_arm("adaptive", exploring=True), off, on, step_off, step_on
         ),
         **{k: v for k, v in meta.items() if k != "reps"},
+    }
+
+
+def _engaged_fields(on) -> dict:
+    """``dbo_engaged``: every on step microbatched; ``ubatches_run``: the ubatch counts the on
+    steps ran (fewer than asked where a ubatch would have been empty)."""
+    return {
+        "dbo_engaged": all(r["is_ubatched"] for ranks in on for r in ranks),
+        "ubatches_run": sorted({r.get("num_ubatches", 2) for ranks in on for r in ranks}),
     }
 
 
@@ -135,20 +145,23 @@ def adaptive_fields(measured, exploring, off, on, step_off, step_on) -> dict:
 def format_table(records: Sequence[dict]) -> str:
     """Fixed-width table of the records (step times: median [min-max] of the slowest rank)."""
     header = (
-        f"{'batch':<14}{'off ms':>28}{'on ms':>28}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
-        f"{'exp off':>9}{'exp on':>8}{'overlap':>8}{'ideal x':>8}{'DBO':>5}{'baton us':>9}"
-        f"{'tl %':>6}"
+        f"{'batch':<14}{'N':>3}{'off ms':>28}{'on ms':>28}{'speedup':>9}{'C ms':>8}{'M ms':>8}"
+        f"{'exp off':>9}{'exp on':>8}{'overlap':>8}{'ideal x':>8}{'frac':>6}{'DBO':>5}"
+        f"{'baton us':>9}{'tl %':>6}"
     )
     lines = [header]
     for r in records:
         off = f"{r['step_ms_off']:.2f} [{r['step_ms_off_min']:.2f}-{r['step_ms_off_max']:.2f}]"
         on = f"{r['step_ms_on']:.2f} [{r['step_ms_on_min']:.2f}-{r['step_ms_on_max']:.2f}]"
+        asked = r.get("ubatch_size", 2)
+        # "*": some on steps ran fewer ubatches than asked (a ubatch would have been empty)
+        count = f"{asked}{'*' if r.get('ubatches_run', [asked]) != [asked] else ''}"
         lines.append(
-            f"{r['batch']:<14}{off:>28}{on:>28}{r['speedup']:>8.2f}x{r['compute_ms']:>8.2f}"
-            f"{r['comm_ms']:>8.2f}{r['exposed_comm_ms_off']:>9.2f}{r['exposed_comm_ms_on']:>8.2f}"
-            f"{r['overlap_ratio']:>8.2f}{r['ideal_speedup']:>8.2f}"
-            f"{'yes' if r['dbo_engaged'] else 'no':>5}{r['baton_pass_us_median']:>9.1f}"
-            f"{r['timeline_overhead_pct']:>6.2f}"
+            f"{r['batch']:<14}{count:>3}{off:>28}{on:>28}{r['speedup']:>8.2f}x"
+            f"{r['compute_ms']:>8.2f}{r['comm_ms']:>8.2f}{r['exposed_comm_ms_off']:>9.2f}"
+            f"{r['exposed_comm_ms_on']:>8.2f}{r['overlap_ratio']:>8.2f}{r['ideal_speedup']:>8.2f}"
+            f"{r['fraction_of_ideal_speedup']:>6.2f}{'yes' if r['dbo_engaged'] else 'no':>5}"
+            f"{r['baton_pass_us_median']:>9.1f}{r['timeline_overhead_pct']:>6.2f}"
         )
     if any("step_ms_adaptive" in r for r in records):
         lines += ["", format_adaptive_table(records)]

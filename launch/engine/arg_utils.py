@@ -32,6 +32,10 @@ DTYPES = ("float32", "bfloat16", "float64")
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0  # a day: beyond it a hung peer is a hang, whatever the flag
 AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
 MIN_DBO_THRESHOLD = 2
+# --ubatch-size: ubatches per microbatched step (vLLM's ParallelConfig.ubatch_size counts
+# ubatches, not tokens); one thread each, so a small bound
+DEFAULT_UBATCH_SIZE = 2
+MAX_UBATCH_SIZE = 16
 
 
 def dbo_threshold(text: str) -> int | str:
@@ -57,8 +61,8 @@ class EngineArgs:
     Raises:
         ValueError: naming the offending value and what is accepted, if the flags contradict each
             other (``--enable-dbo`` without ``--enable-expert-parallel`` or with one DP rank, a
-            non-positive size, an unknown backend or dtype, a seed outside the 64-bit signed range,
-            a non-finite or out-of-range timeout).
+            non-positive size, an ``--ubatch-size`` outside its range, an unknown backend or dtype,
+            a seed outside the 64-bit signed range, a non-finite or out-of-range timeout).
     """
 
     model: str | None = None
@@ -79,6 +83,7 @@ class EngineArgs:
     dbo_prefill_token_threshold: int | str = 512
     # `launch.plan --write-prior` JSON: the adaptive policy's predicted speedup per bucket
     dbo_adaptive_prior: str | None = None
+    ubatch_size: int | None = None  # ubatches per microbatched step; None: DEFAULT_UBATCH_SIZE
     all2all_backend: str | None = (
         None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
     )
@@ -121,14 +126,7 @@ class EngineArgs:
         ):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-        for flag, value in (
-            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
-            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
-        ):
-            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
-                raise ValueError(
-                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
-                )
+        self._check_dbo_settings()
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -165,6 +163,24 @@ class EngineArgs:
             )
         self._apply_platform()
 
+    def _check_dbo_settings(self) -> None:
+        """The DBO thresholds and ``--ubatch-size`` (ValueError naming the value and the range)."""
+        for flag, value in (
+            ("--dbo-decode-token-threshold", self.dbo_decode_token_threshold),
+            ("--dbo-prefill-token-threshold", self.dbo_prefill_token_threshold),
+        ):
+            if value != AUTO and (not isinstance(value, int) or value < MIN_DBO_THRESHOLD):
+                raise ValueError(
+                    f"{flag} must be an integer >= {MIN_DBO_THRESHOLD} or 'auto', got {value!r}"
+                )
+        if self.ubatch_size is not None and not (
+            isinstance(self.ubatch_size, int) and 2 <= self.ubatch_size <= MAX_UBATCH_SIZE
+        ):
+            raise ValueError(
+                f"--ubatch-size (ubatches per microbatched step) must be an integer in "
+                f"[2, {MAX_UBATCH_SIZE}], got {self.ubatch_size!r}"
+            )
+
     def _apply_platform(self) -> None:
         """The platform's ``check_and_update_config`` (vLLM's hook): it raises ValueError for a
         setting it cannot run, or returns changes, applied here with a note each."""
@@ -185,6 +201,11 @@ class EngineArgs:
         from moe.platforms import current_platform
 
         return current_platform().compute_dtype(getattr(torch, self.dtype))
+
+    @property
+    def num_ubatches(self) -> int:
+        """Ubatches a microbatched step is cut into (``--ubatch-size``, default 2)."""
+        return DEFAULT_UBATCH_SIZE if self.ubatch_size is None else self.ubatch_size
 
     @property
     def adaptive_dbo_kinds(self) -> frozenset[str]:
@@ -387,6 +408,17 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "speedup (launch.plan --write-prior FILE): fewer exploration steps where samples agree",
     )
     add(
+        "--ubatch-size",
+        "--num-ubatches",
+        dest="ubatch_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --enable-dbo: ubatches (threads) a microbatched step is cut into, 2 to "
+        f"{MAX_UBATCH_SIZE} (vLLM's name; a count of ubatches, not tokens; default "
+        f"{DEFAULT_UBATCH_SIZE}); fewer for a step too small to give every ubatch a token",
+    )
+    add(
         "--all2all-backend",
         default=None,
         choices=ALL2ALL_BACKENDS,
@@ -452,10 +484,16 @@ def _add_graph_mode_args(group: argparse._ArgumentGroup) -> None:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it, or for a
-    ``--compilation-config`` that is not the supported JSON subset)."""
+    """Build EngineArgs from parsed flags (ValueError as EngineArgs raises it, for
+    ``--ubatch-size`` without ``--enable-dbo``, or for a ``--compilation-config`` that is not the
+    supported JSON subset)."""
     fields = EngineArgs.__dataclass_fields__
     values = {name: getattr(ns, name) for name in fields if hasattr(ns, name)}
+    if values.get("ubatch_size") is not None and not values.get("enable_dbo"):
+        raise ValueError(
+            f"--ubatch-size {values['ubatch_size']} needs --enable-dbo (it sets how many ubatches "
+            "DBO cuts a step into)"
+        )
     compilation_config = getattr(ns, "compilation_config", None)
     if compilation_config is not None:
         from moe.compilation.config import parse_compilation_config

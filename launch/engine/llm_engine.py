@@ -121,11 +121,15 @@ class MemoryStats:
 
 def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfig):
     """The expert all-to-all backend over ``groups.ep_group`` (None without expert parallelism),
-    behind an emulated link when ``--emulate-link`` is given."""
+    behind an emulated link when ``--emulate-link`` is given.
+
+    Raises:
+        ValueError: under DBO, more ubatches than the backend can have in flight.
+    """
     link_spec = engine_args.link_spec()
     if groups.ep_size == 1:
         return None
-    return make_all2all_backend(
+    backend = make_all2all_backend(
         engine_args.all2all_backend,
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -138,6 +142,21 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
         hidden_size=config.hidden_size,
         num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
+    if engine_args.enable_dbo:
+        check_num_ubatches(backend, engine_args.num_ubatches)
+    return backend
+
+
+def check_num_ubatches(backend, num_ubatches: int) -> None:
+    """Raise ValueError if ``backend`` (an ``All2AllBackend`` or None) cannot have
+    ``num_ubatches`` ubatches' transfers in flight at once (its ``max_num_ubatches``)."""
+    limit = None if backend is None else backend.max_num_ubatches
+    if limit is not None and num_ubatches > limit:
+        raise ValueError(
+            f"--ubatch-size {num_ubatches}: {backend.name} ({backend.implementation}) holds at "
+            f"most {limit} ubatches' results at a time; use --ubatch-size <= {limit} or another "
+            "--all2all-backend"
+        )
 
 
 class LLMEngine:
@@ -284,6 +303,7 @@ class LLMEngine:
                 num_tokens=out.num_tokens,
                 num_tokens_padded=out.num_tokens_padded,
                 is_ubatched=out.is_ubatched,
+                num_ubatches=out.num_ubatches,
                 ran_model=out.ran_model,
             )
             if out.adaptive is not None:  # marks exploration steps in the timeline

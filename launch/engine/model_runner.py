@@ -8,8 +8,9 @@ Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md`
    ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
 2. flat inputs and the common attention metadata are built from the persistent per-request rows
    of the ``InputBatch`` by array arithmetic (padding rows have slot -1);
-3. with microbatching the token range is cut in two ``UBatchSlice`` s and ``UBatchWrapper`` runs
-   the model on two threads that ping-pong inside the MoE layers; otherwise the model runs once;
+3. with microbatching the token range is cut into the agreed number of ``UBatchSlice`` s
+   (``--ubatch-size``, default two) and ``UBatchWrapper`` runs the model on one thread per ubatch,
+   passing the baton in a ring inside the MoE layers; otherwise the model runs once;
 4. the hidden state of each request whose known tokens are all computed is turned into logits and
    the ``Sampler`` picks every row's token at once (greedy argmax, or seeded Gumbel-max).
 A rank with nothing scheduled still runs a one-token dummy batch while any other rank has work,
@@ -54,6 +55,7 @@ class StepOutput:
     ran_model: bool
     is_ubatched: bool
     num_tokens: int  # this rank's real tokens
+    num_ubatches: int  # ubatches the model ran on (1 without microbatching or without a run)
     num_tokens_padded: int  # rows the model ran on this rank (0 when it did not run)
     # request_id -> logprobs of its sampled token, for the requests that asked for them
     sampled_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
@@ -67,6 +69,7 @@ class ForwardOutput:
     has_work_across_dp: tuple[bool, ...]
     is_ubatched: bool
     adaptive: PolicyChoice | None = None
+    num_ubatches: int = 1  # ubatches the model ran on (1 without microbatching)
 
 
 class ModelRunner:
@@ -118,14 +121,15 @@ class ModelRunner:
         """
         self.set_dbo(enable_dbo=enable_dbo)
 
-    def set_dbo(self, *, enable_dbo: bool, **thresholds: int | str) -> None:
-        """Switch DBO and its thresholds (``dbo_decode_token_threshold=…``, ``…prefill…``: an int or
-        "auto") for the following steps, e.g. the benchmark's off / on / adaptive arms.
+    def set_dbo(self, *, enable_dbo: bool, **settings: int | str | None) -> None:
+        """Switch DBO and its settings (``dbo_decode_token_threshold=…``, ``…prefill…``: an int or
+        "auto"; ``ubatch_size=N``) for the following steps, e.g. the benchmark's off / on /
+        adaptive arms and its ubatch counts.
 
         Raises:
             ValueError: as EngineArgs raises it for the new values.
         """
-        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo, **thresholds)
+        self.args = dataclasses.replace(self.args, enable_dbo=enable_dbo, **settings)
 
     def _local_vote(self, num_tokens: int, is_decode_only: bool) -> tuple[bool, bool]:
         """(vote, can_ubatch): the static threshold vote (an ``auto`` kind votes whenever it can)
@@ -167,6 +171,7 @@ class ModelRunner:
             ran_model=forward.hidden_states is not None,
             is_ubatched=forward.is_ubatched,
             num_tokens=scheduler_output.num_tokens,
+            num_ubatches=forward.num_ubatches,
             num_tokens_padded=0
             if forward.inputs is None
             else forward.inputs.attn_metadata.num_tokens,
@@ -200,22 +205,7 @@ class ModelRunner:
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = self.input_batch.prepare_inputs(scheduler_output, num_rows=num_rows)
-        ubatch_slices = (
-            make_ubatch_slices(inputs.attn_metadata.query_start_loc, num_rows)
-            if decision.should_ubatch
-            else None
-        )
-        # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
-        # has the same row count on every rank; telling the all-to-all spares it a blocking
-        # count exchange in the overlapped window.
-        # Without microbatching every rank runs max(num_tokens, 1) rows (a dummy row when idle):
-        # known from the vote, so e.g. DeepEP's low-latency dispatch sizes its slots without a
-        # message (vLLM's forward-context DP metadata).
-        num_padded_tokens_across_dp = (
-            [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
-            if ubatch_slices
-            else [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
-        )
+        ubatch_slices, num_padded_tokens_across_dp = self._slices(decision, inputs, num_rows)
         hidden_states = self.wrapper(
             inputs.input_ids,
             inputs.positions,
@@ -232,7 +222,23 @@ class ModelRunner:
             has_work_across_dp=has_work_across_dp,
             is_ubatched=decision.should_ubatch,
             adaptive=decision.adaptive,
+            num_ubatches=decision.num_ubatches,
         )
+
+    def _slices(self, decision: DPMicrobatchDecision, inputs: ModelInputs, num_rows: int):
+        """(the ubatch slices or None, every DP rank's row count per ubatch, or of the whole batch
+        without microbatching: one entry)."""
+        if not decision.should_ubatch:
+            # Every rank runs max(num_tokens, 1) rows (a dummy row when idle): known from the vote,
+            # so e.g. DeepEP's low-latency dispatch sizes its slots without a message (vLLM's
+            # forward-context DP metadata).
+            return None, [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
+        qsl = inputs.attn_metadata.query_start_loc
+        ubatch_slices = make_ubatch_slices(qsl, num_rows, decision.num_ubatches)
+        # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
+        # has the same row count on every rank; telling the all-to-all spares it a blocking
+        # count exchange in the overlapped window.
+        return ubatch_slices, [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
 
     def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
         """This rank's vote and previous step time, all-gathered over DP, and the decision (the
@@ -256,6 +262,7 @@ class ModelRunner:
                 adaptive_kinds=self.args.adaptive_dbo_kinds
                 if self.args.enable_dbo
                 else frozenset(),
+                num_ubatches=self.args.num_ubatches,
             )
 
     def _end_step_timing(self, start_ns: int, decision: DPMicrobatchDecision) -> None:

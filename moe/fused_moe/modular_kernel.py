@@ -9,10 +9,12 @@ caller's order), using the metadata prepare returned — nothing is stashed on `
 (Layout after vLLM's ``FusedMoEModularKernel``.)
 
 DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
-current, prepare/finalize are issued asynchronously, their ``wait`` is handed to the OTHER ubatch as
-a receive hook, and this ubatch yields; whoever runs the hook first completes the transfer, and the
-second ``wait()`` is an idempotent no-op. Whether a ubatch runs the other's hook before or after
-issuing its own transfer is ``issue_before_recv_hook`` (after, on the CPU).
+current, prepare/finalize are issued asynchronously, their ``wait`` is handed as a receive hook to
+the ubatch that runs last before this one gets the baton back (with two ubatches the other one;
+with N, the previous one in the ring, so the transfer hides behind N-1 ubatches' compute), and
+this ubatch yields; whoever runs the hook first completes the transfer, and the second ``wait()``
+is an idempotent no-op. Whether a ubatch runs its pending hooks before or after issuing its own
+transfer is ``issue_before_recv_hook`` (after, on the CPU).
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ def _record_comm(op: str, handle: CommHandle) -> None:
 class FusedMoEModularKernel:
     """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol.
 
-    ``issue_before_recv_hook``: at each transfer, this ubatch either completes the OTHER ubatch's
-    in-flight transfer (runs its recv hook) and then issues its own (vLLM's order, ``False``), or
-    issues its own first (``True``). On CUDA a recv hook only enqueues the receive on the comm
+    ``issue_before_recv_hook``: at each transfer, this ubatch either completes the in-flight
+    transfer handed to it (runs the recv hook of the ubatch that runs next) and then issues its
+    own (vLLM's order, ``False``), or issues its own first (``True``). On CUDA a recv hook only enqueues the receive on the comm
     stream, so vLLM's order costs nothing; on the CPU the hook blocks until the data have arrived,
     so in vLLM's order the own transfer waits for the other's to land and the link idles between
     the two (measured in docs/dbo.md). Default (``None``):
@@ -141,8 +143,8 @@ class FusedMoEModularKernel:
 
     def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
         """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
-        stream switch) and record it; the other ubatch's in-flight transfer is completed (its recv
-        hook run) before ours in vLLM's order, after it in the CPU order
+        stream switch) and record it; the in-flight transfer handed to this ubatch is completed (its
+        recv hook run) before ours in vLLM's order, after it in the CPU order
         (``issue_before_recv_hook``)."""
         if not self.issue_before_recv_hook:
             dbo_maybe_run_recv_hook()
@@ -152,7 +154,7 @@ class FusedMoEModularKernel:
         dbo_switch_to_compute()
         _record_issue(op, issue_ns, handle)
         if self.issue_before_recv_hook:
-            dbo_maybe_run_recv_hook()  # ours is on the link; now complete the other ubatch's
+            dbo_maybe_run_recv_hook()  # ours is on the link; now complete the next ubatch's
         return handle
 
     def forward(

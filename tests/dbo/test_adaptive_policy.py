@@ -145,9 +145,10 @@ def test_bad_config():
 
 
 def vote_rows(*per_rank):
-    """(num_tokens, vote, is_decode_only, can_ubatch, prev_step_us) per rank -> [dp, 6] int64."""
+    """(num_tokens, vote, is_decode_only, can_ubatch, prev_step_us) per rank -> [dp, 7] int64
+    (two ubatches asked for)."""
     return torch.tensor(
-        [(n, v, int(n > 0), d, c, us) for n, v, d, c, us in per_rank], dtype=torch.int64
+        [(n, v, int(n > 0), d, c, us, 2) for n, v, d, c, us in per_rank], dtype=torch.int64
     )
 
 

@@ -14,10 +14,13 @@ from dbo import (
 from tests.helpers.distributed import run_distributed
 
 
-def rows(*per_rank):
-    """(num_tokens, vote, has_work) per rank -> the [dp_size, 6] int64 vote table (decode-only,
-    can_ubatch = vote, no step time: the static columns)."""
-    return torch.tensor([(*r, 1, r[1], 0) for r in per_rank], dtype=torch.int64)
+def rows(*per_rank, num_ubatches=2):
+    """(num_tokens, vote, has_work[, num_ubatches]) per rank -> the [dp_size, 7] int64 vote table
+    (decode-only, can_ubatch = vote, no step time; ``num_ubatches`` where a row gives none)."""
+    return torch.tensor(
+        [(*r[:3], 1, r[1], 0, r[3] if len(r) > 3 else num_ubatches) for r in per_rank],
+        dtype=torch.int64,
+    )
 
 
 def test_should_ubatch_locally_uses_the_threshold_of_the_batch_kind():
@@ -39,6 +42,7 @@ def test_all_vote_yes_pads_to_the_max():
         num_tokens_across_dp=[8, 6],
         num_tokens_padded=8,
         has_work_across_dp=[True, True],
+        num_ubatches=2,
     )
     assert decide_from_gathered(table, 1).num_tokens_padded == 8
 
@@ -64,8 +68,42 @@ def test_abort_when_a_second_ubatch_would_be_empty():
     assert idle.has_work_across_dp == [True, False]
 
 
+def _num_ubatches(table) -> int:
+    decisions = [decide_from_gathered(table, r) for r in range(table.shape[0])]
+    assert len({d.num_ubatches for d in decisions}) == 1  # every rank agrees
+    assert all(d.should_ubatch == (d.num_ubatches >= 2) for d in decisions)
+    return decisions[0].num_ubatches
+
+
+def test_n_ubatches_fall_back_to_the_most_without_an_empty_one():
+    # padded to 12: ubatches start at rows 0, 3, 6, 9; every rank has real tokens past row 9
+    assert _num_ubatches(rows((12, 1, 1), (12, 1, 1), num_ubatches=4)) == 4
+    # padded to 16, 11 real tokens on rank 1: of 4 ubatches the last starts at row 12 (empty on
+    # rank 1), of 3 at row 10 (has a real token)
+    assert _num_ubatches(rows((16, 1, 1), (11, 1, 1), num_ubatches=4)) == 3
+    # 9 real tokens: 3 ubatches start their last at row 10, 2 at row 8
+    assert _num_ubatches(rows((16, 1, 1), (9, 1, 1), num_ubatches=4)) == 2
+    # 8 real tokens: even the second of two ubatches (row 8) is empty: nobody microbatches
+    assert _num_ubatches(rows((16, 1, 1), (8, 1, 1), num_ubatches=3)) == 1
+    # fewer rows than ubatches: a ubatch would have no row at all
+    assert _num_ubatches(rows((3, 1, 1), (3, 1, 1), num_ubatches=4)) == 3
+    assert _num_ubatches(rows((2, 1, 1), (2, 1, 1), num_ubatches=4)) == 2
+    # ranks that ask for different counts use the smallest
+    assert _num_ubatches(rows((12, 1, 1, 4), (12, 1, 1, 3))) == 3
+    # a no vote still means nobody microbatches, whatever the count
+    assert _num_ubatches(rows((12, 1, 1), (12, 0, 1), num_ubatches=4)) == 1
+
+
+def test_decision_checks_num_ubatches_against_should_ubatch():
+    kw = {"num_tokens_across_dp": [4], "num_tokens_padded": 4, "has_work_across_dp": [True]}
+    with pytest.raises(ValueError, match="num_ubatches must be >= 2 when microbatching, else 1"):
+        DPMicrobatchDecision(should_ubatch=True, num_ubatches=1, **kw)
+    with pytest.raises(ValueError, match="got 3 with should_ubatch=False"):
+        DPMicrobatchDecision(should_ubatch=False, num_ubatches=3, **kw)
+
+
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 6\], got shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"rows must be \[dp_size >= 1, 7\], got shape \(2, 3\)"):
         decide_from_gathered(torch.zeros(2, 3, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
         decide_from_gathered(rows((1, 1, 1), (1, 1, 1)), 2)
@@ -73,6 +111,11 @@ def test_bad_inputs():
         coordinate_batch_across_dp(
             num_tokens=4, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=2
         )
+    with pytest.raises(ValueError, match="num_ubatches must be >= 2, got 1"):
+        coordinate_batch_across_dp(
+            num_tokens=4, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=1,
+            num_ubatches=1,
+        )  # fmt: skip
 
 
 def test_single_rank_needs_no_group():
@@ -83,13 +126,14 @@ def test_single_rank_needs_no_group():
 
 
 def _coordinate_scenarios(rank, world_size, scenarios):
-    """Rank function: run one coordination per scenario ((num_tokens, vote, has_work) per rank)."""
+    """Rank function: run one coordination per scenario ((num_tokens, vote, has_work[,
+    num_ubatches]) per rank); per scenario (should_ubatch, counts, padded, has_work, num_ubatches)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     results = []
     for scenario in scenarios:
-        num_tokens, vote, has_work = scenario[rank]
+        num_tokens, vote, has_work, *num_ubatches = scenario[rank]
         decision = coordinate_batch_across_dp(
             num_tokens=num_tokens,
             has_work=has_work,
@@ -97,6 +141,7 @@ def _coordinate_scenarios(rank, world_size, scenarios):
             dp_group=dist.group.WORLD,
             dp_rank=rank,
             dp_size=world_size,
+            num_ubatches=num_ubatches[0] if num_ubatches else 2,
         )
         results.append(
             (
@@ -104,6 +149,7 @@ def _coordinate_scenarios(rank, world_size, scenarios):
                 decision.num_tokens_across_dp,
                 decision.num_tokens_padded,
                 decision.has_work_across_dp,
+                decision.num_ubatches,
             )
         )
     return results
@@ -114,15 +160,18 @@ def test_two_ranks_over_gloo():
         [(8, True, True), (6, True, True)],  # ubatch, pad to 8
         [(8, True, True), (6, False, True)],  # one no vote
         [(16, True, True), (8, True, True)],  # empty second ubatch on rank 1: abort
+        [(16, True, True, 4), (11, True, True, 4)],  # 4 asked, the 4th empty on rank 1: 3
     ]
     per_rank = run_distributed(_coordinate_scenarios, 2, scenarios, timeout_s=60)
     assert per_rank[0] == [
-        (True, [8, 6], 8, [True, True]),
-        (False, [8, 6], 8, [True, True]),
-        (False, [16, 8], 16, [True, True]),
+        (True, [8, 6], 8, [True, True], 2),
+        (False, [8, 6], 8, [True, True], 1),
+        (False, [16, 8], 16, [True, True], 1),
+        (True, [16, 11], 16, [True, True], 3),
     ]
-    assert [r[2] for r in per_rank[1]] == [8, 6, 8]
-    assert [r[0] for r in per_rank[1]] == [True, False, False]
+    assert [r[2] for r in per_rank[1]] == [8, 6, 8, 16]
+    assert [r[0] for r in per_rank[1]] == [True, False, False, True]
+    assert [r[4] for r in per_rank[1]] == [2, 1, 1, 3]
 
 
 def test_four_ranks_over_gloo():
@@ -132,8 +181,8 @@ def test_four_ranks_over_gloo():
     ]
     per_rank = run_distributed(_coordinate_scenarios, 4, scenarios, timeout_s=90)
     for rank, results in enumerate(per_rank):
-        assert results[0] == (True, [12, 7, 9, 10], 12, [True] * 4), rank
-        should_ubatch, counts, padded, has_work = results[1]
+        assert results[0] == (True, [12, 7, 9, 10], 12, [True] * 4, 2), rank
+        should_ubatch, counts, padded, has_work, _ = results[1]
         assert not should_ubatch
         assert counts == [12, 0, 9, 10]
         assert padded == scenarios[1][rank][0]

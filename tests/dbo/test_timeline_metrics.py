@@ -67,6 +67,22 @@ def test_step_metrics_of_a_hand_made_step():
     assert m.is_ubatched and m.step == 0
 
 
+def test_steps_with_several_ubatch_counts_get_a_summary_row_each():
+    from launch.timeline import metric_rows
+
+    three = [
+        span("step", "step", 100, 140, "engine step", step=1, is_ubatched=True, num_ubatches=3),
+        span("layer0.attention", "compute", 100, 110, "ubatch2 compute"),
+    ]
+    off = [span("step", "step", 200, 210, "engine step", step=2, is_ubatched=False)]
+    metrics = step_metrics(dbo_step() + three + off)
+    # a step without the arg (an older timeline) ran two ubatches if microbatched, else one
+    assert [m.num_ubatches for m in metrics] == [2, 3, 1]
+    labels = [label for label, _ in metric_rows(metrics)]
+    assert labels == ["rank 0 all", "rank 0 DBO N=2", "rank 0 DBO N=3", "overall"]
+    assert [label for label, _ in metric_rows(metrics[:1])][1] == "rank 0 DBO"
+
+
 def test_summary_sums_before_dividing_and_empty_cases():
     spans = dbo_step(step=0) + [
         span("step", "step", 100, 110, "engine step", step=1),

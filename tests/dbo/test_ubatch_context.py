@@ -1,4 +1,5 @@
-"""The ping-pong protocol between two ubatch threads: order, recv hooks, failures, timeouts."""
+"""The ping-pong protocol between ubatch threads (two, and N in a ring): order, recv hooks, failures,
+timeouts."""
 
 from __future__ import annotations
 
@@ -116,6 +117,44 @@ def test_recv_hook_runs_in_the_other_ubatch():
     assert ran == [("ubatch1", 1)]
 
 
+@pytest.mark.parametrize("num_ubatches", [3, 4])
+def test_recv_hook_runs_in_the_ubatch_that_runs_last_before_its_owner(num_ubatches):
+    """With N ubatches a hook goes to the previous one in the ring: the transfer it completes
+    stays in flight while all N-1 others compute, and is complete when its owner resumes."""
+    ran = []  # (registered by, run by, its owner had resumed)
+    resumed = set()
+
+    def body(ctx):
+        for _ in range(3):
+            dbo_maybe_run_recv_hook()
+            resumed.discard(ctx.id)
+            dbo_register_recv_hook(
+                lambda k=ctx.id: ran.append((k, dbo_current_ubatch_id(), k in resumed))
+            )
+            dbo_yield()
+            resumed.add(ctx.id)
+
+    contexts = make_ubatch_contexts(num_ubatches, timeout_s=TIMEOUT_S)
+    assert run_threads(contexts, body) == [None] * num_ubatches
+    assert sorted(ran) == sorted(
+        (k, (k - 1) % num_ubatches, False) for k in range(num_ubatches) for _ in range(3)
+    )
+
+
+def test_hook_skips_a_finished_previous_ubatch():
+    ran = []
+
+    def body(ctx):
+        if ctx.id == 2:
+            dbo_yield()  # ubatch 1 finishes meanwhile: the hook goes to ubatch 0
+            dbo_register_recv_hook(lambda: ran.append(dbo_current_ubatch_id()))
+        for _ in range(3 if ctx.id == 0 else 1):
+            dbo_yield()
+
+    assert run_threads(make_ubatch_contexts(3, timeout_s=TIMEOUT_S), body) == [None] * 3
+    assert ran == [0]
+
+
 def test_pending_hook_runs_when_its_ubatch_leaves_the_context():
     ran = []
 
@@ -159,6 +198,26 @@ def test_exception_wakes_the_waiting_peer():
     assert isinstance(errors[1], ValueError)
     assert isinstance(errors[0], UBatchAborted)
     assert errors[0].__cause__ is errors[1]
+
+
+@pytest.mark.parametrize("num_ubatches", [3, 4])
+def test_exception_in_any_of_n_ubatches_wakes_all_the_others(num_ubatches):
+    for fail_in in range(num_ubatches):
+
+        def body(ctx, fail_in=fail_in):
+            dbo_yield()
+            if ctx.id == fail_in:
+                raise ValueError(f"boom in ubatch {fail_in}")
+            dbo_yield()
+            dbo_yield()
+
+        start = time.perf_counter()
+        errors = run_threads(make_ubatch_contexts(num_ubatches, timeout_s=TIMEOUT_S), body)
+        assert time.perf_counter() - start < TIMEOUT_S / 2  # woken, not timed out
+        assert isinstance(errors[fail_in], ValueError)
+        others = [e for k, e in enumerate(errors) if k != fail_in]
+        assert all(isinstance(e, UBatchAborted) for e in others), errors
+        assert all(e.__cause__ is errors[fail_in] for e in others)
 
 
 def test_failure_before_the_first_yield_stops_the_peer_at_its_start():

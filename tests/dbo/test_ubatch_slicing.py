@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dbo import CommonAttentionMetadata, UBatchSlice, make_ubatch_slices, split_attn_metadata
+from dbo.ubatch_slicing import max_num_ubatches, ubatch_bounds
 from tests.helpers.attention_metadata import make_slicing_metadata
 
 
@@ -104,6 +105,39 @@ def test_one_request_over_three_ubatches():
     assert [p.seq_lens.tolist() for p in parts] == [[3], [6], [9]]
     assert [p.query_start_loc.tolist() for p in parts] == [[0, 3]] * 3
     assert sum((positions_of(p) for p in parts), []) == list(range(9))
+
+
+@pytest.mark.parametrize("num_ubatches", [3, 4])
+def test_mixed_batch_over_n_ubatches_keeps_every_position(num_ubatches):
+    # a prefill continuation (5 new on 3 cached), two decodes, a fresh prefill of 6; 14 -> 16 rows
+    md = make_slicing_metadata([5, 1, 1, 6], [8, 4, 7, 6], num_tokens=16)
+    qsl = md.query_start_loc.tolist()
+    slices = make_ubatch_slices(qsl, 16, num_ubatches)
+    assert [s.token_slice.start for s in slices] == ubatch_bounds(16, num_ubatches)[:-1]
+    parts = split_attn_metadata(slices, md)
+    assert sum(p.num_tokens for p in parts) == 16
+    assert all(p.num_actual_tokens >= 1 for p in parts)  # no empty ubatch
+    assert sum((positions_of(p) for p in parts), []) == positions_of(md)
+    # a cut request's last part keeps its full seq_len, earlier parts end where they stop
+    assert parts[-1].seq_lens.tolist()[-1] == 6
+
+
+def test_max_num_ubatches_is_the_most_without_an_empty_ubatch():
+    assert ubatch_bounds(10, 4) == [0, 2, 5, 7, 10]
+    assert max_num_ubatches(16, 16, 4) == 4
+    assert max_num_ubatches(16, 11, 4) == 3  # of 4 the last starts at row 12
+    assert max_num_ubatches(16, 9, 4) == 2
+    assert max_num_ubatches(16, 8, 4) == 1  # even the second of two starts past the real tokens
+    assert max_num_ubatches(3, 3, 4) == 3  # one row per ubatch at most
+    assert max_num_ubatches(1, 1, 2) == 1
+    for padded in range(1, 20):
+        for real in range(1, padded + 1):
+            n = max_num_ubatches(padded, real, 4)
+            if n >= 2:  # agrees with what make_ubatch_slices accepts
+                make_ubatch_slices([0, real], padded, n)
+            if n < 4:
+                with pytest.raises(ValueError, match="no real token"):
+                    make_ubatch_slices([0, real], padded, n + 1)
 
 
 def test_errors():

@@ -53,7 +53,9 @@ class ToyPagedModel:
                     out[t] = cache[slots].to(torch.float64).sum()
             dbo_maybe_run_recv_hook()
             registered_by = dbo_current_ubatch_id()
-            dbo_register_recv_hook(lambda i=registered_by: self.hooks_run.append(i))
+            dbo_register_recv_hook(
+                lambda i=registered_by: self.hooks_run.append((i, dbo_current_ubatch_id()))
+            )
             dbo_yield()
             state = state + 0.5 * out + layer
         return torch.stack([state, positions.to(torch.float64)], dim=1)
@@ -124,17 +126,30 @@ def test_each_ubatch_sees_its_num_padded_tokens_across_dp():
     assert seen == {0: None, 1: None}
 
 
-def test_dbo_on_equals_dbo_off():
+# (request_slice, token_slice) per ubatch of make_batch's 12 rows (r0: rows 0-6, r1: 7, r2: 8-10)
+EXPECTED_SLICES = {
+    # r0 cut: its first 6 tokens in ubatch 0, its 7th in ubatch 1 (with the padding row)
+    2: [(slice(0, 1), slice(0, 6)), (slice(0, 3), slice(6, 12))],
+    # r0 cut at row 4, r2 whole in the last ubatch with the padding row
+    3: [(slice(0, 1), slice(0, 4)), (slice(0, 2), slice(4, 8)), (slice(2, 3), slice(8, 12))],
+    # r0 cut across three ubatches (rows 0-2, 3-5, 6), r2 across two
+    4: [
+        (slice(0, 1), slice(0, 3)),
+        (slice(0, 1), slice(3, 6)),
+        (slice(0, 3), slice(6, 9)),
+        (slice(2, 3), slice(9, 12)),
+    ],
+}
+
+
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
+def test_dbo_on_equals_dbo_off(num_ubatches):
     input_ids, positions, md, cached = make_batch()
     reference_model = ToyPagedModel(8, cached)
     reference = UBatchWrapper(reference_model, timeout_s=5)(input_ids, positions, md)
 
-    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
-    # r0 is cut: its first 6 tokens in ubatch 0, its 7th in ubatch 1 (with the padding row)
-    assert [(s.request_slice, s.token_slice) for s in slices] == [
-        (slice(0, 1), slice(0, 6)),
-        (slice(0, 3), slice(6, 12)),
-    ]
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens, num_ubatches)
+    assert [(s.request_slice, s.token_slice) for s in slices] == EXPECTED_SLICES[num_ubatches]
     dbo_model = ToyPagedModel(8, cached)
     out = UBatchWrapper(dbo_model, timeout_s=5)(input_ids, positions, md, slices)
 
@@ -142,8 +157,11 @@ def test_dbo_on_equals_dbo_off():
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
     for dbo_cache, ref_cache in zip(dbo_model.caches, reference_model.caches, strict=True):
         torch.testing.assert_close(dbo_cache, ref_cache, rtol=0, atol=0)
-    # each layer's hook from one ubatch ran in the other one (or when the last one left)
-    assert sorted(dbo_model.hooks_run) == [0] * NUM_LAYERS + [1] * NUM_LAYERS
+    # each layer's hook of ubatch k ran in the ubatch before it in the ring, the last one to run
+    # before k resumes (with two ubatches: the other one)
+    assert sorted(dbo_model.hooks_run) == sorted(
+        (k, (k - 1) % num_ubatches) for k in range(num_ubatches) for _ in range(NUM_LAYERS)
+    )
 
 
 def _failing_model(fail_in: int, error: BaseException):
@@ -157,12 +175,14 @@ def _failing_model(fail_in: int, error: BaseException):
     return model_fn
 
 
-@pytest.mark.parametrize("fail_in", [0, 1])
-def test_exception_surfaces_once_as_the_original(fail_in, monkeypatch):
+@pytest.mark.parametrize(
+    ("num_ubatches", "fail_in"), [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2), (4, 0), (4, 3)]
+)
+def test_exception_surfaces_once_as_the_original(num_ubatches, fail_in, monkeypatch):
     thread_errors = []
     monkeypatch.setattr(threading, "excepthook", thread_errors.append)
     input_ids, positions, md, _ = make_batch()
-    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens, num_ubatches)
     error = ValueError(f"boom in ubatch {fail_in}")
     wrapper = UBatchWrapper(_failing_model(fail_in, error), timeout_s=5)
     start = time.perf_counter()

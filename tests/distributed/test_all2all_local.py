@@ -172,3 +172,27 @@ def test_low_latency_capacity_limit():
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
         _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
+
+
+def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():
+    from distributed import DeepEPLowLatencyBackend
+    from distributed.all2all.deepep_kernels import DEEPEP_KERNELS
+    from launch.engine.llm_engine import check_num_ubatches
+
+    class KernelBuffer:  # stands in for deep_ep.Buffer: only its name is read at construction
+        implementation = DEEPEP_KERNELS
+
+    kw = {"ep_group": None, "ep_rank": 0, "ep_size": 1, "num_experts": 4}
+    kw["timeout"] = datetime.timedelta(seconds=5)
+    for name in BACKENDS:  # our implementations allocate each call's buffers: any count
+        backend = make_all2all_backend(name, **kw)
+        assert backend.max_num_ubatches is None
+        check_num_ubatches(backend, 16)
+    kernels = DeepEPLowLatencyBackend(**kw, buffer=KernelBuffer())
+    assert kernels.max_num_ubatches == 2  # DeepEP double-buffers its low-latency results
+    check_num_ubatches(kernels, 2)
+    with pytest.raises(
+        ValueError, match=r"--ubatch-size 3: deepep_low_latency \(deep_ep kernels\)"
+    ):
+        check_num_ubatches(kernels, 3)
+    check_num_ubatches(None, 4)  # no expert parallelism: nothing in flight

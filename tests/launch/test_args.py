@@ -32,6 +32,12 @@ from launch.generate import build_parser, check_prompts, load_prompts
             {"dbo_prefill_token_threshold": "fast"},
             r"--dbo-prefill-token-threshold must be an integer >= 2 or 'auto', got 'fast'",
         ),
+        (
+            {"ubatch_size": 1},
+            r"--ubatch-size \(ubatches per microbatched step\) must be an integer in \[2, 16\], "
+            r"got 1",
+        ),
+        ({"ubatch_size": 17}, r"--ubatch-size .* got 17"),
         ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
     ],
 )
@@ -114,3 +120,15 @@ def test_check_prompts():
         check_prompts([[1], [1, 2, 3, 4]], vocab_size=10, max_model_len=4)
     with pytest.raises(ValueError, match=r"prompt 0 has token id 10 outside \[0, 10\)"):
         check_prompts([[10]], vocab_size=10, max_model_len=4)
+
+
+def test_ubatch_size_counts_ubatches_and_needs_dbo():
+    from launch.engine.arg_utils import engine_args_from_namespace
+
+    dbo = ["--enable-dbo", "--enable-expert-parallel", "--data-parallel-size", "2"]
+    assert engine_args_from_namespace(build_parser().parse_args(dbo)).num_ubatches == 2
+    for flag in ("--ubatch-size", "--num-ubatches"):  # vLLM's name and the plain one
+        args = engine_args_from_namespace(build_parser().parse_args([*dbo, flag, "3"]))
+        assert args.ubatch_size == args.num_ubatches == 3
+    with pytest.raises(ValueError, match="--ubatch-size 3 needs --enable-dbo"):
+        engine_args_from_namespace(build_parser().parse_args(["--ubatch-size", "3"]))

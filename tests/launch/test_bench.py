@@ -8,7 +8,14 @@ import subprocess
 
 import pytest
 
-from launch.bench import balanced_order, parse_arms
+from launch.bench import (
+    balanced_order,
+    build_parser,
+    expand_arms,
+    parse_arms,
+    split_arm,
+    steps_of_count,
+)
 from launch.benchmarks.report import make_record
 from launch.benchmarks.workload import BatchSpec, parse_batches
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
@@ -40,6 +47,24 @@ def test_arms_and_their_balanced_order():
     assert all(sorted(r) == sorted(arms) for r in rounds)
     follows = [(r[k - 1], r[k]) for r in rounds for k in (1, 2)]
     assert len(set(follows)) == 6 and all(follows.count(p) == 2 for p in set(follows))
+
+
+def test_a_list_of_ubatch_counts_splits_the_on_arm():
+    assert build_parser().parse_args([]).ubatch_sizes == [2]
+    assert build_parser().parse_args(["--ubatch-size", "2", "3", "4"]).ubatch_sizes == [2, 3, 4]
+    assert build_parser().parse_args(["--num-ubatches", "3"]).ubatch_sizes == [3]
+    arms = expand_arms(("off", "on", "adaptive"), (2, 4))
+    assert arms == ("off", "on:2", "on:4", "adaptive")
+    assert [split_arm(a) for a in arms] == [("off", None), ("on", 2), ("on", 4), ("adaptive", None)]
+    steps = [
+        {"arm": "off", "ubatch_size": 2},
+        {"arm": "on", "ubatch_size": 2},
+        {"arm": "on", "ubatch_size": 4},
+        {"arm": "adaptive", "ubatch_size": 2},
+    ]
+    # each count's record: the shared off steps, its own on steps, adaptive with the first count
+    assert steps_of_count(steps, 2, first=2) == [steps[0], steps[1], steps[3]]
+    assert steps_of_count(steps, 4, first=2) == [steps[0], steps[2]]
 
 
 def _step(arm, step_ms, *, is_ubatched=False, exploring=False):
@@ -86,19 +111,25 @@ def test_short_bench_run_writes_json_and_png(tmp_path):
         "--hidden-size", "64", "--intermediate-size", "64", "--num-layers", "1",
         "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
         "--emulate-link", "latency_us=200,gbps=1", "--output", str(out),
-        "--timeline-dir", str(timeline),
+        "--timeline-dir", str(timeline), "--ubatch-size", "2", "3",
     )  # fmt: skip
     env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
-    assert [r["batch"] for r in records] == ["decode:2", "prefill:8"]
+    # one record per shape and ubatch count; decode:2 cannot fill 3 ubatches: it ran 2
+    assert [(r["batch"], r["ubatch_size"], r["ubatches_run"]) for r in records] == [
+        ("decode:2", 2, [2]), ("decode:2", 3, [2]), ("prefill:8", 2, [2]), ("prefill:8", 3, [3]),
+    ]  # fmt: skip
     for r in records:
         assert r.keys() >= RECORD_KEYS
         assert r["step_ms_off_min"] <= r["step_ms_off"] <= r["step_ms_off_max"]
         assert r["speedup"] > 0 and 0 <= r["overlap_ratio"] <= 1
         assert r["dbo_engaged"] and r["comm_ms"] > 0.2  # the link's latency is in M
         assert r["emulate_link"] == "latency_us=200,gbps=1" and r["reps"] == 2
+        if r["ubatch_size"] == 3:
+            assert "step_ms_adaptive" not in r  # the adaptive arm ran with the first count
+            continue
         # the adaptive arm: explored both arms (4 steps each by default), then measured reps
         assert r["adaptive_exploration_steps"] >= 8 and r["adaptive_reps"] == 2
         assert r["adaptive_choice"] in ("on", "off", "mixed") and r["adaptive_vs_best"] > 0

@@ -1,10 +1,11 @@
 """Teacher-forced logits over DP+EP ranks: DBO on equals DBO off, and both equal transformers.
 
-Each rank builds two engines on the same tiny checkpoint (DBO on and off, both with expert
-parallelism), runs the prefill of its prompts and two greedy decode steps, and returns the logits
-of every computed row. The thresholds are lowered so that the DBO engine microbatches every step
-(a prefill request is cut across the two ubatches). transformers' MixtralForCausalLM, fed the same
-prompt + generated tokens, gives the reference logits.
+Each rank builds engines on the same tiny checkpoint (DBO off, and DBO on with 2, 3 and 4 ubatches,
+all with expert parallelism), runs the prefill of its prompts and two greedy decode steps, and
+returns the logits of every computed row. The thresholds are lowered so that the DBO engines
+microbatch every step (prefill requests are cut across ubatches, some across three). A decode step
+too small for N ubatches on some rank runs with fewer (4 ranks: 2 or 3 decodes per rank).
+transformers' MixtralForCausalLM, fed the same prompt + generated tokens, gives the reference logits.
 """
 
 from __future__ import annotations
@@ -28,17 +29,35 @@ def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
     groups = init_distributed(
         data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
     )
-    # one spawn for every backend: process start-up dominates the cost of this test
+    # one spawn for every backend and ubatch count: process start-up dominates the cost
     for backend in backends:
-        for enable_dbo in (True, False):
+        for num_ubatches in (*NUM_UBATCHES, None):  # None: DBO off
             args = dbo_test_engine_args(
-                model_dir, world_size, enable_dbo, all2all_backend=backend, dtype=dtype
-            )
+                model_dir, world_size, num_ubatches is not None, all2all_backend=backend,
+                dtype=dtype, ubatch_size=num_ubatches,
+            )  # fmt: skip
             engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
-            results[backend, enable_dbo] = run_engine_steps(
+            results[backend, num_ubatches] = run_engine_steps(
                 engine, prompts, groups.dp_rank, groups.dp_size
             )
     return results
+
+
+NUM_UBATCHES = (2, 3, 4)
+
+
+def expected_num_ubatches(prompts, world_size: int, num_ubatches: int) -> list[int]:
+    """Ubatches of the prefill step and of each decode step (one token per request), as the DP
+    vote chooses them: the most, up to ``num_ubatches``, with a real token in each on every rank."""
+    from dbo.ubatch_slicing import max_num_ubatches
+    from tests.helpers.engine import NUM_DECODE_STEPS
+
+    shares = [prompts[r::world_size] for r in range(world_size)]
+    prefill = [sum(len(p) for p in share) for share in shares]
+    decode = [len(share) for share in shares]
+    return [max_num_ubatches(max(prefill), min(prefill), num_ubatches)] + [
+        max_num_ubatches(max(decode), min(decode), num_ubatches)
+    ] * NUM_DECODE_STEPS
 
 
 ALL2ALL_BACKENDS = (
@@ -51,7 +70,8 @@ FLOAT64_ATOL = 1e-10
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size):
-    """Every all-to-all backend, DBO on and off, equals transformers in float64."""
+    """Every all-to-all backend, DBO off and on with 2, 3 and 4 ubatches, equals transformers in
+    float64; each DBO step ran the ubatches the DP vote allows."""
     from transformers import MixtralForCausalLM
 
     per_rank = run_distributed(
@@ -63,12 +83,20 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         dtype=torch.float64,
         experts_implementation="eager",  # no fp64 grouped GEMM
     ).eval()
+    cache: dict = {}  # transformers' logits per sequence, computed once for every engine
     for backend in ALL2ALL_BACKENDS:
-        assert_dbo_on_equals_off_equals_reference(
-            [r[backend, True] for r in per_rank],
-            [r[backend, False] for r in per_rank],
-            reference,
-            tiny_prompts,
-            label=backend,
-            atol=FLOAT64_ATOL,
-        )
+        for num_ubatches in NUM_UBATCHES:
+            expected = expected_num_ubatches(tiny_prompts, world_size, num_ubatches)
+            assert [r[backend, num_ubatches][2] for r in per_rank] == [expected] * world_size
+            assert_dbo_on_equals_off_equals_reference(
+                [r[backend, num_ubatches] for r in per_rank],
+                [r[backend, None] for r in per_rank],
+                reference,
+                tiny_prompts,
+                label=f"{backend}, {num_ubatches} ubatches",
+                atol=FLOAT64_ATOL,
+                cache=cache,
+            )
+    # N ubatches were used where the step allowed, fewer where a decode step was too small
+    assert expected_num_ubatches(tiny_prompts, 2, 4) == [4, 4, 4]
+    assert expected_num_ubatches(tiny_prompts, 4, 4) == [4, 2, 2]

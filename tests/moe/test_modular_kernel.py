@@ -192,6 +192,26 @@ ISSUE_FIRST_ORDER = [
     ("shared", 1),
     ("complete", "C1", 0),
 ]
+# Three ubatches, CPU order: each transfer is completed by the ubatch before its owner in the
+# ring (D0 by ubatch 2, D1 by ubatch 0, ...), after that ubatch issued its own: D0 stays in flight
+# while ubatches 1 and 2 compute.
+ISSUE_FIRST_ORDER_3 = [
+    ("issue", "D0", 0, True),
+    ("issue", "D1", 1, True),
+    ("issue", "D2", 2, True),
+    ("complete", "D0", 2),
+    ("issue", "C0", 0, True),
+    ("complete", "D1", 0),
+    ("shared", 0),
+    ("issue", "C1", 1, True),
+    ("complete", "D2", 1),
+    ("shared", 1),
+    ("issue", "C2", 2, True),
+    ("complete", "C0", 2),
+    ("shared", 2),
+    ("complete", "C1", 0),
+    ("complete", "C2", 1),
+]
 
 
 def test_cpu_platform_issues_before_running_the_other_ubatchs_hook():
@@ -200,22 +220,25 @@ def test_cpu_platform_issues_before_running_the_other_ubatchs_hook():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(("issue_first", "order"), [(False, VLLM_ORDER), (True, ISSUE_FIRST_ORDER)])
-def test_dbo_schedule_follows_the_yield_protocol(issue_first, order):
+@pytest.mark.parametrize(
+    ("issue_first", "num_ubatches", "order"),
+    [(False, 2, VLLM_ORDER), (True, 2, ISSUE_FIRST_ORDER), (True, 3, ISSUE_FIRST_ORDER_3)],
+)
+def test_dbo_schedule_follows_the_yield_protocol(issue_first, num_ubatches, order):
     log: list = []
     experts = make_experts()
     kernel = FusedMoEModularKernel(
         _RecordingPrepareFinalize(log), experts, issue_before_recv_hook=issue_first
     )
-    x, ids, w = routed(8)
+    x, ids, w = routed(4 * num_ubatches)
     expected = dense_reference(experts, x, ids, w) + 0.5 * x
 
     def shared(t):
         log.append(("shared", dbo_current_ubatch_id()))
         return 0.5 * t
 
-    contexts = make_ubatch_contexts(2, timeout_s=10.0)
-    outputs: list = [None, None]
+    contexts = make_ubatch_contexts(num_ubatches, timeout_s=10.0)
+    outputs: list = [None] * num_ubatches
     errors: list = []
 
     def run(i):
@@ -226,7 +249,7 @@ def test_dbo_schedule_follows_the_yield_protocol(issue_first, order):
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num_ubatches)]
     for t in threads:
         t.start()
     for t in threads:
@@ -336,10 +359,13 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
     n = meta.num_actual_tokens
     expected = run(reference)[:n]
     slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens)
+    # three ubatches: rank 0's first request is cut at row 2, rank 1's one request twice
+    three = make_ubatch_slices(meta.query_start_loc, meta.num_tokens, 3)
     outputs = [
         run(model)[:n],
         run(model, slices)[:n],
         run(model, slices, in_inference_mode)[:n],
+        run(model, three, in_inference_mode)[:n],
     ]
     return [(out - expected).abs().max().item() for out in outputs]
 
@@ -351,12 +377,14 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
     results = run_distributed(_ep_rank_main, 2, backend_names, timeout_s=120)
     for per_rank in results:
         assert sorted(per_rank) == sorted(backend_names)
-        for diffs in per_rank.values():  # EP, EP + DBO, EP + DBO under inference_mode
-            assert max(diffs) < 1e-5, results
+        # EP, EP + DBO, EP + DBO under inference_mode, the same with three ubatches
+        for diffs in per_rank.values():
+            assert len(diffs) == 4 and max(diffs) < 1e-5, results
 
 
 def _hook_failure_rank(rank, world_size):
-    """Rank 0's DeepEP low-latency receive hook raises inside a DBO step; report each rank's error."""
+    """Rank 0's DeepEP low-latency receive hook of ubatch 1 of 3 (run by ubatch 0) raises inside a
+    DBO step; report each rank's error."""
     from distributed import init_distributed, make_all2all_backend
 
     groups = init_distributed(
@@ -371,12 +399,14 @@ def _hook_failure_rank(rank, world_size):
         dispatch = backend.buffer.low_latency_dispatch
 
         def failing_dispatch(*args, **kwargs):
-            recv_x, recv_count, handle, event, _ = dispatch(*args, **kwargs)
+            recv_x, recv_count, handle, event, hook = dispatch(*args, **kwargs)
+            if dbo_current_ubatch_id() != 1:
+                return recv_x, recv_count, handle, event, hook
 
-            def hook():
+            def failing_hook():
                 raise RuntimeError("injected failure in rank 0's receive hook")
 
-            return recv_x, recv_count, handle, event, hook
+            return recv_x, recv_count, handle, event, failing_hook
 
         backend.buffer.low_latency_dispatch = failing_dispatch
     model = build_model(
@@ -387,7 +417,7 @@ def _hook_failure_rank(rank, world_size):
     meta = _metadata([5, 3], 0)
     ids = torch.arange(meta.num_tokens) % CONFIG.vocab_size
     pos = torch.cat([torch.arange(5), torch.arange(3)])
-    slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens)
+    slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens, 3)
     start = time.perf_counter()
     try:
         with torch.inference_mode():
