@@ -13,6 +13,15 @@ def pytest_configure(config):
     # Graph mode compiles seconds per graph: engines in tests run eagerly unless a test asks for
     # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
+    # inductor's cache, per CPU capability (launch.engine.graph_mode.graph_cache_dir): a graph
+    # compiled in an uncapped run returned wrong values in a run capped at AVX2 (.ci/run does both)
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        import tempfile
+
+        from launch.engine.graph_mode import cpu_cache_subdir
+
+        root = os.path.join(tempfile.gettempdir(), "moe-dbo-test-inductor", cpu_cache_subdir())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,6 +5,10 @@ Cache: inductor's FX graph cache and its compiled C++ live in ``TORCHINDUCTOR_CA
 variable is unset the engine sets it to ``$XDG_CACHE_HOME/moe-dbo/inductor`` (default
 ``~/.cache/moe-dbo/inductor``), so a second start with the same shapes loads instead of compiling.
 The graphs take the weights as inputs, so the cache key holds shapes and dtypes, not weight values.
+Either way the graphs live in a subdirectory per CPU capability (``cpu-avx512``, ``cpu-avx2``, ...:
+``cpu_cache_subdir``): inductor's cache key does not hold ATen's dispatch level, and a graph
+compiled under one (an AVX-512 run) returned wrong values when loaded under another
+(``ATEN_CPU_CAPABILITY=avx2``), as a cache shared by machines of two ISAs would.
 """
 
 from __future__ import annotations
@@ -22,12 +26,22 @@ from moe.compilation.backends import has_standalone_compile
 from moe.platforms import current_platform
 
 
+def cpu_cache_subdir() -> str:
+    """The cache subdirectory of this CPU capability: ``cpu-<torch's dispatch level>-<our ISA>``,
+    e.g. ``cpu-avx512-avx512`` (the platform's ``cpu_capability()``)."""
+    capability = current_platform().cpu_capability()
+    return f"cpu-{capability.torch_capability.lower()}-{capability.isa}"
+
+
 def graph_cache_dir() -> str:
-    """``TORCHINDUCTOR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moe-dbo/inductor``."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "moe-dbo" / "inductor")
+    """``TORCHINDUCTOR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moe-dbo/inductor``, with this
+    CPU capability's subdirectory (``cpu_cache_subdir``) appended unless it ends with it."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not base:
+        home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = str(Path(home) / "moe-dbo" / "inductor")
+    subdir = cpu_cache_subdir()
+    return base if Path(base).name == subdir else str(Path(base) / subdir)
 
 
 def build_graph_mode(

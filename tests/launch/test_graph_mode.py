@@ -183,3 +183,24 @@ def test_cuda_graph_piece_equals_eager():
         graph = CUDAGraphPiece(piece, [weight, x, y], [True, False, False])
         (out,) = graph(weight, x * 2, y)
         torch.testing.assert_close(out, piece(weight, x * 2, y)[0], rtol=0, atol=1e-6)
+
+
+def test_graph_cache_is_kept_per_cpu_capability(monkeypatch, tmp_path):
+    """A graph compiled under one ATen dispatch level gave wrong values when loaded under another,
+    so each CPU capability gets its own inductor cache directory, appended once."""
+    import dataclasses
+
+    from launch.engine import graph_mode
+    from moe.platforms import CpuPlatform
+
+    platform = CpuPlatform()
+    capability = dataclasses.replace(platform.cpu_capability(), torch_capability="AVX2", isa="avx2")
+    monkeypatch.setattr(platform, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(graph_mode, "current_platform", lambda: platform)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert graph_mode.graph_cache_dir() == str(tmp_path / "cpu-avx2-avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cpu-avx2-avx2"))
+    assert graph_mode.graph_cache_dir() == str(tmp_path / "cpu-avx2-avx2")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert graph_mode.graph_cache_dir() == str(tmp_path / "moe-dbo" / "inductor" / "cpu-avx2-avx2")
