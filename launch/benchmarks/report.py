@@ -34,25 +34,81 @@ def make_record(
         raise ValueError(f"ranks measured different numbers of steps: {sorted(num_steps)}")
     # one entry per measured step: the same step on every rank
     aligned = list(zip(*steps_per_rank, strict=True))
+    off, on = _per_arm(aligned, "off"), _per_arm(aligned, "on")
+    step_off, step_on = _slowest(off), _slowest(on)
+    adaptive, exploring = _per_arm(aligned, "adaptive"), _per_arm(aligned, "adaptive", True)
+    return {
+        "batch": spec.label,
+        "batch_kind": spec.kind,
+        "num_tokens_per_rank": spec.num_tokens_per_rank,
+        **_step_time_fields(step_off, step_on),
+        **_overlap_fields(off, on, step_off, step_on),
+        **_engaged_fields(on),
+        **_overhead_fields(aligned, on, span_cost_ns),
+        "reps": len(on),
+        **adaptive_fields(adaptive, exploring, off, on, step_off, step_on),
+        **{k: v for k, v in meta.items() if k != "reps"},
+    }
 
-    def per_arm(arm: str, exploring: bool = False) -> list[tuple[dict, ...]]:
-        return [
-            ranks
-            for ranks in aligned
-            if ranks[0]["arm"] == arm and ranks[0].get("exploring", False) is exploring
-        ]
 
-    def slowest(mode) -> list[float]:
-        return [max(r["step_ms"] for r in ranks) for ranks in mode]
+def _per_arm(aligned, arm: str, exploring: bool = False) -> list[tuple[dict, ...]]:
+    """The aligned steps (one tuple of rank dicts each) of ``arm``, exploring or not."""
+    return [
+        ranks
+        for ranks in aligned
+        if ranks[0]["arm"] == arm and ranks[0].get("exploring", False) is exploring
+    ]
 
-    def mean_of(mode, key: str) -> list[float]:
-        return [statistics.fmean(r[key] for r in ranks) for ranks in mode]
 
-    off, on = per_arm("off"), per_arm("on")
-    step_off, step_on = slowest(off), slowest(on)
-    compute_ms, comm_ms = _median(mean_of(off, "compute_ms")), _median(mean_of(off, "comm_ms"))
+def _slowest(steps) -> list[float]:
+    """Per step, the slowest rank's ``step_ms`` (the step ends when its last rank does)."""
+    return [max(r["step_ms"] for r in ranks) for ranks in steps]
+
+
+def _mean_of(steps, key: str) -> list[float]:
+    """Per step, the mean over ranks of ``key``."""
+    return [statistics.fmean(r[key] for r in ranks) for ranks in steps]
+
+
+def _step_time_fields(step_off: list[float], step_on: list[float]) -> dict:
+    """``step_ms_{off,on}`` (median, min, max of the slowest rank) and ``speedup`` = off / on."""
+    return {
+        "step_ms_off": _median(step_off),
+        "step_ms_off_min": min(step_off),
+        "step_ms_off_max": max(step_off),
+        "step_ms_on": _median(step_on),
+        "step_ms_on_min": min(step_on),
+        "step_ms_on_max": max(step_on),
+        "speedup": _speedup(step_off, step_on),
+    }
+
+
+def _speedup(step_off: list[float], step_on: list[float]) -> float:
+    """Median off step over median on step (> 1: DBO on is faster)."""
+    return _median(step_off) / max(_median(step_on), 1e-9)
+
+
+def _overlap_fields(off, on, step_off: list[float], step_on: list[float]) -> dict:
+    """Compute / communication split of the off steps, exposed communication and overlap ratio
+    per arm, and the speedup a perfect overlap would give (``ideal_speedup`` =
+    (compute + comm) / max(compute, comm)) with the fraction of it reached."""
+    compute_ms, comm_ms = _median(_mean_of(off, "compute_ms")), _median(_mean_of(off, "comm_ms"))
     ideal_speedup = (compute_ms + comm_ms) / max(compute_ms, comm_ms, 1e-9)
-    speedup = _median(step_off) / max(_median(step_on), 1e-9)
+    return {
+        "compute_ms": compute_ms,
+        "comm_ms": comm_ms,
+        "exposed_comm_ms_off": _median(_mean_of(off, "exposed_comm_ms")),
+        "exposed_comm_ms_on": _median(_mean_of(on, "exposed_comm_ms")),
+        "overlap_ratio": _median(_mean_of(on, "overlap_ratio")),
+        "overlap_ratio_off": _median(_mean_of(off, "overlap_ratio")),
+        "ideal_speedup": ideal_speedup,
+        "fraction_of_ideal_speedup": _speedup(step_off, step_on) / ideal_speedup,
+    }
+
+
+def _overhead_fields(aligned, on, span_cost_ns: float) -> dict:
+    """``baton_pass_us_median`` of the on steps that passed the baton and
+    ``timeline_overhead_pct``: the median share of a step spent recording its spans."""
     batons = [r["baton_pass_us_median"] for ranks in on for r in ranks if r["num_baton_passes"]]
     overhead = [
         100 * r["num_spans"] * span_cost_ns / 1e6 / r["step_ms"]
@@ -60,34 +116,7 @@ def make_record(
         for r in ranks
         if r["step_ms"] > 0
     ]
-    return {
-        "batch": spec.label,
-        "batch_kind": spec.kind,
-        "num_tokens_per_rank": spec.num_tokens_per_rank,
-        "step_ms_off": _median(step_off),
-        "step_ms_off_min": min(step_off),
-        "step_ms_off_max": max(step_off),
-        "step_ms_on": _median(step_on),
-        "step_ms_on_min": min(step_on),
-        "step_ms_on_max": max(step_on),
-        "speedup": speedup,
-        "compute_ms": compute_ms,
-        "comm_ms": comm_ms,
-        "exposed_comm_ms_off": _median(mean_of(off, "exposed_comm_ms")),
-        "exposed_comm_ms_on": _median(mean_of(on, "exposed_comm_ms")),
-        "overlap_ratio": _median(mean_of(on, "overlap_ratio")),
-        "overlap_ratio_off": _median(mean_of(off, "overlap_ratio")),
-        "ideal_speedup": ideal_speedup,
-        "fraction_of_ideal_speedup": speedup / ideal_speedup,
-        **_engaged_fields(on),
-        "baton_pass_us_median": _median(batons),
-        "timeline_overhead_pct": _median(overhead),
-        "reps": len(on),
-        **adaptive_fields(
-            per_arm("adaptive"), per_arm("adaptive", exploring=True), off, on, step_off, step_on
-        ),
-        **{k: v for k, v in meta.items() if k != "reps"},
-    }
+    return {"baton_pass_us_median": _median(batons), "timeline_overhead_pct": _median(overhead)}
 
 
 def _engaged_fields(on) -> dict:
@@ -121,7 +150,7 @@ def adaptive_fields(measured, exploring, off, on, step_off, step_on) -> dict:
     the arm."""
     if not measured and not exploring:
         return {}
-    step_ms = [max(r["step_ms"] for r in ranks) for ranks in measured]
+    step_ms = _slowest(measured)
     ubatched = {ranks[0]["is_ubatched"] for ranks in measured}
     choice = "mixed" if len(ubatched) > 1 else ("on" if ubatched == {True} else "off")
     best = min(_median(step_off), _median(step_on))
@@ -136,9 +165,7 @@ def adaptive_fields(measured, exploring, off, on, step_off, step_on) -> dict:
         "adaptive_vs_best_paired": _paired_ratio(measured, on if best_arm == "on" else off),
         "adaptive_reps": len(measured),
         "adaptive_exploration_steps": len(exploring),
-        "step_ms_adaptive_exploring": _median(
-            [max(r["step_ms"] for r in ranks) for ranks in exploring]
-        ),
+        "step_ms_adaptive_exploring": _median(_slowest(exploring)),
     }
 
 
