@@ -100,6 +100,38 @@ class EngineArgs:
     platform_notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        for flag, value, minimum in (
+            ("--max-num-seqs", self.max_num_seqs, 1),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
+            ("--block-size", self.block_size, 1),
+            ("--data-parallel-size", self.data_parallel_size, 1),
+        ):
+            if value < minimum:
+                raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        self._check_dbo_settings()
+        self._check_optional_limits()
+        from launch.engine.request import check_seed
+
+        check_seed(self.seed, "--seed")
+        if self.enable_dbo and self.data_parallel_size < 2:
+            raise ValueError(
+                "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
+                f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
+            )
+        self.link_spec()  # raises ValueError on a malformed --emulate-link
+        self.adaptive_prior()  # raises ValueError on an unreadable --dbo-adaptive-prior
+        self.graph_capture_sizes()  # raises ValueError on bad capture sizes
+        if self.enable_dbo and not self.enable_expert_parallel:
+            raise ValueError(
+                "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
+                "no all-to-all to overlap"
+            )
+        self._apply_platform()
+
+    def _check_choices(self) -> None:
+        """``--dtype``, ``--custom-ops``, ``--all2all-backend`` (its default resolved here) and
+        ``--load-balance-method`` against what is accepted (ValueError naming the value)."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {DTYPES}")
         from moe.platforms.custom_op import parse_custom_ops
@@ -118,15 +150,10 @@ class EngineArgs:
                 f"--load-balance-method {self.load_balance_method!r} is not one of "
                 f"{LOAD_BALANCE_METHODS}"
             )
-        for flag, value, minimum in (
-            ("--max-num-seqs", self.max_num_seqs, 1),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
-            ("--block-size", self.block_size, 1),
-            ("--data-parallel-size", self.data_parallel_size, 1),
-        ):
-            if value < minimum:
-                raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-        self._check_dbo_settings()
+
+    def _check_optional_limits(self) -> None:
+        """The KV cache overrides, ``--max-model-len`` (each >= 1 when given) and
+        ``--distributed-timeout`` (finite, in (0, a day]); ValueError naming the value."""
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -145,23 +172,6 @@ class EngineArgs:
                 f"--distributed-timeout must be in (0, {MAX_DISTRIBUTED_TIMEOUT_S:g}] s, "
                 f"got {self.distributed_timeout_s}"
             )
-        from launch.engine.request import check_seed
-
-        check_seed(self.seed, "--seed")
-        if self.enable_dbo and self.data_parallel_size < 2:
-            raise ValueError(
-                "--enable-dbo needs --data-parallel-size >= 2 (DBO overlaps the expert all-to-all "
-                f"between DP ranks), got --data-parallel-size {self.data_parallel_size}"
-            )
-        self.link_spec()  # raises ValueError on a malformed --emulate-link
-        self.adaptive_prior()  # raises ValueError on an unreadable --dbo-adaptive-prior
-        self.graph_capture_sizes()  # raises ValueError on bad capture sizes
-        if self.enable_dbo and not self.enable_expert_parallel:
-            raise ValueError(
-                "--enable-dbo needs --enable-expert-parallel: without expert parallelism there is "
-                "no all-to-all to overlap"
-            )
-        self._apply_platform()
 
     def _check_dbo_settings(self) -> None:
         """The DBO thresholds and ``--ubatch-size`` (ValueError naming the value and the range)."""
@@ -381,12 +391,9 @@ def _add_cache_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
     )
 
 
-def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
-    """DP, EP, DBO, the expert all-to-all and the distributed timeout."""
+def _add_dbo_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
+    """The DBO thresholds (an integer or 'auto'), the adaptive policy's prior, ``--ubatch-size``."""
     add = group.add_argument
-    add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
-    add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
-    add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
     add(
         "--dbo-decode-token-threshold",
         type=dbo_threshold,
@@ -418,6 +425,15 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         f"{MAX_UBATCH_SIZE} (vLLM's name; a count of ubatches, not tokens; default "
         f"{DEFAULT_UBATCH_SIZE}); fewer for a step too small to give every ubatch a token",
     )
+
+
+def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
+    """DP, EP, DBO, the expert all-to-all and the distributed timeout."""
+    add = group.add_argument
+    add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
+    add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
+    add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
+    _add_dbo_args(group, d)  # listed right after --enable-dbo
     add(
         "--all2all-backend",
         default=None,
