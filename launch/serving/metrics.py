@@ -17,46 +17,66 @@ class ServerMetrics:
 
     def __init__(self, *, dp_size: int) -> None:
         self.registry = CollectorRegistry()
+        # registration order is the order /metrics lists them in
+        self._add_request_metrics()
+        self._add_rank_metrics()
+        self._add_step_metrics()
+        for dp_rank in range(dp_size):
+            self.update_rank(dp_rank, num_running=0, num_waiting=0, num_preemptions=0)
+        self._num_steps = 0
+        self._num_ubatched = 0
 
-        def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
 
-        def gauge(name: str, doc: str, *labels: str) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
 
-        self.requests_received = counter(
+    def _add_request_metrics(self) -> None:
+        """Requests through the front end and their tokens."""
+        self.requests_received = self._counter(
             "requests_received", "Requests accepted by the HTTP front end"
         )
-        self.requests_routed = counter(
+        self.requests_routed = self._counter(
             "requests_routed", "Requests sent to each DP rank by the DP load balancer", "dp_rank"
         )
-        self.requests_rejected = counter(
+        self.requests_rejected = self._counter(
             "requests_rejected", "Requests answered with a 4xx/503 error"
         )
-        self.requests_finished = counter(
+        self.requests_finished = self._counter(
             "requests_finished",
             "Requests ended, by finish reason (stop, length, abort, error)",
             "finish_reason",
         )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated")
-        self.num_requests_running = gauge(
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated")
+
+    def _add_rank_metrics(self) -> None:
+        """Per-DP-rank queues and KV cache use (label ``dp_rank``)."""
+        self.num_requests_running = self._gauge(
             "num_requests_running", "Running requests per DP rank", "dp_rank"
         )
-        self.num_requests_waiting = gauge(
+        self.num_requests_waiting = self._gauge(
             "num_requests_waiting", "Waiting requests per DP rank", "dp_rank"
         )
-        self.num_preemptions = gauge("num_preemptions", "Preemptions so far per DP rank", "dp_rank")
-        self.kv_cache_usage = gauge(
+        self.num_preemptions = self._gauge(
+            "num_preemptions", "Preemptions so far per DP rank", "dp_rank"
+        )
+        self.kv_cache_usage = self._gauge(
             "kv_cache_usage_perc",
             "Fraction of KV cache blocks in use per DP rank (1 = full), as vLLM's",
             "dp_rank",
         )
-        self.engine_steps = counter(
+
+    def _add_step_metrics(self) -> None:
+        """Engine steps, how many DBO microbatched, and the adaptive DBO policy's state."""
+        self.engine_steps = self._counter(
             "engine_steps", "Lockstep engine steps in which some rank had work"
         )
-        self.ubatched_steps = counter("engine_ubatched_steps", "Engine steps microbatched by DBO")
-        self.ubatched_step_fraction = gauge(
+        self.ubatched_steps = self._counter(
+            "engine_ubatched_steps", "Engine steps microbatched by DBO"
+        )
+        self.ubatched_step_fraction = self._gauge(
             "engine_ubatched_step_fraction", "Fraction of engine steps microbatched by DBO"
         )
         self.step_time = Histogram(
@@ -65,20 +85,16 @@ class ServerMetrics:
             buckets=STEP_TIME_BUCKETS,
             registry=self.registry,
         )
-        self.dbo_crossover_tokens = gauge(
+        self.dbo_crossover_tokens = self._gauge(
             "adaptive_crossover_tokens",
             "Tokens per rank from which adaptive DBO found microbatching to pay, per batch kind "
             "with --dbo-*-token-threshold auto (+Inf: never so far, NaN: not yet measured)",
             "kind",
         )
-        self.dbo_exploration_steps = gauge(
+        self.dbo_exploration_steps = self._gauge(
             "adaptive_exploration_steps",
             "Engine steps the adaptive DBO policy spent exploring (rank 0)",
         )
-        for dp_rank in range(dp_size):
-            self.update_rank(dp_rank, num_running=0, num_waiting=0, num_preemptions=0)
-        self._num_steps = 0
-        self._num_ubatched = 0
 
     def update_rank(
         self,
