@@ -34,14 +34,31 @@ def _token_content(value) -> str | None:
 
 
 def _compile(source: str):
-    import jinja2
+    """``source`` compiled in the environment transformers renders chat templates in
+    (``_compile_jinja_template`` in ``transformers/utils/chat_template_utils.py``).
+
+    Raises:
+        jinja2.TemplateError: ``source`` is not a valid jinja2 template.
+    """
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class GenerationTag(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}`` renders its body (transformers tracks the
-        span for assistant masks; rendering is the same)."""
+    extensions = [_generation_tag_extension(), jinja2.ext.loopcontrols]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _template_namespace_class()
+    return env.from_string(source)
 
+
+def _generation_tag_extension():
+    """The jinja2 extension of ``{% generation %}...{% endgeneration %}``: it renders its body
+    (transformers tracks the span for assistant masks; rendering is the same)."""
+    import jinja2.ext
+
+    class GenerationTag(jinja2.ext.Extension):
         tags = {"generation"}
 
         def parse(self, parser):
@@ -53,6 +70,14 @@ def _compile(source: str):
 
         def _render(self, caller):
             return caller()
+
+    return GenerationTag
+
+
+def _template_namespace_class():
+    """jinja2's ``namespace`` refusing underscore-prefixed attributes (SecurityError), as
+    transformers restricts it."""
+    import jinja2
 
     class TemplateNamespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):  # jinja's signature trick, so namespace(self=...) works
@@ -73,30 +98,31 @@ def _compile(source: str):
                     f"chat templates cannot set underscore-prefixed attributes, got {name!r}"
                 )
 
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
+    return TemplateNamespace
 
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+class _TemplateDict:
+    """The templates' ``dict``: calling it and ``dict.fromkeys`` only."""
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message):
+    """The templates' ``raise_exception``: a TemplateError with ``message``."""
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """The templates' ``tojson`` filter: ``json.dumps`` without jinja's HTML escaping."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(source)
 
 
 class ChatTemplate:
