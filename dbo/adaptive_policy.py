@@ -151,10 +151,6 @@ class AdaptiveDBOPolicy:
         self.num_exploration_steps = 0
         self.prior = prior
 
-    def set_prior(self, prior: Callable[[Bucket], float | None] | None) -> None:
-        """Use ``prior`` for the buckets not seen yet (None: no prior)."""
-        self.prior = prior
-
     def _state(self, bucket: Bucket) -> _BucketState:
         state = self._buckets.get(bucket)
         if state is None:

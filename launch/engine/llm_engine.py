@@ -171,25 +171,13 @@ class LLMEngine:
             self.start_timeline()
         platform = current_platform()
         dtype = self._compute_dtype(platform)
-        config = model.config
-        backend = _make_all2all_backend(engine_args, groups, config)
-        self.all2all_backend = backend
-        # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
-        load_general_plugins()
-        set_custom_ops(engine_args.custom_ops)
-        self.model = build_model(
-            config,
-            ep_rank=groups.ep_rank,
-            ep_size=groups.ep_size,
-            all2all_backend=backend,
-            dtype=dtype,
-        )
-        block_size = engine_args.block_size
-        self.max_num_blocks_per_req = math.ceil(model.max_model_len / block_size)
+        self.all2all_backend = _make_all2all_backend(engine_args, groups, model.config)
+        self.model = self._build_model(model.config, dtype)
+        self.max_num_blocks_per_req = math.ceil(model.max_model_len / engine_args.block_size)
         # before the checkpoint load: a budget too small for one request fails in seconds
         self.kv_cache_sizing = size_kv_cache(
             bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
-            block_size=block_size,
+            block_size=engine_args.block_size,
             max_model_len=model.max_model_len,
             max_num_seqs=engine_args.max_num_seqs,
             num_gpu_blocks_override=engine_args.num_gpu_blocks_override,
@@ -206,26 +194,44 @@ class LLMEngine:
             max_num_seqs=engine_args.max_num_seqs,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
             max_model_len=model.max_model_len,
-            eos_token_ids=config.eos_token_ids,
+            eos_token_ids=model.config.eos_token_ids,
         )
+        self.model_runner = self._build_model_runner(platform)
+        freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
+
+    def _build_model(self, config: MoEModelConfig, dtype):
+        """The model of ``config`` in ``dtype`` with this rank's experts, over the all-to-all
+        backend (weights not loaded yet)."""
+        # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
+        load_general_plugins()
+        set_custom_ops(self.args.custom_ops)
+        return build_model(
+            config,
+            ep_rank=self.groups.ep_rank,
+            ep_size=self.groups.ep_size,
+            all2all_backend=self.all2all_backend,
+            dtype=dtype,
+        )
+
+    def _build_model_runner(self, platform) -> ModelRunner:
+        """The platform's kernels prepared, graph mode built (``self.graph_stats``) and the
+        model runner over the (compiled or eager) model."""
         # the platform's kernels (ours on a CPU: built on a machine's first start for its ISA,
         # then loaded from torch's cache), before the first step
         kernels = platform.prepare_kernels()
         if kernels is not None:
             self._log(kernels)
-        # graph mode (default; --enforce-eager turns it off): compiled pieces per padding bucket
+        # graph mode (when EngineArgs.graph_capture_sizes has buckets): compiled pieces per bucket
         runner_model, self.graph_stats = build_graph_mode(
-            self.model, engine_args, show_progress=groups.rank == 0
+            self.model, self.args, show_progress=self.groups.rank == 0
         )
-        self.model_runner = ModelRunner(
+        return ModelRunner(
             model=runner_model,
             kv_cache_manager=self.kv_cache_manager,
-            engine_args=engine_args,
-            groups=groups,
+            engine_args=self.args,
+            groups=self.groups,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
         )
-        self.model_runner.adaptive_policy.set_prior(engine_args.adaptive_prior())
-        freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
 
     def _log(self, line: str) -> None:
         """One start-up line on stderr, from rank 0 only."""

@@ -109,7 +109,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # Learns per batch shape whether microbatching pays; used for the kinds whose threshold is
         # "auto". Kept across set_dbo() calls, so the benchmark can interleave it with static arms.
-        self.adaptive_policy = AdaptiveDBOPolicy()
+        self.adaptive_policy = AdaptiveDBOPolicy(prior=engine_args.adaptive_prior())
         self.clock_ns = time.perf_counter_ns  # step timer of the adaptive policy (tests fake it)
         self._prev_step_us = 0  # this rank's time of its previous step, sent in the next vote
 
