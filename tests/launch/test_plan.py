@@ -357,3 +357,14 @@ def test_curve_interpolates_and_scales_beyond():
     assert 0 < below < 1.0
     a, b = curve.fallback.intercept, curve.fallback.slope["decode"]
     assert below == pytest.approx((a + 32 * b) / (a + 64 * b))
+
+
+def test_engine_starts_its_adaptive_policy_from_the_prior(tmp_path):
+    from tests.helpers.single_rank import single_rank_engine
+
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps({"decode": {"6": 1.5}, "prefill": {}}))
+    engine = single_rank_engine(None, dbo_adaptive_prior=str(path))
+    prior = engine.model_runner.adaptive_policy.prior
+    assert prior(Bucket(kind="decode", log2_tokens=6)) == 1.5
+    assert prior(Bucket(kind="prefill", log2_tokens=6)) is None
