@@ -444,31 +444,66 @@ def batched_mla_attention(
         data_device=q_nope.device,
     )
     for chunk in chunks:
-        num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
-        kv_c = rows[..., :kv_lora_rank]
         qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
         qp = _gather_rows(q_pe, chunk).transpose(1, 2)  # [R, H, Q, rope]
         mask = chunk.attn_mask[:, None]  # [R, 1, Q, S]
-        if q_len <= absorb_max_query_len:
-            q_lat = qn @ w_uk  # [R, H, Q, r]
-            k = rows[:, None].expand(num_reqs, num_heads, s_len, rows.shape[-1])
-            v = kv_c[:, None].expand(num_reqs, num_heads, s_len, kv_lora_rank)
-            o_lat = F.scaled_dot_product_attention(
-                torch.cat((q_lat, qp), dim=-1), k, v, attn_mask=mask, scale=scale
-            )
-            o = o_lat @ w_uv.transpose(1, 2)  # [R, H, Q, v]
+        if chunk.max_query_len <= absorb_max_query_len:
+            o = _mla_absorbed(qn, qp, rows, mask, w_uk, w_uv, scale=scale)
         else:
-            kv = (kv_c @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
-            k_nope, v = kv.split([nope, v_dim], dim=-1)
-            k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
-            k = torch.cat((k_nope, k_pe), dim=-1)
-            o = F.scaled_dot_product_attention(
-                torch.cat((qn, qp), dim=-1),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask,
-                scale=scale,
-            )
+            o = _mla_expanded(qn, qp, rows, mask, w_kv, v_dim=v_dim, scale=scale)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out[:num_tokens]
+
+
+def _mla_absorbed(
+    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_uk: Tensor, w_uv: Tensor, *, scale: float
+) -> Tensor:
+    """One chunk's MLA with ``W_UK`` absorbed into the query and ``W_UV`` applied after: attention
+    over the latents themselves (keys ``[c_kv, k_pe]``, values ``c_kv``), as the reference's decode.
+
+    Args:
+        qn: [R, H, Q, nope]; qp: [R, H, Q, rope]; rows: [R, S, kv_lora_rank + rope] latents;
+        mask: [R, 1, Q, S]; w_uk: [H, nope, kv_lora_rank]; w_uv: [H, v, kv_lora_rank].
+
+    Returns:
+        [R, H, Q, v].
+    """
+    num_reqs, num_heads, _, _ = qn.shape
+    s_len, kv_lora_rank = rows.shape[1], w_uk.shape[-1]
+    q_lat = qn @ w_uk  # [R, H, Q, r]
+    k = rows[:, None].expand(num_reqs, num_heads, s_len, rows.shape[-1])
+    v = rows[..., :kv_lora_rank][:, None].expand(num_reqs, num_heads, s_len, kv_lora_rank)
+    o_lat = F.scaled_dot_product_attention(
+        torch.cat((q_lat, qp), dim=-1), k, v, attn_mask=mask, scale=scale
+    )
+    return o_lat @ w_uv.transpose(1, 2)  # [R, H, Q, v]
+
+
+def _mla_expanded(
+    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_kv: Tensor, *, v_dim: int, scale: float
+) -> Tensor:
+    """One chunk's MLA with the latents expanded to per-head K and V through ``kv_b_proj``, as
+    the reference's prefill.
+
+    Args:
+        qn: [R, H, Q, nope]; qp: [R, H, Q, rope]; rows: [R, S, kv_lora_rank + rope] latents;
+        mask: [R, 1, Q, S]; w_kv: [H, nope + v, kv_lora_rank].
+
+    Returns:
+        [R, H, Q, v].
+    """
+    num_reqs, num_heads, _, nope = qn.shape
+    s_len, kv_lora_rank = rows.shape[1], w_kv.shape[-1]
+    kv_c = rows[..., :kv_lora_rank]
+    kv = (kv_c @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
+    k_nope, v = kv.split([nope, v_dim], dim=-1)
+    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
+    k = torch.cat((k_nope, k_pe), dim=-1)
+    return F.scaled_dot_product_attention(
+        torch.cat((qn, qp), dim=-1),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+    )
