@@ -84,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=__doc__.splitlines()[0], conflict_handler="resolve"
     )
     add = parser.add_argument
-    add("--batches", default="decode:16,decode:64,prefill:256,prefill:1024",
-        help="batch shapes: decode:T / prefill:T, T = tokens per rank per step")  # fmt: skip
+    add(
+        "--batches",
+        default="decode:16,decode:64,prefill:256,prefill:1024",
+        help="batch shapes: decode:T / prefill:T, T = tokens per rank per step",
+    )
     add("--warmup", type=int, default=2, help="unmeasured steps per mode and shape")
     add("--reps", type=int, default=5, help="measured steps per mode and shape")
     add("--arms", default=",".join(ARMS), help="interleaved arms: off,on[,adaptive]")
@@ -97,9 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-layers", type=int, default=None, help="override the number of decoder layers")
     add("--num-threads", type=int, default=None, help="torch intra-op threads per rank")
     add_engine_args(parser)
-    add("--ubatch-size", "--num-ubatches", dest="ubatch_sizes", type=int, nargs="+",
-        default=[DEFAULT_UBATCH_SIZE], metavar="N",
-        help="ubatch counts of the on arm to compare, e.g. 2 3 4 (one on arm each, interleaved)")  # fmt: skip
+    add(
+        "--ubatch-size",
+        "--num-ubatches",
+        dest="ubatch_sizes",
+        type=int,
+        nargs="+",
+        default=[DEFAULT_UBATCH_SIZE],
+        metavar="N",
+        help="ubatch counts of the on arm to compare, e.g. 2 3 4 (one on arm each, interleaved)",
+    )
     return parser
 
 

@@ -105,13 +105,20 @@ def _body(request: RandomRequest, model: str | None, tokenizer) -> dict:
     message is the ids' text, as vLLM's random dataset does for chat."""
     common = {"temperature": 0, "ignore_eos": True, "stream": True}
     if tokenizer is None:
-        body = {"prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-                "return_token_ids": True, **common}  # fmt: skip
+        body = {
+            "prompt": request.prompt_token_ids,
+            "max_tokens": request.output_len,
+            "return_token_ids": True,
+            **common,
+        }
     else:
         text = tokenizer.decode(request.prompt_token_ids)
-        body = {"messages": [{"role": "user", "content": text}],
-                "max_completion_tokens": request.output_len,
-                "stream_options": {"include_usage": True}, **common}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": text}],
+            "max_completion_tokens": request.output_len,
+            "stream_options": {"include_usage": True},
+            **common,
+        }
     return body if model is None else {**body, "model": model}
 
 
@@ -220,30 +227,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=None, help="bench this running server (loopback) only")
     p.add_argument("--host", default=None, help="with --port: the server at http://HOST:PORT")
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--backend", default="vllm", choices=("vllm", "openai", "openai-chat"),
-                   help="openai-chat: chat completions (needs --tokenizer)")  # fmt: skip
-    p.add_argument("--endpoint", default=None,
-                   help="/v1/completions, or /v1/chat/completions with openai-chat")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        default="vllm",
+        choices=("vllm", "openai", "openai-chat"),
+        help="openai-chat: chat completions (needs --tokenizer)",
+    )
+    p.add_argument(
+        "--endpoint", default=None, help="/v1/completions, or /v1/chat/completions with openai-chat"
+    )
     p.add_argument("--model", default=None, help="model name sent with each request")
-    p.add_argument("--tokenizer", default=None,
-                   help="checkpoint dir whose tokenizer.json turns prompts into chat text "
-                   "(default: --model)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="checkpoint dir whose tokenizer.json turns prompts into chat text (default: --model)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="DP ranks of the launched servers")
     p.add_argument("--server-args", default="", help="extra flags for the launched servers")
     p.add_argument("--dataset-name", default="random", choices=("random",))
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=32,
-                   help="prompt tokens per request")  # fmt: skip
-    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32,
-                   help="generated tokens per request (ignore_eos)")  # fmt: skip
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)")  # fmt: skip
+    p.add_argument(
+        "--random-input-len",
+        "--input-len",
+        dest="input_len",
+        type=int,
+        default=32,
+        help="prompt tokens per request",
+    )
+    p.add_argument(
+        "--random-output-len",
+        "--output-len",
+        dest="output_len",
+        type=int,
+        default=32,
+        help="generated tokens per request (ignore_eos)",
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)",
+    )
     p.add_argument("--random-prefix-len", type=int, default=0, help="shared prefix tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: burst)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
-                   help=f"comma-separated, of {','.join(METRIC_HEADERS)}")  # fmt: skip
+    p.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help=f"comma-separated, of {','.join(METRIC_HEADERS)}",
+    )
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     p.add_argument("--ignore-eos", action="store_true", help="accepted for vLLM; always on")
     p.add_argument("--seed", type=int, default=0)
@@ -252,9 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """Raise ValueError naming the first bad flag; the parsed metric lists."""
-    for flag, value in (("--num-prompts", ns.num_prompts), ("--random-input-len", ns.input_len),
-                        ("--random-output-len", ns.output_len), ("--nproc", ns.nproc),
-                        ("--max-concurrency", ns.max_concurrency or 1)):  # fmt: skip
+    for flag, value in (
+        ("--num-prompts", ns.num_prompts),
+        ("--random-input-len", ns.input_len),
+        ("--random-output-len", ns.output_len),
+        ("--nproc", ns.nproc),
+        ("--max-concurrency", ns.max_concurrency or 1),
+    ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if ns.random_prefix_len < 0:
@@ -303,10 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         metrics, percentiles = _check(ns)
         requests = random_requests(
-            num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
-            range_ratio=ns.random_range_ratio, prefix_len=ns.random_prefix_len,
-            vocab_low=3, vocab_high=100, seed=ns.seed,
-        )  # fmt: skip
+            num_prompts=ns.num_prompts,
+            input_len=ns.input_len,
+            output_len=ns.output_len,
+            range_ratio=ns.random_range_ratio,
+            prefix_len=ns.random_prefix_len,
+            vocab_low=3,
+            vocab_high=100,
+            seed=ns.seed,
+        )
         tokenizer = _chat_tokenizer(ns)
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -96,11 +96,16 @@ def main(argv: list[str] | None = None) -> int:
 
         model = resolve_model(args)
         requests = sample_requests(
-            dataset_name=ns.dataset_name, dataset_path=ns.dataset_path,
-            num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
-            range_ratio=ns.random_range_ratio, seed=ns.seed,
-            vocab_size=model.config.vocab_size, load_prompts=load_prompts,
-        )  # fmt: skip
+            dataset_name=ns.dataset_name,
+            dataset_path=ns.dataset_path,
+            num_prompts=ns.num_prompts,
+            input_len=ns.input_len,
+            output_len=ns.output_len,
+            range_ratio=ns.random_range_ratio,
+            seed=ns.seed,
+            vocab_size=model.config.vocab_size,
+            load_prompts=load_prompts,
+        )
         check_prompts(
             [r.prompt_token_ids for r in requests],
             vocab_size=model.config.vocab_size,

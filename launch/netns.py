@@ -53,6 +53,11 @@ c.close()
 """
 
 
+def _netns_exec(ns: str) -> list[str]:
+    """The prefix that runs a command inside network namespace ``ns``."""
+    return ["ip", "netns", "exec", ns]
+
+
 class Namespaces:
     """The namespaces, veth pairs, bridge and tbf qdiscs of one run; ``close()`` removes them."""
 
@@ -74,12 +79,15 @@ class Namespaces:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
 
     def _ns(self, ns: str, *cmd: str) -> None:
-        self._run("ip", "netns", "exec", ns, *cmd)
+        self._run(*_netns_exec(ns), *cmd)
+
+    def _python(self, node: int, script: str, *args: str) -> list[str]:
+        """The command running ``script`` with ``args`` in node ``node``'s namespace."""
+        return [*_netns_exec(self.node_ns[node]), sys.executable, "-c", script, *args]
 
     def _shape(self, ns: str, dev: str) -> None:
-        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                 "rate", f"{self.rate_mbit}mbit", "burst", str(self.burst_bytes),
-                 "latency", f"{self.queue_ms}ms")  # fmt: skip
+        tbf = f"rate {self.rate_mbit}mbit burst {self.burst_bytes} latency {self.queue_ms}ms"
+        self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *tbf.split())
 
     def create(self) -> None:
         for ns in (self.bridge_ns, *self.node_ns):
@@ -90,8 +98,8 @@ class Namespaces:
         self._ns(self.bridge_ns, "ip", "link", "set", "br0", "up")
         for i, ns in enumerate(self.node_ns):
             port = f"p{i}"
-            self._run("ip", "link", "add", "eth0", "netns", ns, "type", "veth",
-                      "peer", "name", port, "netns", self.bridge_ns)  # fmt: skip
+            veth = f"link add eth0 netns {ns} type veth peer name {port} netns {self.bridge_ns}"
+            self._run("ip", *veth.split())
             self._ns(self.bridge_ns, "ip", "link", "set", port, "master", "br0")
             self._ns(self.bridge_ns, "ip", "link", "set", port, "up")
             self._ns(ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -109,16 +117,16 @@ class Namespaces:
         """Achieved TCP throughput from node ``src`` to node ``dst`` in Mbit/s."""
         host = self.address(dst)
         server = subprocess.Popen(
-            ["ip", "netns", "exec", self.node_ns[dst], sys.executable, "-c", _PROBE_SERVER,
-             host, str(PROBE_PORT)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            self._python(dst, _PROBE_SERVER, host, str(PROBE_PORT)),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             subprocess.run(
-                ["ip", "netns", "exec", self.node_ns[src], sys.executable, "-c", _PROBE_CLIENT,
-                 host, str(PROBE_PORT), str(seconds)],
-                check=True, timeout=60,
-            )  # fmt: skip
+                self._python(src, _PROBE_CLIENT, host, str(PROBE_PORT), str(seconds)),
+                check=True,
+                timeout=60,
+            )
             out, _ = server.communicate(timeout=60)  # blocking wait (timeout 60 s)
             return float(out.strip())
         finally:
@@ -128,13 +136,13 @@ class Namespaces:
 
 def torchrun_commands(ns: Namespaces, nnodes: int, port: int, args: list[str]) -> list[list[str]]:
     """One ``ip netns exec <node ns> torchrun …`` command per node."""
+    env = ["env", "GLOO_SOCKET_IFNAME=eth0", "TP_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}"]
+    rendezvous = f"--nproc-per-node=1 --master-addr={ns.address(0)} --master-port={port}".split()
     return [
-        ["ip", "netns", "exec", node_ns, "env", "GLOO_SOCKET_IFNAME=eth0",
-         "TP_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", sys.executable, "-m",
-         "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={i}",
-         "--nproc-per-node=1", f"--master-addr={ns.address(0)}", f"--master-port={port}", *args]
+        [*_netns_exec(node_ns), *env, *torchrun, f"--node-rank={i}", *rendezvous, *args]
         for i, node_ns in enumerate(ns.node_ns)
-    ]  # fmt: skip
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,8 +183,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def _host_error() -> str | None:
     """Why this host cannot build the namespaces (not root, no iproute2), or None."""
     if os.geteuid() != 0:
-        return ("needs root (CAP_NET_ADMIN) to create network namespaces, veth pairs and tc "
-                "qdiscs; run it with sudo")  # fmt: skip
+        return (
+            "needs root (CAP_NET_ADMIN) to create network namespaces, veth pairs and tc "
+            "qdiscs; run it with sudo"
+        )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     return f"iproute2 tools not found: {missing}" if missing else None
 
@@ -188,9 +198,12 @@ def _run_job(net: Namespaces, ns_args: argparse.Namespace, burst: int, job: list
     try:
         net.create()
         achieved = net.measure_mbit(0, 1)
-        print(f"launch.netns: {ns_args.nnodes} namespaces, tbf {ns_args.rate_mbit:g} Mbit/s per "
-              f"direction (burst {burst} B); measured TCP node0->node1: {achieved:.1f} Mbit/s "
-              f"({achieved / ns_args.rate_mbit:.0%} of the rate)", flush=True)  # fmt: skip
+        print(
+            f"launch.netns: {ns_args.nnodes} namespaces, tbf {ns_args.rate_mbit:g} Mbit/s per "
+            f"direction (burst {burst} B); measured TCP node0->node1: {achieved:.1f} Mbit/s "
+            f"({achieved / ns_args.rate_mbit:.0%} of the rate)",
+            flush=True,
+        )
         commands = torchrun_commands(net, ns_args.nnodes, ns_args.master_port, job)
         procs = [subprocess.Popen(cmd) for cmd in commands]
         status = 0
@@ -218,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     if "launch.bench" in job and "--network" not in job:
         job += ["--network", "netns"]
     burst = ns_args.burst_bytes or max(16 * 1024, int(ns_args.rate_mbit * 1e6 / 8 / 1000))
-    net = Namespaces(nnodes=ns_args.nnodes, rate_mbit=ns_args.rate_mbit, burst_bytes=burst,
-                     queue_ms=ns_args.queue_ms)  # fmt: skip
+    net = Namespaces(
+        nnodes=ns_args.nnodes,
+        rate_mbit=ns_args.rate_mbit,
+        burst_bytes=burst,
+        queue_ms=ns_args.queue_ms,
+    )
 
     def on_signal(signum, _frame):
         raise SystemExit(128 + signum)  # unwinds into _run_job's finally

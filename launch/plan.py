@@ -34,7 +34,12 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--model", default="DeepSeek-V3", help="preset (DeepSeek-V3, Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) or a config.json path")  # fmt: skip
+    add(
+        "--model",
+        default="DeepSeek-V3",
+        help="preset (DeepSeek-V3, Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) or a "
+        "config.json path",
+    )
     add("--device", default="h100-sxm", help="h100-sxm, h800-sxm, h200 or this-machine (measured)")
     add(
         "--link",
@@ -51,14 +56,40 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp8", "bf16", "fp32"),
         help="linear layers' dtype",
     )
-    add("--decode-tokens", type=_int_list, default=[16, 32, 64, 128, 256, 512], help="decode tokens per device")  # fmt: skip
+    add(
+        "--decode-tokens",
+        type=_int_list,
+        default=[16, 32, 64, 128, 256, 512],
+        help="decode tokens per device",
+    )
     add("--context-len", type=int, default=2000, help="cached tokens per decode request")
-    add("--prefill-tokens", type=_int_list, default=[1024, 4096, 16384], help="prefill tokens per device")  # fmt: skip
+    add(
+        "--prefill-tokens",
+        type=_int_list,
+        default=[1024, 4096, 16384],
+        help="prefill tokens per device",
+    )
     add("--prompt-len", type=int, default=2000, help="tokens per prefill request")
     add("--num-ubatches", type=_int_list, default=[2, 3, 4], help="N values to compare (>= 2)")
-    add("--calibrate", metavar="TIMELINE_DIR", default=None, help="fit compute and link to a launch.bench --timeline-dir run")  # fmt: skip
-    add("--calibrate-results", default=None, help="its launch.bench --output (default TIMELINE_DIR/results.json)")  # fmt: skip
-    add("--compare", action="append", default=[], metavar="RESULTS_JSON", help="predicted vs measured for a launch.bench --output file (repeatable: the median over the files)")  # fmt: skip
+    add(
+        "--calibrate",
+        metavar="TIMELINE_DIR",
+        default=None,
+        help="fit compute and link to a launch.bench --timeline-dir run",
+    )
+    add(
+        "--calibrate-results",
+        default=None,
+        help="its launch.bench --output (default TIMELINE_DIR/results.json)",
+    )
+    add(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="predicted vs measured for a launch.bench --output file (repeatable: the median "
+        "over the files)",
+    )
     add("--png", default=None, help="draw predicted speedup against tokens per device")
     add("--write-prior", default=None, help="write the adaptive policy's prior (JSON)")
     return parser
@@ -104,9 +135,12 @@ def resolve(ns):
     name, config = load_model(ns.model)
     device = resolve_device(ns.device, ns.weight_dtype)
     model = RooflineCostModel(
-        config, device, ep_size=ns.ep_size, weight_dtype=ns.weight_dtype,
+        config,
+        device,
+        ep_size=ns.ep_size,
+        weight_dtype=ns.weight_dtype,
         workload=Workload(context_len=ns.context_len, prompt_len=ns.prompt_len),
-    )  # fmt: skip
+    )
     link = custom or deepep_link(ns.link, ns.ep_size)
     preset = PRESETS.get(name.lower())
     lines = [

@@ -222,9 +222,13 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
         if rec is not None:
             cpu_ms = (time.thread_time_ns() - cpu_start_ns) / 1e6
             rec.add_span(
-                full_name, cat=cat, start_ns=start_ns, end_ns=time.perf_counter_ns(), track=track,
+                full_name,
+                cat=cat,
+                start_ns=start_ns,
+                end_ns=time.perf_counter_ns(),
+                track=track,
                 args={"cpu_ms": cpu_ms},
-            )  # fmt: skip
+            )
 
 
 def blocking_comm_span(name: str) -> AbstractContextManager[None]:
@@ -240,9 +244,13 @@ def record_span(
     rec = _recorder
     if rec is not None and end_ns > start_ns:
         rec.add_span(
-            span_name(name), cat=cat, start_ns=start_ns, end_ns=end_ns, track=_track(kind),
+            span_name(name),
+            cat=cat,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            track=_track(kind),
             args=args,
-        )  # fmt: skip
+        )
 
 
 def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
@@ -252,9 +260,13 @@ def record_comm_span(name: str, *, start_ns: int, end_ns: int, args: dict | None
     rec = _recorder
     if rec is not None:
         rec.add_span(
-            span_name(name), cat=CAT_COMM, start_ns=start_ns, end_ns=end_ns,
-            track=_track("comm"), args=args,
-        )  # fmt: skip
+            span_name(name),
+            cat=CAT_COMM,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            track=_track("comm"),
+            args=args,
+        )
 
 
 def record_policy_span(name: str, *, start_ns: int, end_ns: int, args: dict | None = None) -> None:
@@ -272,9 +284,12 @@ def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> No
     rec = _recorder
     if rec is not None:
         rec.add_span(
-            "baton pass", cat=CAT_BATON, start_ns=handed_at_ns, end_ns=woke_at_ns,
+            "baton pass",
+            cat=CAT_BATON,
+            start_ns=handed_at_ns,
+            end_ns=woke_at_ns,
             track=track_name("compute", ubatch_id),
-        )  # fmt: skip
+        )
 
 
 @contextmanager
@@ -295,6 +310,10 @@ def timeline_step(step_index: int, **args: Any) -> Iterator[dict[str, Any]]:
     finally:
         if rec is not None:
             rec.add_span(
-                "step", cat=CAT_STEP, start_ns=start_ns, end_ns=time.perf_counter_ns(),
-                track=STEP_TRACK, args=step_args,
-            )  # fmt: skip
+                "step",
+                cat=CAT_STEP,
+                start_ns=start_ns,
+                end_ns=time.perf_counter_ns(),
+                track=STEP_TRACK,
+                args=step_args,
+            )

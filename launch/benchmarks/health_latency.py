@@ -44,7 +44,7 @@ def _engine(http, stop: threading.Event) -> None:
             http.bridge.deliver(
                 RequestOutput(
                     request_id=request.request_id, new_token_ids=(1,), finish_reason="length"
-                )  # fmt: skip
+                )
             )
 
 
@@ -83,8 +83,13 @@ def measure(num_prompts: int, prompt_bytes: int) -> dict:
     from launch.serving.metrics import ServerMetrics
 
     with tempfile.TemporaryDirectory() as directory:
-        config = ServerConfig(model_name="m", max_model_len=1 << 22, vocab_size=VOCAB_SIZE,
-                              tokenizer=_tokenizer(directory), metrics=ServerMetrics(dp_size=1))  # fmt: skip
+        config = ServerConfig(
+            model_name="m",
+            max_model_len=1 << 22,
+            vocab_size=VOCAB_SIZE,
+            tokenizer=_tokenizer(directory),
+            metrics=ServerMetrics(dp_size=1),
+        )
         http = HTTPServerThread(config, host="127.0.0.1", port=0)
         address = ("127.0.0.1", http.start())
         stop = threading.Event()
@@ -95,8 +100,10 @@ def measure(num_prompts: int, prompt_bytes: int) -> dict:
             words = " ".join(f"<{i % VOCAB_SIZE}>" for i in range(prompt_bytes // 5))
             body = json.dumps({"prompt": words[:prompt_bytes], "max_tokens": 1}).encode()
             statuses: list = []
-            workers = [threading.Thread(target=_post, args=(address, body, statuses))
-                       for _ in range(num_prompts)]  # fmt: skip
+            workers = [
+                threading.Thread(target=_post, args=(address, body, statuses))
+                for _ in range(num_prompts)
+            ]
             for w in workers:
                 w.start()
             loaded = _probe_while(address, workers)

@@ -31,16 +31,29 @@ VLLM_LINE = re.compile(r"vllm-cpu: .* \(([\d.]+) tokens/s\)")
 
 def ours_command(model, prompts, dtype, *, ranks, eager, max_tokens, out_json, out_tokens):
     cores = "0" if ranks == 1 else ",".join(str(c) for c in range(ranks))
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", "-m", "launch.bench_throughput", "--model", model,
-           "--dataset-name", "jsonl", "--dataset-path", prompts, "--num-prompts",
-           str(_num_lines(prompts)), "--output-len", str(max_tokens),
-           "--dtype", dtype, "--max-num-seqs", "256", "--output-json", out_json,
-           "--output-tokens", out_tokens,
-           "--num-gpu-blocks-override", str(_num_kv_blocks(prompts, max_tokens))]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    flags = {
+        "--model": model,
+        "--dataset-name": "jsonl",
+        "--dataset-path": prompts,
+        "--num-prompts": str(_num_lines(prompts)),
+        "--output-len": str(max_tokens),
+        "--dtype": dtype,
+        "--max-num-seqs": "256",
+        "--output-json": out_json,
+        "--output-tokens": out_tokens,
+        "--num-gpu-blocks-override": str(_num_kv_blocks(prompts, max_tokens)),
+    }
+    cmd = ["taskset", "-c", cores, *torchrun, f"--nproc-per-node={ranks}"]
+    cmd += ["-m", "launch.bench_throughput", *_flag_args(flags)]
     if ranks > 1:
         cmd += ["--data-parallel-size", str(ranks), "--enable-expert-parallel"]
     return cmd + (["--enforce-eager"] if eager else [])
+
+
+def _flag_args(flags: dict[str, str]) -> list[str]:
+    """``{"--flag": value, ...}`` as the command line's ``--flag value ...``, in order."""
+    return [arg for flag_and_value in flags.items() for arg in flag_and_value]
 
 
 def _num_lines(path: str) -> int:
@@ -59,9 +72,16 @@ def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
     out_json, out_tokens = ns.out_dir / f"{tag}.json", ns.out_dir / f"{tag}.tokens.jsonl"
     values = []
     for _ in range(ns.repeats):
-        cmd = ours_command(model, prompts, dtype, ranks=ranks, eager=eager,
-                           max_tokens=ns.max_tokens, out_json=str(out_json),
-                           out_tokens=str(out_tokens))  # fmt: skip
+        cmd = ours_command(
+            model,
+            prompts,
+            dtype,
+            ranks=ranks,
+            eager=eager,
+            max_tokens=ns.max_tokens,
+            out_json=str(out_json),
+            out_tokens=str(out_tokens),
+        )
         # graph mode is off by default on CPU: MOE_DBO_GRAPH_MODE=1 turns on the default buckets
         graph_mode = "0" if eager else "1"
         env = {
@@ -96,11 +116,20 @@ def earlier_vllm_result(ns, name: str, dtype: str, key: str, tag: str) -> dict |
 
 def run_vllm(ns, model, prompts, dtype, *, threads, compile_, tag) -> dict:
     out = ns.out_dir / f"{tag}.json"
-    cmd = ["taskset", "-c", threads.replace("-", ","), ns.vllm_python, ns.vllm_runner, "--model",
-           model, "--prompts", prompts, "--max-tokens", str(ns.max_tokens), "--threads", threads,
-           "--dtype", dtype, "--repeats", str(ns.repeats), "--output-json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd + (["--compile"] if compile_ else []), capture_output=True,
-                          text=True, timeout=3600)  # fmt: skip
+    flags = {
+        "--model": model,
+        "--prompts": prompts,
+        "--max-tokens": str(ns.max_tokens),
+        "--threads": threads,
+        "--dtype": dtype,
+        "--repeats": str(ns.repeats),
+        "--output-json": str(out),
+    }
+    cmd = ["taskset", "-c", threads.replace("-", ","), ns.vllm_python, ns.vllm_runner]
+    cmd += _flag_args(flags)
+    proc = subprocess.run(
+        cmd + (["--compile"] if compile_ else []), capture_output=True, text=True, timeout=3600
+    )
     match = VLLM_LINE.search(proc.stdout)
     if proc.returncode != 0 or not match:
         return {"error": (proc.stderr or proc.stdout)[-500:]}
@@ -160,7 +189,7 @@ def table_rows(ns) -> list[dict]:
                     threads=threads,
                     compile_=compile_,
                     tag=f"{tag}_vllm_{suffix}",
-                )  # fmt: skip
+                )
                 for key, suffix, threads, compile_ in VLLM_ARMS
             }
             r.update(vllm)
@@ -174,7 +203,7 @@ def table_rows(ns) -> list[dict]:
                         ranks=ranks,
                         eager=eager,
                         tag=f"{tag}_ours_{suffix}",
-                    )  # fmt: skip
+                    )
                     if "ours" in ns.engines
                     else {"skipped": True}
                 )

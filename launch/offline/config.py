@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from launch.engine.arg_utils import EngineArgs
 
 EXECUTOR_BACKENDS = (None, "external_launcher")
-_TYPES = {"int": (int,), "bool": (bool,), "float": (int, float), "str": (str,),
-          "None": (type(None),), "tuple[int, ...]": (tuple, list)}  # fmt: skip
+_TYPES = {
+    "int": (int,),
+    "bool": (bool,),
+    "float": (int, float),
+    "str": (str,),
+    "None": (type(None),),
+    "tuple[int, ...]": (tuple, list),
+}
 
 
 def _check_type(name: str, value, annotation: str) -> None:

@@ -108,11 +108,11 @@ def encode_prompts(
             raise missing_tokenizer_error(tokenizer_dir, "text prompts")
         return prompts
     return [
-        p if p.token_ids is not None else ParsedPrompt(
-            text=p.text, token_ids=tuple(tokenizer.encode(p.text))
-        )
+        p
+        if p.token_ids is not None
+        else ParsedPrompt(text=p.text, token_ids=tuple(tokenizer.encode(p.text)))
         for p in prompts
-    ]  # fmt: skip
+    ]
 
 
 def read_prompts(path: str, *, allow_text: bool = True) -> list[ParsedPrompt]:
@@ -124,9 +124,11 @@ def read_prompts(path: str, *, allow_text: bool = True) -> list[ParsedPrompt]:
             allowed), or an empty file.
         OSError: if the file cannot be read.
     """
-    expected = "{'prompt': str} or {'prompt_token_ids': [int, ...]}" if allow_text else (
-        "{'prompt_token_ids': [int, ...]}"
-    )  # fmt: skip
+    expected = (
+        "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
+        if allow_text
+        else "{'prompt_token_ids': [int, ...]}"
+    )
     prompts: list[ParsedPrompt] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -34,9 +34,15 @@ from dbo.timeline.metrics import Span, spans_from_chrome_trace
 from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_STEP
 
 PARTS = (
-    "attention", "router", "dispatch_prep", "dispatch_finish",
-    "experts", "combine_prep", "shared_experts", "combine_finish",
-)  # fmt: skip
+    "attention",
+    "router",
+    "dispatch_prep",
+    "dispatch_finish",
+    "experts",
+    "combine_prep",
+    "shared_experts",
+    "combine_finish",
+)
 PER_KIND = ("attention",)  # parts whose cost per token differs between decode and prefill
 _LAYER_SPAN = re.compile(r"^layer(\d+)\.(\w+)$")
 

@@ -17,8 +17,15 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                       "mask_token")  # fmt: skip
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -191,8 +198,9 @@ def load_chat_template(model_dir: str | None, template_path: str | None) -> Chat
         path = Path(template_path)
         if not path.is_file():
             raise FileNotFoundError(f"--chat-template {template_path}: no such file")
-        return ChatTemplate(path.read_text(encoding="utf-8"), special_tokens=special,
-                            origin=str(path))  # fmt: skip
+        return ChatTemplate(
+            path.read_text(encoding="utf-8"), special_tokens=special, origin=str(path)
+        )
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: transformers picks "default"
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
@@ -200,6 +208,7 @@ def load_chat_template(model_dir: str | None, template_path: str | None) -> Chat
         return ChatTemplate(source, special_tokens=special, origin=str(config_path))
     jinja_path = None if model_dir is None else Path(model_dir) / "chat_template.jinja"
     if jinja_path is not None and jinja_path.is_file():
-        return ChatTemplate(jinja_path.read_text(encoding="utf-8"), special_tokens=special,
-                            origin=str(jinja_path))  # fmt: skip
+        return ChatTemplate(
+            jinja_path.read_text(encoding="utf-8"), special_tokens=special, origin=str(jinja_path)
+        )
     return None

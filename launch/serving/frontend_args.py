@@ -61,33 +61,51 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     d = FrontendArgs()
     group = parser.add_argument_group("Frontend")
     group.add_argument(
-        "--api-key", nargs="+", default=None, metavar="KEY",
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' (one of these keys) on /v1/* (default: "
         f"${API_KEY_ENV} if set, else no authentication); /health and /metrics stay open",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="S",
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive_s,
+        metavar="S",
         help="seconds a connection may take to send a complete request's headers, or stay idle "
         "between requests, before it is closed",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--body-read-timeout", type=float, default=d.body_read_timeout_s, metavar="S",
+        "--body-read-timeout",
+        type=float,
+        default=d.body_read_timeout_s,
+        metavar="S",
         help="seconds a request body may take to arrive (else 408 and the connection closes)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--max-connections", type=int, default=d.max_connections, metavar="N",
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
         help="open HTTP connections at most; more are answered 503 and closed",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--max-queued-requests", type=int, default=None, metavar="N",
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
         help="requests waiting to be scheduled at most (summed over DP ranks); more are "
         f"answered 503 with Retry-After (default: {QUEUED_PER_SEQ} x --max-num-seqs x DP ranks)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--engine-stall-timeout", type=float, default=d.engine_stall_timeout_s, metavar="S",
+        "--engine-stall-timeout",
+        type=float,
+        default=d.engine_stall_timeout_s,
+        metavar="S",
         help="/health answers 503 (and new requests 503) once the engine loop has not completed "
         "a step or heartbeat for this long: a rank frozen or a step stuck",
-    )  # fmt: skip
+    )
 
 
 def frontend_args_from_namespace(ns: argparse.Namespace) -> FrontendArgs:

@@ -137,5 +137,6 @@ def require_json(request: web.Request) -> None:
         kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
     ):
         got = "no Content-Type" if content_type is None else f"{content_type[:80]!r}"
-        raise ProtocolError(f"the body must be JSON (Content-Type: application/json), got {got}",
-                            status=415)  # fmt: skip
+        raise ProtocolError(
+            f"the body must be JSON (Content-Type: application/json), got {got}", status=415
+        )

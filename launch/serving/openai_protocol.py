@@ -30,9 +30,14 @@ class ProtocolError(ValueError):
 
 # Sampling fields of OpenAI / vLLM this engine does not implement: refused unless at their
 # neutral value, so that a client never gets silently different sampling.
-UNSUPPORTED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,),
-                        "repetition_penalty": (1,), "logit_bias": ({},), "top_k": (-1, 0),
-                        "min_p": (0,)}  # fmt: skip
+UNSUPPORTED_SAMPLING = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "top_k": (-1, 0),
+    "min_p": (0,),
+}
 MAX_N = 64  # choices per request (n x prompts), a guard against one request flooding a rank
 
 

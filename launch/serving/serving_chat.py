@@ -145,8 +145,12 @@ class OpenAIServingChat(OpenAIServing):
         head = self._head(choices, "chat.completion.chunk")
         try:
             for c in choices:  # the role first, as OpenAI and vLLM send it
-                first = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                first = {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 await send_event(response, {**head, "choices": [first]})
             async for delta in self.deltas(choices, outputs):
                 c = delta.choice

@@ -116,8 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
             text_offset += len(token)
         top = []
         for token, lp in zip(tokens, logprobs, strict=True):
-            entry = {self.token_text(t): max(v, MIN_LOGPROB) for t, v in
-                     zip(lp.top_token_ids, lp.top_logprobs, strict=True)}  # fmt: skip
+            entry = {
+                self.token_text(t): max(v, MIN_LOGPROB)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            }
             entry.setdefault(token, max(lp.logprob, MIN_LOGPROB))
             top.append(entry)
         return {
