@@ -287,9 +287,9 @@ class EngineArgs:
 
 def graph_mode_by_default() -> bool:
     """Whether graph mode is on when no graph flag is given: only where the environment sets
-    ``MOE_DBO_GRAPH_MODE=1``. On CPU it did not win end to end where measured (README, "Graph
-    mode": tiny float32 0.78x, bfloat16 1.08x of eager) and a first start compiles for minutes, so
-    eager is the default; ``--cudagraph-capture-sizes`` / ``-cc`` turn it on explicitly."""
+    ``MOE_DBO_GRAPH_MODE=1``. On CPU it did not win end to end where measured (docs/benchmarks.md,
+    "What was tried and not adopted") and a first start compiles for minutes, so eager is the
+    default; ``--cudagraph-capture-sizes`` / ``-cc`` turn it on explicitly."""
     return os.environ.get("MOE_DBO_GRAPH_MODE", "0") == "1"
 
 

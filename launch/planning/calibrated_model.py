@@ -155,7 +155,7 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
         bytes_per_token=_bytes_per_token(samples),
         outside=outside,
         dbo_step_ms=max(statistics.median(extra), 0.0) if extra else 0.0,
-        # the mean, not the median: a few passes wait ~1 ms for a core and the sum is what counts
+        # the mean, not the median: a few passes wait long for a core and the sum is what counts
         yield_ms=statistics.fmean(samples.batons_ms) if samples.batons_ms else 0.0,
         link=_fit_link(samples, source),
         num_moe_layers=samples.num_layers,

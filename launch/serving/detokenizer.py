@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # Inputs at least this long (characters, or token ids) go through the ``tokenizers`` batch calls,
-# which release the GIL (the single-item calls hold it: 0.4 s for 1 MB of text), so that the HTTP
+# which release the GIL (the single-item calls hold it for the whole input), so that the HTTP
 # event loop keeps running while another thread tokenizes.
 LARGE_INPUT = 4096
 

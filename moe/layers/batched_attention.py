@@ -44,10 +44,10 @@ if TYPE_CHECKING:
 
 # Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents) into
 # one scratch buffer (``_kv_gather``). 1 MiB chunks (the L2 size) kept the copy in L2 but paid a
-# call per 2-3 requests; with the requests split by seq_len bucket first (``_chunk_bounds``), 16 MiB
-# chunks ran one medium-checkpoint layer's 80-request float32 decode in 9.8-11.5 ms against 16-18
-# ms, and its prefills as fast or faster (README, "Per-platform ops"). Without the buckets, large
-# chunks pad short prompts to long ones: bfloat16 prefills 27.5 / 32.0 ms against 19.4 / 15.5.
+# call per few requests; with the requests split by seq_len bucket first (``_chunk_bounds``), 16 MiB
+# chunks ran decode batches faster and prefills as fast or faster. Without the buckets, large
+# chunks pad short prompts to long ones and prefills got slower: both are needed (measurements in
+# docs/hardware.md, "Plain-torch attention").
 CHUNK_CONTEXT_BYTES = 16 << 20
 # Requests go in chunks by seq_len bucket (quarter octaves from 64 tokens up; see _chunk_bounds).
 SEQ_LEN_BUCKETS_PER_OCTAVE = 4
@@ -216,8 +216,8 @@ def request_chunks(
 
 def _gather_rows(x: Tensor, chunk: PaddedRequests) -> Tensor:
     """``x[chunk.gather_rows]``: ``[num_tokens, *E]`` -> ``[num_chunk_reqs, max_query_len, *E]``,
-    by ``index_select`` (whole-row copies; 2048 x 16 x 64 bfloat16 rows, 1 thread: 0.5 ms against
-    1.2 ms for advanced indexing)."""
+    by ``index_select`` (whole-row copies, faster than advanced indexing's generic kernel:
+    docs/hardware.md, "Plain-torch attention")."""
     rows = x.index_select(0, chunk.gather_rows.flatten())
     return rows.view(*chunk.gather_rows.shape, *x.shape[1:])
 
@@ -258,8 +258,7 @@ def _kv_gather(
     takes a slower path) into one scratch buffer shared by the chunks and by every layer of the
     (u)batch (``attn_metadata.derived``; the layers run one after the other and each chunk's
     result is consumed before the next gather), so no chunk pays for freshly allocated pages.
-    1 thread, bfloat16, medium checkpoint's 80-request decode batch: see the README's attention
-    numbers. Other caches take ``index_select`` on dim 1. ``plan`` is the key of the padding plan
+    Other caches take ``index_select`` on dim 1. ``plan`` is the key of the padding plan
     ``chunks`` is (``plan_key``), so the row indices cached per plan never serve another plan's
     chunks.
     """
@@ -331,8 +330,8 @@ def batched_paged_attention(
     """Attention of every query row over its request's cached context (K/V already written).
 
     On the CPU our compiled kernel computes every request reading K/V in place through the block
-    table (``moe/kernels/csrc/paged_attention_cpu.cpp``; 1 thread, medium checkpoint's shapes:
-    decode rows 3.4x, prefills ~2x faster than the padded SDPA chunks, README "Per-platform ops").
+    table (``moe/kernels/csrc/paged_attention_cpu.cpp``; faster than the padded SDPA chunks on
+    decode rows and prefills: docs/benchmarks.md, "Micro-benchmarks").
     Elsewhere, or where it does not apply (``_paged_attention_kernel``), requests are padded in
     chunks and attend through ``scaled_dot_product_attention``.
 

@@ -6,18 +6,16 @@ no difference). ``forward_native`` is ``F.linear``. ``forward_cpu`` runs
 ``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered into oneDNN's blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernels inductor's weight freezing uses;
 AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), where ``F.linear``
-(MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. Measured here at one
-thread on the medium checkpoint's shapes, packed / plain time: bfloat16 0.6-0.9x at every batch
-size; float32 0.55-0.6x at 16-20 rows, 0.8x at 80, 1.0-1.06x at 512 and 1.0-1.14x at 2048 (with
-the row padding, the experts' 2048-token prefill chunk: 1.13x), so on Intel CPUs float32
-batches above ``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below
-``FLOAT32_MIN_PACKED_ELEMENTS`` (where oneDNN's per-call cost dominates) keep ``F.linear``. On other
-vendors' CPUs MKL's sgemm takes a generic code path (a 2-core Zen 5 EPYC, 1 thread, 1024 -> 4096:
-MKL 92-107 GFLOP/s against oneDNN's pack 210-237 at 80-2048 rows), so float32 batches of any size
-run on the pack there. The rows are zero-padded up
-to a bucket (``padded_num_rows``) so a stream of ever-changing batch sizes reuses a bounded set of
-oneDNN primitives instead of JIT-compiling new ones (py-spy: 18 % of a bfloat16 run was in oneDNN's
-JIT before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
+(MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. The pack is faster
+in bfloat16 at every batch size and in float32 up to a few hundred rows; on Intel CPUs MKL's
+sgemm catches up on large float32 batches, so there float32 batches above
+``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below ``FLOAT32_MIN_PACKED_ELEMENTS`` (where
+oneDNN's per-call cost dominates) keep ``F.linear``. On other vendors' CPUs MKL's sgemm takes a
+generic code path, much slower than the pack, so float32 batches of any size run on the pack
+there (measurements: docs/hardware.md, "Linear layers", and docs/benchmarks.md,
+"Micro-benchmarks"). The rows are zero-padded up to a bucket (``padded_num_rows``) so a stream of
+ever-changing batch sizes reuses a bounded set of oneDNN primitives instead of JIT-compiling new
+ones (which took a large share of a bfloat16 run before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
 one batch size it was packed for. float64 has no oneDNN kernel and stays on ``F.linear``.
 
 The pack is made by ``process_weights_after_loading`` (vLLM's name; the loader calls it after the
@@ -72,11 +70,10 @@ def float32_min_packed_elements() -> int:
 _MIN_PADDED_ROWS = 16  # below it every size is its own bucket
 _FINE_PADDING_ROWS = 256  # from here on buckets are 1/64 of a power of two (at least 16 rows)
 # bfloat16 GEMMs this small run faster in float32 on exact float32 copies of the weights: oneDNN's
-# per-call cost (~20 us here) dominates them. bfloat16 is a subset of float32 and a product of two
-# bfloat16 values is exact in float32, so both paths sum the same exact products in float32 and
-# round once to bfloat16 (only the summation order differs). 1 thread, packed / float32 us: weight
-# 64 x 192 at 1, 16, 80 rows: 21/6, 21/9, 22/20; 64 x 512: 22/8, 22/17, 28/41; 512 x 512 at 1
-# row: 35/27; 1024 x 1024 at 1 row: 200/236 (``upcast_wins`` picks float32 for the first cases).
+# per-call cost dominates them. bfloat16 is a subset of float32 and a product of two bfloat16
+# values is exact in float32, so both paths sum the same exact products in float32 and round once
+# to bfloat16 (only the summation order differs). Limits chosen from the timings in
+# docs/hardware.md, "Linear layers" (``upcast_wins`` applies them).
 BFLOAT16_UPCAST_MAX_ELEMENTS = 1 << 16  # weight elements (a float32 copy is kept: 256 KiB at most)
 BFLOAT16_UPCAST_MAX_MACS = 1 << 19  # rows * weight elements
 _warned: set[str] = set()
@@ -94,7 +91,7 @@ def padded_num_rows(num_rows: int) -> int:
     """Rows a batch of ``num_rows`` is padded to: itself up to 16, then steps of 1/8 of a power of
     two below ``_FINE_PADDING_ROWS`` (17 -> 20, 100 -> 112), of 1/64 from there (at least 16:
     577 -> 592, 2000 -> 2016, 2049 -> 2112). Padding wastes at most 12.5 % of the rows of a small
-    batch and 3.1 % of a large one, where the GEMM is long and a new oneDNN primitive (~1 ms to
+    batch and 3.1 % of a large one, where the GEMM is long and a new oneDNN primitive (costly to
     create, once) is cheap beside the rows saved: an expert's 500-600-row prefill chunk wasted ~6 %
     of its float32 GEMM on average with the 1/8 steps. A run meets at most 16 + 8 per doubling
     distinct sizes below 256 rows and 32-64 per doubling above."""

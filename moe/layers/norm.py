@@ -11,8 +11,7 @@ from moe.platforms.custom_op import CustomOp, is_tracing
 # Rows whose float32 working copy fits this many bytes go through one F.rms_norm call: torch's CPU
 # F.rms_norm is composite (a float32 copy, square, mean, rsqrt, scale: ~5 passes over the rows),
 # so on a tall batch every pass streams from memory, and blocks of rows that stay in the L2 cache
-# run faster (1 thread, 2048 x 1024: bfloat16 3.8 -> 1.7-1.9 ms, float32 2.3 -> 2.0 ms; 2048 x
-# 4096: 21 -> 10-11 ms and 44 -> 22 ms). Rows are independent, so the result is bit-identical.
+# run faster (docs/hardware.md, "Other ops"). Rows are independent, so the result is bit-identical.
 RMS_NORM_BLOCK_BYTES = 256 * 1024
 
 
@@ -28,8 +27,8 @@ class RMSNorm(CustomOp):
 
     x: [..., hidden_size], any float dtype; the result has x's dtype (times weight's dtype).
     ``forward_cpu`` runs torch's fused ``F.rms_norm`` where it computes what the reference does:
-    float32 input and weight (one op instead of six: 11 vs 17 us on 80 x 64 rows, 1 thread; bit-
-    identical on 100 M random elements of hidden sizes 64-7168 here). bfloat16 input: ``F.rms_norm``
+    float32 input and weight (one op instead of six; bit-identical on 100 M random elements of
+    hidden sizes 64-7168 here). bfloat16 input: ``F.rms_norm``
     without weight (statistics and the scaling in float32, one rounding to bfloat16, as the
     reference's ``(x32 * rsqrt(...)).to(bfloat16)``), then the weight in a separate multiply (as the
     reference; torch's fused weighted bf16 kernel rounds once after the weight and differs by one
