@@ -1,7 +1,7 @@
 """Adaptive DBO: learn, per batch shape, whether microbatching pays (``--dbo-*-token-threshold auto``).
 
 Fixed thresholds (vLLM: 32 decode / 512 prefill tokens) guess where overlap starts to pay; the
-crossover moves by ~100x with the link and the model. This policy measures it instead.
+crossover moves by orders of magnitude with the link and the model. This policy measures it instead.
 
 The rule (everything below is a pure function of data every DP rank holds identically):
 - **Buckets.** A step falls in bucket ``(kind, log2_tokens)``: ``kind`` is ``"decode"`` if every DP
