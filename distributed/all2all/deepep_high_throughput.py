@@ -132,8 +132,9 @@ class DeepEPHighThroughputBackend(All2AllBackend):
                 metadata=metadata,
             )
 
-        return self._deepep_handle("deepep_high_throughput dispatch", work, finalize, start_ns,
-                                   async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput dispatch", work, finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -148,8 +149,13 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             async_finish=True,
             allocate_on_comm_stream=previous_event(self.buffer) is not None,
         )
-        return self._deepep_handle("deepep_high_throughput combine", completion_work(event),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput combine",
+            completion_work(event),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )
 
     def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
         """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``),

@@ -170,8 +170,9 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
                 hidden_states=recv_x, expert_num_tokens=recv_count, metadata=metadata
             )
 
-        return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
-                                   finalize, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency dispatch", completion_work(hook), finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -197,5 +198,10 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
             metadata.handle,
             return_recv_hook=True,
         )
-        return self._deepep_handle("deepep_low_latency combine", completion_work(hook),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency combine",
+            completion_work(hook),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )
