@@ -3,6 +3,7 @@
 Imports only torch (and the standard library). Nothing happens at import time.
 """
 
+from distributed.all2all.emulated_link import EmulatedLinkBackend, LinkDelayedHandle
 from distributed.all2all.registry import (
     BACKENDS,
     All2AllBackend,
@@ -18,7 +19,7 @@ from distributed.all2all.registry import (
     DispatchResult,
     make_all2all_backend,
 )
-from distributed.comm_handle import CollectiveHandle, CompletedHandle
+from distributed.comm_handle import CollectiveHandle, CommTiming, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
@@ -38,12 +39,15 @@ __all__ = [
     "BatchedDispatchResult",
     "CollectiveHandle",
     "CommHandle",
+    "CommTiming",
     "CompletedHandle",
     "DeepEPHighThroughputBackend",
     "DeepEPLowLatencyBackend",
     "DispatchMetadata",
     "DispatchResult",
     "EmulatedLink",
+    "EmulatedLinkBackend",
+    "LinkDelayedHandle",
     "LinkSpec",
     "ParallelGroups",
     "TorchrunEnv",

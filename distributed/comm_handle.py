@@ -1,21 +1,30 @@
 """One return shape for asynchronous communication: the ``CommHandle[T]`` protocol.
 
-Two handles satisfy it: ``CollectiveHandle`` wraps the ``Work`` of one in-flight collective and a
-``finalize`` step that turns the received buffer into the caller's value (unpacking rows,
-scattering back to token order); ``CompletedHandle`` holds a value that needed no communication.
-The handle, not the backend, owns everything that changes after issue, so a backend object holds
-no per-call state and two ubatch threads can share it.
+A handle answers three things: ``wait()`` (the value), ``is_completed()`` and ``timing``, one
+``CommTiming`` record of when the communication ran and what it carried. Two handles satisfy it:
+``CollectiveHandle`` wraps the ``Work`` of one in-flight collective and a ``finalize`` step that
+turns the received buffer into the caller's value (unpacking rows, scattering back to token
+order); ``CompletedHandle`` holds a value that needed no communication. The handle, not the
+backend, owns everything that changes after issue, so a backend object holds no per-call state
+and two ubatch threads can share it.
+
+A backend that must complete a small exchange before it can issue its payload (a count exchange:
+DeepEP's notify) waits on it with ``wait_blocking_exchange``; a backend wrapper (the emulated link,
+``distributed.all2all.emulated_link``) can substitute that handle for the length of one call with
+``wrap_blocking_exchanges``, so backends know nothing of what wraps them.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import datetime
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
-
-from distributed.link_emulation import sleep_until
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from torch.distributed import Work
@@ -24,36 +33,61 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommTiming:
+    """When one communication ran and what it carried (a handle's telemetry, one record).
+
+    Times are ``time.perf_counter_ns()`` stamps (ns, this process's monotonic clock); sizes are
+    bytes of payload between this rank and OTHER ranks (a rank's own rows stay in memory).
+
+    Attributes:
+        issued_at_ns: when the payload was issued.
+        num_bytes: bytes this rank sends to other ranks (0: nothing was sent).
+        num_recv_bytes: bytes this rank receives from other ranks, when the backend knows it at
+            issue; None: not reported (a link model then bills ``num_bytes`` both ways).
+        notify_ns: ``(start, end)`` of a blocking count exchange run before the payload was
+            issued (DeepEP's notify step), or None if there was none.
+        completed_at_ns: when the data had arrived; None until known.
+        finish_ns: ``(start, end)`` of the receive-side work that turned the arrived bytes into
+            the value (unpacking rows, scattering them back, the weighted sum of a combine:
+            compute, like DeepEP's receive kernels), once done; None before, or when there was
+            none.
+    """
+
+    issued_at_ns: int
+    num_bytes: int
+    num_recv_bytes: int | None = None
+    notify_ns: tuple[int, int] | None = None
+    completed_at_ns: int | None = None
+    finish_ns: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_bytes < 0 or (self.num_recv_bytes or 0) < 0:
+            raise ValueError(
+                f"num_bytes ({self.num_bytes}) and num_recv_bytes ({self.num_recv_bytes}) must "
+                f"be >= 0"
+            )
+
+    @property
+    def num_link_bytes(self) -> int:
+        """Bytes a full-duplex link carries for it: the larger direction."""
+        return max(self.num_bytes, self.num_recv_bytes or 0)
+
+    def at_issue(self) -> CommTiming:
+        """This record without what is stamped after issue (completion, finish)."""
+        return dataclasses.replace(self, completed_at_ns=None, finish_ns=None)
+
+
 @runtime_checkable
 class CommHandle(Protocol[T_co]):
     """What callers of an asynchronous communication get back, whose result is a ``T_co``.
 
-    Attributes:
-        issued_at_ns: ``time.perf_counter_ns()`` when the communication was issued.
-        completed_at_ns: ``perf_counter_ns()`` when the data had arrived; None until known.
-        num_bytes: payload bytes this rank sends to other ranks (0: nothing was sent).
-        notify_ns: ``(start, end)`` ``perf_counter_ns`` of a blocking count exchange run before
-            the payload was issued (DeepEP's notify step), or None if there was none.
-        finish_ns: ``(start, end)`` ``perf_counter_ns`` of the receive-side work that turned the
-            arrived bytes into the value (unpacking rows, scattering them back, the weighted sum
-            of a combine: compute, like DeepEP's receive kernels), once done; None before or
-            when there was none.
+    ``timing`` is the record as known now: its completion and finish fields fill in (a new
+    record each time; a record never changes) once the data has arrived and been unpacked.
     """
 
     @property
-    def issued_at_ns(self) -> int: ...
-
-    @property
-    def completed_at_ns(self) -> int | None: ...
-
-    @property
-    def num_bytes(self) -> int: ...
-
-    @property
-    def notify_ns(self) -> tuple[int, int] | None: ...
-
-    @property
-    def finish_ns(self) -> tuple[int, int] | None: ...
+    def timing(self) -> CommTiming: ...
 
     def is_completed(self) -> bool:
         """Whether the data has arrived (never blocks)."""
@@ -65,24 +99,50 @@ class CommHandle(Protocol[T_co]):
 
 
 class CompletedHandle(Generic[T]):
-    """A ``CommHandle`` whose value is ready at construction (no communication: ``num_bytes`` 0,
-    no notify step)."""
+    """A ``CommHandle`` whose value is ready at construction (no communication: 0 bytes, no
+    notify step, completed at issue)."""
 
-    __slots__ = ("_value", "issued_at_ns", "completed_at_ns", "num_bytes", "notify_ns", "finish_ns")
+    __slots__ = ("_value", "timing")
 
     def __init__(self, value: T):
         self._value = value
-        self.issued_at_ns = time.perf_counter_ns()
-        self.completed_at_ns: int | None = self.issued_at_ns
-        self.num_bytes = 0
-        self.notify_ns: tuple[int, int] | None = None
-        self.finish_ns: tuple[int, int] | None = None
+        now_ns = time.perf_counter_ns()
+        self.timing = CommTiming(issued_at_ns=now_ns, num_bytes=0, completed_at_ns=now_ns)
 
     def wait(self) -> T:
         return self._value
 
     def is_completed(self) -> bool:
         return True
+
+
+_blocking_exchange_wrapper: contextvars.ContextVar[Callable[[Any], Any] | None] = (
+    contextvars.ContextVar("blocking_exchange_wrapper", default=None)
+)
+
+
+def wait_blocking_exchange(handle: CommHandle[T]) -> T:
+    """Complete ``handle``, an exchange the calling dispatch or combine needs before it can go on
+    (a count exchange: DeepEP's notify), and return its value.
+
+    Blocking wait (bounded by the handle's timeout). Inside ``wrap_blocking_exchanges`` the
+    handle is first replaced by the wrapper's (the emulated link delays its completion).
+    """
+    wrap = _blocking_exchange_wrapper.get()
+    if wrap is not None:
+        handle = wrap(handle)
+    return handle.wait()
+
+
+@contextmanager
+def wrap_blocking_exchanges(wrap: Callable[[CommHandle], CommHandle]) -> Iterator[None]:
+    """Route this thread's ``wait_blocking_exchange`` calls through ``wrap`` while the block runs
+    (a context variable: another ubatch thread's calls are not affected)."""
+    token = _blocking_exchange_wrapper.set(wrap)
+    try:
+        yield
+    finally:
+        _blocking_exchange_wrapper.reset(token)
 
 
 def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:
@@ -116,20 +176,18 @@ def wait_work(work: Work | None, *, op: str, rank: int, timeout: datetime.timede
 class CollectiveHandle(Generic[T]):
     """The ``CommHandle`` of one asynchronous collective whose result is a ``T``.
 
-    Attributes:
-        issued_at_ns: ``time.perf_counter_ns()`` when the collective was issued.
-        completed_at_ns: ``perf_counter_ns()`` when the data had arrived: stamped by a callback on
-            the ``Work``'s future (real completion, from the communication thread), or at
-            ``wait()`` when the backend offers no future. None until known.
-        num_bytes: payload bytes this rank sends to other ranks in this collective.
-        notify_ns: ``(start, end)`` ``perf_counter_ns`` of the blocking count exchange the backend
-            ran before issuing the payload (DeepEP's notify step), or None if there was none.
-        link_deadline_ns: with an emulated link (``distributed.link_emulation``), the earliest
-            ``perf_counter_ns`` at which the collective may complete; ``wait()`` sleeps until then
-            and ``completed_at_ns`` is never earlier. None: a real link only.
-        finish_ns: ``(start, end)`` of the finalize step (from the start of the work's own
-            finish step when the work is itself a handle that has one, e.g. the emulated DeepEP
-            buffer's transfer), set by the first ``wait()``.
+    Args:
+        op, rank: name the collective in errors. timeout: limit of the blocking wait.
+        work: the collective's ``Work`` (None: nothing in flight), or a handle used as one (the
+            emulated DeepEP transfer), whose own completion and finish stamps are then used.
+        finalize: turns the received buffers into the value; run once, by the first ``wait()``.
+        timing: the record at issue (issue time, bytes, notify span).
+
+    ``timing.completed_at_ns`` is stamped by a callback on the ``Work``'s future (real
+    completion, from the communication thread), or at ``wait()`` when the backend offers no
+    future; ``timing.finish_ns`` spans the finalize step (from the start of the work's own finish
+    step when it has one), set by the first ``wait()``. Both stamps replace the immutable record
+    under a lock, so a reader on any thread sees a whole record.
 
     ``wait()`` is idempotent and thread-safe: the first call blocks (with the group timeout) and
     runs the finalize step once; every later call, from any thread, returns the same object (or
@@ -146,12 +204,8 @@ class CollectiveHandle(Generic[T]):
         "_done",
         "_result",
         "_error",
-        "_completed_at_ns",
-        "issued_at_ns",
-        "num_bytes",
-        "notify_ns",
-        "link_deadline_ns",
-        "finish_ns",
+        "_timing",
+        "_timing_lock",
         "__weakref__",
     )
 
@@ -163,10 +217,7 @@ class CollectiveHandle(Generic[T]):
         timeout: datetime.timedelta,
         work: Work | None,
         finalize: Callable[[], T],
-        issued_at_ns: int,
-        num_bytes: int,
-        notify_ns: tuple[int, int] | None = None,
-        link_deadline_ns: int | None = None,
+        timing: CommTiming,
     ) -> None:
         self._op = op
         self._rank = rank
@@ -177,14 +228,22 @@ class CollectiveHandle(Generic[T]):
         self._done = False
         self._result: T | None = None
         self._error: BaseException | None = None
-        self._completed_at_ns: int | None = None
-        self.issued_at_ns = issued_at_ns
-        self.num_bytes = num_bytes
-        self.notify_ns = notify_ns
-        self.link_deadline_ns = link_deadline_ns
-        self.finish_ns: tuple[int, int] | None = None
+        self._timing = timing.at_issue()
+        self._timing_lock = threading.Lock()
         if work is not None:
             self._stamp_on_completion(work)
+
+    @property
+    def timing(self) -> CommTiming:
+        return self._timing
+
+    def _stamp(self, **fields: Any) -> None:
+        """Replace the record with ``fields`` set, those already known kept (first stamp wins)."""
+        with self._timing_lock:
+            timing = self._timing
+            new = {k: v for k, v in fields.items() if getattr(timing, k) is None}
+            if new:
+                self._timing = dataclasses.replace(timing, **new)
 
     def _stamp_on_completion(self, work: Work) -> None:
         try:
@@ -196,23 +255,12 @@ class CollectiveHandle(Generic[T]):
     def _on_complete(self, _future) -> None:
         # Runs on the communication thread; only stamps the time (never reads the value, which
         # would raise here if the collective failed; wait() reports failures).
-        if self._completed_at_ns is None:
-            self._completed_at_ns = time.perf_counter_ns()
-
-    @property
-    def completed_at_ns(self) -> int | None:
-        stamp, deadline = self._completed_at_ns, self.link_deadline_ns
-        if stamp is None or deadline is None:
-            return stamp
-        return max(stamp, deadline)
+        self._stamp(completed_at_ns=time.perf_counter_ns())
 
     def is_completed(self) -> bool:
         """Whether the data has arrived (does not run finalize, never blocks)."""
         if self._done:
             return True
-        deadline = self.link_deadline_ns
-        if deadline is not None and time.perf_counter_ns() < deadline:
-            return False
         work = self._work
         return work is None or work.is_completed()
 
@@ -241,15 +289,14 @@ class CollectiveHandle(Generic[T]):
     def _complete(self) -> None:
         try:
             wait_work(self._work, op=self._op, rank=self._rank, timeout=self._timeout)
-            sleep_until(self.link_deadline_ns)  # blocking wait, bounded by the emulated deadline
-            if self._completed_at_ns is None:  # no future: the work's own stamp, else now
-                inner_done = getattr(self._work, "completed_at_ns", None)
-                self._completed_at_ns = inner_done or time.perf_counter_ns()
+            inner = getattr(self._work, "timing", None)  # a handle used as the work
+            # no future: the work's own stamp, else now
+            self._stamp(completed_at_ns=(inner and inner.completed_at_ns) or time.perf_counter_ns())
             start_ns = time.perf_counter_ns()
             self._result = self._finalize()  # type: ignore[misc]
-            inner = getattr(self._work, "finish_ns", None)  # a handle's own finish step
-            self.finish_ns = (min(start_ns, inner[0]) if inner else start_ns,
-                              time.perf_counter_ns())  # fmt: skip
+            if inner is not None and inner.finish_ns is not None:
+                start_ns = min(start_ns, inner.finish_ns[0])
+            self._stamp(finish_ns=(start_ns, time.perf_counter_ns()))
         except BaseException as exc:
             self._error = exc
         finally:

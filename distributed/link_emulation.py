@@ -1,4 +1,4 @@
-"""A software model of a slower network link, applied where a collective's handle completes.
+"""A software model of a slower network link: the deadline arithmetic (torch-free).
 
 This is an EMULATION, not a network: the bytes of every collective really move through the
 process-group backend (gloo over loopback on CPU), and the collective's ``CommHandle`` then
@@ -9,8 +9,9 @@ completes no earlier than::
 where ``num_bytes`` is the larger of what this rank sends to and receives from other ranks (a
 full-duplex link) and transfers of one rank share its link one after the other (a transfer issued
 while another is on the wire starts when that one ends). It lets a 2-core machine show the overlap
-DBO gives when the link, not the CPU, is the bottleneck, as between nodes. For a real kernel-shaped
-link see ``launch.netns`` (veth pairs with a ``tbf`` rate limit).
+DBO gives when the link, not the CPU, is the bottleneck, as between nodes. It is applied around any
+expert all-to-all backend by ``distributed.all2all.emulated_link.EmulatedLinkBackend``. For a real
+kernel-shaped link see ``launch.netns`` (veth pairs with a ``tbf`` rate limit).
 """
 
 from __future__ import annotations

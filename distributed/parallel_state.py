@@ -114,6 +114,15 @@ class ParallelGroups:
             raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
 
 
+def _rank_device(backend: str, env: TorchrunEnv) -> torch.device:
+    """``cuda:{local_rank}`` (made the current CUDA device) for nccl, else cpu."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(
     *,
     data_parallel_size: int,
@@ -152,10 +161,7 @@ def init_distributed(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     backend = _pick_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
+    device = _rank_device(backend, env)
     _init_default_group(env, backend, timeout)
     all_ranks = list(range(env.world_size))
     # Two separate communicators: DP-wide votes and expert all-to-alls never interleave on one tag
@@ -193,9 +199,17 @@ def single_process_groups(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     device = torch.device("cpu") if device is None else device
     return ParallelGroups(
-        rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
-        ep_group=None, device=device, timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
+        rank=0,
+        world_size=1,
+        dp_rank=0,
+        dp_size=1,
+        dp_group=None,
+        ep_rank=0,
+        ep_size=1,
+        ep_group=None,
+        device=device,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _init_default_group(env: TorchrunEnv, backend: str, timeout: datetime.timedelta) -> None:

@@ -1,5 +1,6 @@
 """Expert all-to-all backends, one module each, behind ``All2AllBackend`` (``base``); the registry
-maps ``--all2all-backend`` names to them."""
+maps ``--all2all-backend`` names to them. ``EmulatedLinkBackend`` (``emulated_link``) puts any of
+them behind an emulated slower link."""
 
 from distributed.all2all.all_to_all import AllToAllBackend, AllToAllDispatchMetadata
 from distributed.all2all.allgather_reducescatter import (
@@ -14,6 +15,7 @@ from distributed.all2all.base import (
 )
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
 from distributed.all2all.deepep_low_latency import DeepEPLowLatencyBackend
+from distributed.all2all.emulated_link import EmulatedLinkBackend
 from distributed.all2all.registry import BACKENDS, make_all2all_backend
 
 __all__ = [
@@ -28,5 +30,6 @@ __all__ = [
     "DeepEPLowLatencyBackend",
     "DispatchMetadata",
     "DispatchResult",
+    "EmulatedLinkBackend",
     "make_all2all_backend",
 ]

@@ -14,8 +14,8 @@ them: ``num_tokens_across_ep``) and the padded transfer is small (``PADDED_DISPA
 each rank sends every peer a fixed block of ``1 + num_tokens`` rows — a header row (row count and
 row format, int64) and its rows for that peer, zero-padded — in ONE ``all_to_all_single`` whose
 splits every rank knows. The receiver reads the counts from the header rows. On small batches the
-blocking count exchange's round trip costs more than the padding (tiny checkpoint, 2 ranks: 9 % of
-a step); on large ones the padding would cost more bytes than the exchange saves.
+blocking count exchange's round trip costs more than the padding (measured in docs/backends.md,
+"What each sends"); on large ones the padding would cost more bytes than the exchange saves.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from torch import Tensor
 
 from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.token_packing import localize_topk, pack_rows, token_rank_mask, unpack_rows
-from distributed.collectives import all_to_all_single
-from distributed.comm_handle import CommHandle
+from distributed.collectives import Pending, all_to_all_single
+from distributed.comm_handle import CommHandle, CommTiming
 
-# Padded dispatch when ep_size * (1 + max tokens per rank) * row_bytes is at most this (e.g. 2 ranks
-# x 81 rows x 280 B on the tiny checkpoint; not the medium one's 2 x 81 x 4120 B in float32).
+# Padded dispatch when ep_size * (1 + max tokens per rank) * row_bytes is at most this: small
+# batches of narrow rows (docs/backends.md, "What each sends").
 PADDED_DISPATCH_MAX_BYTES = 256 << 10
 _HEADER_INTS = 4  # header row: (row count, hidden_size, num_topk, dtype code) as int64
 
@@ -83,10 +83,9 @@ class AllToAllBackend(All2AllBackend):
         num_tokens_across_ep: Sequence[int] | None = None,
     ) -> CommHandle[DispatchResult]:
         # The per-destination row counts depend on the routing, so the count exchange stays even
-        # when the token counts are known; they are only checked.
+        # when the token counts are known; they are only checked (or size a padded dispatch).
         counts = self._check_num_tokens_across_ep(num_tokens_across_ep, hidden_states.shape[0])
         layout = self._row_layout(hidden_states, topk_ids, topk_weights)
-        device = hidden_states.device
         mask = token_rank_mask(
             topk_ids, num_local_experts=self.num_local_experts, ep_size=self.ep_size
         )
@@ -95,64 +94,103 @@ class AllToAllBackend(All2AllBackend):
         if counts is not None and (
             self.ep_size * (1 + max(counts)) * layout.row_bytes <= PADDED_DISPATCH_MAX_BYTES
         ):
+            packed = self._pack_sent_rows(
+                hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
+            )
             return self._dispatch_padded(
-                hidden_states, topk_ids, topk_weights, mask, send_rank, send_token_idx,
-                counts=counts, layout=layout, async_op=async_op,
-            )  # fmt: skip
-        header = torch.tensor([[0, *layout.signature()]] * self.ep_size, dtype=torch.int64)
-        header[:, 0] = mask.sum(dim=0).cpu()  # host sync: splits are host ints
-        header = header.to(device)
-        recv_header = torch.empty_like(header)
-        op = "all_to_all dispatch count exchange"
-        notify_start_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv_header, header, output_split_sizes=None, input_split_sizes=None,
-            group=self.ep_group,
-        )  # fmt: skip
-        # blocking wait (timeout: self.timeout), DeepEP's notify step
-        notify_ns = self._notify(
-            pending, op, issued_at_ns=notify_start_ns, num_bytes=header[0].numel() * 8
-        )
-        recv_header = recv_header.cpu()
-        self._check_signatures(recv_header[:, 1:].tolist(), layout, "all_to_all dispatch")
-        send_counts = header[:, 0].tolist()
-        recv_counts = recv_header[:, 0].tolist()
-
+                packed,
+                mask,
+                send_rank,
+                send_token_idx,
+                layout=layout,
+                counts=counts,
+                async_op=async_op,
+            )
+        send_counts, recv_counts, notify_ns = self._exchange_counts(mask, layout)
         packed = self._pack_sent_rows(
             hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
         )
-        recv = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8, device=device)
+        recv, pending, issued_at_ns = self._all_to_all_rows(packed, send_counts, recv_counts)
+        metadata = self._metadata(
+            layout, hidden_states.shape[0], send_counts, recv_counts, send_token_idx
+        )
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(len(send_token_idx) - send_counts[self.ep_rank]) * layout.row_bytes,
+            num_recv_bytes=(recv.shape[0] - recv_counts[self.ep_rank]) * layout.row_bytes,
+            notify_ns=notify_ns,
+        )
+        return self._handle(
+            op="all_to_all dispatch",
+            pending=pending,
+            finalize=lambda: unpacked_result(recv, layout, metadata),
+            timing=timing,
+            async_op=async_op,
+        )
+
+    def _all_to_all_rows(
+        self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+    ) -> tuple[Tensor, Pending, int]:
+        """Issue ONE uneven ``all_to_all_single`` of the rows of ``send`` (``[sum(send_counts),
+        row_bytes]`` uint8, by destination rank); ``(recv [sum(recv_counts), row_bytes] uint8,
+        pending, issued_at_ns)``."""
+        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
         issued_at_ns = time.perf_counter_ns()
         pending = all_to_all_single(
-            recv, packed, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+            recv,
+            send,
+            output_split_sizes=list(recv_counts),
+            input_split_sizes=list(send_counts),
             group=self.ep_group,
-        )  # fmt: skip
-        metadata = AllToAllDispatchMetadata(
+        )
+        return recv, pending, issued_at_ns
+
+    def _exchange_counts(
+        self, mask: Tensor, layout
+    ) -> tuple[list[int], list[int], tuple[int, int]]:
+        """The count exchange: a small ``all_to_all_single`` of ``[ep_size, 4]`` int64 rows (rows
+        for each peer, row format), checked for the row format; ``(send_counts, recv_counts,
+        notify_ns)``. Blocking (DeepEP's notify: the payload splits must be known on the host).
+
+        Raises:
+            ValueError: (on every rank) the EP ranks disagree on the row format.
+        """
+        header = torch.tensor([[0, *layout.signature()]] * self.ep_size, dtype=torch.int64)
+        header[:, 0] = mask.sum(dim=0).cpu()  # host sync: splits are host ints
+        header = header.to(mask.device)
+        recv_header = torch.empty_like(header)
+        notify_start_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv_header,
+            header,
+            output_split_sizes=None,
+            input_split_sizes=None,
+            group=self.ep_group,
+        )
+        # blocking wait (timeout: self.timeout), DeepEP's notify step
+        notify_ns = self._notify(
+            pending,
+            "all_to_all dispatch count exchange",
+            issued_at_ns=notify_start_ns,
+            num_bytes=header[0].numel() * 8,
+        )
+        recv_header = recv_header.cpu()
+        self._check_signatures(recv_header[:, 1:].tolist(), layout, "all_to_all dispatch")
+        return header[:, 0].tolist(), recv_header[:, 0].tolist(), notify_ns
+
+    def _metadata(
+        self, layout, num_tokens: int, send_counts, recv_counts, send_token_idx: Tensor
+    ) -> AllToAllDispatchMetadata:
+        return AllToAllDispatchMetadata(
             backend=self.name,
             ep_rank=self.ep_rank,
-            num_tokens=hidden_states.shape[0],
-            num_recv_tokens=recv.shape[0],
+            num_tokens=num_tokens,
+            num_recv_tokens=sum(recv_counts),
             hidden_size=layout.hidden_size,
             dtype=layout.dtype,
             send_counts=tuple(send_counts),
             recv_counts=tuple(recv_counts),
             send_token_idx=send_token_idx,
-        )
-
-        def finalize() -> DispatchResult:
-            return unpacked_result(recv, layout, metadata)
-
-        num_bytes = (len(send_token_idx) - send_counts[self.ep_rank]) * layout.row_bytes
-        num_recv_bytes = (recv.shape[0] - recv_counts[self.ep_rank]) * layout.row_bytes
-        return self._handle(
-            op="all_to_all dispatch",
-            pending=pending,
-            finalize=finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=num_bytes,
-            async_op=async_op,
-            num_recv_bytes=num_recv_bytes,
-            notify_ns=notify_ns,
         )
 
     def _pack_sent_rows(
@@ -169,20 +207,66 @@ class AllToAllBackend(All2AllBackend):
         return pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
 
     def _dispatch_padded(
-        self, hidden_states, topk_ids, topk_weights, mask, send_rank, send_token_idx, *,
-        counts: list[int], layout, async_op: bool,
-    ) -> CommHandle[DispatchResult]:  # fmt: skip
+        self,
+        packed: Tensor,
+        mask: Tensor,
+        send_rank: Tensor,
+        send_token_idx: Tensor,
+        *,
+        layout,
+        counts: list[int],
+        async_op: bool,
+    ) -> CommHandle[DispatchResult]:
         """The dispatch without count exchange (module docstring): blocks of ``1 + counts[r]``
-        rows from rank r, header row first."""
-        device, num_tokens = hidden_states.device, hidden_states.shape[0]
+        rows from rank r, header row first. ``packed``: the sent rows (``_pack_sent_rows``)."""
+        device, num_tokens = packed.device, mask.shape[0]
         block = 1 + num_tokens  # rows this rank sends each peer
         send_counts = mask.sum(dim=0)  # [ep_size] rows for each peer
+        send = self._padded_send_buffer(packed, send_rank, send_counts, block, layout)
+        recv_blocks = [1 + n for n in counts]
+        recv, pending, issued_at_ns = self._all_to_all_rows(
+            send, [block] * self.ep_size, recv_blocks
+        )
+
+        def finalize() -> DispatchResult:
+            starts = [sum(recv_blocks[:r]) for r in range(self.ep_size)]  # loop over ranks
+            headers = recv[starts, : 8 * _HEADER_INTS].contiguous().view(torch.int64).tolist()
+            self._check_signatures([h[1:] for h in headers], layout, "all_to_all dispatch")
+            recv_counts = [h[0] for h in headers]
+            # host sync above (the counts); the valid rows of every block, in rank order
+            valid = torch.cat(
+                [
+                    torch.arange(start + 1, start + 1 + n, device=device)
+                    for start, n in zip(starts, recv_counts, strict=True)
+                ]
+            )
+            metadata = self._metadata(
+                layout, num_tokens, send_counts.tolist(), recv_counts, send_token_idx
+            )
+            return unpacked_result(recv[valid], layout, metadata)
+
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(self.ep_size - 1) * block * layout.row_bytes,
+            num_recv_bytes=(sum(recv_blocks) - recv_blocks[self.ep_rank]) * layout.row_bytes,
+        )
+        return self._handle(
+            op="all_to_all dispatch",
+            pending=pending,
+            finalize=finalize,
+            timing=timing,
+            async_op=async_op,
+        )
+
+    def _padded_send_buffer(
+        self, packed: Tensor, send_rank: Tensor, send_counts: Tensor, block: int, layout
+    ) -> Tensor:
+        """``[ep_size * block, row_bytes]`` uint8: per peer a header row (row count and row format,
+        int64) and its packed rows, zero-padded to ``block`` rows."""
+        device = packed.device
         header = torch.zeros(self.ep_size, _HEADER_INTS, dtype=torch.int64, device=device)
         header[:, 0] = send_counts
         header[:, 1:] = torch.tensor(layout.signature(), dtype=torch.int64, device=device)
-        packed = self._pack_sent_rows(
-            hidden_states, topk_ids, topk_weights, send_rank, send_token_idx, layout
-        )
         # row of each packed row in the send buffer: its peer's block, after the header row,
         # at its index among that peer's rows (pairs are sorted by peer)
         first_of_peer = torch.cumsum(send_counts, 0) - send_counts
@@ -191,48 +275,7 @@ class AllToAllBackend(All2AllBackend):
         send = torch.zeros(self.ep_size * block, layout.row_bytes, dtype=torch.uint8, device=device)
         send.index_copy_(0, rows, packed)
         send.view(self.ep_size, block, -1)[:, 0, : 8 * _HEADER_INTS] = header.view(torch.uint8)
-        recv_blocks = [1 + n for n in counts]
-        recv = torch.empty(sum(recv_blocks), layout.row_bytes, dtype=torch.uint8, device=device)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, send, output_split_sizes=recv_blocks, input_split_sizes=[block] * self.ep_size,
-            group=self.ep_group,
-        )  # fmt: skip
-
-        def finalize() -> DispatchResult:
-            starts = [sum(recv_blocks[:r]) for r in range(self.ep_size)]  # loop over ranks
-            headers = recv[starts, : 8 * _HEADER_INTS].contiguous().view(torch.int64).tolist()
-            self._check_signatures([h[1:] for h in headers], layout, "all_to_all dispatch")
-            recv_counts = [h[0] for h in headers]
-            # host sync above (the counts); the valid rows of every block, in rank order
-            valid = torch.cat([
-                torch.arange(start + 1, start + 1 + n, device=device)
-                for start, n in zip(starts, recv_counts, strict=True)
-            ])  # fmt: skip
-            metadata = AllToAllDispatchMetadata(
-                backend=self.name,
-                ep_rank=self.ep_rank,
-                num_tokens=num_tokens,
-                num_recv_tokens=int(valid.shape[0]),
-                hidden_size=layout.hidden_size,
-                dtype=layout.dtype,
-                send_counts=tuple(send_counts.tolist()),
-                recv_counts=tuple(recv_counts),
-                send_token_idx=send_token_idx,
-            )
-            return unpacked_result(recv[valid], layout, metadata)
-
-        num_bytes = (self.ep_size - 1) * block * layout.row_bytes
-        num_recv_bytes = (sum(recv_blocks) - recv_blocks[self.ep_rank]) * layout.row_bytes
-        return self._handle(
-            op="all_to_all dispatch",
-            pending=pending,
-            finalize=finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=num_bytes,
-            async_op=async_op,
-            num_recv_bytes=num_recv_bytes,
-        )
+        return send
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -243,12 +286,9 @@ class AllToAllBackend(All2AllBackend):
         # Move raw bytes: all_to_all is a pure copy, so any dtype travels (gloo lacks some).
         send = expert_output.to(dtype).contiguous().view(torch.uint8)
         num_back = sum(metadata.send_counts)
-        recv = torch.empty(num_back, send.shape[1], dtype=torch.uint8, device=send.device)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, send, output_split_sizes=list(metadata.send_counts),
-            input_split_sizes=list(metadata.recv_counts), group=self.ep_group,
-        )  # fmt: skip
+        recv, pending, issued_at_ns = self._all_to_all_rows(
+            send, metadata.recv_counts, metadata.send_counts
+        )
 
         def finalize() -> Tensor:
             acc_dtype = torch.promote_types(dtype, torch.float32)  # float64 stays float64
@@ -258,14 +298,15 @@ class AllToAllBackend(All2AllBackend):
             return out.to(dtype)
 
         row_bytes = send.shape[1]
-        num_bytes = (send.shape[0] - metadata.recv_counts[self.ep_rank]) * row_bytes
-        num_recv_bytes = (num_back - metadata.send_counts[self.ep_rank]) * row_bytes
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(send.shape[0] - metadata.recv_counts[self.ep_rank]) * row_bytes,
+            num_recv_bytes=(num_back - metadata.send_counts[self.ep_rank]) * row_bytes,
+        )
         return self._handle(
             op="all_to_all combine",
             pending=pending,
             finalize=finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=num_bytes,
+            timing=timing,
             async_op=async_op,
-            num_recv_bytes=num_recv_bytes,
         )

@@ -1,9 +1,10 @@
 """``allgather_reducescatter`` backend: simple and robust (only even-sized collectives).
 
 Dispatch: all-gather every rank's token count (blocking, small; skipped when the caller passes
-``num_tokens_across_ep``, as under DBO), pad each rank's packed rows to the max count across EP, all-gather the padded ``[ep_size * max_tokens, row_bytes]`` uint8 buffer in ONE
-collective, and keep the rows with at least one expert on this rank (DeepEP high-throughput
-semantics: a token reaches each rank holding one of its experts once, ids made local).
+``num_tokens_across_ep``, as under DBO), pad each rank's packed rows to the max count across EP,
+all-gather the padded ``[ep_size * max_tokens, row_bytes]`` uint8 buffer in ONE collective, and
+keep the rows with at least one expert on this rank (DeepEP high-throughput semantics: a token
+reaches each rank holding one of its experts once, ids made local).
 Combine: scatter the expert outputs into a zeroed float32 ``[ep_size * max_tokens, hidden_size]``
 buffer and reduce-scatter it (sum over ranks in float32), keeping this rank's ``num_tokens`` rows.
 """
@@ -20,7 +21,7 @@ from torch import Tensor
 from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.token_packing import localize_topk, pack_rows, unpack_rows
 from distributed.collectives import all_gather_into, reduce_scatter_sum
-from distributed.comm_handle import CommHandle
+from distributed.comm_handle import CommHandle, CommTiming
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,41 +69,48 @@ class AllGatherReduceScatterBackend(All2AllBackend):
         )
         issued_at_ns = time.perf_counter_ns()
         pending = all_gather_into(gathered, packed, group=self.ep_group)
-
-        def finalize() -> DispatchResult:
-            ids, weights, hidden = unpack_rows(gathered, layout)
-            local_ids, local_weights = localize_topk(
-                ids, weights, self.ep_rank, num_local_experts=self.num_local_experts
-            )
-            is_real = torch.cat(
-                [torch.arange(max_tokens, device=device) < count for count in counts]
-            )
-            kept = ((local_ids >= 0).any(dim=1) & is_real).nonzero().squeeze(1)
-            metadata = AllGatherDispatchMetadata(
-                backend=self.name,
-                ep_rank=self.ep_rank,
-                num_tokens=num_tokens,
-                num_recv_tokens=kept.numel(),
-                hidden_size=layout.hidden_size,
-                dtype=layout.dtype,
-                max_tokens_across_ep=max_tokens,
-                kept_row_idx=kept,
-            )
-            return DispatchResult(
-                hidden_states=hidden[kept],
-                topk_ids=local_ids[kept],
-                topk_weights=local_weights[kept],
-                metadata=metadata,
-            )
-
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(self.ep_size - 1) * packed.numel(),
+            notify_ns=notify_ns,
+        )
         return self._handle(
             op="allgather dispatch",
             pending=pending,
-            finalize=finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=(self.ep_size - 1) * packed.numel(),
+            finalize=lambda: self._kept_rows(gathered, layout, counts, num_tokens),
+            timing=timing,
             async_op=async_op,
-            notify_ns=notify_ns,
+        )
+
+    def _kept_rows(
+        self, gathered: Tensor, layout, counts: list[int], num_tokens: int
+    ) -> DispatchResult:
+        """The gathered ``[ep_size * max(counts), row_bytes]`` uint8 rows that have at least one
+        expert on this rank (padding rows dropped), ids made local."""
+        max_tokens = max(counts)
+        ids, weights, hidden = unpack_rows(gathered, layout)
+        local_ids, local_weights = localize_topk(
+            ids, weights, self.ep_rank, num_local_experts=self.num_local_experts
+        )
+        is_real = torch.cat(
+            [torch.arange(max_tokens, device=gathered.device) < count for count in counts]
+        )
+        kept = ((local_ids >= 0).any(dim=1) & is_real).nonzero().squeeze(1)
+        metadata = AllGatherDispatchMetadata(
+            backend=self.name,
+            ep_rank=self.ep_rank,
+            num_tokens=num_tokens,
+            num_recv_tokens=kept.numel(),
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            max_tokens_across_ep=max_tokens,
+            kept_row_idx=kept,
+        )
+        return DispatchResult(
+            hidden_states=hidden[kept],
+            topk_ids=local_ids[kept],
+            topk_weights=local_weights[kept],
+            metadata=metadata,
         )
 
     def _exchange_counts(
@@ -143,11 +151,14 @@ class AllGatherReduceScatterBackend(All2AllBackend):
         def finalize() -> Tensor:
             return out[: metadata.num_tokens].to(metadata.dtype)
 
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(self.ep_size - 1) * max_tokens * hidden_size * acc_dtype.itemsize,
+        )
         return self._handle(
             op="reducescatter combine",
             pending=pending,
             finalize=finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=(self.ep_size - 1) * max_tokens * hidden_size * acc_dtype.itemsize,
+            timing=timing,
             async_op=async_op,
         )

@@ -22,8 +22,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.token_packing import RowLayout
-from distributed.comm_handle import CollectiveHandle, CommHandle, wait_work
-from distributed.link_emulation import EmulatedLink, sleep_until
+from distributed.comm_handle import (
+    CollectiveHandle,
+    CommHandle,
+    CommTiming,
+    wait_blocking_exchange,
+)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,8 +123,6 @@ class All2AllBackend(ABC):
         ep_rank, ep_size: this rank and the number of EP ranks.
         num_experts: global experts; rank ``r`` holds ``[r * num_local_experts, (r+1) * ...)``.
         timeout: limit of every blocking wait.
-        link: an emulated slower link (``distributed.link_emulation``) that delays the completion
-            of every collective of this backend, the count exchange included; None: real link.
 
     Raises:
         ValueError: if ``num_experts % ep_size != 0``, ``ep_rank`` is outside ``[0, ep_size)``,
@@ -147,7 +149,6 @@ class All2AllBackend(ABC):
         ep_size: int,
         num_experts: int,
         timeout: datetime.timedelta,
-        link: EmulatedLink | None = None,
     ) -> None:
         if ep_size < 1 or not 0 <= ep_rank < ep_size:
             raise ValueError(f"need ep_size >= 1 and ep_rank in [0, {ep_size}), got {ep_rank}")
@@ -165,7 +166,6 @@ class All2AllBackend(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
-        self.link = link
 
     @abstractmethod
     def dispatch(
@@ -291,28 +291,22 @@ class All2AllBackend(ABC):
 
     def _notify(self, pending, op: str, *, issued_at_ns: int, num_bytes: int) -> tuple[int, int]:
         """Complete the small blocking count exchange ``pending`` (issued at ``issued_at_ns``,
-        ``num_bytes`` each way) under the emulated link if any; return its ``(start, end)`` ns."""
+        ``num_bytes`` each way); return its ``(start, end)`` ns (``perf_counter_ns``)."""
         work, after = pending
-        wait_work(work, op=op, rank=self.ep_rank, timeout=self.timeout)
-        if self.link is not None:
-            # blocking wait, bounded by the emulated link's deadline
-            sleep_until(self.link.deadline_ns(issued_at_ns, num_bytes))
-        if after is not None:
-            after()
+        handle = CollectiveHandle(
+            op=op,
+            rank=self.ep_rank,
+            timeout=self.timeout,
+            work=work,
+            finalize=after or (lambda: None),
+            timing=CommTiming(issued_at_ns=issued_at_ns, num_bytes=num_bytes),
+        )
+        wait_blocking_exchange(handle)  # blocking wait (timeout: self.timeout)
         return issued_at_ns, time.perf_counter_ns()
 
-    def _handle(
-        self,
-        *,
-        op: str,
-        pending,
-        finalize,
-        issued_at_ns: int,
-        num_bytes: int,
-        async_op: bool,
-        num_recv_bytes: int | None = None,
-        notify_ns: tuple[int, int] | None = None,
-    ):
+    def _handle(self, *, op: str, pending, finalize, timing: CommTiming, async_op: bool):
+        """The ``CollectiveHandle`` of a payload ``pending`` (its after-step runs before
+        ``finalize``); complete when not ``async_op``."""
         work, after = pending
 
         def run_finalize():
@@ -320,20 +314,13 @@ class All2AllBackend(ABC):
                 after()
             return finalize()
 
-        link_deadline_ns = None
-        if self.link is not None:
-            link_bytes = max(num_bytes, num_bytes if num_recv_bytes is None else num_recv_bytes)
-            link_deadline_ns = self.link.deadline_ns(issued_at_ns, link_bytes)
         handle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,
             timeout=self.timeout,
             work=work,
             finalize=run_finalize,
-            issued_at_ns=issued_at_ns,
-            num_bytes=num_bytes,
-            notify_ns=notify_ns,
-            link_deadline_ns=link_deadline_ns,
+            timing=timing,
         )
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait

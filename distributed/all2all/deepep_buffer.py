@@ -49,7 +49,7 @@ from distributed.all2all.token_packing import (
     unpack_rows,
 )
 from distributed.collectives import Pending, all_to_all_single
-from distributed.link_emulation import EmulatedLink
+from distributed.comm_handle import CommTiming, wait_blocking_exchange
 
 IMPLEMENTATION = "torch.distributed emulation of DeepEP's protocol"
 
@@ -78,7 +78,6 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         group: the EP group (None: one rank, local copies).
         rank, num_ranks: this rank and the group size.
         timeout: limit of every blocking wait.
-        link: emulated slower link (``distributed.link_emulation``) billed by every transfer.
         num_max_dispatch_tokens_per_rank: the LL capacity this buffer was sized for (DeepEP sizes
             its RDMA buffer with it); a low-latency call may use up to this many.
     """
@@ -92,14 +91,12 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         rank: int,
         num_ranks: int,
         timeout: datetime.timedelta,
-        link: EmulatedLink | None = None,
         num_max_dispatch_tokens_per_rank: int = 0,
     ) -> None:
         self.group = group
         self.rank = rank
         self.group_size = num_ranks
         self.timeout = timeout
-        self.link = link
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
 
     @staticmethod
@@ -168,50 +165,116 @@ class TorchDistributedBuffer(LowLatencyProtocol):
             ValueError: unsupported options or inputs missing; rank disagreement on the row format
                 (raised on every rank). TimeoutError / RuntimeError: the notify step failed.
         """
-        if handle is not None or expert_alignment != 1 or num_worst_tokens:
-            raise ValueError("the emulated buffer supports neither a cached handle, "
-                             "expert_alignment != 1 nor num_worst_tokens")  # fmt: skip
-        if None in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx):
-            raise ValueError("dispatch needs the layout tensors and topk_idx")
+        if (
+            handle is not None
+            or expert_alignment != 1
+            or num_worst_tokens
+            or None in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx)
+        ):
+            raise ValueError(
+                "the emulated buffer's dispatch needs the layout tensors and topk_idx, and "
+                "supports neither a cached handle, expert_alignment != 1 nor num_worst_tokens"
+            )
         if previous_event is not None:
             previous_event.current_stream_wait()
         assert topk_idx is not None and is_token_in_rank is not None  # narrowed above
-        num_experts = num_tokens_per_expert.numel()
-        num_local_experts = num_experts // self.group_size
-        weights = torch.ones_like(topk_idx, dtype=torch.float32)
-        if topk_weights is not None:
-            weights = topk_weights.float()
+        return self._dispatch_rows(
+            x,
+            topk_idx,
+            topk_weights,
+            is_token_in_rank,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            async_finish,
+        )
+
+    def _dispatch_rows(
+        self,
+        x: Tensor,
+        topk_idx: Tensor,
+        topk_weights: Tensor | None,
+        is_token_in_rank: Tensor,
+        num_tokens_per_rank: Tensor,
+        num_tokens_per_expert: Tensor,
+        async_finish: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, list[int], HighThroughputHandle, EmulatedEventOverlap]:
+        """``dispatch`` once its arguments are checked: notify, then the payload."""
         layout = RowLayout(hidden_size=x.shape[1], num_topk=topk_idx.shape[1], dtype=x.dtype)
         send_counts, recv_counts, num_recv_tokens_per_expert, notify_ns = self._notify_counts(
             num_tokens_per_rank, num_tokens_per_expert, layout
         )
         send_rank, send_token_idx = is_token_in_rank.t().nonzero(as_tuple=True)
-        local_ids, local_weights = localize_topk(
-            topk_idx[send_token_idx], weights[send_token_idx], send_rank,
-            num_local_experts=num_local_experts,
-        )  # fmt: skip
-        packed = pack_rows(x[send_token_idx], local_ids, local_weights, layout)
-        recv = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8, device=x.device)
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            recv, packed, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-            group=self.group,
-        )  # fmt: skip
+        packed = self._pack_ht_rows(
+            x, topk_idx, topk_weights, send_rank, send_token_idx, num_tokens_per_expert.numel()
+        )
+        recv, event = self._issue_ht_rows(packed, send_counts, recv_counts, notify_ns, async_finish)
         recv_topk_idx, recv_topk_weights, recv_x = unpack_rows(recv, layout)
-        remote_rows = max(len(send_token_idx) - send_counts[self.rank],
-                          recv.shape[0] - recv_counts[self.rank])  # fmt: skip
-        event = self._event(
-            "deepep_high_throughput dispatch", pending, None, issued_at_ns,
-            remote_rows * layout.row_bytes, async_finish, notify_ns,
-        )  # fmt: skip
         new_handle = HighThroughputHandle(
             send_counts=tuple(send_counts),
             recv_counts=tuple(recv_counts),
             send_token_idx=send_token_idx,
             num_tokens=x.shape[0],
         )
-        return (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, new_handle,
-                event)  # fmt: skip
+        return (
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            num_recv_tokens_per_expert,
+            new_handle,
+            event,
+        )
+
+    def _issue_ht_rows(
+        self,
+        packed: Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        notify_ns: tuple[int, int],
+        async_finish: bool,
+    ) -> tuple[Tensor, EmulatedEventOverlap]:
+        """Issue HT's payload, the ``packed`` rows ``[sum(send_counts), row_bytes]`` uint8 in
+        destination order; ``(recv [sum(recv_counts), row_bytes] uint8, event)``."""
+        row_bytes = packed.shape[1]
+        recv = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=packed.device)
+        issued_at_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv,
+            packed,
+            output_split_sizes=recv_counts,
+            input_split_sizes=send_counts,
+            group=self.group,
+        )
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(packed.shape[0] - send_counts[self.rank]) * row_bytes,
+            num_recv_bytes=(recv.shape[0] - recv_counts[self.rank]) * row_bytes,
+            notify_ns=notify_ns,
+        )
+        event = self._event("deepep_high_throughput dispatch", pending, None, timing, async_finish)
+        return recv, event
+
+    def _pack_ht_rows(
+        self,
+        x: Tensor,
+        topk_idx: Tensor,
+        topk_weights: Tensor | None,
+        send_rank: Tensor,
+        send_token_idx: Tensor,
+        num_experts: int,
+    ) -> Tensor:
+        """The sent rows ``[len(send_token_idx), row_bytes]`` uint8: each (destination, token)
+        pair's token with its top-k ids made local to the destination (weights 1 if None)."""
+        weights = torch.ones_like(topk_idx, dtype=torch.float32)
+        if topk_weights is not None:
+            weights = topk_weights.float()
+        layout = RowLayout(hidden_size=x.shape[1], num_topk=topk_idx.shape[1], dtype=x.dtype)
+        local_ids, local_weights = localize_topk(
+            topk_idx[send_token_idx],
+            weights[send_token_idx],
+            send_rank,
+            num_local_experts=num_experts // self.group_size,
+        )
+        return pack_rows(x[send_token_idx], local_ids, local_weights, layout)
 
     def combine(
         self,
@@ -248,9 +311,12 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         combined_x = torch.empty(handle.num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
         issued_at_ns = time.perf_counter_ns()
         pending = all_to_all_single(
-            recv, send, output_split_sizes=list(handle.send_counts),
-            input_split_sizes=list(handle.recv_counts), group=self.group,
-        )  # fmt: skip
+            recv,
+            send,
+            output_split_sizes=list(handle.send_counts),
+            input_split_sizes=list(handle.recv_counts),
+            group=self.group,
+        )
 
         def finish() -> None:
             acc_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -259,12 +325,12 @@ class TorchDistributedBuffer(LowLatencyProtocol):
             total.index_add_(0, handle.send_token_idx.to(x.device), rows)
             combined_x.copy_(total)
 
-        remote_rows = max(send.shape[0] - handle.recv_counts[self.rank],
-                          num_back - handle.send_counts[self.rank])  # fmt: skip
-        event = self._event(
-            "deepep_high_throughput combine", pending, finish, issued_at_ns,
-            remote_rows * send.shape[1], async_finish,
-        )  # fmt: skip
+        timing = CommTiming(
+            issued_at_ns=issued_at_ns,
+            num_bytes=(send.shape[0] - handle.recv_counts[self.rank]) * send.shape[1],
+            num_recv_bytes=(num_back - handle.send_counts[self.rank]) * send.shape[1],
+        )
+        event = self._event("deepep_high_throughput combine", pending, finish, timing, async_finish)
         return combined_x, None, event
 
     # ------------------------------------------------------------------ shared helpers
@@ -310,11 +376,17 @@ class TorchDistributedBuffer(LowLatencyProtocol):
             recv_header, header, output_split_sizes=None, input_split_sizes=None, group=self.group
         )
         transfer = EmulatedTransfer(
-            op="deepep_high_throughput dispatch notify", rank=self.rank, timeout=self.timeout,
-            pending=pending, finish=None, issued_at_ns=start_ns,
-            num_bytes=(self.group_size - 1) * header.shape[1] * 8, link=self.link,
-        )  # fmt: skip
-        transfer.wait()  # blocking wait (timeout: self.timeout): the sizes must be on the host
+            op="deepep_high_throughput dispatch notify",
+            rank=self.rank,
+            timeout=self.timeout,
+            pending=pending,
+            finish=None,
+            timing=CommTiming(
+                issued_at_ns=start_ns, num_bytes=(self.group_size - 1) * header.shape[1] * 8
+            ),
+        )
+        # blocking wait (timeout: self.timeout): the sizes must be on the host
+        wait_blocking_exchange(transfer)
         return recv_header, (start_ns, time.perf_counter_ns())
 
     def _event(
@@ -322,15 +394,17 @@ class TorchDistributedBuffer(LowLatencyProtocol):
         op: str,
         pending: Pending,
         finish: Callable[[], None] | None,
-        issued_at_ns: int,
-        num_bytes: int,
+        timing: CommTiming,
         async_finish: bool,
-        notify_ns: tuple[int, int] | None = None,
     ) -> EmulatedEventOverlap:
         transfer = EmulatedTransfer(
-            op=op, rank=self.rank, timeout=self.timeout, pending=pending, finish=finish,
-            issued_at_ns=issued_at_ns, num_bytes=num_bytes, link=self.link, notify_ns=notify_ns,
-        )  # fmt: skip
+            op=op,
+            rank=self.rank,
+            timeout=self.timeout,
+            pending=pending,
+            finish=finish,
+            timing=timing,
+        )
         if not async_finish:
             transfer.wait()  # blocking wait (timeout: self.timeout): a synchronous call
         return EmulatedEventOverlap(transfer)

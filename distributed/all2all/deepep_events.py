@@ -7,19 +7,19 @@ import datetime
 from collections.abc import Callable
 
 from distributed.collectives import Pending
-from distributed.comm_handle import CollectiveHandle
-from distributed.link_emulation import EmulatedLink
+from distributed.comm_handle import CollectiveHandle, CommTiming
 
 
 class EmulatedTransfer(CollectiveHandle[bool]):
     """One in-flight collective of the emulated buffer: a ``CollectiveHandle`` (its completion
-    logic: the collective's wait bounded by the buffer's timeout, then the emulated link's
-    deadline, then ``finish`` once, thread-safe, a failure re-raised by every later wait) that is
-    also shaped like a ``torch.distributed.Work`` (``wait(timeout)`` returning True,
-    ``is_completed()``, ``get_future()``) and callable as DeepEP's recv hook.
+    logic: the collective's wait bounded by the buffer's timeout, then ``finish`` once,
+    thread-safe, a failure re-raised by every later wait) that is also shaped like a
+    ``torch.distributed.Work`` (``wait(timeout)`` returning True, ``is_completed()``,
+    ``get_future()``) and callable as DeepEP's recv hook.
 
     ``finish`` unpacks into the tensors the Buffer call returned; ``pending``'s after-step (a
-    fallback collective's) runs before it.
+    fallback collective's) runs before it. ``timing``: the transfer at issue (``CommTiming``),
+    which the backend's handle takes over.
     """
 
     __slots__ = ()
@@ -32,10 +32,7 @@ class EmulatedTransfer(CollectiveHandle[bool]):
         timeout: datetime.timedelta,
         pending: Pending,
         finish: Callable[[], None] | None,
-        issued_at_ns: int,
-        num_bytes: int,
-        link: EmulatedLink | None,
-        notify_ns: tuple[int, int] | None = None,
+        timing: CommTiming,
     ) -> None:
         work, after = pending
 
@@ -47,10 +44,8 @@ class EmulatedTransfer(CollectiveHandle[bool]):
             return True
 
         super().__init__(
-            op=op, rank=rank, timeout=timeout, work=work, finalize=finalize,
-            issued_at_ns=issued_at_ns, num_bytes=num_bytes, notify_ns=notify_ns,
-            link_deadline_ns=None if link is None else link.deadline_ns(issued_at_ns, num_bytes),
-        )  # fmt: skip
+            op=op, rank=rank, timeout=timeout, work=work, finalize=finalize, timing=timing
+        )
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Complete the receive (``Work.wait``'s shape; the limit is the buffer's timeout).

@@ -21,8 +21,7 @@ from torch.distributed import ProcessGroup
 
 from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
 from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
-from distributed.comm_handle import CollectiveHandle, CommHandle
-from distributed.link_emulation import EmulatedLink
+from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,20 +58,27 @@ class DeepEPHighThroughputBackend(All2AllBackend):
         ep_size: int,
         num_experts: int,
         timeout: datetime.timedelta,
-        link: EmulatedLink | None = None,
         hidden_size: int = 0,
         num_max_dispatch_tokens_per_rank: int = 0,
         buffer=None,
     ) -> None:
         super().__init__(
-            ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
-            timeout=timeout, link=link,
-        )  # fmt: skip
+            ep_group=ep_group,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            timeout=timeout,
+        )
         self.buffer = buffer or make_deepep_buffer(
-            low_latency_mode=False, group=ep_group, rank=ep_rank, num_ranks=ep_size,
-            timeout=timeout, link=link, hidden_size=hidden_size, num_experts=num_experts,
+            low_latency_mode=False,
+            group=ep_group,
+            rank=ep_rank,
+            num_ranks=ep_size,
+            timeout=timeout,
+            hidden_size=hidden_size,
+            num_experts=num_experts,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )  # fmt: skip
+        )
         self.implementation = self.buffer.implementation
 
     def dispatch(
@@ -126,8 +132,9 @@ class DeepEPHighThroughputBackend(All2AllBackend):
                 metadata=metadata,
             )
 
-        return self._deepep_handle("deepep_high_throughput dispatch", work, finalize, start_ns,
-                                   async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput dispatch", work, finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -142,21 +149,26 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             async_finish=True,
             allocate_on_comm_stream=previous_event(self.buffer) is not None,
         )
-        return self._deepep_handle("deepep_high_throughput combine", completion_work(event),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput combine",
+            completion_work(event),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )
 
     def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
-        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``)."""
+        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``),
+        with the emulated transfer's ``CommTiming`` (DeepEP's kernels report none: issued at
+        ``start_ns``, bytes unknown, 0)."""
+        timing = getattr(work, "timing", None) or CommTiming(issued_at_ns=start_ns, num_bytes=0)
         handle: CollectiveHandle = CollectiveHandle(
             op=op,
             rank=self.ep_rank,
             timeout=self.timeout,
             work=work,
             finalize=finalize,
-            issued_at_ns=getattr(work, "issued_at_ns", start_ns),
-            num_bytes=getattr(work, "num_bytes", 0),
-            notify_ns=getattr(work, "notify_ns", None),
-            link_deadline_ns=getattr(work, "link_deadline_ns", None),
+            timing=timing,
         )
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait

@@ -12,7 +12,6 @@ from torch.distributed import ProcessGroup
 
 from distributed.all2all.deepep_buffer import TorchDistributedBuffer
 from distributed.all2all.deepep_events import EmulatedEventOverlap, EmulatedTransfer
-from distributed.link_emulation import EmulatedLink
 
 DEEPEP_KERNELS = "deep_ep kernels"
 # NVLink buffer of the high-throughput mode (vLLM's default VLLM_DEEPEP_BUFFER_SIZE_MB is 1024)
@@ -39,7 +38,6 @@ def make_deepep_buffer(
     rank: int,
     num_ranks: int,
     timeout: datetime.timedelta,
-    link: EmulatedLink | None,
     hidden_size: int,
     num_experts: int,
     num_max_dispatch_tokens_per_rank: int,
@@ -50,18 +48,15 @@ def make_deepep_buffer(
     DeepEP's buffer is sized as its documentation says: low latency with
     ``Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
     num_experts)`` and one QP per local expert; high throughput with an NVLink buffer of 1 GiB.
-
-    Raises:
-        ValueError: ``link`` given together with DeepEP's kernels (the link model is a CPU tool).
     """
     if not deepep_kernels_available(group):
         return TorchDistributedBuffer(
-            group, rank=rank, num_ranks=num_ranks, timeout=timeout, link=link,
+            group,
+            rank=rank,
+            num_ranks=num_ranks,
+            timeout=timeout,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )  # fmt: skip
-    if link is not None:
-        raise ValueError("--emulate-link applies to the torch.distributed emulation only, not "
-                         "to DeepEP's kernels")  # fmt: skip
+        )
     import deep_ep
 
     if low_latency_mode:
@@ -69,9 +64,12 @@ def make_deepep_buffer(
             num_max_dispatch_tokens_per_rank, hidden_size, num_ranks, num_experts
         )
         buffer = deep_ep.Buffer(
-            group, num_nvl_bytes=0, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
+            group,
+            num_nvl_bytes=0,
+            num_rdma_bytes=num_rdma_bytes,
+            low_latency_mode=True,
             num_qps_per_rank=num_experts // num_ranks,
-        )  # fmt: skip
+        )
     else:
         buffer = deep_ep.Buffer(group, num_nvl_bytes=HIGH_THROUGHPUT_NVL_BYTES, num_rdma_bytes=0)
     buffer.implementation = DEEPEP_KERNELS

@@ -40,7 +40,6 @@ from distributed.all2all.deepep_kernels import (
     make_deepep_buffer,
 )
 from distributed.comm_handle import CommHandle
-from distributed.link_emulation import EmulatedLink
 
 # DeepEP's own tests size the low-latency buffer for 128 tokens per rank
 DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
@@ -82,7 +81,6 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
         ep_size: int,
         num_experts: int,
         timeout: datetime.timedelta,
-        link: EmulatedLink | None = None,
         hidden_size: int = 0,
         num_max_dispatch_tokens_per_rank: int = DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK,
         buffer=None,
@@ -94,14 +92,23 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
             )
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         buffer = buffer or make_deepep_buffer(
-            low_latency_mode=True, group=ep_group, rank=ep_rank, num_ranks=ep_size,
-            timeout=timeout, link=link, hidden_size=hidden_size, num_experts=num_experts,
+            low_latency_mode=True,
+            group=ep_group,
+            rank=ep_rank,
+            num_ranks=ep_size,
+            timeout=timeout,
+            hidden_size=hidden_size,
+            num_experts=num_experts,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )  # fmt: skip
+        )
         super().__init__(
-            ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
-            timeout=timeout, link=link, buffer=buffer,
-        )  # fmt: skip
+            ep_group=ep_group,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            timeout=timeout,
+            buffer=buffer,
+        )
         if self.implementation == DEEPEP_KERNELS:
             # DeepEP's LL buffer has two halves: a third call overwrites the first's results
             # ("do not hold more than 2 low-latency kernels' result tensors at a time")
@@ -163,8 +170,9 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
                 hidden_states=recv_x, expert_num_tokens=recv_count, metadata=metadata
             )
 
-        return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
-                                   finalize, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency dispatch", completion_work(hook), finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -190,5 +198,10 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
             metadata.handle,
             return_recv_hook=True,
         )
-        return self._deepep_handle("deepep_low_latency combine", completion_work(hook),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency combine",
+            completion_work(hook),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )

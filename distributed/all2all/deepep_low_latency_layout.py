@@ -78,8 +78,12 @@ class BlockLayout:
         num_rows = capacity * min(num_topk, num_local)
         align = 8 // math.gcd(row_bytes, 8)  # rows per 8-byte-aligned unit
         rows_per_block = -(-(num_header_rows + num_rows) // align) * align
-        return cls(num_local=num_local, num_header_rows=num_header_rows, num_rows=num_rows,
-                   rows_per_block=rows_per_block)  # fmt: skip
+        return cls(
+            num_local=num_local,
+            num_header_rows=num_header_rows,
+            num_rows=num_rows,
+            rows_per_block=rows_per_block,
+        )
 
     def counts(self, buf: Tensor) -> Tensor:
         """``[num_blocks, L]`` int64 view of the counts in ``buf [num_blocks, rows_per_block, H]``

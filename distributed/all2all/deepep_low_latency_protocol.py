@@ -24,13 +24,15 @@ combine applies the weights).
 
 Buffers put the blocks to send first, the rank's own block in the middle and the received blocks
 after it, so the send part, the receive part and "own block + received blocks" are each one
-contiguous slice (no copy of the own rows). The emulated link bills the bytes DeepEP's kernels
-would put on the wire: valid rows to other ranks, plus the counts.
+contiguous slice (no copy of the own rows). A transfer's ``CommTiming.num_bytes`` is what DeepEP's
+kernels would put on the wire (what an emulated link bills): valid rows to other ranks, plus the
+counts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,7 @@ from distributed.all2all.deepep_low_latency_layout import (
     valid_rows,
 )
 from distributed.collectives import all_to_all_single
+from distributed.comm_handle import CommTiming
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,7 +78,7 @@ class LowLatencyHandle:
 
 class LowLatencyProtocol:
     """The two LL methods of ``TorchDistributedBuffer`` (uses its group, rank, group_size,
-    timeout, link and num_max_dispatch_tokens_per_rank)."""
+    timeout and num_max_dispatch_tokens_per_rank)."""
 
     def _check_capacity(self, num_tokens: int, capacity: int) -> None:
         allocated = self.num_max_dispatch_tokens_per_rank
@@ -132,27 +135,53 @@ class LowLatencyProtocol:
             num_local, num_ranks * capacity, x.shape[1], dtype=x.dtype, device=x.device
         )
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
-        issued_at_ns = time.perf_counter_ns()
-        peers = peer_splits([1] * num_ranks, self.rank)
-        pending = all_to_all_single(
-            buf[num_ranks:], buf[: num_ranks - 1], output_split_sizes=peers,
-            input_split_sizes=peers, group=self.group,
-        )  # fmt: skip
 
         def finish() -> None:
             self._unpack_dispatch(buf[num_ranks - 1 :], handle, recv_x, recv_count)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
-        transfer = EmulatedTransfer(
-            op="deepep_low_latency dispatch", rank=self.rank, timeout=self.timeout,
-            pending=pending, finish=finish, issued_at_ns=issued_at_ns, num_bytes=num_bytes,
-            link=self.link,
-        )  # fmt: skip
-        if not return_recv_hook:
-            transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
+        peers = peer_splits([1] * num_ranks, self.rank)
+        transfer = self._issue(
+            "deepep_low_latency dispatch",
+            buf[num_ranks:],
+            buf[: num_ranks - 1],
+            (peers, peers),
+            finish,
+            num_bytes,
+            return_recv_hook,
+        )
         hook = transfer if return_recv_hook else None
         return recv_x, recv_count, handle, EmulatedEventOverlap(transfer), hook
+
+    def _issue(
+        self,
+        op: str,
+        recv: Tensor,
+        send: Tensor,
+        splits: tuple[list[int], list[int]],
+        finish: Callable[[], None],
+        num_bytes: int,
+        return_recv_hook: bool,
+    ) -> EmulatedTransfer:
+        """Issue the call's ``all_to_all_single`` of ``send`` into ``recv`` (``splits``: input,
+        output) as an ``EmulatedTransfer`` (``num_bytes``: what DeepEP's kernels put on the wire,
+        see the module docstring), complete unless ``return_recv_hook``."""
+        issued_at_ns = time.perf_counter_ns()
+        pending = all_to_all_single(
+            recv, send, output_split_sizes=splits[1], input_split_sizes=splits[0], group=self.group
+        )
+        transfer = EmulatedTransfer(
+            op=op,
+            rank=self.rank,
+            timeout=self.timeout,
+            pending=pending,
+            finish=finish,
+            timing=CommTiming(issued_at_ns=issued_at_ns, num_bytes=num_bytes),
+        )
+        if not return_recv_hook:
+            transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
+        return transfer
 
     def _pack_dispatch(
         self, x: Tensor, topk_idx: Tensor, capacity: int, num_experts: int
@@ -176,8 +205,9 @@ class LowLatencyProtocol:
                 f"rank exceed {block.num_rows} = capacity * min(num_topk, num_local_experts): "
                 f"a token names the same expert twice"
             )
-        buf = torch.empty(2 * num_ranks - 1, block.rows_per_block, hidden, dtype=x.dtype,
-                          device=device)  # fmt: skip
+        buf = torch.empty(
+            2 * num_ranks - 1, block.rows_per_block, hidden, dtype=x.dtype, device=device
+        )
         send_slot = slot_order(self.rank, num_ranks, own_first=False, device=device)
         block.counts(buf)[:num_ranks].index_copy_(0, send_slot, sent)
         valid = position >= 0
@@ -195,11 +225,14 @@ class LowLatencyProtocol:
         pair_row = torch.full_like(topk_idx, -1)
         pair_row[valid] = chunk_start[dest] + block_row
         handle = LowLatencyHandle(
-            num_max_dispatch_tokens_per_rank=capacity, hidden=hidden, num_experts=num_experts,
-            pair_row=pair_row, num_sent_rows=tuple(num_sent_rows),
+            num_max_dispatch_tokens_per_rank=capacity,
+            hidden=hidden,
+            num_experts=num_experts,
+            pair_row=pair_row,
+            num_sent_rows=tuple(num_sent_rows),
             recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
             is_received=torch.zeros(1, dtype=torch.bool),
-        )  # fmt: skip
+        )
         # bill what DeepEP puts on the wire: the valid rows for other ranks, and the counts
         num_remote = sum(num_sent_rows) - num_sent_rows[self.rank]
         num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * 8 * num_local
@@ -268,35 +301,37 @@ class LowLatencyProtocol:
         """
         self._check_combine(x, topk_idx, topk_weights, handle)
         buf, num_send, num_bytes, splits = self._pack_combine(x, handle)
-        num_tokens, hidden, dtype = topk_idx.shape[0], handle.hidden, x.dtype
+        num_tokens, hidden = topk_idx.shape[0], handle.hidden
         num_own = handle.num_sent_rows[self.rank]
-        issued_at_ns = time.perf_counter_ns()
-        pending = all_to_all_single(
-            buf[num_send + num_own :], buf[:num_send], output_split_sizes=splits[1],
-            input_split_sizes=splits[0], group=self.group,
-        )  # fmt: skip
-        combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype)
-        acc_dtype = torch.promote_types(dtype, torch.float32)
-
-        def finish() -> None:
-            rows = buf[num_send:]
-            if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
-                combined_x.zero_()
-                return
-            # each token's K rows (a pair with no expert reads row 0 with weight 0)
-            picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
-            picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
-            weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
-            combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
-
-        transfer = EmulatedTransfer(
-            op="deepep_low_latency combine", rank=self.rank, timeout=self.timeout,
-            pending=pending, finish=finish, issued_at_ns=issued_at_ns, num_bytes=num_bytes,
-            link=self.link,
-        )  # fmt: skip
-        if not return_recv_hook:
-            transfer.wait()  # blocking wait (timeout: self.timeout): the data must be there
+        combined_x = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype)
+        transfer = self._issue(
+            "deepep_low_latency combine",
+            buf[num_send + num_own :],
+            buf[:num_send],
+            splits,
+            lambda: self._weighted_sum(buf[num_send:], handle, topk_weights, combined_x),
+            num_bytes,
+            return_recv_hook,
+        )
         return combined_x, EmulatedEventOverlap(transfer), transfer if return_recv_hook else None
+
+    @staticmethod
+    def _weighted_sum(
+        rows: Tensor, handle: LowLatencyHandle, topk_weights: Tensor, combined_x: Tensor
+    ) -> None:
+        """The combine's hook work: ``combined_x [T, H] = sum_k topk_weights[t, k] * row(t, k)``
+        over the received ``rows`` (own rows first, then each peer's: ``handle.pair_row``),
+        accumulated in float32 (float64 for float64)."""
+        if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
+            combined_x.zero_()
+            return
+        acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+        num_tokens, hidden = combined_x.shape
+        # each token's K rows (a pair with no expert reads row 0 with weight 0)
+        picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
+        picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
+        weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
+        combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
 
     def _check_combine(
         self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle

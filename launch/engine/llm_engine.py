@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dbo import TimelineRecorder, set_timeline_recorder
 from dbo.timeline.recorder import timeline_step
-from distributed import EmulatedLink, make_all2all_backend
+from distributed import EmulatedLink, EmulatedLinkBackend, make_all2all_backend
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.engine.graph_mode import build_graph_mode
@@ -136,12 +136,13 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
         ep_size=groups.ep_size,
         num_experts=config.num_experts,
         timeout=groups.timeout,
-        link=None if link_spec is None else EmulatedLink(link_spec),
         # DeepEP's buffers: no step (microbatched or not) has more rows per rank than the
         # scheduler's token budget, so a low-latency dispatch never overflows its slots
         hidden_size=config.hidden_size,
         num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
+    if link_spec is not None:
+        backend = EmulatedLinkBackend(backend, EmulatedLink(link_spec))
     if engine_args.enable_dbo:
         check_num_ubatches(backend, engine_args.num_ubatches)
     return backend

@@ -76,14 +76,14 @@ def _wait(handle: CommHandle[T], op: str) -> T:
 def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
     """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
     blocking count exchange if the backend made one (``{op}_notify``, comm)."""
-    notify = handle.notify_ns
-    issued_at_ns = max(handle.issued_at_ns, start_ns)
-    if notify is None:
+    timing = handle.timing
+    issued_at_ns = max(timing.issued_at_ns, start_ns)
+    if timing.notify_ns is None:
         record_span(
             f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=issued_at_ns, kind="compute"
         )
         return
-    notify_start, notify_end = notify
+    notify_start, notify_end = timing.notify_ns
     record_span(
         f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=notify_start, kind="compute"
     )
@@ -97,15 +97,19 @@ def _record_comm(op: str, handle: CommHandle) -> None:
     """Spans of one completed transfer: ``{op}`` from issue to data arrival (comm) and the
     receive-side unpacking ``{op}_finish`` (compute: CPU work no overlap can hide, which the
     overlap metrics must count in C; it runs in whichever ubatch completed the handle)."""
-    end_ns = handle.completed_at_ns or time.perf_counter_ns()
+    timing = handle.timing
     record_span(
-        op, cat=CAT_COMM, start_ns=handle.issued_at_ns, end_ns=end_ns, kind="comm",
-        args={"num_bytes": handle.num_bytes},
-    )  # fmt: skip
-    finish = handle.finish_ns
-    if finish is not None:
+        op,
+        cat=CAT_COMM,
+        start_ns=timing.issued_at_ns,
+        end_ns=timing.completed_at_ns or time.perf_counter_ns(),
+        kind="comm",
+        args={"num_bytes": timing.num_bytes},
+    )
+    if timing.finish_ns is not None:
+        start_ns, end_ns = timing.finish_ns
         record_span(
-            f"{op}_finish", cat=CAT_COMPUTE, start_ns=finish[0], end_ns=finish[1], kind="compute"
+            f"{op}_finish", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=end_ns, kind="compute"
         )
 
 
@@ -226,7 +230,7 @@ class FusedMoEModularKernel:
         # come before the shared experts finish). Category "window": neither compute nor
         # communication in the overlap metrics, only drawn on the comm track.
         record_span(
-            "combine_window", cat="window", start_ns=combine.issued_at_ns,
+            "combine_window", cat="window", start_ns=combine.timing.issued_at_ns,
             end_ns=time.perf_counter_ns(), kind="comm",
         )  # fmt: skip
         if shared_output is not None:

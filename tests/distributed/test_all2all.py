@@ -118,7 +118,8 @@ def _run_case(backend, case, ep_rank) -> dict:
     assert handle.is_completed()
     result = handle.wait()
     assert handle.wait() is result
-    assert handle.completed_at_ns is not None and handle.completed_at_ns >= handle.issued_at_ns
+    timing = handle.timing
+    assert timing.completed_at_ns is not None and timing.completed_at_ns >= timing.issued_at_ns
     num_recv_tokens = _check_received(result, case, ep_rank, backend)
 
     # experts → sync combine equals the single-process reference
@@ -148,8 +149,9 @@ def _run_case(backend, case, ep_rank) -> dict:
     reference_b = apply_experts(x2, ids2, w2, scales, 0).to(dtype)
     assert_close(out_b, reference_b, atol=atol, rtol=rtol)
     for h in (h_a, h_b, c_a, c_b):
-        assert h.completed_at_ns is not None and h.completed_at_ns >= h.issued_at_ns
-        assert h.num_bytes >= 0
+        timing = h.timing
+        assert timing.completed_at_ns is not None and timing.completed_at_ns >= timing.issued_at_ns
+        assert timing.num_bytes >= 0 and timing.finish_ns is not None
 
     # token counts known to the caller (as under DBO): same rows; only the backends whose count
     # exchange depends on the routing (all_to_all, DeepEP HT's notify) still block on one
@@ -157,7 +159,7 @@ def _run_case(backend, case, ep_rank) -> dict:
     _assert_same_result(h_known.wait(), result)
     # all_to_all pads small dispatches instead (these cases are all below its limit)
     padded = backend.name == "all_to_all"
-    assert (h_known.notify_ns is None) == (padded or not backend.blocks_under_dbo)
+    assert (h_known.timing.notify_ns is None) == (padded or not backend.blocks_under_dbo)
     if padded:  # and its combine of a padded dispatch returns the same result
         known_out = backend.combine(experts(h_known.wait()), h_known.wait().metadata).wait()
         assert torch.equal(known_out, out)

@@ -3,6 +3,7 @@ and EP=2 over real gloo all-to-all backends (with and without DBO) vs the single
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
+from distributed import CommTiming
 from moe import (
     FusedMoEModularKernel,
     FusedMoEPrepareAndFinalize,
@@ -130,15 +132,15 @@ class _LazyHandle:
 
     def __init__(self, log, name, value):
         self.log, self.name, self.value = log, name, value
-        self.issued_at_ns, self.completed_at_ns, self.num_bytes = time.perf_counter_ns(), None, 0
-        self.notify_ns = self.finish_ns = None
+        self.timing = CommTiming(issued_at_ns=time.perf_counter_ns(), num_bytes=0)
 
     def is_completed(self):
-        return self.completed_at_ns is not None
+        return self.timing.completed_at_ns is not None
 
     def wait(self):
-        if self.completed_at_ns is None:
-            self.completed_at_ns = time.perf_counter_ns()
+        if self.timing.completed_at_ns is None:
+            now_ns = time.perf_counter_ns()
+            self.timing = dataclasses.replace(self.timing, completed_at_ns=now_ns)
             self.log.append(("complete", self.name, dbo_current_ubatch_id()))
         return self.value
 
