@@ -3,22 +3,26 @@
 Imports only torch (and the standard library). Nothing happens at import time.
 """
 
-from distributed.all2all.registry import (
+from distributed.all2all import (
     BACKENDS,
     All2AllBackend,
     AllGatherDispatchMetadata,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
     AllToAllDispatchMetadata,
+    BatchedAll2AllBackend,
+    BatchedDispatchMetadata,
     BatchedDispatchResult,
-    CommHandle,
     DeepEPHighThroughputBackend,
     DeepEPLowLatencyBackend,
     DispatchMetadata,
     DispatchResult,
+    FusedMoEActivationFormat,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
     make_all2all_backend,
 )
-from distributed.comm_handle import CollectiveHandle, CompletedHandle
+from distributed.comm_handle import CollectiveHandle, CommHandle, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
@@ -35,6 +39,8 @@ __all__ = [
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
+    "BatchedAll2AllBackend",
+    "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "CollectiveHandle",
     "CommHandle",
@@ -44,8 +50,11 @@ __all__ = [
     "DispatchMetadata",
     "DispatchResult",
     "EmulatedLink",
+    "FusedMoEActivationFormat",
     "LinkSpec",
     "ParallelGroups",
+    "StandardAll2AllBackend",
+    "StandardDispatchMetadata",
     "TorchrunEnv",
     "destroy_distributed",
     "init_distributed",

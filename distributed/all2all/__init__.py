@@ -1,5 +1,6 @@
-"""Expert all-to-all backends, one module each, behind ``All2AllBackend`` (``base``); the registry
-maps ``--all2all-backend`` names to them."""
+"""Expert all-to-all backends, one module each, behind ``All2AllBackend`` (``base``) and the base
+of the activation format each delivers (``StandardAll2AllBackend`` / ``BatchedAll2AllBackend``);
+the registry maps ``--all2all-backend`` names to them."""
 
 from distributed.all2all.all_to_all import AllToAllBackend, AllToAllDispatchMetadata
 from distributed.all2all.allgather_reducescatter import (
@@ -8,9 +9,14 @@ from distributed.all2all.allgather_reducescatter import (
 )
 from distributed.all2all.base import (
     All2AllBackend,
+    BatchedAll2AllBackend,
+    BatchedDispatchMetadata,
     BatchedDispatchResult,
     DispatchMetadata,
     DispatchResult,
+    FusedMoEActivationFormat,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
 )
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
 from distributed.all2all.deepep_low_latency import DeepEPLowLatencyBackend
@@ -23,10 +29,15 @@ __all__ = [
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
+    "BatchedAll2AllBackend",
+    "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "DeepEPHighThroughputBackend",
     "DeepEPLowLatencyBackend",
     "DispatchMetadata",
     "DispatchResult",
+    "FusedMoEActivationFormat",
+    "StandardAll2AllBackend",
+    "StandardDispatchMetadata",
     "make_all2all_backend",
 ]

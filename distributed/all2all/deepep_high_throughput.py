@@ -19,31 +19,29 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
-from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
-from distributed.comm_handle import CollectiveHandle, CommHandle
+from distributed.all2all.base import (
+    DispatchMetadata,
+    DispatchResult,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
+)
+from distributed.all2all.deepep_common import DeepEPBufferMixin, previous_event
+from distributed.all2all.deepep_kernels import completion_work
+from distributed.comm_handle import CommHandle
 from distributed.link_emulation import EmulatedLink
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DeepEPHTDispatchMetadata(DispatchMetadata):
+class DeepEPHTDispatchMetadata(StandardDispatchMetadata):
     """Routing of one HT dispatch: DeepEP's ``handle`` (opaque; combine takes it back)."""
 
     handle: object
 
 
-def previous_event(buffer):
-    """DeepEP's ``previous_event`` for a call issued now: an event captured on the current CUDA
-    stream (the kernels' inputs are ready when it fires); None on the emulation (CPU ops ran)."""
-    if getattr(buffer, "implementation", "") != "deep_ep kernels":
-        return None
-    return buffer.capture()
-
-
-class DeepEPHighThroughputBackend(All2AllBackend):
+class DeepEPHighThroughputBackend(DeepEPBufferMixin, StandardAll2AllBackend):
     """DeepEP high-throughput dispatch / combine (see the module docstring).
 
-    Extra args (besides ``All2AllBackend``'s): ``hidden_size`` and
+    Extra args (besides ``All2AllBackend``'s; ``extra_options``): ``hidden_size`` and
     ``num_max_dispatch_tokens_per_rank`` size DeepEP's buffer (unused by the emulation);
     ``buffer``: a ready Buffer-shaped object (tests), else ``make_deepep_buffer``.
     """
@@ -68,12 +66,12 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
             timeout=timeout, link=link,
         )  # fmt: skip
-        self.buffer = buffer or make_deepep_buffer(
-            low_latency_mode=False, group=ep_group, rank=ep_rank, num_ranks=ep_size,
-            timeout=timeout, link=link, hidden_size=hidden_size, num_experts=num_experts,
+        self._attach_buffer(
+            buffer,
+            low_latency_mode=False,
+            hidden_size=hidden_size,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )  # fmt: skip
-        self.implementation = self.buffer.implementation
+        )
 
     def dispatch(
         self,
@@ -144,20 +142,3 @@ class DeepEPHighThroughputBackend(All2AllBackend):
         )
         return self._deepep_handle("deepep_high_throughput combine", completion_work(event),
                                    lambda: combined_x, start_ns, async_op)  # fmt: skip
-
-    def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
-        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``)."""
-        handle: CollectiveHandle = CollectiveHandle(
-            op=op,
-            rank=self.ep_rank,
-            timeout=self.timeout,
-            work=work,
-            finalize=finalize,
-            issued_at_ns=getattr(work, "issued_at_ns", start_ns),
-            num_bytes=getattr(work, "num_bytes", 0),
-            notify_ns=getattr(work, "notify_ns", None),
-            link_deadline_ns=getattr(work, "link_deadline_ns", None),
-        )
-        if not async_op:
-            handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait
-        return handle

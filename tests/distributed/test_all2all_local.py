@@ -13,6 +13,7 @@ from distributed import (
     BACKENDS,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
+    FusedMoEActivationFormat,
     make_all2all_backend,
 )
 from distributed.all2all.token_packing import (
@@ -96,7 +97,11 @@ def test_dispatch_and_combine_reject_bad_inputs(name):
     with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):
         backend.dispatch(x.long(), ids, w)
     result = backend.dispatch(x, ids, w).wait()
-    expected = r"\[3, 4\]" if backend.activation_format == "standard" else r"\[4, 128, 4\]"
+    expected = (
+        r"\[3, 4\]"
+        if backend.activation_format is FusedMoEActivationFormat.Standard
+        else r"\[4, 128, 4\]"
+    )
     with pytest.raises(ValueError, match=rf"expert_output must be floating {expected}"):
         backend.combine(torch.zeros(2, 4), result.metadata)
     other = _local_backend(next(n for n in BACKENDS if n != name))
