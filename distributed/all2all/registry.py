@@ -1,9 +1,9 @@
 """The registry of expert all-to-all backends: ``--all2all-backend`` names to classes.
 
-Token layout, after DeepEP's high-throughput kernels ("per destination rank, one row per token"):
-a token whose top-k experts live on R distinct EP ranks is sent once to each of those ranks.
 Global expert ``e`` lives on EP rank ``e // num_local_experts`` as local expert
-``e % num_local_experts``.
+``e % num_local_experts``. In the standard format (after DeepEP's high-throughput kernels, "per
+destination rank, one row per token") a token whose top-k experts live on R distinct EP ranks is
+sent once to each of those ranks; in the batched format once per (token, local expert).
 
 Backends (activation format):
     ``all_to_all``               uneven ``all_to_all_single`` (AllToAllBackend; standard)

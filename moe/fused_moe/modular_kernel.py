@@ -133,11 +133,15 @@ def _record_combine_window(combine: CommHandle) -> None:
     )
 
 
-def _describe(prepare_finalize: FusedMoEPrepareAndFinalize) -> str:
-    """``prepare_finalize``'s class, with its all-to-all backend's class if it wraps one."""
-    backend = getattr(prepare_finalize, "backend", None)
-    name = type(prepare_finalize).__name__
-    return name if backend is None else f"{name}({type(backend).__name__})"
+def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
+    """The transfer's result: under DBO hand its ``wait`` to the ubatch that runs next as a recv
+    hook and yield first; then wait (blocking unless a hook completed it) and record it."""
+    if is_async:
+        dbo_register_recv_hook(_recv_hook(handle, op))
+        dbo_yield()
+    result = _wait(handle, op)
+    _record_comm(op, handle)
+    return result
 
 
 class FusedMoEModularKernel:
@@ -171,7 +175,7 @@ class FusedMoEModularKernel:
             raise ValueError(
                 f"{type(experts).__name__} takes activation formats "
                 f"{[f.value for f in experts.activation_formats]} but "
-                f"{_describe(prepare_finalize)} delivers {fmt.value!r}"
+                f"{prepare_finalize!r} delivers {fmt.value!r}"
             )
         if prepare_finalize.num_local_experts != experts.num_local_experts:
             raise ValueError(
@@ -247,7 +251,7 @@ class FusedMoEModularKernel:
                 num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
             ),
         )
-        result = self._complete(dispatch, "dispatch", is_async)
+        result = _complete(dispatch, "dispatch", is_async)
         with timeline_span("experts"):
             expert_output = self._apply_experts(result)
         combine = self._issue(
@@ -261,20 +265,10 @@ class FusedMoEModularKernel:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
             with timeline_span("shared_experts"):
                 shared_output = shared_experts(hidden_states)
-        output = self._complete(combine, "combine", is_async)
+        output = _complete(combine, "combine", is_async)
         _record_combine_window(combine)
         if shared_output is not None:
             output = output + shared_output
         return output
-
-    def _complete(self, handle: CommHandle[T], op: str, is_async: bool) -> T:
-        """The transfer's result: under DBO hand its ``wait`` to the ubatch that runs next as a
-        recv hook and yield first; then wait (blocking unless a hook completed it) and record."""
-        if is_async:
-            dbo_register_recv_hook(_recv_hook(handle, op))
-            dbo_yield()
-        result = _wait(handle, op)
-        _record_comm(op, handle)
-        return result
 
     __call__ = forward

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 class FusedMoEPrepareAndFinalize(ABC):
     """Moves tokens to the ranks that own their experts (prepare) and results back (finalize)."""
 
+    def __repr__(self) -> str:
+        return type(self).__name__
+
     @property
     @abstractmethod
     def activation_format(self) -> FusedMoEActivationFormat:
@@ -142,6 +145,9 @@ class All2AllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
 
     def __init__(self, backend: StandardAll2AllBackend | BatchedAll2AllBackend):
         self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.backend).__name__})"
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:
