@@ -135,7 +135,7 @@ class BatchedDispatchResult:
     metadata: BatchedDispatchMetadata
 
     def __post_init__(self) -> None:
-        num_local_experts = self.expert_num_tokens.shape[0]
+        num_local_experts = self.expert_num_tokens.shape[0] if self.expert_num_tokens.dim() else -1
         expected = (num_local_experts, self.metadata.max_tokens_per_expert)
         expected += (self.metadata.hidden_size,)
         if self.expert_num_tokens.dim() != 1 or self.hidden_states.shape != expected:

@@ -63,9 +63,13 @@ class DeepEPHighThroughputBackend(DeepEPBufferMixin, StandardAll2AllBackend):
         buffer=None,
     ) -> None:
         super().__init__(
-            ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
-            timeout=timeout, link=link,
-        )  # fmt: skip
+            ep_group=ep_group,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            timeout=timeout,
+            link=link,
+        )
         self._attach_buffer(
             buffer,
             low_latency_mode=False,
@@ -124,8 +128,9 @@ class DeepEPHighThroughputBackend(DeepEPBufferMixin, StandardAll2AllBackend):
                 metadata=metadata,
             )
 
-        return self._deepep_handle("deepep_high_throughput dispatch", work, finalize, start_ns,
-                                   async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput dispatch", work, finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -140,5 +145,10 @@ class DeepEPHighThroughputBackend(DeepEPBufferMixin, StandardAll2AllBackend):
             async_finish=True,
             allocate_on_comm_stream=previous_event(self.buffer) is not None,
         )
-        return self._deepep_handle("deepep_high_throughput combine", completion_work(event),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_high_throughput combine",
+            completion_work(event),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )

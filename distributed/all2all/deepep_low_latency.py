@@ -98,9 +98,13 @@ class DeepEPLowLatencyBackend(DeepEPBufferMixin, BatchedAll2AllBackend):
                 f"{num_max_dispatch_tokens_per_rank}"
             )
         super().__init__(
-            ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size, num_experts=num_experts,
-            timeout=timeout, link=link,
-        )  # fmt: skip
+            ep_group=ep_group,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            timeout=timeout,
+            link=link,
+        )
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self._attach_buffer(
             buffer,
@@ -169,8 +173,9 @@ class DeepEPLowLatencyBackend(DeepEPBufferMixin, BatchedAll2AllBackend):
                 hidden_states=recv_x, expert_num_tokens=recv_count, metadata=metadata
             )
 
-        return self._deepep_handle("deepep_low_latency dispatch", completion_work(hook),
-                                   finalize, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency dispatch", completion_work(hook), finalize, start_ns, async_op
+        )
 
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
@@ -187,5 +192,10 @@ class DeepEPLowLatencyBackend(DeepEPBufferMixin, BatchedAll2AllBackend):
             metadata.handle,
             return_recv_hook=True,
         )
-        return self._deepep_handle("deepep_low_latency combine", completion_work(hook),
-                                   lambda: combined_x, start_ns, async_op)  # fmt: skip
+        return self._deepep_handle(
+            "deepep_low_latency combine",
+            completion_work(hook),
+            lambda: combined_x,
+            start_ns,
+            async_op,
+        )
