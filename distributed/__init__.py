@@ -3,23 +3,27 @@
 Imports only torch (and the standard library). Nothing happens at import time.
 """
 
-from distributed.all2all.emulated_link import EmulatedLinkBackend, LinkDelayedHandle
-from distributed.all2all.registry import (
+from distributed.all2all import (
     BACKENDS,
     All2AllBackend,
     AllGatherDispatchMetadata,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
     AllToAllDispatchMetadata,
+    BatchedAll2AllBackend,
+    BatchedDispatchMetadata,
     BatchedDispatchResult,
-    CommHandle,
     DeepEPHighThroughputBackend,
     DeepEPLowLatencyBackend,
     DispatchMetadata,
     DispatchResult,
+    FusedMoEActivationFormat,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
     make_all2all_backend,
 )
-from distributed.comm_handle import CollectiveHandle, CommTiming, CompletedHandle
+from distributed.all2all.emulated_link import EmulatedLinkBackend, LinkDelayedHandle
+from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
@@ -36,6 +40,8 @@ __all__ = [
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
     "AllToAllDispatchMetadata",
+    "BatchedAll2AllBackend",
+    "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "CollectiveHandle",
     "CommHandle",
@@ -47,9 +53,12 @@ __all__ = [
     "DispatchResult",
     "EmulatedLink",
     "EmulatedLinkBackend",
+    "FusedMoEActivationFormat",
     "LinkDelayedHandle",
     "LinkSpec",
     "ParallelGroups",
+    "StandardAll2AllBackend",
+    "StandardDispatchMetadata",
     "TorchrunEnv",
     "destroy_distributed",
     "init_distributed",

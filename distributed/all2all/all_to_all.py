@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.base import (
+    DispatchMetadata,
+    DispatchResult,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
+)
 from distributed.all2all.token_packing import localize_topk, pack_rows, token_rank_mask, unpack_rows
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CommHandle, CommTiming
@@ -51,7 +56,7 @@ def unpacked_result(rows: Tensor, layout, metadata: DispatchMetadata) -> Dispatc
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AllToAllDispatchMetadata(DispatchMetadata):
+class AllToAllDispatchMetadata(StandardDispatchMetadata):
     """Routing of one ``all_to_all`` dispatch.
 
     Attributes:
@@ -66,7 +71,7 @@ class AllToAllDispatchMetadata(DispatchMetadata):
     send_token_idx: Tensor
 
 
-class AllToAllBackend(All2AllBackend):
+class AllToAllBackend(StandardAll2AllBackend):
     """Uneven ``all_to_all_single`` dispatch / combine (see the module docstring)."""
 
     name = "all_to_all"

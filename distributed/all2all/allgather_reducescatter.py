@@ -18,14 +18,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.base import (
+    DispatchMetadata,
+    DispatchResult,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
+)
 from distributed.all2all.token_packing import localize_topk, pack_rows, unpack_rows
 from distributed.collectives import all_gather_into, reduce_scatter_sum
 from distributed.comm_handle import CommHandle, CommTiming
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AllGatherDispatchMetadata(DispatchMetadata):
+class AllGatherDispatchMetadata(StandardDispatchMetadata):
     """Routing of one ``allgather_reducescatter`` dispatch.
 
     Attributes:
@@ -38,7 +43,7 @@ class AllGatherDispatchMetadata(DispatchMetadata):
     kept_row_idx: Tensor
 
 
-class AllGatherReduceScatterBackend(All2AllBackend):
+class AllGatherReduceScatterBackend(StandardAll2AllBackend):
     """All-gather dispatch / reduce-scatter combine (see the module docstring)."""
 
     name = "allgather_reducescatter"

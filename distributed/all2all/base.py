@@ -1,16 +1,25 @@
-"""Results and the abstract interface of the expert all-to-all (dispatch / combine).
+"""Results and the abstract interfaces of the expert all-to-all (dispatch / combine).
 
-Semantics follow DeepEP's high-throughput ``Buffer.dispatch`` / ``Buffer.combine``: dispatch sends
-each token once to every EP rank holding at least one of its top-k experts, together with its
-``topk_ids`` rewritten to that rank's LOCAL expert ids (-1 elsewhere) and its ``topk_weights``;
-combine sends each received row's expert output back and sums the partial outputs of a token over
-the ranks in the token's original order. A backend object holds no per-call state: everything
-combine needs travels in the frozen ``DispatchMetadata``.
+A backend delivers the received tokens in one of two activation formats
+(``FusedMoEActivationFormat``, vLLM's names), and the experts must take that format:
+
+- ``Standard`` (``StandardAll2AllBackend``), after DeepEP's high-throughput ``Buffer.dispatch`` /
+  ``Buffer.combine``: dispatch sends each token once to every EP rank holding at least one of its
+  top-k experts, with its ``topk_ids`` rewritten to that rank's LOCAL expert ids (-1 elsewhere)
+  and its ``topk_weights``; the experts return one weighted sum per received row; combine sends
+  the rows back and sums a token's partial outputs over the ranks, in the token's original order.
+- ``BatchedExperts`` (``BatchedAll2AllBackend``), after DeepEP's ``low_latency_dispatch`` /
+  ``low_latency_combine``: rows grouped per local expert with per-expert counts; the experts
+  return UNWEIGHTED outputs in that layout and combine applies the top-k weights.
+
+A backend object holds no per-call state: everything combine needs travels in the frozen
+``DispatchMetadata``.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -36,24 +45,53 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+class FusedMoEActivationFormat(enum.Enum):
+    """Layout in which a dispatch delivers tokens to the experts (vLLM's
+    ``FusedMoEActivationFormat``).
+
+    ``Standard``: ``DispatchResult``, rows ``[num_recv_tokens, hidden_size]`` with LOCAL top-k ids
+    and weights; the experts return ``[num_recv_tokens, hidden_size]`` weighted sums.
+    ``BatchedExperts``: ``BatchedDispatchResult``, rows ``[num_local_experts,
+    max_tokens_per_expert, hidden_size]`` with per-expert counts; the experts return UNWEIGHTED
+    outputs in the same layout and combine applies the top-k weights.
+    """
+
+    Standard = "standard"
+    BatchedExperts = "batched_experts"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchMetadata:
     """What combine needs to route expert outputs back; opaque to callers.
 
-    Each backend subclasses it with its own routing fields.
+    Each backend subclasses the metadata of its activation format with its own routing fields.
     """
 
     backend: str
     ep_rank: int
     num_tokens: int  # tokens this rank dispatched (rows of the combine result)
-    num_recv_tokens: int  # rows this rank received (rows of the expert output)
     hidden_size: int
     dtype: torch.dtype  # dtype of the dispatched hidden states and of the combine result
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StandardDispatchMetadata(DispatchMetadata):
+    """Metadata of a ``Standard`` dispatch."""
+
+    num_recv_tokens: int  # rows this rank received (rows of the expert output)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchedDispatchMetadata(DispatchMetadata):
+    """Metadata of a ``BatchedExperts`` dispatch."""
+
+    # rows per local expert in the received layout (valid or not): dim 1 of the expert output
+    max_tokens_per_expert: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchResult:
-    """Tokens received by this EP rank.
+    """Tokens received by this EP rank (``Standard`` activation format).
 
     Attributes:
         hidden_states: ``[num_recv_tokens, hidden_size]``, dtype of the dispatched input.
@@ -66,7 +104,7 @@ class DispatchResult:
     hidden_states: Tensor
     topk_ids: Tensor
     topk_weights: Tensor
-    metadata: DispatchMetadata
+    metadata: StandardDispatchMetadata
 
     def __post_init__(self) -> None:
         n = self.metadata.num_recv_tokens
@@ -84,8 +122,8 @@ class DispatchResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchedDispatchResult:
-    """Tokens received by this EP rank, grouped per local expert (DeepEP low-latency layout; vLLM's
-    ``BatchedExperts`` activation format).
+    """Tokens received by this EP rank, grouped per local expert (``BatchedExperts`` activation
+    format: DeepEP's low-latency layout).
 
     Attributes:
         hidden_states: ``[num_local_experts, max_tokens_per_expert, hidden_size]``, dtype of the
@@ -98,21 +136,25 @@ class BatchedDispatchResult:
 
     hidden_states: Tensor
     expert_num_tokens: Tensor
-    metadata: DispatchMetadata
+    metadata: BatchedDispatchMetadata
 
     def __post_init__(self) -> None:
-        if self.hidden_states.dim() != 3 or self.expert_num_tokens.shape != (
-            self.hidden_states.shape[0],
-        ):
+        num_local_experts = self.expert_num_tokens.shape[0] if self.expert_num_tokens.dim() else -1
+        expected = (num_local_experts, self.metadata.max_tokens_per_expert)
+        expected += (self.metadata.hidden_size,)
+        if self.expert_num_tokens.dim() != 1 or self.hidden_states.shape != expected:
             raise ValueError(
-                f"hidden_states must be [num_local_experts, max_tokens, hidden] and "
-                f"expert_num_tokens [num_local_experts], got {list(self.hidden_states.shape)} and "
-                f"{list(self.expert_num_tokens.shape)}"
+                f"hidden_states must be [num_local_experts, max_tokens_per_expert, hidden_size] = "
+                f"{list(expected)} and expert_num_tokens [num_local_experts], got "
+                f"{list(self.hidden_states.shape)} and {list(self.expert_num_tokens.shape)}"
             )
 
 
 class All2AllBackend(ABC):
-    """Expert-parallel dispatch / combine over ``ep_group``.
+    """Expert-parallel dispatch / combine over ``ep_group``: what every backend shares (groups,
+    sizes, checks, class-level declarations). A backend subclasses the base of the activation
+    format it delivers, ``StandardAll2AllBackend`` or ``BatchedAll2AllBackend``, which declare
+    ``dispatch`` and ``combine`` with that format's types.
 
     Collective: every EP rank calls ``dispatch`` and ``combine`` in the same order (also with 0
     tokens). Safe to share between two ubatch threads that issue calls alternately: the object is
@@ -130,9 +172,11 @@ class All2AllBackend(ABC):
     """
 
     name: ClassVar[str]
-    # "standard": dispatch gives ``DispatchResult`` rows, the experts apply the top-k weights;
-    # "batched": ``BatchedDispatchResult`` per expert, combine applies them (vLLM's formats)
-    activation_format: ClassVar[str] = "standard"
+    # the layout dispatch delivers and combine takes back (set by the two format bases below)
+    activation_format: ClassVar[FusedMoEActivationFormat]
+    # constructor arguments beyond ``All2AllBackend``'s that this backend takes;
+    # ``make_all2all_backend`` passes them only to the backends that declare them
+    extra_options: ClassVar[tuple[str, ...]] = ()
     # which code moves the bytes (start-up log and summary line)
     implementation: str = "torch.distributed"
     # whether dispatch blocks on a count exchange even when num_tokens_across_ep is given
@@ -166,56 +210,6 @@ class All2AllBackend(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
-
-    @abstractmethod
-    def dispatch(
-        self,
-        hidden_states: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        *,
-        async_op: bool = False,
-        num_tokens_across_ep: Sequence[int] | None = None,
-    ) -> CommHandle[DispatchResult]:
-        """Send each token to the EP ranks holding its experts.
-
-        Args:
-            hidden_states: ``[num_tokens, hidden_size]``, float32/bfloat16/float16/float64;
-                ``num_tokens`` may be 0. Same hidden_size, num_topk and dtype on every EP rank.
-            topk_ids: ``[num_tokens, num_topk]`` torch.int64 GLOBAL expert ids in
-                ``[0, num_experts)``; -1 = no selection.
-            topk_weights: ``[num_tokens, num_topk]`` float (used as float32).
-            async_op: False: the returned handle is complete. True: the payload collective is in
-                flight (the small count exchange before it blocks, like DeepEP's notify).
-            num_tokens_across_ep: every EP rank's ``num_tokens`` in this dispatch, when the caller
-                already knows them (under DBO the DP ranks agreed on padded ubatch sizes). A
-                backend whose count exchange only learns these counts skips it, so the dispatch
-                issues without blocking (vLLM's naive dispatcher uses the DP metadata the same way).
-
-        Raises:
-            ValueError / TypeError: bad shapes, dtypes, expert ids, or a row format that differs
-                across EP ranks. TimeoutError / RuntimeError: a collective timed out or failed.
-        """
-
-    @abstractmethod
-    def combine(
-        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
-    ) -> CommHandle[Tensor]:
-        """Send expert outputs back and sum them per token.
-
-        Args:
-            expert_output: ``[num_recv_tokens, hidden_size]``: per received row, the sum over its
-                local top-k slots of ``topk_weight * expert(x)``.
-            metadata: ``DispatchResult.metadata`` of the matching dispatch on this backend.
-
-        Returns:
-            Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
-            dtype: the sum over ranks of the partial outputs, accumulated in float32 (float64 for
-            float64 inputs).
-
-        Raises:
-            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
-        """
 
     # ---- shared helpers (no state) ----
 
@@ -251,16 +245,24 @@ class All2AllBackend(ABC):
         )
 
     def _check_combine(self, expert_output: Tensor, metadata: DispatchMetadata, kind: type) -> None:
+        """ValueError unless ``metadata`` is a ``kind`` from this backend and rank and
+        ``expert_output`` is floating in the layout of ``activation_format``."""
         if not isinstance(metadata, kind) or metadata.ep_rank != self.ep_rank:
             raise ValueError(
                 f"metadata must come from dispatch on this {self.name!r} backend at ep_rank "
                 f"{self.ep_rank}, got {type(metadata).__name__} from {metadata.backend!r} at "
                 f"ep_rank {metadata.ep_rank}"
             )
-        expected = (metadata.num_recv_tokens, metadata.hidden_size)
+        if isinstance(metadata, BatchedDispatchMetadata):
+            dims = "num_local_experts, max_tokens_per_expert, hidden_size"
+            expected = (self.num_local_experts, metadata.max_tokens_per_expert)
+        else:
+            assert isinstance(metadata, StandardDispatchMetadata)  # the two formats' metadata
+            dims, expected = "num_recv_tokens, hidden_size", (metadata.num_recv_tokens,)
+        expected += (metadata.hidden_size,)
         if expert_output.shape != expected or not expert_output.is_floating_point():
             raise ValueError(
-                f"expert_output must be floating {list(expected)} (num_recv_tokens, hidden_size), "
+                f"expert_output must be floating {list(expected)} ({dims}), "
                 f"got {list(expert_output.shape)} {expert_output.dtype}"
             )
 
@@ -325,3 +327,113 @@ class All2AllBackend(ABC):
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait
         return handle
+
+
+class StandardAll2AllBackend(All2AllBackend):
+    """A backend in the ``Standard`` activation format: dispatch delivers ``DispatchResult`` rows
+    with LOCAL top-k ids and weights; combine takes one weighted sum per received row."""
+
+    activation_format = FusedMoEActivationFormat.Standard
+
+    @abstractmethod
+    def dispatch(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult]:
+        """Send each token to the EP ranks holding its experts.
+
+        Args:
+            hidden_states: ``[num_tokens, hidden_size]``, float32/bfloat16/float16/float64;
+                ``num_tokens`` may be 0. Same hidden_size, num_topk and dtype on every EP rank.
+            topk_ids: ``[num_tokens, num_topk]`` torch.int64 GLOBAL expert ids in
+                ``[0, num_experts)``; -1 = no selection.
+            topk_weights: ``[num_tokens, num_topk]`` float (used as float32).
+            async_op: False: the returned handle is complete. True: the payload collective is in
+                flight (the small count exchange before it blocks, like DeepEP's notify).
+            num_tokens_across_ep: every EP rank's ``num_tokens`` in this dispatch, when the caller
+                already knows them (under DBO the DP ranks agreed on padded ubatch sizes). A
+                backend whose count exchange only learns these counts skips it, so the dispatch
+                issues without blocking (vLLM's naive dispatcher uses the DP metadata the same way).
+
+        Raises:
+            ValueError / TypeError: bad shapes, dtypes, expert ids, or a row format that differs
+                across EP ranks. TimeoutError / RuntimeError: a collective timed out or failed.
+        """
+
+    @abstractmethod
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        """Send expert outputs back and sum them per token.
+
+        Args:
+            expert_output: ``[num_recv_tokens, hidden_size]``: per received row, the sum over its
+                local top-k slots of ``topk_weight * expert(x)``.
+            metadata: ``DispatchResult.metadata`` of the matching dispatch on this backend.
+
+        Returns:
+            Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
+            dtype: the sum over ranks of the partial outputs, accumulated in float32 (float64 for
+            float64 inputs).
+
+        Raises:
+            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
+        """
+
+
+class BatchedAll2AllBackend(All2AllBackend):
+    """A backend in the ``BatchedExperts`` activation format: dispatch delivers a
+    ``BatchedDispatchResult`` (rows grouped per local expert, one row per (token, local expert)
+    pair); combine takes the experts' UNWEIGHTED outputs in that layout and applies the top-k
+    weights itself."""
+
+    activation_format = FusedMoEActivationFormat.BatchedExperts
+
+    @abstractmethod
+    def dispatch(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[BatchedDispatchResult]:
+        """Send each token to every local expert of every EP rank among its top-k.
+
+        Args: as ``StandardAll2AllBackend.dispatch``; ``topk_weights`` travel in the metadata
+        (combine applies them), not to the experts.
+
+        Returns:
+            Handle of a ``BatchedDispatchResult``: ``[num_local_experts, max_tokens_per_expert,
+            hidden_size]`` rows and ``[num_local_experts]`` int32 valid counts.
+
+        Raises:
+            ValueError / TypeError: bad shapes, dtypes or expert ids, or more tokens than the
+                backend's capacity. TimeoutError / RuntimeError: a collective timed out or failed.
+        """
+
+    @abstractmethod
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        """Send expert outputs back, weight them by the dispatched top-k weights and sum per token.
+
+        Args:
+            expert_output: ``[num_local_experts, max_tokens_per_expert, hidden_size]`` floating,
+                the UNWEIGHTED output of local expert ``l`` for its first
+                ``expert_num_tokens[l]`` rows (rows past the count are ignored).
+            metadata: ``BatchedDispatchResult.metadata`` of the matching dispatch on this backend.
+
+        Returns:
+            Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
+            dtype: ``sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x)``.
+
+        Raises:
+            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
+        """

@@ -19,30 +19,28 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
-from distributed.all2all.deepep_kernels import completion_work, make_deepep_buffer
-from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming
+from distributed.all2all.base import (
+    DispatchMetadata,
+    DispatchResult,
+    StandardAll2AllBackend,
+    StandardDispatchMetadata,
+)
+from distributed.all2all.deepep_common import DeepEPBufferMixin, previous_event
+from distributed.all2all.deepep_kernels import completion_work
+from distributed.comm_handle import CommHandle
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DeepEPHTDispatchMetadata(DispatchMetadata):
+class DeepEPHTDispatchMetadata(StandardDispatchMetadata):
     """Routing of one HT dispatch: DeepEP's ``handle`` (opaque; combine takes it back)."""
 
     handle: object
 
 
-def previous_event(buffer):
-    """DeepEP's ``previous_event`` for a call issued now: an event captured on the current CUDA
-    stream (the kernels' inputs are ready when it fires); None on the emulation (CPU ops ran)."""
-    if getattr(buffer, "implementation", "") != "deep_ep kernels":
-        return None
-    return buffer.capture()
-
-
-class DeepEPHighThroughputBackend(All2AllBackend):
+class DeepEPHighThroughputBackend(DeepEPBufferMixin, StandardAll2AllBackend):
     """DeepEP high-throughput dispatch / combine (see the module docstring).
 
-    Extra args (besides ``All2AllBackend``'s): ``hidden_size`` and
+    Extra args (besides ``All2AllBackend``'s; ``extra_options``): ``hidden_size`` and
     ``num_max_dispatch_tokens_per_rank`` size DeepEP's buffer (unused by the emulation);
     ``buffer``: a ready Buffer-shaped object (tests), else ``make_deepep_buffer``.
     """
@@ -69,17 +67,12 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             num_experts=num_experts,
             timeout=timeout,
         )
-        self.buffer = buffer or make_deepep_buffer(
+        self._attach_buffer(
+            buffer,
             low_latency_mode=False,
-            group=ep_group,
-            rank=ep_rank,
-            num_ranks=ep_size,
-            timeout=timeout,
             hidden_size=hidden_size,
-            num_experts=num_experts,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         )
-        self.implementation = self.buffer.implementation
 
     def dispatch(
         self,
@@ -156,20 +149,3 @@ class DeepEPHighThroughputBackend(All2AllBackend):
             start_ns,
             async_op,
         )
-
-    def _deepep_handle(self, op, work, finalize, start_ns: int, async_op: bool) -> CommHandle:
-        """A ``CommHandle`` over a Buffer call's completion (``deepep_kernels.completion_work``),
-        with the emulated transfer's ``CommTiming`` (DeepEP's kernels report none: issued at
-        ``start_ns``, bytes unknown, 0)."""
-        timing = getattr(work, "timing", None) or CommTiming(issued_at_ns=start_ns, num_bytes=0)
-        handle: CollectiveHandle = CollectiveHandle(
-            op=op,
-            rank=self.ep_rank,
-            timeout=self.timeout,
-            work=work,
-            finalize=finalize,
-            timing=timing,
-        )
-        if not async_op:
-            handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait
-        return handle

@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from distributed.all2all.base import BatchedDispatchResult, DispatchMetadata
-from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
-from distributed.all2all.deepep_kernels import (
-    DEEPEP_KERNELS,
-    completion_work,
-    make_deepep_buffer,
+from distributed.all2all.base import (
+    BatchedAll2AllBackend,
+    BatchedDispatchMetadata,
+    BatchedDispatchResult,
+    DispatchMetadata,
 )
+from distributed.all2all.deepep_common import DeepEPBufferMixin
+from distributed.all2all.deepep_kernels import DEEPEP_KERNELS, completion_work
 from distributed.comm_handle import CommHandle
 
 # DeepEP's own tests size the low-latency buffer for 128 tokens per rank
@@ -46,8 +47,9 @@ DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DeepEPLLDispatchMetadata(DispatchMetadata):
-    """Routing of one LL dispatch.
+class DeepEPLLDispatchMetadata(BatchedDispatchMetadata):
+    """Routing of one LL dispatch (``max_tokens_per_expert`` = ``ep_size * C``: a slot of C rows
+    per source rank).
 
     Attributes:
         handle: DeepEP's handle (opaque; combine takes it back).
@@ -62,16 +64,19 @@ class DeepEPLLDispatchMetadata(DispatchMetadata):
     topk_weights: Tensor
 
 
-class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
+class DeepEPLowLatencyBackend(DeepEPBufferMixin, BatchedAll2AllBackend):
     """DeepEP low-latency dispatch / combine (see the module docstring).
+
+    Extra args (besides ``All2AllBackend``'s; ``extra_options``): ``hidden_size`` and
+    ``num_max_dispatch_tokens_per_rank`` (the capacity C per rank) size DeepEP's buffer;
+    ``buffer``: a ready Buffer-shaped object (tests), else ``make_deepep_buffer``.
 
     Raises:
         ValueError: ``num_max_dispatch_tokens_per_rank < 1`` (and ``All2AllBackend``'s checks).
     """
 
     name = "deepep_low_latency"
-    activation_format = "batched"
-    blocks_under_dbo = False
+    blocks_under_dbo = False  # no count exchange: fixed slots per (rank, expert)
 
     def __init__(
         self,
@@ -90,24 +95,19 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
                 f"num_max_dispatch_tokens_per_rank must be >= 1, got "
                 f"{num_max_dispatch_tokens_per_rank}"
             )
-        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        buffer = buffer or make_deepep_buffer(
-            low_latency_mode=True,
-            group=ep_group,
-            rank=ep_rank,
-            num_ranks=ep_size,
-            timeout=timeout,
-            hidden_size=hidden_size,
-            num_experts=num_experts,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        )
         super().__init__(
             ep_group=ep_group,
             ep_rank=ep_rank,
             ep_size=ep_size,
             num_experts=num_experts,
             timeout=timeout,
-            buffer=buffer,
+        )
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self._attach_buffer(
+            buffer,
+            low_latency_mode=True,
+            hidden_size=hidden_size,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         )
         if self.implementation == DEEPEP_KERNELS:
             # DeepEP's LL buffer has two halves: a third call overwrites the first's results
@@ -156,7 +156,7 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
             backend=self.name,
             ep_rank=self.ep_rank,
             num_tokens=num_tokens,
-            num_recv_tokens=self.ep_size * capacity,  # rows per local expert
+            max_tokens_per_expert=self.ep_size * capacity,
             hidden_size=layout.hidden_size,
             dtype=layout.dtype,
             handle=handle,
@@ -177,19 +177,10 @@ class DeepEPLowLatencyBackend(DeepEPHighThroughputBackend):
     def combine(
         self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
     ) -> CommHandle[Tensor]:
-        """``expert_output``: ``[num_local_experts, ep_size * C, hidden]`` UNWEIGHTED expert
-        outputs in the dispatched layout; returns ``[num_tokens, hidden]`` (weighted sum)."""
-        if not isinstance(metadata, DeepEPLLDispatchMetadata) or metadata.ep_rank != self.ep_rank:
-            raise ValueError(
-                f"metadata must come from dispatch on this {self.name!r} backend at ep_rank "
-                f"{self.ep_rank}, got {type(metadata).__name__}"
-            )
-        expected = (self.num_local_experts, metadata.num_recv_tokens, metadata.hidden_size)
-        if expert_output.shape != expected or not expert_output.is_floating_point():
-            raise ValueError(
-                f"expert_output must be floating {list(expected)} (num_local_experts, "
-                f"ep_size * capacity, hidden_size), got {list(expert_output.shape)}"
-            )
+        """``BatchedAll2AllBackend.combine``: ``expert_output`` ``[num_local_experts, ep_size * C,
+        hidden_size]`` UNWEIGHTED; DeepEP's combine applies ``metadata.topk_weights``."""
+        self._check_combine(expert_output, metadata, DeepEPLLDispatchMetadata)
+        assert isinstance(metadata, DeepEPLLDispatchMetadata)  # checked above; narrows the type
         start_ns = time.perf_counter_ns()
         combined_x, _, hook = self.buffer.low_latency_combine(
             expert_output.to(metadata.dtype),

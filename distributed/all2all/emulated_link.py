@@ -18,7 +18,12 @@ from typing import Generic, TypeVar
 
 from torch import Tensor
 
-from distributed.all2all.base import All2AllBackend, DispatchMetadata, DispatchResult
+from distributed.all2all.base import (
+    All2AllBackend,
+    BatchedDispatchResult,
+    DispatchMetadata,
+    DispatchResult,
+)
 from distributed.all2all.deepep_kernels import DEEPEP_KERNELS
 from distributed.comm_handle import CommHandle, CommTiming, wrap_blocking_exchanges
 from distributed.link_emulation import EmulatedLink, sleep_until
@@ -112,7 +117,7 @@ class EmulatedLinkBackend(All2AllBackend):
         *,
         async_op: bool = False,
         num_tokens_across_ep: Sequence[int] | None = None,
-    ) -> CommHandle[DispatchResult]:
+    ) -> CommHandle[DispatchResult | BatchedDispatchResult]:
         # async: the delay must apply before the inner handle's wait
         with wrap_blocking_exchanges(self.delayed):
             handle = self.inner.dispatch(

@@ -1,53 +1,49 @@
-"""Expert all-to-all backends (dispatch / combine) and their registry.
+"""The registry of expert all-to-all backends: ``--all2all-backend`` names to classes.
 
-Token layout, after DeepEP's high-throughput kernels ("per destination rank, one row per token"):
-a token whose top-k experts live on R distinct EP ranks is sent once to each of those ranks.
 Global expert ``e`` lives on EP rank ``e // num_local_experts`` as local expert
-``e % num_local_experts``.
+``e % num_local_experts``. In the standard format (after DeepEP's high-throughput kernels, "per
+destination rank, one row per token") a token whose top-k experts live on R distinct EP ranks is
+sent once to each of those ranks; in the batched format once per (token, local expert).
 
-Backends:
-    ``all_to_all``               uneven ``all_to_all_single`` (AllToAllBackend)
-    ``allgather_reducescatter``  all-gather + reduce-scatter (AllGatherReduceScatterBackend)
-    ``deepep_high_throughput``   DeepEP's HT Buffer API (DeepEPHighThroughputBackend)
-    ``deepep_low_latency``       DeepEP's LL Buffer API, receive hooks (DeepEPLowLatencyBackend)
+Backends (activation format):
+    ``all_to_all``               uneven ``all_to_all_single`` (AllToAllBackend; standard)
+    ``allgather_reducescatter``  all-gather + reduce-scatter (AllGatherReduceScatterBackend; standard)
+    ``deepep_high_throughput``   DeepEP's HT Buffer API (DeepEPHighThroughputBackend; standard)
+    ``deepep_low_latency``       DeepEP's LL Buffer API, receive hooks (DeepEPLowLatencyBackend;
+                                 batched: one row per (token, local expert), grouped per expert)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from distributed.all2all.all_to_all import AllToAllBackend, AllToAllDispatchMetadata
-from distributed.all2all.allgather_reducescatter import (
-    AllGatherDispatchMetadata,
-    AllGatherReduceScatterBackend,
-)
-from distributed.all2all.base import (
-    All2AllBackend,
-    BatchedDispatchResult,
-    DispatchMetadata,
-    DispatchResult,
-)
+from distributed.all2all.all_to_all import AllToAllBackend
+from distributed.all2all.allgather_reducescatter import AllGatherReduceScatterBackend
+from distributed.all2all.base import All2AllBackend
 from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
 from distributed.all2all.deepep_low_latency import DeepEPLowLatencyBackend
-from distributed.comm_handle import CommHandle
 
 BACKENDS: dict[str, type[All2AllBackend]] = {
-    AllToAllBackend.name: AllToAllBackend,
-    AllGatherReduceScatterBackend.name: AllGatherReduceScatterBackend,
-    DeepEPHighThroughputBackend.name: DeepEPHighThroughputBackend,
-    DeepEPLowLatencyBackend.name: DeepEPLowLatencyBackend,
+    cls.name: cls
+    for cls in (
+        AllToAllBackend,
+        AllGatherReduceScatterBackend,
+        DeepEPHighThroughputBackend,
+        DeepEPLowLatencyBackend,
+    )
 }
-# Extra constructor arguments only the DeepEP backends take (sizes of DeepEP's buffers).
-DEEPEP_OPTIONS = ("hidden_size", "num_max_dispatch_tokens_per_rank")
 
 
 def make_all2all_backend(name: str, **kwargs: Any) -> All2AllBackend:
-    """Build the backend registered as ``name`` with ``All2AllBackend.__init__``'s kwargs; the
-    DeepEP options (``DEEPEP_OPTIONS``) are passed only to the backends that take them.
+    """Build the backend registered as ``name`` with ``All2AllBackend.__init__``'s kwargs plus
+    any backend's ``extra_options``: an extra option goes only to the backends whose class
+    declares it (``All2AllBackend.extra_options``), so one call site serves every backend.
 
     Raises:
         ValueError: if ``name`` is not one of ``BACKENDS`` (the message lists them), or the kwargs
             are invalid (see ``All2AllBackend``).
+        TypeError: a kwarg that neither ``All2AllBackend`` nor any backend's ``extra_options``
+            takes.
     """
     try:
         cls = BACKENDS[name]
@@ -55,24 +51,9 @@ def make_all2all_backend(name: str, **kwargs: Any) -> All2AllBackend:
         raise ValueError(
             f"unknown all2all backend {name!r}; accepted: {sorted(BACKENDS)}"
         ) from None
-    if not issubclass(cls, DeepEPHighThroughputBackend):
-        kwargs = {k: v for k, v in kwargs.items() if k not in DEEPEP_OPTIONS}
-    return cls(**kwargs)
+    foreign = {opt for other in BACKENDS.values() for opt in other.extra_options}
+    foreign -= set(cls.extra_options)
+    return cls(**{k: v for k, v in kwargs.items() if k not in foreign})
 
 
-__all__ = [
-    "BACKENDS",
-    "DEEPEP_OPTIONS",
-    "All2AllBackend",
-    "AllGatherDispatchMetadata",
-    "AllGatherReduceScatterBackend",
-    "AllToAllBackend",
-    "AllToAllDispatchMetadata",
-    "BatchedDispatchResult",
-    "CommHandle",
-    "DeepEPHighThroughputBackend",
-    "DeepEPLowLatencyBackend",
-    "DispatchMetadata",
-    "DispatchResult",
-    "make_all2all_backend",
-]
+__all__ = ["BACKENDS", "make_all2all_backend"]

@@ -15,14 +15,11 @@ import types
 from dataclasses import MISSING, dataclass, field, fields
 from typing import NoReturn
 
+from distributed.all2all.registry import BACKENDS
 from launch.engine.dp_load_balancer import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 
-ALL2ALL_BACKENDS = (
-    "all_to_all",
-    "allgather_reducescatter",
-    "deepep_high_throughput",
-    "deepep_low_latency",
-)
+# --all2all-backend choices: the registry's names (one list of backends)
+ALL2ALL_BACKENDS = tuple(BACKENDS)
 # --all2all-backend when not given: under --enable-dbo one that never blocks inside the overlapped
 # window (measured: README, "Expert all-to-all backends"), else the plain uneven all-to-all.
 DEFAULT_ALL2ALL_BACKEND = "all_to_all"

@@ -3,7 +3,10 @@
 Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_experts,
 H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
 
-``forward_native`` loops over the local experts (one gather + three GEMMs each);
+Two entry points, one per activation format (``FusedMoEActivationFormat``; both are in
+``TorchExperts.activation_formats``): ``apply_standard`` takes received rows with their LOCAL
+top-k ids and weights and returns weighted sums, through the ``CustomOp`` implementation bound to
+``forward``; ``forward_native`` loops over the local experts (one gather + three GEMMs each);
 ``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
 batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
 returning UNWEIGHTED outputs (that combine weights), on the same per-expert GEMMs as
@@ -20,10 +23,13 @@ weights (the originals stay for ``forward_native``, the grouped GEMM and graph m
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distributed import FusedMoEActivationFormat
 from moe.layers import linear
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
@@ -57,6 +63,13 @@ class TorchExperts(CustomOp):
     Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, w2 (down) ``[E, H, F]``; ``checkpoint_names``
     maps them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
     """
+
+    # the activation formats these experts take (``FusedMoEModularKernel`` checks the
+    # prepare/finalize's against them): ``apply_standard`` and ``apply_batched``
+    activation_formats: ClassVar[tuple[FusedMoEActivationFormat, ...]] = (
+        FusedMoEActivationFormat.Standard,
+        FusedMoEActivationFormat.BatchedExperts,
+    )
 
     def __init__(
         self,
@@ -120,13 +133,12 @@ class TorchExperts(CustomOp):
             self.process_weights_after_loading()
         return () if self._packs is None else self._packs.packed
 
-    def apply(  # type: ignore[override]
-        self,
-        hidden_states: Tensor,
-        topk_ids: Tensor | None = None,
-        topk_weights: Tensor | None = None,
+    def apply_standard(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
-        """Σ_k topk_weights[n, k] · SwiGLU_expert(topk_ids[n, k])(hidden_states[n]).
+        """The experts on the ``Standard`` activation format (``DispatchResult`` rows):
+        Σ_k topk_weights[n, k] · SwiGLU_expert(topk_ids[n, k])(hidden_states[n]), through the
+        implementation ``CustomOp`` bound to ``forward`` (``forward_cpu`` or ``forward_native``).
 
         Args:
             hidden_states: [N, H], dtype of the weights (N may be 0).
@@ -134,18 +146,11 @@ class TorchExperts(CustomOp):
             topk_weights: [N, K] float32 (any float is accepted; cast to the activation dtype).
 
         Returns:
-            [N, H] in hidden_states' dtype; rows with no local expert are zero.
+            [N, H] in hidden_states' dtype, the WEIGHTED sums; rows with no local expert are zero.
 
         Raises:
             ValueError: shape mismatch or a local id >= E.
-
-        ``apply(fn)`` with a single callable keeps ``nn.Module.apply`` semantics, because
-        ``model.apply(init_fn)`` recurses into children through this name.
         """
-        if topk_ids is None and topk_weights is None and callable(hidden_states):
-            return nn.Module.apply(self, hidden_states)
-        if topk_ids is None or topk_weights is None:
-            raise TypeError("TorchExperts.apply needs hidden_states, topk_ids and topk_weights")
         return self.forward(hidden_states, topk_ids, topk_weights)
 
     def _check(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
@@ -312,15 +317,17 @@ class TorchExperts(CustomOp):
         return torch.cat([x @ self.w1[expert].t(), x @ self.w3[expert].t()], dim=1)
 
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
-        """SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, unweighted.
+        """The experts on the ``BatchedExperts`` activation format (``BatchedDispatchResult``):
+        SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, UNWEIGHTED (the
+        combine applies the top-k weights).
 
-        On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply``'s
+        On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply_standard``'s
         (``_swiglu_rows``: prepacked oneDNN weights in bfloat16 / float32); otherwise, and for
         float64, the reference's plain GEMMs.
 
         Args:
-            hidden_states: ``[E, M, H]``, dtype of the weights; rows past the count of their
-                expert are ignored (DeepEP leaves them unspecified).
+            hidden_states: ``[E, M, H]`` (M = max_tokens_per_expert), dtype of the weights; rows
+                past the count of their expert are ignored (DeepEP leaves them unspecified).
             expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``.
 
         Returns:

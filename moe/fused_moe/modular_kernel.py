@@ -8,6 +8,11 @@ pattern: finalize must undo exactly what prepare did (send tokens out, bring res
 caller's order), using the metadata prepare returned — nothing is stashed on ``self`` in between.
 (Layout after vLLM's ``FusedMoEModularKernel``.)
 
+Prepare/finalize declare the activation format they deliver (``FusedMoEActivationFormat``:
+``Standard`` rows with their top-k ids and weights, or DeepEP low-latency's ``BatchedExperts``
+layout) and the experts the formats they take (``activation_formats``); the kernel checks the pair
+once, when it is built, and binds the experts' entry point for that format then.
+
 DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
 current, prepare/finalize are issued asynchronously, their ``wait`` is handed as a receive hook to
 the ubatch that runs last before this one gets the baton back (with two ubatches the other one;
@@ -36,7 +41,12 @@ from dbo.ubatch_context import (
     dbo_switch_to_compute,
     dbo_yield,
 )
-from distributed import BatchedDispatchResult, CommHandle
+from distributed import (
+    BatchedDispatchResult,
+    CommHandle,
+    DispatchResult,
+    FusedMoEActivationFormat,
+)
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
@@ -113,6 +123,31 @@ def _record_comm(op: str, handle: CommHandle) -> None:
         )
 
 
+def _record_combine_window(combine: CommHandle) -> None:
+    """The combine as this ubatch sees it, from issue to taking the result: the window the shared
+    experts overlap (the ``combine`` span ends at data arrival, which on one host can come before
+    the shared experts finish). Category "window": neither compute nor communication in the
+    overlap metrics, only drawn on the comm track."""
+    record_span(
+        "combine_window",
+        cat="window",
+        start_ns=combine.timing.issued_at_ns,
+        end_ns=time.perf_counter_ns(),
+        kind="comm",
+    )
+
+
+def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
+    """The transfer's result: under DBO hand its ``wait`` to the ubatch that runs next as a recv
+    hook and yield first; then wait (blocking unless a hook completed it) and record it."""
+    if is_async:
+        dbo_register_recv_hook(_recv_hook(handle, op))
+        dbo_yield()
+    result = _wait(handle, op)
+    _record_comm(op, handle)
+    return result
+
+
 class FusedMoEModularKernel:
     """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol.
 
@@ -125,6 +160,11 @@ class FusedMoEModularKernel:
     the platform's answer (``Platform.issue_before_recv_hook``: ``True`` on the CPU, ``False`` on
     CUDA). Either order completes every transfer before
     its data are read, so results are the same.
+
+    Raises:
+        ValueError: the experts do not take the activation format prepare_finalize delivers (the
+            message names both classes and formats), or the two serve different numbers of
+            local experts.
     """
 
     def __init__(
@@ -134,6 +174,13 @@ class FusedMoEModularKernel:
         *,
         issue_before_recv_hook: bool | None = None,
     ):
+        fmt = prepare_finalize.activation_format
+        if fmt not in experts.activation_formats:
+            raise ValueError(
+                f"{type(experts).__name__} takes activation formats "
+                f"{[f.value for f in experts.activation_formats]} but "
+                f"{prepare_finalize!r} delivers {fmt.value!r}"
+            )
         if prepare_finalize.num_local_experts != experts.num_local_experts:
             raise ValueError(
                 f"prepare_finalize serves {prepare_finalize.num_local_experts} local experts but "
@@ -141,9 +188,25 @@ class FusedMoEModularKernel:
             )
         self.prepare_finalize = prepare_finalize
         self.experts = experts
+        # the experts' entry point for this format, chosen once (not per call)
+        self._apply_experts: Callable[..., Tensor] = (
+            self._apply_batched
+            if fmt is FusedMoEActivationFormat.BatchedExperts
+            else self._apply_standard
+        )
         if issue_before_recv_hook is None:
             issue_before_recv_hook = current_platform().issue_before_recv_hook
         self.issue_before_recv_hook = issue_before_recv_hook
+
+    def _apply_standard(self, result: DispatchResult) -> Tensor:
+        """``Standard``: weighted sums per received row, ``[num_recv_tokens, hidden_size]``."""
+        return self.experts.apply_standard(
+            result.hidden_states, result.topk_ids, result.topk_weights
+        )
+
+    def _apply_batched(self, result: BatchedDispatchResult) -> Tensor:
+        """``BatchedExperts``: UNWEIGHTED per-expert outputs (finalize applies the weights)."""
+        return self.experts.apply_batched(result.hidden_states, result.expert_num_tokens)
 
     def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
         """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
@@ -192,23 +255,9 @@ class FusedMoEModularKernel:
                 num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
             ),
         )
-        if is_async:
-            dbo_register_recv_hook(_recv_hook(dispatch, "dispatch"))
-            dbo_yield()
-        result = _wait(dispatch, "dispatch")
-        _record_comm("dispatch", dispatch)
-
+        result = _complete(dispatch, "dispatch", is_async)
         with timeline_span("experts"):
-            if isinstance(result, BatchedDispatchResult):
-                # DeepEP low-latency layout: per-expert rows, weights applied by the combine
-                expert_output = self.experts.apply_batched(
-                    result.hidden_states, result.expert_num_tokens
-                )
-            else:
-                expert_output = self.experts.apply(
-                    result.hidden_states, result.topk_ids, result.topk_weights
-                )
-
+            expert_output = self._apply_experts(result)
         combine = self._issue(
             "combine",
             lambda: self.prepare_finalize.finalize(
@@ -220,19 +269,8 @@ class FusedMoEModularKernel:
             # Runs while the combine is in flight (vLLM: before the yield, "C₁ send, S₁, MLP₀").
             with timeline_span("shared_experts"):
                 shared_output = shared_experts(hidden_states)
-        if is_async:
-            dbo_register_recv_hook(_recv_hook(combine, "combine"))
-            dbo_yield()
-        output = _wait(combine, "combine")
-        _record_comm("combine", combine)
-        # The combine as this ubatch sees it, from issue to taking the result: the window the
-        # shared experts overlap (the ``combine`` span ends at data arrival, which on one host can
-        # come before the shared experts finish). Category "window": neither compute nor
-        # communication in the overlap metrics, only drawn on the comm track.
-        record_span(
-            "combine_window", cat="window", start_ns=combine.timing.issued_at_ns,
-            end_ns=time.perf_counter_ns(), kind="comm",
-        )  # fmt: skip
+        output = _complete(combine, "combine", is_async)
+        _record_combine_window(combine)
         if shared_output is not None:
             output = output + shared_output
         return output

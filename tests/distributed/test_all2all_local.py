@@ -13,6 +13,7 @@ from distributed import (
     BACKENDS,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
+    FusedMoEActivationFormat,
     make_all2all_backend,
 )
 from distributed.all2all.token_packing import (
@@ -96,7 +97,11 @@ def test_dispatch_and_combine_reject_bad_inputs(name):
     with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):
         backend.dispatch(x.long(), ids, w)
     result = backend.dispatch(x, ids, w).wait()
-    expected = r"\[3, 4\]" if backend.activation_format == "standard" else r"\[4, 128, 4\]"
+    expected = (
+        r"\[3, 4\]"
+        if backend.activation_format is FusedMoEActivationFormat.Standard
+        else r"\[4, 128, 4\]"
+    )
     with pytest.raises(ValueError, match=rf"expert_output must be floating {expected}"):
         backend.combine(torch.zeros(2, 4), result.metadata)
     other = _local_backend(next(n for n in BACKENDS if n != name))
@@ -172,6 +177,30 @@ def test_low_latency_capacity_limit():
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
         _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
+
+
+def test_make_all2all_backend_routes_options_by_the_class_attribute(monkeypatch):
+    seen = {}
+
+    class OptionBackend(AllToAllBackend):  # declares an option no registered backend takes
+        name = "option_backend"
+        extra_options = ("num_option_rows",)
+
+        def __init__(self, *, num_option_rows, **kwargs):
+            super().__init__(**kwargs)
+            seen["num_option_rows"] = num_option_rows
+
+    monkeypatch.setitem(BACKENDS, OptionBackend.name, OptionBackend)
+    kw = {"ep_group": None, "ep_rank": 0, "ep_size": 1, "num_experts": 4}
+    kw |= {"timeout": datetime.timedelta(seconds=5), "num_option_rows": 7, "hidden_size": 8}
+    kw["num_max_dispatch_tokens_per_rank"] = 16
+    assert isinstance(make_all2all_backend("option_backend", **kw), OptionBackend)
+    assert seen == {"num_option_rows": 7}
+    low_latency = make_all2all_backend("deepep_low_latency", **kw)  # DeepEP's options only
+    assert low_latency.num_max_dispatch_tokens_per_rank == 16
+    assert type(make_all2all_backend("all_to_all", **kw)) is AllToAllBackend  # none of them
+    with pytest.raises(TypeError, match=r"num_undeclared_rows"):
+        make_all2all_backend("all_to_all", **kw, num_undeclared_rows=1)
 
 
 def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():

@@ -22,7 +22,7 @@ HIDDEN = 7168  # a hidden size DeepEP's low-latency kernels are compiled for (De
 
 
 def _rank(rank: int, world_size: int) -> dict:
-    from distributed import init_distributed, make_all2all_backend
+    from distributed import FusedMoEActivationFormat, init_distributed, make_all2all_backend
 
     torch.cuda.set_device(rank)
     groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
@@ -38,7 +38,8 @@ def _rank(rank: int, world_size: int) -> dict:
         ids = torch.rand(32, 8, generator=gen).argsort(dim=1)[:, :2].cuda()
         w = torch.rand(32, 2, generator=gen).cuda()
         result = backend.dispatch(x, ids, w, async_op=True).wait()
-        if backend.activation_format == "batched":  # identity experts, weights applied by combine
+        batched = backend.activation_format is FusedMoEActivationFormat.BatchedExperts
+        if batched:  # identity experts, weights applied by combine
             expert_output = result.hidden_states
         else:  # identity experts applying the local weights
             expert_output = (result.hidden_states.float() * result.topk_weights.sum(1, True)).to(

@@ -60,6 +60,16 @@ def test_default_all2all_backend_never_blocks_under_dbo():
     assert ns.all2all_backend is None  # resolved by EngineArgs, which knows --enable-dbo
 
 
+def test_all2all_backend_choices_are_the_registrys_names(capsys):
+    from distributed import BACKENDS
+
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if "--all2all-backend" in a.option_strings]
+    assert list(action.choices) == list(BACKENDS)
+    with pytest.raises(ValueError, match=r"--all2all-backend 'nccl' is not supported"):
+        EngineArgs(all2all_backend="nccl")
+
+
 def test_world_size_must_match_data_parallel_size():
     with pytest.raises(ValueError, match=r"--data-parallel-size 4 does not match the 2 rank\(s\)"):
         EngineArgs(data_parallel_size=4).check_world_size(2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from distributed import FusedMoEActivationFormat
 from moe import (
     FusedMoEPrepareAndFinalize,
     MoEModelConfig,
@@ -29,6 +30,10 @@ class _EPStub(FusedMoEPrepareAndFinalize):
 
     def __init__(self, num_local_experts: int):
         self._n = num_local_experts
+
+    @property
+    def activation_format(self) -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
 
     @property
     def num_local_experts(self) -> int:

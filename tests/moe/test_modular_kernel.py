@@ -4,6 +4,7 @@ and EP=2 over real gloo all-to-all backends (with and without DBO) vs the single
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import threading
 import time
 
@@ -12,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
-from distributed import CommTiming
+from distributed import CommTiming, FusedMoEActivationFormat, make_all2all_backend
 from moe import (
+    All2AllPrepareAndFinalize,
     FusedMoEModularKernel,
     FusedMoEPrepareAndFinalize,
     MoEModelConfig,
@@ -81,18 +83,18 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
     x, _, w = routed(6)
     ids = torch.tensor([[0, -1], [-1, -1], [1, 0], [-1, 1], [1, -1], [0, 1]])
     torch.testing.assert_close(
-        experts.apply(x, ids, w), dense_reference(experts, x, ids, w), atol=1e-5, rtol=1e-5
+        experts.apply_standard(x, ids, w), dense_reference(experts, x, ids, w), atol=1e-5, rtol=1e-5
     )
-    assert experts.apply(x, ids, w)[1].abs().sum() == 0
-    assert experts.apply(x[:0], ids[:0], w[:0]).shape == (0, H)
+    assert experts.apply_standard(x, ids, w)[1].abs().sum() == 0
+    assert experts.apply_standard(x[:0], ids[:0], w[:0]).shape == (0, H)
     with pytest.raises(ValueError, match=r"local expert id 2 >= num_local_experts=2"):
-        experts.apply(x, torch.full_like(ids, 2), w)
+        experts.apply_standard(x, torch.full_like(ids, 2), w)
 
 
 @torch.no_grad()
 def test_batched_experts_equal_the_experts_on_the_same_tokens():
     """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
-    applied afterwards) gives the same result as ``apply`` on the routed tokens (float64)."""
+    applied afterwards) gives the same result as ``apply_standard`` on the routed tokens (float64)."""
     experts = make_experts().double()
     x, ids, w = routed(11)
     x, w = x.double(), w.double()
@@ -113,7 +115,7 @@ def test_batched_experts_equal_the_experts_on_the_same_tokens():
     combined = torch.zeros_like(x)
     for n, k, e, row in where:
         combined[n] += w[n, k] * out[e, row]
-    torch.testing.assert_close(combined, experts.apply(x, ids, w), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(combined, experts.apply_standard(x, ids, w), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(combined, experts.forward_native(x, ids, w), rtol=1e-12, atol=1e-12)
     assert not experts.apply_batched(batched, torch.zeros(E, dtype=torch.int32)).any()
     with pytest.raises(ValueError, match=r"expert_num_tokens must hold 4 counts in \[0, 13\]"):
@@ -125,6 +127,61 @@ def test_batched_experts_equal_the_experts_on_the_same_tokens():
 def test_kernel_rejects_mismatched_local_expert_count():
     with pytest.raises(ValueError, match=r"serves 4 local experts but experts holds 2"):
         FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=4), make_experts(2))
+
+
+def _local_low_latency():
+    """DeepEP low latency on one rank (our emulation): the ``BatchedExperts`` format."""
+    backend = make_all2all_backend(
+        "deepep_low_latency",
+        ep_group=None,
+        ep_rank=0,
+        ep_size=1,
+        num_experts=E,
+        timeout=datetime.timedelta(seconds=5),
+        num_max_dispatch_tokens_per_rank=16,
+    )
+    return All2AllPrepareAndFinalize(backend)
+
+
+class _StandardOnlyExperts(TorchExperts):
+    activation_formats = (FusedMoEActivationFormat.Standard,)
+
+
+class _BatchedOnlyExperts(TorchExperts):
+    activation_formats = (FusedMoEActivationFormat.BatchedExperts,)
+
+
+def test_kernel_refuses_experts_that_do_not_take_the_backends_format():
+    kw = {"num_local_experts": E, "hidden_size": H, "intermediate_size": FF}
+    with pytest.raises(
+        ValueError,
+        match=r"^_StandardOnlyExperts takes activation formats \['standard'\] but "
+        r"All2AllPrepareAndFinalize\(DeepEPLowLatencyBackend\) delivers 'batched_experts'$",
+    ):
+        FusedMoEModularKernel(_local_low_latency(), _StandardOnlyExperts(**kw))
+    with pytest.raises(
+        ValueError,
+        match=r"^_BatchedOnlyExperts takes activation formats \['batched_experts'\] but "
+        r"NoEPPrepareAndFinalize delivers 'standard'$",
+    ):
+        FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), _BatchedOnlyExperts(**kw))
+    # each accepts the format it declares
+    FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), _StandardOnlyExperts(**kw))
+    FusedMoEModularKernel(_local_low_latency(), _BatchedOnlyExperts(**kw))
+
+
+@torch.no_grad()
+def test_kernel_runs_the_batched_experts_on_a_batched_backend():
+    """The batched path (DeepEP low latency on one rank: unweighted experts, weights applied by
+    the combine) gives the standard path's output (float64)."""
+    experts = make_experts().double()
+    x, ids, w = routed(11)
+    x = x.double()
+    batched = FusedMoEModularKernel(_local_low_latency(), experts)
+    standard = FusedMoEModularKernel(NoEPPrepareAndFinalize(num_experts=E), experts)
+    torch.testing.assert_close(
+        batched.forward(x, ids, w), standard.forward(x, ids, w), rtol=1e-12, atol=1e-12
+    )
 
 
 class _LazyHandle:
@@ -148,6 +205,10 @@ class _LazyHandle:
 class _RecordingPrepareFinalize(FusedMoEPrepareAndFinalize):
     def __init__(self, log):
         self.log, self.inner = log, NoEPPrepareAndFinalize(num_experts=E)
+
+    @property
+    def activation_format(self):
+        return FusedMoEActivationFormat.Standard
 
     @property
     def num_local_experts(self):
