@@ -33,7 +33,14 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
-    add = parser.add_argument
+    _add_deployment_args(parser.add_argument)
+    _add_workload_args(parser.add_argument)
+    _add_calibration_args(parser.add_argument)
+    return parser
+
+
+def _add_deployment_args(add) -> None:
+    """Model, device, link and EP size."""
     add(
         "--model",
         default="DeepSeek-V3",
@@ -56,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp8", "bf16", "fp32"),
         help="linear layers' dtype",
     )
+
+
+def _add_workload_args(add) -> None:
+    """Batch shapes and ubatch counts."""
     add(
         "--decode-tokens",
         type=_int_list,
@@ -71,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--prompt-len", type=int, default=2000, help="tokens per prefill request")
     add("--num-ubatches", type=_int_list, default=[2, 3, 4], help="N values to compare (>= 2)")
+
+
+def _add_calibration_args(add) -> None:
+    """Calibration, comparison and outputs."""
     add(
         "--calibrate",
         metavar="TIMELINE_DIR",
@@ -92,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--png", default=None, help="draw predicted speedup against tokens per device")
     add("--write-prior", default=None, help="write the adaptive policy's prior (JSON)")
-    return parser
 
 
 def check_args(ns) -> None:
