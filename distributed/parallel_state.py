@@ -87,6 +87,9 @@ class ParallelGroups:
     ``ep_group`` is None exactly when ``ep_size == 1``; ``dp_group`` is None only for a process
     without torch.distributed (``single_process_groups``: one DP rank, no collectives).
     ``timeout`` is the limit applied to every collective and every blocking wait on these groups.
+    ``dp_rank_of_ep_rank`` (``[ep_size]``) names the DP rank whose tokens each EP rank dispatches,
+    so DP token counts map to EP counts without assuming ``ep_size == dp_size``; None when the
+    layout is not known (the all-to-all then exchanges its counts).
     """
 
     rank: int
@@ -99,6 +102,7 @@ class ParallelGroups:
     ep_group: ProcessGroup | None
     device: torch.device
     timeout: datetime.timedelta
+    dp_rank_of_ep_rank: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.dp_rank < self.dp_size:
@@ -112,6 +116,16 @@ class ParallelGroups:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
+        ranks = self.dp_rank_of_ep_rank
+        if ranks is not None and (
+            len(ranks) != self.ep_size
+            or not all(0 <= r < self.dp_size for r in ranks)
+            or ranks[self.ep_rank] != self.dp_rank
+        ):
+            raise ValueError(
+                f"dp_rank_of_ep_rank must list {self.ep_size} DP ranks in [0, {self.dp_size}) "
+                f"with entry {self.ep_rank} = dp_rank {self.dp_rank}, got {ranks}"
+            )
 
 
 def init_distributed(
@@ -176,6 +190,8 @@ def init_distributed(
         ep_group=ep_group,
         device=device,
         timeout=timeout,
+        # the EP group spans the DP ranks in order (TP = 1); without EP the one EP rank is this one
+        dp_rank_of_ep_rank=tuple(all_ranks) if ep_size > 1 else (env.rank,),
     )
 
 
@@ -195,6 +211,7 @@ def single_process_groups(
     return ParallelGroups(
         rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
         ep_group=None, device=device, timeout=datetime.timedelta(seconds=timeout_s),
+        dp_rank_of_ep_rank=(0,),
     )  # fmt: skip
 
 

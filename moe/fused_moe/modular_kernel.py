@@ -30,13 +30,13 @@ from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, 
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_switch_to_comm,
     dbo_switch_to_compute,
     dbo_yield,
 )
 from distributed import BatchedDispatchResult, CommHandle
+from moe.forward_context import current_num_tokens_across_ep
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class FusedMoEModularKernel:
                 topk_weights,
                 async_op=is_async,
                 # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
-                num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
+                num_tokens_across_ep=current_num_tokens_across_ep(),
             ),
         )
         if is_async:

@@ -284,7 +284,7 @@ BLOCK_SIZE = 4
 
 
 def _metadata(query_lens, num_padding):
-    from dbo import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
     qsl, slots, table = [0], [], []
     for r, q in enumerate(query_lens):
