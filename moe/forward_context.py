@@ -5,6 +5,12 @@ The model runner sets a ``ForwardContext`` around a whole batch's forward
 and entered by ``dbo.UBatchWrapper`` in that thread. Layers read it with ``get_forward_context()``
 (the MoE layer's EP token counts through ``current_num_tokens_across_ep()``).
 
+The model's forward keeps its explicit ``attn_metadata`` argument, which the runner's model
+function takes from the context: the model stays a plain function of its inputs, called directly
+by the transformers-equality tests and traced by graph mode (``moe.compilation``, whose splitting
+ops take the metadata as an argument). The context carries what the runner hands a (u)batch and
+what a layer needs beyond its arguments (the MoE layer's EP token counts).
+
 The context is thread-local: each ubatch runs in its own thread and sees only its own context;
 nesting restores the outer one on exit. The current decoder layer, which names the timeline's
 spans, stays the timeline's (``dbo.timeline.recorder.set_timeline_layer``: the timeline, in
