@@ -105,9 +105,7 @@ class UBatchWrapper:
                 contexts, (s.token_slice for s in ubatch_slices), ubatch_scopes, strict=True
             )
         ]
-        for thread in threads:
-            thread.start()
-        self._release_and_join(start_barrier, threads, contexts)
+        self._start_and_join(threads, start_barrier, contexts)
         error = contexts[0].error
         if error is not None:
             raise error
@@ -130,13 +128,16 @@ class UBatchWrapper:
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             ctx.abort(error)  # no-op when the context already aborted the group with it
 
-    def _release_and_join(
+    def _start_and_join(
         self,
-        start_barrier: threading.Barrier,
         threads: list[threading.Thread],
+        start_barrier: threading.Barrier,
         contexts: list[UBatchContext],
     ) -> None:
-        """Start the ubatch threads together (ubatch 0 holds the baton) and wait for them."""
+        """Start the ubatch threads, release them together (ubatch 0 holds the baton) and wait
+        for them."""
+        for thread in threads:
+            thread.start()
         try:
             start_barrier.wait(self.timeout_s)  # blocking wait (timeout self.timeout_s)
         except threading.BrokenBarrierError:
