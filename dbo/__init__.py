@@ -1,6 +1,7 @@
-"""Dual Batch Overlap: ubatch slicing, the DP-wide microbatching decision (static thresholds or the
-adaptive policy), the ping-pong protocol
-between ubatch threads, the wrapper that runs a model on ubatches, and a timeline recorder."""
+"""Dual Batch Overlap: ubatch slicing (token and request bounds), the DP-wide microbatching decision
+(static thresholds or the adaptive policy), the ping-pong protocol between ubatch threads, the
+wrapper that runs a model on ubatches, and a timeline recorder. The overlap machinery only: the
+model's per-(u)batch inputs (attention metadata, DP token counts) live in ``moe.forward_context``."""
 
 from dbo.adaptive_policy import (
     AdaptiveDBOPolicy,
@@ -10,7 +11,6 @@ from dbo.adaptive_policy import (
     format_crossover,
     prior_from_table,
 )
-from dbo.attention_metadata import CommonAttentionMetadata
 from dbo.dp_coordination import (
     DPMicrobatchDecision,
     coordinate_batch_across_dp,
@@ -31,14 +31,13 @@ from dbo.ubatch_context import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_switch_to_comm,
     dbo_switch_to_compute,
     dbo_yield,
     make_ubatch_contexts,
 )
-from dbo.ubatch_slicing import UBatchSlice, make_ubatch_slices, split_attn_metadata
+from dbo.ubatch_slicing import UBatchSlice, make_ubatch_slices
 from dbo.ubatch_wrapper import UBatchWrapper
 
 __all__ = [
@@ -48,7 +47,6 @@ __all__ = [
     "PolicyChoice",
     "format_crossover",
     "prior_from_table",
-    "CommonAttentionMetadata",
     "DPMicrobatchDecision",
     "TimelineRecorder",
     "TimelineSpan",
@@ -60,7 +58,6 @@ __all__ = [
     "dbo_current_ubatch_id",
     "dbo_enabled",
     "dbo_maybe_run_recv_hook",
-    "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
     "dbo_switch_to_comm",
     "dbo_switch_to_compute",
@@ -72,6 +69,5 @@ __all__ = [
     "record_comm_span",
     "set_timeline_recorder",
     "should_ubatch_locally",
-    "split_attn_metadata",
     "timeline_span",
 ]

@@ -22,9 +22,8 @@ next owner's stream waits on it, so the GPU runs the kernels in the order the ba
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dbo.ubatch_group import UBatchAborted, UBatchGroup, set_baton_observer
@@ -40,14 +39,12 @@ __all__ = [
     "dbo_current_ubatch_id",
     "dbo_enabled",
     "dbo_maybe_run_recv_hook",
-    "dbo_num_padded_tokens_across_dp",
     "dbo_register_recv_hook",
     "dbo_switch_to_comm",
     "dbo_switch_to_compute",
     "dbo_yield",
     "make_ubatch_contexts",
     "set_baton_observer",
-    "set_num_padded_tokens_across_dp",
 ]
 
 
@@ -60,19 +57,16 @@ class UBatchContext:
     one's yields return at once). Leaving with an exception aborts the group instead.
     """
 
-    __slots__ = ("id", "_group", "num_padded_tokens_across_dp", "streams")
+    __slots__ = ("id", "_group", "streams")
 
     def __init__(
         self,
         ubatch_id: int,
         group: UBatchGroup,
-        num_padded_tokens_across_dp: tuple[int, ...] | None = None,
         streams: UBatchStreams | None = None,
     ) -> None:
         self.id = ubatch_id
         self._group = group
-        # every DP rank's row count of this ubatch, when the DP ranks agreed on it (else None)
-        self.num_padded_tokens_across_dp = num_padded_tokens_across_dp
         self.streams = streams  # CUDA streams and events; None on CPU
 
     def __repr__(self) -> str:
@@ -180,7 +174,6 @@ def make_ubatch_contexts(
     num_ubatches: int = 2,
     *,
     timeout_s: float,
-    num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
     stream_device: torch.device | None = None,
 ) -> list[UBatchContext]:
     """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
@@ -188,39 +181,20 @@ def make_ubatch_contexts(
     With a ``stream_device`` (a CUDA device; the caller asks the platform whether ubatches get
     streams) each context gets ``UBatchStreams`` on it (``dbo.cuda_streams``).
 
-    ``num_padded_tokens_across_dp[i]``, when given, is every DP rank's row count of ubatch ``i`` (the
-    same on all ranks after DP padding); the MoE layer reads it with ``dbo_num_padded_tokens_across_dp``.
-
     Raises:
-        ValueError: if ``num_ubatches < 1``, ``timeout_s <= 0`` or
-            ``num_padded_tokens_across_dp`` does not have one entry per ubatch.
+        ValueError: if ``num_ubatches < 1`` or ``timeout_s <= 0``.
     """
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if num_padded_tokens_across_dp is not None and len(num_padded_tokens_across_dp) != num_ubatches:
-        raise ValueError(
-            f"num_padded_tokens_across_dp has {len(num_padded_tokens_across_dp)} entries for "
-            f"{num_ubatches} ubatches"
-        )
     group = UBatchGroup(num_ubatches, float(timeout_s))
     streams: list = [None] * num_ubatches
     if stream_device is not None:
         from dbo.cuda_streams import make_ubatch_streams
 
         streams = make_ubatch_streams(num_ubatches, stream_device)
-    return [
-        UBatchContext(
-            i,
-            group,
-            None
-            if num_padded_tokens_across_dp is None
-            else tuple(int(n) for n in num_padded_tokens_across_dp[i]),
-            streams[i],
-        )
-        for i in range(num_ubatches)
-    ]
+    return [UBatchContext(i, group, streams[i]) for i in range(num_ubatches)]
 
 
 _local = threading.local()
@@ -284,33 +258,3 @@ def dbo_maybe_run_recv_hook() -> None:
     ctx = _current()
     if ctx is not None:
         ctx.maybe_run_recv_hook()
-
-
-def dbo_num_padded_tokens_across_dp() -> tuple[int, ...] | None:
-    """Every DP rank's row count of the current forward, when the DP ranks agreed on it: the
-    current ubatch's under DBO, else the whole batch's set by ``set_num_padded_tokens_across_dp`` (vLLM's
-    forward-context DP metadata); None when nobody told (the all-to-all then exchanges the counts
-    itself, or assumes its capacity)."""
-    ctx = _current()
-    if ctx is not None:
-        return ctx.num_padded_tokens_across_dp
-    return getattr(_local, "num_padded_tokens_across_dp", None)
-
-
-@contextlib.contextmanager
-def set_num_padded_tokens_across_dp(
-    num_padded_tokens_across_dp: Sequence[int] | None,
-) -> Iterator[None]:
-    """Within the block, ``dbo_num_padded_tokens_across_dp()`` outside any ubatch context returns
-    ``num_padded_tokens_across_dp`` (every DP rank's row count of a batch run without microbatching)."""
-    previous = getattr(_local, "num_padded_tokens_across_dp", None)
-    counts = (
-        None
-        if num_padded_tokens_across_dp is None
-        else tuple(int(n) for n in num_padded_tokens_across_dp)
-    )
-    _local.num_padded_tokens_across_dp = counts
-    try:
-        yield
-    finally:
-        _local.num_padded_tokens_across_dp = previous

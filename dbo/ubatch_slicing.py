@@ -1,4 +1,5 @@
-"""Cut one step's flat batch into ubatches and slice its attention metadata accordingly.
+"""Cut one step's flat batch into ubatches: the token and request bounds of each (the model side
+slices its attention metadata to these bounds).
 
 Follows vLLM's ``ubatch_utils`` / ``ubatch_splitting``, for N >= 2 ubatches: ubatch ``k`` starts at
 row ``k * num_tokens_padded // N`` (for two, the cut is at ``num_tokens_padded // 2``, as in vLLM),
@@ -15,10 +16,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
-
-from dbo.attention_metadata import CommonAttentionMetadata
 
 
 def _check_slice(name: str, value: slice) -> slice:
@@ -143,72 +141,3 @@ def make_ubatch_slices(
             )
         )
     return slices
-
-
-def _slice_metadata(
-    ubatch_slice: UBatchSlice, common: CommonAttentionMetadata, qsl: list[int], seq_lens: list[int]
-) -> CommonAttentionMetadata:
-    req, tok = ubatch_slice.request_slice, ubatch_slice.token_slice
-    # a request's rows clamped to the ubatch's rows: a cut first request starts at 0, a cut last
-    # request ends at the ubatch's last real row
-    new_qsl = [min(max(x, tok.start), tok.stop) - tok.start for x in qsl[req.start : req.stop + 1]]
-    new_seq_lens = seq_lens[req]
-    if new_seq_lens and qsl[req.stop] > tok.stop:
-        # the last request continues in a later ubatch: its first part sees only its own tokens
-        new_seq_lens[-1] -= qsl[req.stop] - tok.stop
-    query_lens = [b - a for a, b in zip(new_qsl[:-1], new_qsl[1:], strict=True)]
-    device = common.query_start_loc.device
-    return CommonAttentionMetadata(
-        query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(new_seq_lens, dtype=torch.int32, device=common.seq_lens.device),
-        block_table=common.block_table[req],
-        slot_mapping=common.slot_mapping[tok],
-        num_reqs=len(new_seq_lens),
-        num_actual_tokens=new_qsl[-1],
-        num_tokens=ubatch_slice.num_tokens,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(new_seq_lens, default=0),
-    )
-
-
-def split_attn_metadata(
-    ubatch_slices: Sequence[UBatchSlice], common: CommonAttentionMetadata
-) -> list[CommonAttentionMetadata]:
-    """Slice ``common`` into one ``CommonAttentionMetadata`` per ubatch.
-
-    ``query_start_loc`` is rebased to 0 in each slice; ``seq_lens`` and ``block_table`` rows are
-    taken by ``request_slice``, ``slot_mapping`` by ``token_slice`` (``block_table`` and
-    ``slot_mapping`` are views, not copies). A request cut between ubatches keeps its full
-    ``seq_len`` in the ubatch that holds its last tokens; in an earlier ubatch its ``seq_len`` is
-    reduced by the tokens that moved on, so its query positions stay the same.
-
-    Raises:
-        ValueError: if a slice's rows lie outside ``common`` or its ``request_slice`` does not
-            match the requests of its ``token_slice``.
-    """
-    # host-device sync when the metadata lives on a GPU (once per step, before the ubatch threads)
-    qsl = [int(x) for x in common.query_start_loc.tolist()]
-    seq_lens = [int(x) for x in common.seq_lens.tolist()]
-    result = []
-    for k, ubatch_slice in enumerate(ubatch_slices):
-        req, tok = ubatch_slice.request_slice, ubatch_slice.token_slice
-        if tok.stop > common.num_tokens or req.stop > common.num_reqs:
-            raise ValueError(
-                f"ubatch {k} slice {ubatch_slice} exceeds the batch ({common.num_reqs} requests, "
-                f"{common.num_tokens} token rows)"
-            )
-        real_start, real_stop = tok.start, min(tok.stop, common.num_actual_tokens)
-        if req.start == req.stop:
-            covers = real_stop <= real_start
-        else:
-            covers = (
-                qsl[req.start] <= real_start < qsl[req.start + 1]
-                and qsl[req.stop - 1] < real_stop <= qsl[req.stop]
-            )
-        if not covers:
-            raise ValueError(
-                f"ubatch {k}: request_slice {req} does not cover exactly the requests of "
-                f"token_slice {tok} (query_start_loc={qsl})"
-            )
-        result.append(_slice_metadata(ubatch_slice, common, qsl, seq_lens))
-    return result

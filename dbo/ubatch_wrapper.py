@@ -1,25 +1,28 @@
 """Run a model on ubatch slices in ping-pong threads (vLLM's ``UBatchWrapper``, CPU-thread part).
 
-Without slices the wrapper just calls the model. With slices it splits the attention metadata,
-starts one thread per ubatch, each inside its ``UBatchContext``, lets ubatch 0 go first (it holds
-the baton), joins, and concatenates the outputs in ubatch order. A failure in any ubatch aborts the
-others and is re-raised once, as the original exception, in the caller.
+Without slices the wrapper just calls the model. With slices it starts one thread per ubatch, each
+inside its ``UBatchContext`` and the scope the caller gave for that ubatch (the model runner's
+per-ubatch forward context: its slice of the attention metadata and its DP token counts), lets
+ubatch 0 go first (it holds the baton), joins, and concatenates the outputs in ubatch order. A
+failure in any ubatch aborts the others and is re-raised once, as the original exception, in the
+caller. The wrapper knows nothing of the model's per-ubatch state beyond entering those scopes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
 
-from dbo.attention_metadata import CommonAttentionMetadata
-from dbo.ubatch_context import UBatchContext, make_ubatch_contexts, set_num_padded_tokens_across_dp
-from dbo.ubatch_slicing import UBatchSlice, split_attn_metadata
+from dbo.ubatch_context import UBatchContext, make_ubatch_contexts
+from dbo.ubatch_slicing import UBatchSlice
 
-ModelFn = Callable[[Tensor, Tensor, CommonAttentionMetadata], Tensor]
+ModelFn = Callable[[Tensor, Tensor], Tensor]
 
 # how often the caller's thread checks that the ubatch threads still make progress
 _WATCHDOG_POLL_S = 0.1
@@ -29,11 +32,11 @@ _WATCHDOG_GRACE_S = 1.0
 
 
 class UBatchWrapper:
-    """Wraps ``model_fn(input_ids, positions, attn_metadata) -> Tensor [num_tokens, ...]``.
+    """Wraps ``model_fn(input_ids, positions) -> Tensor [num_tokens, ...]``.
 
     Args:
         model_fn: the model's forward; with DBO it calls the ``dbo_*`` functions at its yield
-            points. Its output's dim 0 must be the token dim (``attn_metadata.num_tokens`` rows).
+            points. Its output's dim 0 must be the token dim (one row per input token).
         timeout_s: bound on every baton wait; a ubatch thread that runs without handing on the
             baton for longer (plus a grace of up to 1 s) fails the step with ``TimeoutError``.
         use_streams: give each ubatch a comm stream and events on the inputs' device
@@ -53,56 +56,86 @@ class UBatchWrapper:
         self,
         input_ids: Tensor,
         positions: Tensor,
-        attn_metadata: CommonAttentionMetadata,
         ubatch_slices: Sequence[UBatchSlice] | None = None,
         *,
-        num_padded_tokens_across_dp: Sequence[Sequence[int]] | None = None,
+        ubatch_scopes: Sequence[AbstractContextManager[object]] | None = None,
     ) -> Tensor:
         """Run the model, on ubatch threads when ``ubatch_slices`` is given.
 
         Args:
             input_ids: ``[num_tokens]`` int64 (padding rows included).
             positions: ``[num_tokens]`` int64.
-            attn_metadata: metadata of the whole batch; sliced per ubatch here.
-            ubatch_slices: from ``make_ubatch_slices``; ``None`` or empty runs without DBO.
-            num_padded_tokens_across_dp: per ubatch, every DP rank's row count of it (known after the DP
-                ranks agreed to pad to the same size); exposed as ``dbo_num_padded_tokens_across_dp()``.
-                Without slices, one entry: every DP rank's row count of the whole batch.
+            ubatch_slices: from ``make_ubatch_slices``; ``None`` or empty runs without DBO, in the
+                caller's thread.
+            ubatch_scopes: one context manager per ubatch, entered in that ubatch's thread inside
+                its ``UBatchContext`` around ``model_fn`` (the model runner's
+                ``set_forward_context`` of the ubatch); None: no scope.
 
         Returns:
             ``model_fn``'s outputs of all ubatches concatenated along dim 0, in ubatch order.
 
         Raises:
+            ValueError: if ``ubatch_scopes`` does not have one entry per ubatch.
             The first exception raised in a ubatch thread (its original type, once);
             ``TimeoutError`` if a ubatch thread makes no progress for ``timeout_s`` plus the grace.
         """
         if not ubatch_slices:
-            counts = num_padded_tokens_across_dp[0] if num_padded_tokens_across_dp else None
-            with set_num_padded_tokens_across_dp(counts):
-                return self.model_fn(input_ids, positions, attn_metadata)
-        metadata = split_attn_metadata(ubatch_slices, attn_metadata)
+            return self.model_fn(input_ids, positions)
+        if ubatch_scopes is None:
+            ubatch_scopes = [contextlib.nullcontext() for _ in ubatch_slices]
+        if len(ubatch_scopes) != len(ubatch_slices):
+            raise ValueError(
+                f"{len(ubatch_scopes)} ubatch_scopes for {len(ubatch_slices)} ubatch_slices"
+            )
         contexts = make_ubatch_contexts(
             len(ubatch_slices),
             timeout_s=self.timeout_s,
-            num_padded_tokens_across_dp=num_padded_tokens_across_dp,
             stream_device=input_ids.device if self.use_streams else None,
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)
-        threads = []
-        for ctx, ubatch_slice, ubatch_metadata in zip(
-            contexts, ubatch_slices, metadata, strict=True
-        ):
-            token_slice = ubatch_slice.token_slice
-            args = (input_ids[token_slice], positions[token_slice], ubatch_metadata)
-            threads.append(
-                threading.Thread(
-                    target=self._run_ubatch,
-                    args=(ctx, start_barrier, args, outputs),
-                    name=f"ubatch{ctx.id}",
-                    daemon=True,  # a thread stuck in model code must not keep the process alive
-                )
+        threads = [
+            threading.Thread(
+                target=self._run_ubatch,
+                args=(ctx, scope, start_barrier, (input_ids[rows], positions[rows]), outputs),
+                name=f"ubatch{ctx.id}",
+                daemon=True,  # a thread stuck in model code must not keep the process alive
             )
+            for ctx, rows, scope in zip(
+                contexts, (s.token_slice for s in ubatch_slices), ubatch_scopes, strict=True
+            )
+        ]
+        self._start_and_join(threads, start_barrier, contexts)
+        error = contexts[0].error
+        if error is not None:
+            raise error
+        return torch.cat(outputs, dim=0)
+
+    def _run_ubatch(
+        self,
+        ctx: UBatchContext,
+        scope: AbstractContextManager[object],
+        start_barrier: threading.Barrier,
+        args: tuple[Tensor, Tensor],
+        outputs: list[Tensor | None],
+    ) -> None:
+        try:
+            start_barrier.wait(self.timeout_s)  # blocking wait (timeout self.timeout_s)
+            with ctx, scope:
+                outputs[ctx.id] = self.model_fn(*args)
+        except threading.BrokenBarrierError:
+            ctx.abort(TimeoutError(f"ubatch threads did not all start within {self.timeout_s:g} s"))
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            ctx.abort(error)  # no-op when the context already aborted the group with it
+
+    def _start_and_join(
+        self,
+        threads: list[threading.Thread],
+        start_barrier: threading.Barrier,
+        contexts: list[UBatchContext],
+    ) -> None:
+        """Start the ubatch threads, release them together (ubatch 0 holds the baton) and wait
+        for them."""
         for thread in threads:
             thread.start()
         try:
@@ -112,26 +145,6 @@ class UBatchWrapper:
                 TimeoutError(f"ubatch threads did not all start within {self.timeout_s:g} s")
             )
         self._join(threads, contexts)
-        error = contexts[0].error
-        if error is not None:
-            raise error
-        return torch.cat(outputs, dim=0)
-
-    def _run_ubatch(
-        self,
-        ctx: UBatchContext,
-        start_barrier: threading.Barrier,
-        args: tuple[Tensor, Tensor, CommonAttentionMetadata],
-        outputs: list[Tensor | None],
-    ) -> None:
-        try:
-            start_barrier.wait(self.timeout_s)  # blocking wait (timeout self.timeout_s)
-            with ctx:
-                outputs[ctx.id] = self.model_fn(*args)
-        except threading.BrokenBarrierError:
-            ctx.abort(TimeoutError(f"ubatch threads did not all start within {self.timeout_s:g} s"))
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
-            ctx.abort(error)  # no-op when the context already aborted the group with it
 
     def _join(self, threads: list[threading.Thread], contexts: list[UBatchContext]) -> None:
         """Wait for the threads; give up on ones that make no progress for ``timeout_s``."""

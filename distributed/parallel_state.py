@@ -87,6 +87,9 @@ class ParallelGroups:
     ``ep_group`` is None exactly when ``ep_size == 1``; ``dp_group`` is None only for a process
     without torch.distributed (``single_process_groups``: one DP rank, no collectives).
     ``timeout`` is the limit applied to every collective and every blocking wait on these groups.
+    ``dp_rank_of_ep_rank`` (``[ep_size]``) names the DP rank whose tokens each EP rank dispatches,
+    so DP token counts map to EP counts without assuming ``ep_size == dp_size``; None when the
+    layout is not known (the all-to-all then exchanges its counts).
     """
 
     rank: int
@@ -99,6 +102,7 @@ class ParallelGroups:
     ep_group: ProcessGroup | None
     device: torch.device
     timeout: datetime.timedelta
+    dp_rank_of_ep_rank: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.dp_rank < self.dp_size:
@@ -112,6 +116,16 @@ class ParallelGroups:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
+        ranks = self.dp_rank_of_ep_rank
+        if ranks is not None and (
+            len(ranks) != self.ep_size
+            or not all(0 <= r < self.dp_size for r in ranks)
+            or ranks[self.ep_rank] != self.dp_rank
+        ):
+            raise ValueError(
+                f"dp_rank_of_ep_rank must list {self.ep_size} DP ranks in [0, {self.dp_size}) "
+                f"with entry {self.ep_rank} = dp_rank {self.dp_rank}, got {ranks}"
+            )
 
 
 def _rank_device(backend: str, env: TorchrunEnv) -> torch.device:
@@ -121,6 +135,17 @@ def _rank_device(backend: str, env: TorchrunEnv) -> torch.device:
     device = torch.device("cuda", env.local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+def _check_layout(data_parallel_size: int, env: TorchrunEnv, timeout_s: float) -> None:
+    """ValueError unless one DP rank runs per process and ``timeout_s > 0``."""
+    if data_parallel_size != env.world_size:
+        raise ValueError(
+            f"data_parallel_size ({data_parallel_size}) must equal the world size "
+            f"({env.world_size}): one DP attention rank per process (tensor parallel = 1)"
+        )
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
 
 
 def init_distributed(
@@ -152,13 +177,7 @@ def init_distributed(
         RuntimeError: if a default group already exists with a different rank / world size.
     """
     env = TorchrunEnv.from_environ() if env is None else env
-    if data_parallel_size != env.world_size:
-        raise ValueError(
-            f"data_parallel_size ({data_parallel_size}) must equal the world size "
-            f"({env.world_size}): one DP attention rank per process (tensor parallel = 1)"
-        )
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    _check_layout(data_parallel_size, env, timeout_s)
     backend = _pick_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     device = _rank_device(backend, env)
@@ -182,6 +201,8 @@ def init_distributed(
         ep_group=ep_group,
         device=device,
         timeout=timeout,
+        # the EP group spans the DP ranks in order (TP = 1); without EP the one EP rank is this one
+        dp_rank_of_ep_rank=tuple(all_ranks) if ep_size > 1 else (env.rank,),
     )
 
 
@@ -209,6 +230,7 @@ def single_process_groups(
         ep_group=None,
         device=device,
         timeout=datetime.timedelta(seconds=timeout_s),
+        dp_rank_of_ep_rank=(0,),
     )
 
 

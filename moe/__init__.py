@@ -1,5 +1,12 @@
-"""moe: model side — config, router, modular fused-MoE kernel, experts, attention, models, loading."""
+"""moe: model side — config, router, modular fused-MoE kernel, experts, attention, models, loading,
+the forward context."""
 
+from moe.forward_context import (
+    DPMetadata,
+    ForwardContext,
+    get_forward_context,
+    set_forward_context,
+)
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
@@ -12,6 +19,7 @@ from moe.fused_moe.prepare_finalize import (
 from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
 from moe.layers.activation import SiluAndMul, swiglu
 from moe.layers.attention import PagedAttention, paged_attention, write_kv_cache
+from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 from moe.layers.mla import MLAAttention, PagedMLACache
 from moe.layers.mlp import DenseMLP
 from moe.layers.norm import RMSNorm
@@ -38,13 +46,16 @@ __all__ = [
     "ArchitectureSpec",
     "PARAM_CATEGORIES",
     "All2AllPrepareAndFinalize",
+    "CommonAttentionMetadata",
     "CompletedHandle",
     "CpuPlatform",
     "CudaPlatform",
     "CustomOp",
+    "DPMetadata",
     "DenseMLP",
     "FusedMoE",
     "FusedMoEModularKernel",
+    "ForwardContext",
     "FusedMoEPrepareAndFinalize",
     "LoadStats",
     "MLAAttention",
@@ -66,6 +77,7 @@ __all__ = [
     "checkpoint_targets",
     "current_platform",
     "get_custom_ops",
+    "get_forward_context",
     "init_random_weights",
     "load_checkpoint",
     "load_config",
@@ -75,6 +87,8 @@ __all__ = [
     "parse_custom_ops",
     "rotate_half",
     "select_experts",
+    "set_forward_context",
+    "split_attn_metadata",
     "supported_architectures",
     "set_custom_ops",
     "swiglu",

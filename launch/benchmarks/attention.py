@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from dbo import CommonAttentionMetadata
 from launch.benchmarks.timing import mean_seconds
 from moe.layers.attention import PagedAttention
+from moe.layers.attention_metadata import CommonAttentionMetadata
 
 PROG = "launch.benchmarks.attention"
 BLOCK_SIZE = 16

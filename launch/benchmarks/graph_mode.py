@@ -21,7 +21,7 @@ import torch
 
 
 def _metadata(num_tokens: int, context_len: int, block_size: int):
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
     blocks_per_req = -(-(context_len + 1) // block_size)
     table = torch.arange(num_tokens * blocks_per_req, dtype=torch.int32).view(num_tokens, -1)

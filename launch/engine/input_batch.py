@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dbo import CommonAttentionMetadata
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.request import Request
 from launch.engine.sampler import SamplingMetadata
 from launch.engine.scheduler import SchedulerOutput
+from moe.layers.attention_metadata import CommonAttentionMetadata
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,9 +8,12 @@ Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md`
    ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
 2. flat inputs and the common attention metadata are built from the persistent per-request rows
    of the ``InputBatch`` by array arithmetic (padding rows have slot -1);
-3. with microbatching the token range is cut into the agreed number of ``UBatchSlice`` s
-   (``--ubatch-size``, default two) and ``UBatchWrapper`` runs the model on one thread per ubatch,
-   passing the baton in a ring inside the MoE layers; otherwise the model runs once;
+3. the model runs inside the batch's ``ForwardContext`` (``moe.forward_context``: its attention
+   metadata and every DP rank's row count). With microbatching the token range is cut into the
+   agreed number of ``UBatchSlice`` s (``--ubatch-size``, default two), the attention metadata is
+   sliced to them, and ``UBatchWrapper`` runs the model on one thread per ubatch, each inside its
+   own forward context, passing the baton in a ring inside the MoE layers; otherwise the model
+   runs once;
 4. the hidden state of each request whose known tokens are all computed is turned into logits and
    the ``Sampler`` picks every row's token at once (greedy argmax, or seeded Gumbel-max).
 A rank with nothing scheduled still runs a one-token dummy batch while any other rank has work,
@@ -30,6 +33,7 @@ from dbo import (
     AdaptiveDBOPolicy,
     DPMicrobatchDecision,
     PolicyChoice,
+    UBatchSlice,
     UBatchWrapper,
     coordinate_batch_across_dp,
     make_ubatch_slices,
@@ -42,6 +46,8 @@ from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.sampler import Sampler, SamplingMetadata, TokenLogprobs, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
+from moe.forward_context import DPMetadata, ForwardContext, get_forward_context, set_forward_context
+from moe.layers.attention_metadata import split_attn_metadata
 from moe.platforms import current_platform
 
 
@@ -150,10 +156,11 @@ class ModelRunner:
         )
         return vote, True
 
-    def _forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model on this (u)batch's rows, with the attention metadata of its forward context."""
         # inference_mode is thread-local: each ubatch thread must enter it itself.
         with torch.inference_mode():
-            return self.model(input_ids, positions, attn_metadata)
+            return self.model(input_ids, positions, get_forward_context().attn_metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Coordinate with the other DP ranks, run the model if any rank has work, sample."""
@@ -205,14 +212,7 @@ class ModelRunner:
             )
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = self.input_batch.prepare_inputs(scheduler_output, num_rows=num_rows)
-        ubatch_slices, num_padded_tokens_across_dp = self._slices(decision, inputs, num_rows)
-        hidden_states = self.wrapper(
-            inputs.input_ids,
-            inputs.positions,
-            inputs.attn_metadata,
-            ubatch_slices,
-            num_padded_tokens_across_dp=num_padded_tokens_across_dp,
-        )
+        hidden_states = self._run_model(decision, inputs, num_rows)
         # On CPU the forward has finished here; a CUDA path must synchronise before reading the
         # clock (host-device sync), or the policy would time the launches only.
         self._end_step_timing(start_ns, decision)
@@ -225,20 +225,58 @@ class ModelRunner:
             num_ubatches=decision.num_ubatches,
         )
 
-    def _slices(self, decision: DPMicrobatchDecision, inputs: ModelInputs, num_rows: int):
-        """(the ubatch slices or None, every DP rank's row count per ubatch, or of the whole batch
-        without microbatching: one entry)."""
-        if not decision.should_ubatch:
+    def _run_model(
+        self, decision: DPMicrobatchDecision, inputs: ModelInputs, num_rows: int
+    ) -> torch.Tensor:
+        """The model on this step's ``num_rows`` rows inside the batch's forward context, and under
+        DBO each ubatch inside its own (its slice of the attention metadata, its row counts)."""
+        if decision.should_ubatch:
+            # every DP rank padded to the same num_rows (the vote's agreement)
+            num_tokens_across_dp = (num_rows,) * self.groups.dp_size
+        else:
             # Every rank runs max(num_tokens, 1) rows (a dummy row when idle): known from the vote,
             # so e.g. DeepEP's low-latency dispatch sizes its slots without a message (vLLM's
             # forward-context DP metadata).
-            return None, [tuple(max(n, 1) for n in decision.num_tokens_across_dp)]
-        qsl = inputs.attn_metadata.query_start_loc
-        ubatch_slices = make_ubatch_slices(qsl, num_rows, decision.num_ubatches)
+            num_tokens_across_dp = tuple(max(n, 1) for n in decision.num_tokens_across_dp)
+        batch = ForwardContext(
+            attn_metadata=inputs.attn_metadata,
+            dp_metadata=self._dp_metadata(num_tokens_across_dp),
+        )
+        ubatch_slices = ubatch_scopes = None
+        if decision.should_ubatch:
+            qsl = inputs.attn_metadata.query_start_loc
+            ubatch_slices = make_ubatch_slices(qsl, num_rows, decision.num_ubatches)
+            ubatch_scopes = [
+                set_forward_context(context)
+                for context in self._ubatch_contexts(ubatch_slices, inputs)
+            ]
+        with set_forward_context(batch):
+            return self.wrapper(
+                inputs.input_ids, inputs.positions, ubatch_slices, ubatch_scopes=ubatch_scopes
+            )
+
+    def _ubatch_contexts(
+        self, ubatch_slices: list[UBatchSlice], inputs: ModelInputs
+    ) -> list[ForwardContext]:
+        """Each ubatch's forward context: its slice of the attention metadata and its row counts."""
+        metadata = split_attn_metadata(ubatch_slices, inputs.attn_metadata)
         # Every DP rank padded to the same num_rows and cut it at the same points, so each ubatch
         # has the same row count on every rank; telling the all-to-all spares it a blocking
         # count exchange in the overlapped window.
-        return ubatch_slices, [(s.num_tokens,) * self.groups.dp_size for s in ubatch_slices]
+        return [
+            ForwardContext(
+                attn_metadata=ubatch_metadata,
+                dp_metadata=self._dp_metadata((s.num_tokens,) * self.groups.dp_size),
+                ubatch_id=k,
+            )
+            for k, (s, ubatch_metadata) in enumerate(zip(ubatch_slices, metadata, strict=True))
+        ]
+
+    def _dp_metadata(self, num_tokens_across_dp: tuple[int, ...]) -> DPMetadata:
+        return DPMetadata(
+            num_tokens_across_dp=num_tokens_across_dp,
+            dp_rank_of_ep_rank=self.groups.dp_rank_of_ep_rank,
+        )
 
     def _vote(self, scheduler_output: SchedulerOutput) -> DPMicrobatchDecision:
         """This rank's vote and previous step time, all-gathered over DP, and the decision (the

@@ -35,7 +35,6 @@ from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, 
 from dbo.ubatch_context import (
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_switch_to_comm,
     dbo_switch_to_compute,
@@ -47,6 +46,7 @@ from distributed import (
     DispatchResult,
     FusedMoEActivationFormat,
 )
+from moe.forward_context import current_num_tokens_across_ep
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ class FusedMoEModularKernel:
                 topk_weights,
                 async_op=is_async,
                 # the DP ranks agreed on every batch's / ubatch's size: no count exchange needed
-                num_tokens_across_ep=dbo_num_padded_tokens_across_dp(),
+                num_tokens_across_ep=current_num_tokens_across_ep(),
             ),
         )
         result = _complete(dispatch, "dispatch", is_async)

@@ -28,7 +28,7 @@ from moe.layers.rotary import RotaryEmbedding
 from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
     from moe.models.config import MoEModelConfig
 
 

@@ -39,7 +39,7 @@ from moe.platforms.custom_op import is_tracing
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
 
 # Each chunk of requests gathers at most this many context bytes (K and V, or MLA latents) into

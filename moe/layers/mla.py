@@ -34,7 +34,7 @@ from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
     from moe.models.config import MoEModelConfig
 
 ABSORB_MAX_QUERY_LEN = 4

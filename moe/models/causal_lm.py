@@ -17,7 +17,7 @@ from moe.models.config import MoEModelConfig
 from moe.models.decoder import MoEModel
 
 if TYPE_CHECKING:
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
 PARAM_CATEGORIES = (
     "embedding",

@@ -27,7 +27,7 @@ from moe.layers.norm import RMSNorm
 from moe.models.config import MoEModelConfig
 
 if TYPE_CHECKING:
-    from dbo.attention_metadata import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
 
 def routing_config(config: MoEModelConfig) -> RoutingConfig:

@@ -71,7 +71,7 @@ def test_compute_spans_carry_the_thread_cpu_time(recorder):
 
 
 def test_spans_of_ubatch_threads_go_to_their_tracks(recorder):
-    def model_fn(input_ids, positions, md):
+    def model_fn(input_ids, positions):
         with timeline_span("attention"):
             pass
         now = time.perf_counter_ns()
@@ -82,7 +82,7 @@ def test_spans_of_ubatch_threads_go_to_their_tracks(recorder):
     md = make_slicing_metadata([3, 3], [3, 3])
     input_ids = torch.arange(6)
     slices = make_ubatch_slices(md.query_start_loc, 6)
-    UBatchWrapper(model_fn, timeout_s=5)(input_ids, input_ids, md, slices)
+    UBatchWrapper(model_fn, timeout_s=5)(input_ids, input_ids, slices)
     spans = recorder.spans()
     assert sorted((s.name, s.track) for s in spans if s.cat != "baton") == [
         ("attention", "ubatch0 compute"),

@@ -1,4 +1,5 @@
-"""Ubatch slicing of a flat batch and its attention metadata, checked against hand-worked cases."""
+"""Ubatch slicing of a flat batch (dbo) and of its attention metadata (moe), checked against
+hand-worked cases."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dbo import CommonAttentionMetadata, UBatchSlice, make_ubatch_slices, split_attn_metadata
+from dbo import UBatchSlice, make_ubatch_slices
 from dbo.ubatch_slicing import max_num_ubatches, ubatch_bounds
+from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 from tests.helpers.attention_metadata import make_slicing_metadata
 
 

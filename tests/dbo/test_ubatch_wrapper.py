@@ -1,7 +1,9 @@
-"""UBatchWrapper: DBO on equals DBO off for a toy paged-attention model; failures surface once."""
+"""UBatchWrapper: DBO on equals DBO off for a toy paged-attention model that reads its metadata
+from the forward context; each ubatch runs in its own scope; failures surface once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -9,16 +11,16 @@ import pytest
 import torch
 
 from dbo import (
-    CommonAttentionMetadata,
     UBatchWrapper,
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
-    dbo_num_padded_tokens_across_dp,
     dbo_register_recv_hook,
     dbo_yield,
     make_ubatch_slices,
 )
+from moe.forward_context import ForwardContext, get_forward_context, set_forward_context
+from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 
 BLOCK_SIZE = 4
 NUM_LAYERS = 3
@@ -37,7 +39,8 @@ class ToyPagedModel:
                 cache[slot] = value
         self.hooks_run = []
 
-    def __call__(self, input_ids, positions, md: CommonAttentionMetadata):
+    def __call__(self, input_ids, positions):
+        md = get_forward_context().attn_metadata
         qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
         state = input_ids.to(torch.float64)
         for layer, cache in enumerate(self.caches):
@@ -94,36 +97,60 @@ def make_batch():
     return torch.tensor(input_ids), torch.tensor(positions), md, cached
 
 
+def run(model_fn, input_ids, positions, md, slices=None, *, timeout_s=5.0):
+    """``model_fn`` through a UBatchWrapper as the model runner calls it: inside the batch's
+    forward context, and each ubatch inside its own (its slice of ``md``)."""
+    scopes = None
+    if slices:
+        scopes = [
+            set_forward_context(ForwardContext(attn_metadata=ubatch_md, ubatch_id=k))
+            for k, ubatch_md in enumerate(split_attn_metadata(slices, md))
+        ]
+    with set_forward_context(ForwardContext(attn_metadata=md)):
+        return UBatchWrapper(model_fn, timeout_s=timeout_s)(
+            input_ids, positions, slices, ubatch_scopes=scopes
+        )
+
+
 def test_without_slices_calls_the_model_directly():
     seen = []
 
-    def model_fn(input_ids, positions, md):
+    def model_fn(input_ids, positions):
         seen.append((threading.current_thread() is threading.main_thread(), dbo_enabled()))
         return input_ids * 2
 
     input_ids, positions, md, _ = make_batch()
-    out = UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions, md)
+    out = UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions)
     assert torch.equal(out, input_ids * 2)
     assert seen == [(True, False)]
 
 
-def test_each_ubatch_sees_its_num_padded_tokens_across_dp():
-    seen = {}
+def test_each_ubatch_runs_inside_its_own_scope():
+    events = []
 
-    def model_fn(input_ids, positions, md):
-        seen[dbo_current_ubatch_id()] = dbo_num_padded_tokens_across_dp()
+    @contextlib.contextmanager
+    def scope(k):
+        events.append(("enter", k, dbo_current_ubatch_id(), threading.current_thread().name))
+        yield
+        events.append(("exit", k))
+
+    def model_fn(input_ids, positions):
+        events.append(("model", dbo_current_ubatch_id()))
+        dbo_yield()
         return input_ids
 
     input_ids, positions, md, _ = make_batch()
-    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
-    counts = [(s.num_tokens, s.num_tokens) for s in slices]
-    UBatchWrapper(model_fn, timeout_s=5)(
-        input_ids, positions, md, slices, num_padded_tokens_across_dp=counts
-    )
-    assert seen == {0: counts[0], 1: counts[1]}
-    assert dbo_num_padded_tokens_across_dp() is None  # outside a ubatch
-    UBatchWrapper(model_fn, timeout_s=5)(input_ids, positions, md, slices)
-    assert seen == {0: None, 1: None}
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens, 3)
+    wrapper = UBatchWrapper(model_fn, timeout_s=5)
+    out = wrapper(input_ids, positions, slices, ubatch_scopes=[scope(k) for k in range(3)])
+    assert torch.equal(out, input_ids)
+    # entered in the ubatch's thread, inside its ubatch context (holding the baton), in ring order
+    assert [e for e in events if e[0] == "enter"] == [
+        ("enter", k, k, f"ubatch{k}") for k in range(3)
+    ]
+    assert sorted(e for e in events if e[0] == "exit") == [("exit", k) for k in range(3)]
+    with pytest.raises(ValueError, match="2 ubatch_scopes for 3 ubatch_slices"):
+        wrapper(input_ids, positions, slices, ubatch_scopes=[scope(0), scope(1)])
 
 
 # (request_slice, token_slice) per ubatch of make_batch's 12 rows (r0: rows 0-6, r1: 7, r2: 8-10)
@@ -146,12 +173,12 @@ EXPECTED_SLICES = {
 def test_dbo_on_equals_dbo_off(num_ubatches):
     input_ids, positions, md, cached = make_batch()
     reference_model = ToyPagedModel(8, cached)
-    reference = UBatchWrapper(reference_model, timeout_s=5)(input_ids, positions, md)
+    reference = run(reference_model, input_ids, positions, md)
 
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens, num_ubatches)
     assert [(s.request_slice, s.token_slice) for s in slices] == EXPECTED_SLICES[num_ubatches]
     dbo_model = ToyPagedModel(8, cached)
-    out = UBatchWrapper(dbo_model, timeout_s=5)(input_ids, positions, md, slices)
+    out = run(dbo_model, input_ids, positions, md, slices)
 
     assert out.shape == reference.shape == (12, 2)
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
@@ -165,7 +192,7 @@ def test_dbo_on_equals_dbo_off(num_ubatches):
 
 
 def _failing_model(fail_in: int, error: BaseException):
-    def model_fn(input_ids, positions, md):
+    def model_fn(input_ids, positions):
         dbo_yield()
         if dbo_current_ubatch_id() == fail_in:
             raise error
@@ -184,10 +211,9 @@ def test_exception_surfaces_once_as_the_original(num_ubatches, fail_in, monkeypa
     input_ids, positions, md, _ = make_batch()
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens, num_ubatches)
     error = ValueError(f"boom in ubatch {fail_in}")
-    wrapper = UBatchWrapper(_failing_model(fail_in, error), timeout_s=5)
     start = time.perf_counter()
     with pytest.raises(ValueError, match=f"boom in ubatch {fail_in}") as caught:
-        wrapper(input_ids, positions, md, slices)
+        run(_failing_model(fail_in, error), input_ids, positions, md, slices)
     assert caught.value is error
     assert time.perf_counter() - start < 2.5  # woken, not timed out
     assert thread_errors == []  # nothing else escaped a thread
@@ -196,7 +222,7 @@ def test_exception_surfaces_once_as_the_original(num_ubatches, fail_in, monkeypa
 def test_peer_that_never_yields_back_raises_timeout_error():
     release = threading.Event()
 
-    def model_fn(input_ids, positions, md):
+    def model_fn(input_ids, positions):
         if dbo_current_ubatch_id() == 1:
             release.wait(10)  # keeps the baton and never yields back
         dbo_yield()
@@ -207,7 +233,7 @@ def test_peer_that_never_yields_back_raises_timeout_error():
     start = time.perf_counter()
     try:
         with pytest.raises(TimeoutError, match="ubatch 0 waited 0.2 s for the baton"):
-            UBatchWrapper(model_fn, timeout_s=0.2)(input_ids, positions, md, slices)
+            run(model_fn, input_ids, positions, md, slices, timeout_s=0.2)
     finally:
         release.set()
     assert time.perf_counter() - start < 2.0
@@ -217,10 +243,7 @@ def test_wrapper_can_run_again_after_a_failure():
     input_ids, positions, md, cached = make_batch()
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
     with pytest.raises(RuntimeError, match="first"):
-        UBatchWrapper(_failing_model(0, RuntimeError("first")), timeout_s=5)(
-            input_ids, positions, md, slices
-        )
-    model = ToyPagedModel(8, cached)
-    out = UBatchWrapper(model, timeout_s=5)(input_ids, positions, md, slices)
-    reference = ToyPagedModel(8, cached)(input_ids, positions, md)
+        run(_failing_model(0, RuntimeError("first")), input_ids, positions, md, slices)
+    out = run(ToyPagedModel(8, cached), input_ids, positions, md, slices)
+    reference = run(ToyPagedModel(8, cached), input_ids, positions, md)
     torch.testing.assert_close(out, reference, rtol=0, atol=0)

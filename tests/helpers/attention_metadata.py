@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.attention_metadata import CommonAttentionMetadata
+from moe.layers.attention_metadata import CommonAttentionMetadata
 
 BLOCK_SIZE = 4  # KV cache block size of make_paged_metadata
 

@@ -13,6 +13,7 @@ def single_rank_groups() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
         ep_group=None, device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60),
+        dp_rank_of_ep_rank=(0,),
     )  # fmt: skip
 
 

@@ -15,6 +15,8 @@ from dbo import UBatchWrapper, make_ubatch_slices
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.request import Request, SamplingParams
 from launch.engine.scheduler import Scheduler
+from moe.forward_context import ForwardContext, set_forward_context
+from moe.layers.attention_metadata import split_attn_metadata
 from tests.helpers.precision import FLOAT64_REL, assert_logits_close
 from tests.helpers.single_rank import single_rank_engine
 
@@ -227,8 +229,14 @@ def test_requests_split_across_ubatches_give_the_same_hidden_states(tiny_mixtral
     assert len(cut) == 1, slices  # one request runs in both ubatches
     (cut_index,) = cut
     assert out.scheduled[cut_index].num_new_tokens > 1  # it is a prefill chunk
-    plain = engine.model_runner._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    md = inputs.attn_metadata
+    with set_forward_context(ForwardContext(attn_metadata=md)):
+        plain = engine.model_runner._forward(inputs.input_ids, inputs.positions)
     # the ubatched run writes the same K/V into the same slots again: the cache state is unchanged
     wrapper = UBatchWrapper(engine.model_runner._forward, timeout_s=60)
-    split = wrapper(inputs.input_ids, inputs.positions, inputs.attn_metadata, slices)
+    scopes = [
+        set_forward_context(ForwardContext(attn_metadata=ubatch_md, ubatch_id=k))
+        for k, ubatch_md in enumerate(split_attn_metadata(slices, md))
+    ]
+    split = wrapper(inputs.input_ids, inputs.positions, slices, ubatch_scopes=scopes)
     assert_logits_close(split, plain, rel=FLOAT64_REL)  # float64: exact up to summation order

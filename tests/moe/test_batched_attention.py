@@ -15,9 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from dbo import CommonAttentionMetadata, make_ubatch_slices, split_attn_metadata
+from dbo import make_ubatch_slices
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
+from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
 from moe.platforms import CpuPlatform
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for

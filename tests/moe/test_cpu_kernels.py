@@ -232,7 +232,8 @@ def test_kernel_long_contexts(kernel_calls, dtype, head_dim):
 def test_kernel_request_cut_across_ubatches(kernel_calls):
     """A prefill chunk cut between the ubatches: the second part attends over the first part's
     cached K/V."""
-    from dbo import make_ubatch_slices, split_attn_metadata
+    from dbo import make_ubatch_slices
+    from moe.layers.attention_metadata import split_attn_metadata
 
     op, native = make_op(8, 4, 16, torch.float64), make_op(8, 4, 16, torch.float64)
     md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4), (13, 1)], num_padding=2)

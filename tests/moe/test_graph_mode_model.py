@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbo.attention_metadata import CommonAttentionMetadata
 from moe import build_model, load_checkpoint, load_config, set_custom_ops
 from moe.compilation import GraphModeModel
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
+from moe.layers.attention_metadata import CommonAttentionMetadata
 
 BLOCK_SIZE = 4
 

@@ -25,7 +25,9 @@ from moe import (
     init_random_weights,
     select_experts,
 )
+from moe.forward_context import DPMetadata
 from tests.helpers.distributed import run_distributed
+from tests.helpers.forward_context import context_forward, ubatch_scopes
 
 H, FF, E, K = 16, 24, 4, 2
 
@@ -347,7 +349,7 @@ BLOCK_SIZE = 4
 
 
 def _metadata(query_lens, num_padding):
-    from dbo import CommonAttentionMetadata
+    from moe.layers.attention_metadata import CommonAttentionMetadata
 
     qsl, slots, table = [0], [], []
     for r, q in enumerate(query_lens):
@@ -407,17 +409,28 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
         [torch.arange(q) for q in query_lens] + [torch.zeros(num_padding, dtype=torch.long)]
     )
 
-    def in_inference_mode(*inputs):
+    forward = context_forward(model)
+
+    def in_inference_mode(input_ids, positions):
         # like the engine: each ubatch thread enters inference_mode itself, and the other ubatch
         # completes this one's last combine at context exit, outside it
         with torch.inference_mode():
-            return model(*inputs)
+            return forward(input_ids, positions)
 
-    def run(m, wrapper_slices=None, model_fn=None):
+    def agreed(ubatch_slice):
+        # a ubatch's EP counts as the engine knows them after the DP vote (every rank cuts its 8
+        # rows at the same points), sparing the backends their count exchange
+        return DPMetadata(
+            num_tokens_across_dp=(ubatch_slice.num_tokens,) * world_size,
+            dp_rank_of_ep_rank=groups.dp_rank_of_ep_rank,
+        )
+
+    def run(m, wrapper_slices=None, model_fn=forward, *, agreed_counts=False):
         m.allocate_kv_caches(8, BLOCK_SIZE)
         if wrapper_slices is None:
             return m(ids, pos, meta)
-        return UBatchWrapper(model_fn or m, timeout_s=60)(ids, pos, meta, wrapper_slices)
+        scopes = ubatch_scopes(wrapper_slices, meta, agreed if agreed_counts else lambda s: None)
+        return UBatchWrapper(model_fn, timeout_s=60)(ids, pos, wrapper_slices, ubatch_scopes=scopes)
 
     n = meta.num_actual_tokens
     expected = run(reference)[:n]
@@ -429,6 +442,7 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
         run(model, slices)[:n],
         run(model, slices, in_inference_mode)[:n],
         run(model, three, in_inference_mode)[:n],
+        run(model, three, in_inference_mode, agreed_counts=True)[:n],
     ]
     return [(out - expected).abs().max().item() for out in outputs]
 
@@ -440,9 +454,10 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
     results = run_distributed(_ep_rank_main, 2, backend_names, timeout_s=120)
     for per_rank in results:
         assert sorted(per_rank) == sorted(backend_names)
-        # EP, EP + DBO, EP + DBO under inference_mode, the same with three ubatches
+        # EP, EP + DBO, EP + DBO under inference_mode, the same with three ubatches, and with
+        # the ubatches' EP counts known from the forward context
         for diffs in per_rank.values():
-            assert len(diffs) == 4 and max(diffs) < 1e-5, results
+            assert len(diffs) == 5 and max(diffs) < 1e-5, results
 
 
 def _hook_failure_rank(rank, world_size):
@@ -484,7 +499,9 @@ def _hook_failure_rank(rank, world_size):
     start = time.perf_counter()
     try:
         with torch.inference_mode():
-            UBatchWrapper(model, timeout_s=3)(ids, pos, meta, slices)
+            UBatchWrapper(context_forward(model), timeout_s=3)(
+                ids, pos, slices, ubatch_scopes=ubatch_scopes(slices, meta)
+            )
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc), time.perf_counter() - start
     return None, "", time.perf_counter() - start
