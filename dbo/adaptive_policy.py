@@ -51,7 +51,7 @@ class AdaptivePolicyConfig:
     window: int = 5  # samples per arm whose median is the arm's estimate
     tie_tolerance: float = 0.01  # on must beat off by this fraction of off's median
     # chosen arm's median moving by this fraction: explore again. Not less: on a loaded 2-core
-    # machine the median of 5 step times swings by +-30 % with no change in the workload.
+    # machine the median of 5 step times swings by tens of percent with no change in the workload.
     drift_tolerance: float = 0.5
     recheck_interval: int = 500  # exploit steps of a bucket before it explores again
     # a prior's predicted speedup counts when it is this far from 1 (closer, the planner's error

@@ -337,7 +337,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
             metadata = inputs.sampling_metadata
             # a row's max is NaN iff the row has a NaN (max propagates NaN): one reduction, no
-            # [rows, vocab] bool temporary (80 x 32000 float32, 1 thread: 0.6 vs 4.7 ms)
+            # [rows, vocab] bool temporary (several times cheaper than isnan(logits).any(-1))
             nan_rows = torch.isnan(logits.amax(dim=-1)).nonzero().flatten().tolist()
             errors = dict.fromkeys(nan_rows, "the model produced NaN logits for this request")
             tokens, sample_errors = self._sample_isolating_failures(logits, metadata)
@@ -346,10 +346,8 @@ class ModelRunner:
         failed = {ids[row]: error for row, error in errors.items()}
         token_list = tokens.tolist()  # host sync: one per step for all rows
         sampled = {r: token_list[row] for row, r in enumerate(ids) if row not in errors}
-        wanted_rows = [
-            row for row in (metadata.num_logprobs >= 0).nonzero().flatten().tolist()
-            if row not in errors
-        ]  # fmt: skip
+        logprob_rows = (metadata.num_logprobs >= 0).nonzero().flatten().tolist()
+        wanted_rows = [row for row in logprob_rows if row not in errors]
         if not wanted_rows:
             return sampled, {}, failed
         with timeline_span("logprobs"):

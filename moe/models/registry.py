@@ -36,8 +36,8 @@ def make_prepare_finalize(
 def skip_default_init() -> Iterator[None]:
     """Build ``nn.Linear`` / ``nn.Embedding`` with ``torch.empty`` weights: their default random
     init (``reset_parameters``) is skipped, since the checkpoint or ``init_random_weights``
-    overwrites every weight anyway (it was 28 % of a short run's start-up, and on the meta device
-    it imports torch's Python decompositions). Not thread-safe: for start-up only.
+    overwrites every weight anyway (a sizeable share of a short run's start-up, and on the meta
+    device it imports torch's Python decompositions). Not thread-safe: for start-up only.
     """
     saved = {cls: cls.reset_parameters for cls in _DEFAULT_INIT_MODULES}
     try:
