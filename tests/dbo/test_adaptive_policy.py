@@ -182,8 +182,9 @@ def test_a_static_kind_keeps_the_threshold_vote_and_a_rank_that_cannot_ubatch_ve
     # adaptive prefill exploring "on", but rank 1 cannot microbatch: off (and recorded as off)
     policy = AdaptiveDBOPolicy(AdaptivePolicyConfig(num_explore_steps=1))
     kinds = frozenset({"prefill"})
-    decide_from_gathered(vote_rows((64, 1, 0, 1, 0), (64, 1, 0, 1, 0)), 0, policy=policy,
-                         adaptive_kinds=kinds)  # fmt: skip
+    decide_from_gathered(
+        vote_rows((64, 1, 0, 1, 0), (64, 1, 0, 1, 0)), 0, policy=policy, adaptive_kinds=kinds
+    )
     wants_on = decide_from_gathered(
         vote_rows((64, 1, 0, 1, 900), (64, 1, 0, 0, 1000)), 0, policy=policy, adaptive_kinds=kinds
     )

@@ -113,9 +113,14 @@ def test_bad_inputs():
         )
     with pytest.raises(ValueError, match="num_ubatches must be >= 2, got 1"):
         coordinate_batch_across_dp(
-            num_tokens=4, has_work=True, vote=True, dp_group=None, dp_rank=0, dp_size=1,
+            num_tokens=4,
+            has_work=True,
+            vote=True,
+            dp_group=None,
+            dp_rank=0,
+            dp_size=1,
             num_ubatches=1,
-        )  # fmt: skip
+        )
 
 
 def test_single_rank_needs_no_group():

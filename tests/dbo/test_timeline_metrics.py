@@ -22,9 +22,14 @@ MS = 1_000_000  # ns
 
 def span(name, cat, start_ms, end_ms, track, rank=0, **args):
     return Span(
-        rank=rank, name=name, cat=cat, track=track, start_ns=int(start_ms * MS),
-        end_ns=int(end_ms * MS), args=args,
-    )  # fmt: skip
+        rank=rank,
+        name=name,
+        cat=cat,
+        track=track,
+        start_ns=int(start_ms * MS),
+        end_ns=int(end_ms * MS),
+        args=args,
+    )
 
 
 def dbo_step(rank=0, offset=0.0, step=0):
@@ -120,10 +125,12 @@ def test_merge_moves_overlapping_events_to_extra_lanes_and_keeps_all():
         [m.overlap_ratio for m in step_metrics(spans)]
     )
     # the checker itself finds overlaps in an unmerged trace
-    raw = {"traceEvents": [
-        {"ph": "X", "name": "a", "ts": 0, "dur": 3, "pid": 0, "tid": 1},
-        {"ph": "X", "name": "b", "ts": 2, "dur": 3, "pid": 0, "tid": 1},
-    ]}  # fmt: skip
+    raw = {
+        "traceEvents": [
+            {"ph": "X", "name": "a", "ts": 0, "dur": 3, "pid": 0, "tid": 1},
+            {"ph": "X", "name": "b", "ts": 2, "dur": 3, "pid": 0, "tid": 1},
+        ]
+    }
     assert len(overlapping_events(raw)) == 1
 
 
@@ -134,9 +141,13 @@ def test_cli_merges_rank_files_and_draws_png(tmp_path, capsys):
         rec = TimelineRecorder(rank=rank)
         for s in dbo_step(rank=rank, offset=rank * 0.2):
             rec.add_span(
-                s.name, cat=s.cat, start_ns=s.start_ns, end_ns=s.end_ns, track=s.track,
+                s.name,
+                cat=s.cat,
+                start_ns=s.start_ns,
+                end_ns=s.end_ns,
+                track=s.track,
                 args=s.args,
-            )  # fmt: skip
+            )
         rec.write_chrome_trace(tmp_path / f"rank{rank}.json")
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out

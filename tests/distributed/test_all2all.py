@@ -44,9 +44,14 @@ TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (3e-2, 3e-2)}
 
 def _case_inputs(case, rank, seed=None):
     return make_inputs(
-        case["seed"] if seed is None else seed, rank, case["counts"][rank], case["num_topk"],
-        case["num_experts"], case["dtype"], skew=case.get("skew", False),
-    )  # fmt: skip
+        case["seed"] if seed is None else seed,
+        rank,
+        case["counts"][rank],
+        case["num_topk"],
+        case["num_experts"],
+        case["dtype"],
+        skew=case.get("skew", False),
+    )
 
 
 def _expected_rows(case, ep_rank, num_local_experts):
@@ -91,8 +96,10 @@ def _check_received(result, case, ep_rank, backend) -> int:
         assert result.expert_num_tokens.dtype == torch.int32
         capacity = result.metadata.num_max_dispatch_tokens_per_rank
         assert result.hidden_states.shape == (
-            backend.num_local_experts, backend.ep_size * capacity, HIDDEN_SIZE
-        )  # fmt: skip
+            backend.num_local_experts,
+            backend.ep_size * capacity,
+            HIDDEN_SIZE,
+        )
         expected = _expected_batched_rows(case, ep_rank, backend.num_local_experts)
         for rows, exp in zip(valid_batched_rows(result), expected, strict=True):
             assert torch.equal(rows, exp)
@@ -208,9 +215,13 @@ def _with_fallback_collectives(groups, case) -> dict:
         for name in saved:
             setattr(dist, name, unsupported)
         backend = make_all2all_backend(
-            "allgather_reducescatter", ep_group=groups.ep_group, ep_rank=groups.ep_rank,
-            ep_size=groups.ep_size, num_experts=case["num_experts"], timeout=groups.timeout,
-        )  # fmt: skip
+            "allgather_reducescatter",
+            ep_group=groups.ep_group,
+            ep_rank=groups.ep_rank,
+            ep_size=groups.ep_size,
+            num_experts=case["num_experts"],
+            timeout=groups.timeout,
+        )
         return _run_case(
             backend, {**case, "counts": [3, 5], "num_topk": 2, "skew": False}, groups.ep_rank
         )
@@ -227,9 +238,13 @@ def _cross_thread_waits(groups) -> dict:
     checked = {}
     for name in BACKENDS:
         backend = make_all2all_backend(
-            name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+            name,
+            ep_group=groups.ep_group,
+            ep_rank=groups.ep_rank,
+            ep_size=2,
+            num_experts=4,
             timeout=groups.timeout,
-        )  # fmt: skip
+        )
         inputs = make_inputs(50, groups.ep_rank, 4 + groups.ep_rank, 2, 4, torch.float32)
         sync = backend.dispatch(*inputs).wait()
         handle = backend.dispatch(*inputs, async_op=True)
@@ -259,9 +274,13 @@ def _mismatch_and_timeout(groups) -> dict:
     errors = {}
     for name in CHECKS_ROW_FORMAT:
         backend = make_all2all_backend(
-            name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+            name,
+            ep_group=groups.ep_group,
+            ep_rank=groups.ep_rank,
+            ep_size=2,
+            num_experts=4,
             timeout=groups.timeout,
-        )  # fmt: skip
+        )
         hidden = 8 if groups.ep_rank == 0 else 9
         try:
             backend.dispatch(
@@ -270,9 +289,13 @@ def _mismatch_and_timeout(groups) -> dict:
         except ValueError as exc:
             errors[name] = str(exc)
     short = make_all2all_backend(
-        "all_to_all", ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=2, num_experts=4,
+        "all_to_all",
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=2,
+        num_experts=4,
         timeout=datetime.timedelta(seconds=0.2),
-    )  # fmt: skip
+    )
     if groups.ep_rank == 0:
         try:
             short.dispatch(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))

@@ -59,15 +59,22 @@ def test_pack_unpack_round_trip_is_exact(dtype, hidden_size, num_topk):
 
 def _local_backend(name: str = "all_to_all", num_experts: int = 4):
     return make_all2all_backend(
-        name, ep_group=None, ep_rank=0, ep_size=1, num_experts=num_experts,
+        name,
+        ep_group=None,
+        ep_rank=0,
+        ep_size=1,
+        num_experts=num_experts,
         timeout=datetime.timedelta(seconds=5),
-    )  # fmt: skip
+    )
 
 
 def test_make_all2all_backend_names_accepted_backends():
     assert list(BACKENDS) == [
-        "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
-    ]  # fmt: skip
+        "all_to_all",
+        "allgather_reducescatter",
+        "deepep_high_throughput",
+        "deepep_low_latency",
+    ]
     assert BACKENDS["all_to_all"] is AllToAllBackend
     assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterBackend
     with pytest.raises(ValueError, match=r"unknown all2all backend 'deepep'.*'all_to_all'"):
@@ -123,9 +130,12 @@ def _local_buffer(capacity: int):
     from distributed.all2all.deepep_buffer import TorchDistributedBuffer
 
     return TorchDistributedBuffer(
-        None, rank=0, num_ranks=1, timeout=datetime.timedelta(seconds=5),
+        None,
+        rank=0,
+        num_ranks=1,
+        timeout=datetime.timedelta(seconds=5),
         num_max_dispatch_tokens_per_rank=capacity,
-    )  # fmt: skip
+    )
 
 
 def test_low_latency_hook_completes_the_receive():
@@ -153,9 +163,14 @@ def test_low_latency_hook_completes_the_receive():
 def test_low_latency_capacity_limit():
     """At its limit a dispatch fills one expert's slots; one token more is refused, naming both."""
     backend = make_all2all_backend(
-        "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
-        timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=5,
-    )  # fmt: skip
+        "deepep_low_latency",
+        ep_group=None,
+        ep_rank=0,
+        ep_size=1,
+        num_experts=4,
+        timeout=datetime.timedelta(seconds=5),
+        num_max_dispatch_tokens_per_rank=5,
+    )
     x, w = torch.randn(5, 3), torch.ones(5, 1)
     ids = torch.zeros(5, 1, dtype=torch.long)  # every token to expert 0
     result = backend.dispatch(x, ids, w).wait()
@@ -172,9 +187,14 @@ def test_low_latency_capacity_limit():
     assert backend.dispatch_capacity(0, [0, 0]) == 1 and backend.dispatch_capacity(2, None) == 5
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank must be >= 1, got 0"):
         make_all2all_backend(
-            "deepep_low_latency", ep_group=None, ep_rank=0, ep_size=1, num_experts=4,
-            timeout=datetime.timedelta(seconds=5), num_max_dispatch_tokens_per_rank=0,
-        )  # fmt: skip
+            "deepep_low_latency",
+            ep_group=None,
+            ep_rank=0,
+            ep_size=1,
+            num_experts=4,
+            timeout=datetime.timedelta(seconds=5),
+            num_max_dispatch_tokens_per_rank=0,
+        )
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
         _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
 

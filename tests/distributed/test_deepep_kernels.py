@@ -29,10 +29,15 @@ def _rank(rank: int, world_size: int) -> dict:
     out = {}
     for name in ("deepep_high_throughput", "deepep_low_latency"):
         backend = make_all2all_backend(
-            name, ep_group=groups.ep_group, ep_rank=groups.ep_rank, ep_size=world_size,
-            num_experts=8, timeout=groups.timeout, hidden_size=HIDDEN,
+            name,
+            ep_group=groups.ep_group,
+            ep_rank=groups.ep_rank,
+            ep_size=world_size,
+            num_experts=8,
+            timeout=groups.timeout,
+            hidden_size=HIDDEN,
             num_max_dispatch_tokens_per_rank=64,
-        )  # fmt: skip
+        )
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(32, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
         ids = torch.rand(32, 8, generator=gen).argsort(dim=1)[:, :2].cuda()

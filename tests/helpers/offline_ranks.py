@@ -38,17 +38,26 @@ def refused(llm: LLM, prompts) -> dict:
     try:
         llm.generate(prompts, use_tqdm=False)
     except (TypeError, ValueError) as e:
-        return {"type": type(e).__name__, "message": str(e),
-                "num_steps": llm.llm_engine.stats.num_steps - num_steps}  # fmt: skip
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "num_steps": llm.llm_engine.stats.num_steps - num_steps,
+        }
     return {"type": None}
 
 
 def main(model_dir: str, out_dir: str, prompts: list[list[int]]) -> None:
     llm = LLM(
-        model_dir, dtype="float64", data_parallel_size=2, enable_expert_parallel=True,
-        enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4,
-        distributed_executor_backend="external_launcher", distributed_timeout_s=60,
-    )  # fmt: skip
+        model_dir,
+        dtype="float64",
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_dbo=True,
+        dbo_decode_token_threshold=2,
+        dbo_prefill_token_threshold=4,
+        distributed_executor_backend="external_launcher",
+        distributed_timeout_s=60,
+    )
     rank, size = llm.dp_rank, llm.dp_size
     mine = prompts[rank::size]
     greedy = SamplingParams(max_tokens=8)
@@ -61,7 +70,7 @@ def main(model_dir: str, out_dir: str, prompts: list[list[int]]) -> None:
                 [text_of(p) if i % 2 else {"prompt_token_ids": p} for i, p in enumerate(mine)],
                 [SamplingParams(max_tokens=i + 1) for i in range(len(mine))],
             )
-        ),  # fmt: skip
+        ),
         "chat": record(llm.chat(CHAT, greedy, use_tqdm=False)),
         # rank 1 alone passes a bad prompt: both ranks must raise, before any step
         "bad_prompt": refused(llm, [text_of(mine[0])] if rank == 0 else [3.5]),

@@ -11,10 +11,18 @@ import torch
 def single_rank_groups() -> types.SimpleNamespace:
     """Stands in for ``distributed.ParallelGroups`` of a 1-rank run (no process groups)."""
     return types.SimpleNamespace(
-        rank=0, world_size=1, dp_rank=0, dp_size=1, dp_group=None, ep_rank=0, ep_size=1,
-        ep_group=None, device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60),
+        rank=0,
+        world_size=1,
+        dp_rank=0,
+        dp_size=1,
+        dp_group=None,
+        ep_rank=0,
+        ep_size=1,
+        ep_group=None,
+        device=torch.device("cpu"),
+        timeout=datetime.timedelta(seconds=60),
         dp_rank_of_ep_rank=(0,),
-    )  # fmt: skip
+    )
 
 
 def single_rank_engine(model_dir: str, **overrides):

@@ -21,9 +21,16 @@ from launch.benchmarks.workload import BatchSpec, parse_batches
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 
 RECORD_KEYS = {
-    "num_tokens_per_rank", "step_ms_off", "step_ms_on", "speedup", "compute_ms", "comm_ms",
-    "exposed_comm_ms_off", "exposed_comm_ms_on", "overlap_ratio",
-}  # fmt: skip
+    "num_tokens_per_rank",
+    "step_ms_off",
+    "step_ms_on",
+    "speedup",
+    "compute_ms",
+    "comm_ms",
+    "exposed_comm_ms_off",
+    "exposed_comm_ms_on",
+    "overlap_ratio",
+}
 
 
 def test_parse_batches():
@@ -69,8 +76,18 @@ def test_a_list_of_ubatch_counts_splits_the_on_arm():
 
 def _step(arm, step_ms, *, is_ubatched=False, exploring=False):
     zeros = dict.fromkeys(("exposed_comm_ms", "overlap_ratio", "baton_pass_us_median"), 0.0)
-    return {**zeros, "compute_ms": 1.0, "comm_ms": 1.0, "arm": arm, "dbo": arm != "off", "exploring": exploring, "step_ms": step_ms,
-            "is_ubatched": is_ubatched, "num_baton_passes": 0, "num_spans": 1}  # fmt: skip
+    return {
+        **zeros,
+        "compute_ms": 1.0,
+        "comm_ms": 1.0,
+        "arm": arm,
+        "dbo": arm != "off",
+        "exploring": exploring,
+        "step_ms": step_ms,
+        "is_ubatched": is_ubatched,
+        "num_baton_passes": 0,
+        "num_spans": 1,
+    }
 
 
 def test_record_of_the_adaptive_arm_against_the_better_static_one():
@@ -106,21 +123,48 @@ def test_record_of_the_adaptive_arm_against_the_better_static_one():
 def test_short_bench_run_writes_json_and_png(tmp_path):
     out, timeline = tmp_path / "results.json", tmp_path / "tl"
     cmd = torchrun_command(
-        2, "launch.bench", "--data-parallel-size", "2", "--enable-expert-parallel",
-        "--batches", "decode:2,prefill:8", "--warmup", "0", "--reps", "2",
-        "--hidden-size", "64", "--intermediate-size", "64", "--num-layers", "1",
-        "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
-        "--emulate-link", "latency_us=200,gbps=1", "--output", str(out),
-        "--timeline-dir", str(timeline), "--ubatch-size", "2", "3",
-    )  # fmt: skip
+        2,
+        "launch.bench",
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--batches",
+        "decode:2,prefill:8",
+        "--warmup",
+        "0",
+        "--reps",
+        "2",
+        "--hidden-size",
+        "64",
+        "--intermediate-size",
+        "64",
+        "--num-layers",
+        "1",
+        "--dbo-decode-token-threshold",
+        "2",
+        "--dbo-prefill-token-threshold",
+        "4",
+        "--emulate-link",
+        "latency_us=200,gbps=1",
+        "--output",
+        str(out),
+        "--timeline-dir",
+        str(timeline),
+        "--ubatch-size",
+        "2",
+        "3",
+    )
     env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
     # one record per shape and ubatch count; decode:2 cannot fill 3 ubatches: it ran 2
     assert [(r["batch"], r["ubatch_size"], r["ubatches_run"]) for r in records] == [
-        ("decode:2", 2, [2]), ("decode:2", 3, [2]), ("prefill:8", 2, [2]), ("prefill:8", 3, [3]),
-    ]  # fmt: skip
+        ("decode:2", 2, [2]),
+        ("decode:2", 3, [2]),
+        ("prefill:8", 2, [2]),
+        ("prefill:8", 3, [3]),
+    ]
     for r in records:
         assert r.keys() >= RECORD_KEYS
         assert r["step_ms_off_min"] <= r["step_ms_off"] <= r["step_ms_off_max"]

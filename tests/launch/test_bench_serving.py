@@ -16,9 +16,15 @@ def test_percentile_matches_numpy(values, q):
 
 def test_rows_report_ms_and_throughput():
     result = BenchResult(
-        num_ok=4, num_failed=1, duration_s=2.0, num_output_tokens=40, num_input_tokens=20,
-        ttft_s=(0.1, 0.2, 0.3, 0.4), itl_s=(0.01, 0.03), ubatched_step_fraction=0.5,
-    )  # fmt: skip
+        num_ok=4,
+        num_failed=1,
+        duration_s=2.0,
+        num_output_tokens=40,
+        num_input_tokens=20,
+        ttft_s=(0.1, 0.2, 0.3, 0.4),
+        itl_s=(0.01, 0.03),
+        ubatched_step_fraction=0.5,
+    )
     rows = result.rows()
     assert rows["requests ok / failed"] == "4 / 1"
     assert rows["output throughput (tok/s)"] == "20.0"
@@ -35,10 +41,17 @@ def test_non_loopback_url_is_refused(capsys):
 
 def test_summary_is_vllm_layout():
     result = BenchResult(
-        num_ok=4, num_failed=0, duration_s=2.0, num_output_tokens=40, num_input_tokens=20,
-        ttft_s=(0.1, 0.2, 0.3, 0.4), itl_s=(0.01, 0.03), tpot_s=(0.02, 0.04),
-        e2el_s=(1.0, 2.0), ubatched_step_fraction=None,
-    )  # fmt: skip
+        num_ok=4,
+        num_failed=0,
+        duration_s=2.0,
+        num_output_tokens=40,
+        num_input_tokens=20,
+        ttft_s=(0.1, 0.2, 0.3, 0.4),
+        itl_s=(0.01, 0.03),
+        tpot_s=(0.02, 0.04),
+        e2el_s=(1.0, 2.0),
+        ubatched_step_fraction=None,
+    )
     lines = result.summary(metric_percentiles=(50.0, 99.0), max_concurrency=8).splitlines()
     assert lines[0] == "============ Serving Benchmark Result ============"
     assert lines[1] == "Successful requests:                     4         "
@@ -60,9 +73,15 @@ def test_summary_is_vllm_layout():
 
 def test_random_dataset_lengths_and_prefix():
     requests = random_requests(
-        num_prompts=200, input_len=20, output_len=10, range_ratio=0.5, prefix_len=3,
-        vocab_low=3, vocab_high=100, seed=1,
-    )  # fmt: skip
+        num_prompts=200,
+        input_len=20,
+        output_len=10,
+        range_ratio=0.5,
+        prefix_len=3,
+        vocab_low=3,
+        vocab_high=100,
+        seed=1,
+    )
     assert {tuple(r.prompt_token_ids[:3]) for r in requests} == {
         tuple(requests[0].prompt_token_ids[:3])
     }
@@ -71,8 +90,16 @@ def test_random_dataset_lengths_and_prefix():
     assert {r.output_len for r in requests} == set(range(5, 16))
     assert all(3 <= t < 100 for r in requests for t in r.prompt_token_ids)
     with pytest.raises(ValueError, match=r"--random-range-ratio must be in \[0, 1\)"):
-        random_requests(num_prompts=1, input_len=2, output_len=2, range_ratio=1.0, prefix_len=0,
-                        vocab_low=3, vocab_high=100, seed=1)  # fmt: skip
+        random_requests(
+            num_prompts=1,
+            input_len=2,
+            output_len=2,
+            range_ratio=1.0,
+            prefix_len=0,
+            vocab_low=3,
+            vocab_high=100,
+            seed=1,
+        )
 
 
 def test_poisson_gaps_have_the_requested_mean():

@@ -20,16 +20,27 @@ VLLM_LINE = re.compile(
     re.MULTILINE,
 )
 VLLM_JSON_KEYS = {
-    "model_id", "elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
+    "model_id",
+    "elapsed_time",
+    "num_requests",
+    "total_num_tokens",
+    "requests_per_second",
     "tokens_per_second",
-}  # fmt: skip
+}
 
 
 def _random(**overrides):
     kw = dict(
-        dataset_name="random", dataset_path=None, num_prompts=50, input_len=20, output_len=10,
-        range_ratio=0.5, seed=3, vocab_size=100, load_prompts=load_prompts,
-    )  # fmt: skip
+        dataset_name="random",
+        dataset_path=None,
+        num_prompts=50,
+        input_len=20,
+        output_len=10,
+        range_ratio=0.5,
+        seed=3,
+        vocab_size=100,
+        load_prompts=load_prompts,
+    )
     return sample_requests(**{**kw, **overrides})
 
 
@@ -72,11 +83,30 @@ def test_bad_bench_input(overrides, message):
 def test_two_rank_run_prints_vllm_line_and_writes_json(tmp_path):
     out, tokens = tmp_path / "result.json", tmp_path / "tokens.jsonl"
     cmd = torchrun_command(
-        2, "launch.bench_throughput", "--data-parallel-size", "2", "--enable-expert-parallel",
-        "--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
-        "--num-prompts", "6", "--input-len", "12", "--output-len", "4", "--dtype", "float32",
-        "--enforce-eager", "--output-json", str(out), "--output-tokens", str(tokens),
-    )  # fmt: skip
+        2,
+        "launch.bench_throughput",
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--enable-dbo",
+        "--dbo-decode-token-threshold",
+        "2",
+        "--dbo-prefill-token-threshold",
+        "4",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--output-json",
+        str(out),
+        "--output-tokens",
+        str(tokens),
+    )
     env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -70,9 +70,14 @@ def test_token_ids_equal_transformers(tmp_path):
 
 
 def test_template_from_tokenizer_config_and_from_a_file(tmp_path):
-    config = {"bos_token": {"content": "<1>", "special": True}, "eos_token": "<2>",
-              "chat_template": [{"name": "tool_use", "template": "T"},
-                                {"name": "default", "template": "{{ bos_token }}D{{ eos_token }}"}]}  # fmt: skip
+    config = {
+        "bos_token": {"content": "<1>", "special": True},
+        "eos_token": "<2>",
+        "chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "{{ bos_token }}D{{ eos_token }}"},
+        ],
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_chat_template(str(tmp_path), None).render([]) == "<1>D<2>"
     file = tmp_path / "t.jinja"
@@ -102,12 +107,22 @@ def test_sandbox_refuses_attribute_escapes(tmp_path):
 
 def test_chat_request_fields():
     r = parse_chat_request(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                   {"type": "text", "text": "b"}]}],
-         "max_completion_tokens": 5, "max_tokens": 9, "logprobs": True, "top_logprobs": 2,
-         "n": 3, "seed": 1},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_completion_tokens": 5,
+            "max_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "n": 3,
+            "seed": 1,
+        },
         model_name="m",
-    )  # fmt: skip
+    )
     assert r.messages[0]["content"] == "a\nb" and r.logprobs == 2 and r.add_generation_prompt
     assert r.options.max_tokens == 5 and r.options.n == 3
     r = parse_chat_request({"messages": [{"role": "user", "content": "x"}]}, model_name="m")

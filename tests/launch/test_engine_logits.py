@@ -33,9 +33,13 @@ def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
     for backend in backends:
         for num_ubatches in (*NUM_UBATCHES, None):  # None: DBO off
             args = dbo_test_engine_args(
-                model_dir, world_size, num_ubatches is not None, all2all_backend=backend,
-                dtype=dtype, ubatch_size=num_ubatches,
-            )  # fmt: skip
+                model_dir,
+                world_size,
+                num_ubatches is not None,
+                all2all_backend=backend,
+                dtype=dtype,
+                ubatch_size=num_ubatches,
+            )
             engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
             results[backend, num_ubatches] = run_engine_steps(
                 engine, prompts, groups.dp_rank, groups.dp_size
@@ -61,8 +65,11 @@ def expected_num_ubatches(prompts, world_size: int, num_ubatches: int) -> list[i
 
 
 ALL2ALL_BACKENDS = (
-    "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
-)  # fmt: skip
+    "all_to_all",
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+)
 # float64 logits of a few units: our engine and transformers differ only by summation order
 FLOAT64_ATOL = 1e-10
 
@@ -75,9 +82,14 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
     from transformers import MixtralForCausalLM
 
     per_rank = run_distributed(
-        _rank_fn, world_size, tiny_mixtral_dir, tiny_prompts, ALL2ALL_BACKENDS, "float64",
+        _rank_fn,
+        world_size,
+        tiny_mixtral_dir,
+        tiny_prompts,
+        ALL2ALL_BACKENDS,
+        "float64",
         timeout_s=400,
-    )  # fmt: skip
+    )
     reference = MixtralForCausalLM.from_pretrained(
         tiny_mixtral_dir,
         dtype=torch.float64,

@@ -24,10 +24,15 @@ def _rank_fn(rank, world_size, model_dir, prompts):
     from launch.engine.request import Request, SamplingParams
 
     args = EngineArgs(
-        model=model_dir, dtype="float32", data_parallel_size=world_size,
-        enable_expert_parallel=True, enable_dbo=True, dbo_decode_token_threshold=2,
-        dbo_prefill_token_threshold=4, distributed_timeout_s=60,
-    )  # fmt: skip
+        model=model_dir,
+        dtype="float32",
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        enable_dbo=True,
+        dbo_decode_token_threshold=2,
+        dbo_prefill_token_threshold=4,
+        distributed_timeout_s=60,
+    )
     groups = init_distributed(
         data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
     )
@@ -42,7 +47,7 @@ def _rank_fn(rank, world_size, model_dir, prompts):
             seed=rank,
             logprobs=0,
             ignore_eos=True,
-        ),  # fmt: skip
+        ),
     ]
     for i, params in enumerate(kinds):
         request_id = rank * len(kinds) + i
@@ -51,7 +56,7 @@ def _rank_fn(rank, world_size, model_dir, prompts):
                 request_id=request_id,
                 prompt_token_ids=list(prompts[request_id]),
                 sampling_params=params,
-            )  # fmt: skip
+            )
         )
     finished = engine.run_until_done()
     return {

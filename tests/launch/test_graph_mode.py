@@ -28,12 +28,18 @@ def _engine(model_dir, world_size, *, enable_dbo, capture_sizes, groups):
     from launch.engine.llm_engine import LLMEngine, resolve_model
 
     args = EngineArgs(
-        model=model_dir, dtype="float32", data_parallel_size=world_size,
-        enable_expert_parallel=world_size > 1, enable_dbo=enable_dbo,
-        dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4,
-        max_num_batched_tokens=4096, distributed_timeout_s=120,
-        enforce_eager=capture_sizes is None, cudagraph_capture_sizes=capture_sizes,
-    )  # fmt: skip
+        model=model_dir,
+        dtype="float32",
+        data_parallel_size=world_size,
+        enable_expert_parallel=world_size > 1,
+        enable_dbo=enable_dbo,
+        dbo_decode_token_threshold=2,
+        dbo_prefill_token_threshold=4,
+        max_num_batched_tokens=4096,
+        distributed_timeout_s=120,
+        enforce_eager=capture_sizes is None,
+        cudagraph_capture_sizes=capture_sizes,
+    )
     return LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
 
 

@@ -178,9 +178,22 @@ _json = st.recursive(
     max_leaves=20,
 )
 _FIELDS = (
-    "prompt", "max_tokens", "temperature", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "stream", "return_token_ids", "model", "n", "best_of", "echo", "logprobs", "suffix",
-)  # fmt: skip
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "return_token_ids",
+    "model",
+    "n",
+    "best_of",
+    "echo",
+    "logprobs",
+    "suffix",
+)
 _token_ids = st.lists(st.integers(min_value=-5, max_value=VOCAB_SIZE + 5), max_size=8)
 _value = _json | _token_ids | st.integers(min_value=-3, max_value=2 * MAX_MODEL_LEN)
 _bodies = st.dictionaries(st.sampled_from(_FIELDS), _value, max_size=8) | _json

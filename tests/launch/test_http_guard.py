@@ -42,15 +42,24 @@ def _engine(server: Server, stop: threading.Event) -> None:
             continue
         new, _ = bridge.take(0.01)
         for request in new if not server.hold.is_set() else ():
-            bridge.deliver(RequestOutput(request_id=request.request_id, new_token_ids=(7, 8),
-                                         finish_reason="length"))  # fmt: skip
+            bridge.deliver(
+                RequestOutput(
+                    request_id=request.request_id, new_token_ids=(7, 8), finish_reason="length"
+                )
+            )
 
 
 @contextlib.contextmanager
 def serve(**overrides) -> Iterator[Server]:
-    config = ServerConfig(model_name="m", max_model_len=64, vocab_size=128, tokenizer=None,
-                          metrics=ServerMetrics(dp_size=1), output_timeout_s=20.0,
-                          **overrides)  # fmt: skip
+    config = ServerConfig(
+        model_name="m",
+        max_model_len=64,
+        vocab_size=128,
+        tokenizer=None,
+        metrics=ServerMetrics(dp_size=1),
+        output_timeout_s=20.0,
+        **overrides,
+    )
     http = HTTPServerThread(config, host="127.0.0.1", port=0)
     server = Server(http, http.start(), threading.Event(), threading.Event())
     stop = threading.Event()
@@ -124,8 +133,10 @@ def test_a_client_dripping_headers_is_closed_by_the_keep_alive_timeout():
 def test_a_stalled_body_gets_408_and_idle_half_sent_requests_are_closed():
     with serve(timeout_keep_alive_s=1.0, body_read_timeout_s=1.0) as server:
         stalled = raw_socket(server.port)
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                        b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b'application/json\r\nContent-Length: 100\r\n\r\n{"prompt"'
+        )
         idle = [raw_socket(server.port) for _ in range(50)]  # half-sent headers, then silence
         for sock in idle:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost:")
@@ -189,8 +200,9 @@ def test_parser_level_400s_are_one_log_line(caplog, data):
 def test_api_key_is_required_on_v1_only():
     with serve(api_keys=("sekret",)) as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
-            status, head, body = request(server.port, "POST", "/v1/completions", BODY,
-                                         {**JSON, **headers})  # fmt: skip
+            status, head, body = request(
+                server.port, "POST", "/v1/completions", BODY, {**JSON, **headers}
+            )
             assert status == 401 and head["WWW-Authenticate"] == "Bearer", body
             assert body["error"]["code"] == 401 and "API key" in body["error"]["message"]
         assert request(server.port, "GET", "/v1/models")[0] == 401
@@ -230,8 +242,10 @@ def test_non_json_content_types_get_415(content_type):
 
 def _send_without_reading(port: int, body: bytes) -> socket.socket:
     sock = raw_socket(port)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     return sock
 
 

@@ -51,9 +51,13 @@ def server_chat(llm: LLM, model_dir: str, messages: list[dict], max_tokens: int)
     from launch.serving.metrics import ServerMetrics
 
     config = ServerConfig(
-        model_name="m", max_model_len=64, vocab_size=128, tokenizer=llm.get_tokenizer(),
-        metrics=ServerMetrics(dp_size=1), chat_template=load_chat_template(model_dir, None),
-    )  # fmt: skip
+        model_name="m",
+        max_model_len=64,
+        vocab_size=128,
+        tokenizer=llm.get_tokenizer(),
+        metrics=ServerMetrics(dp_size=1),
+        chat_template=load_chat_template(model_dir, None),
+    )
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
 
     async def go():
@@ -66,9 +70,13 @@ def server_chat(llm: LLM, model_dir: str, messages: list[dict], max_tokens: int)
                 new, _ = bridge.take(0)
             prompt = {"prompt_token_ids": list(new[0].prompt_token_ids)}
             out = llm.generate(prompt, new[0].sampling_params, use_tqdm=False)[0].outputs[0]
-            bridge.deliver(RequestOutput(request_id=new[0].request_id,
-                                         new_token_ids=tuple(out.token_ids),
-                                         finish_reason=out.finish_reason))  # fmt: skip
+            bridge.deliver(
+                RequestOutput(
+                    request_id=new[0].request_id,
+                    new_token_ids=tuple(out.token_ids),
+                    finish_reason=out.finish_reason,
+                )
+            )
             response = await answer
             return await response.json()
 
@@ -136,14 +144,34 @@ def test_chat_equals_the_server(llm, tiny_chat_dir):
         (lambda llm: llm.generate([3.5]), TypeError, r"prompts\[0\] must be a string"),
         (lambda llm: llm.generate({"prompt_ids": [1]}), TypeError, r"prompts\[0\] must be"),
         (lambda llm: llm.generate({"prompt_token_ids": [1, "2"]}), TypeError, r"list of ints"),
-        (lambda llm: llm.generate(["<5>"], [SamplingParams()] * 2), ValueError, r"2 SamplingParams for 1"),
-        (lambda llm: llm.generate(["<5>"], {"max_tokens": 2}), TypeError, r"sampling_params must be"),
-        (lambda llm: llm.generate("<5> " * 70), ValueError, r"prompt 0 has 70 tokens; with max_model_len 64"),
-        (lambda llm: llm.generate({"prompt_token_ids": [500]}), ValueError, r"token id 500 outside \[0, 128\)"),
-        (lambda llm: llm.chat([{"role": "robot", "content": "x"}]), ValueError, r"messages\[0\]\.role must be"),
+        (
+            lambda llm: llm.generate(["<5>"], [SamplingParams()] * 2),
+            ValueError,
+            r"2 SamplingParams for 1",
+        ),
+        (
+            lambda llm: llm.generate(["<5>"], {"max_tokens": 2}),
+            TypeError,
+            r"sampling_params must be",
+        ),
+        (
+            lambda llm: llm.generate("<5> " * 70),
+            ValueError,
+            r"prompt 0 has 70 tokens; with max_model_len 64",
+        ),
+        (
+            lambda llm: llm.generate({"prompt_token_ids": [500]}),
+            ValueError,
+            r"token id 500 outside \[0, 128\)",
+        ),
+        (
+            lambda llm: llm.chat([{"role": "robot", "content": "x"}]),
+            ValueError,
+            r"messages\[0\]\.role must be",
+        ),
         (lambda llm: llm.chat("hi"), TypeError, r"messages must be"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_refused_before_any_step(llm, call, error, pattern):
     num_steps = llm.llm_engine.stats.num_steps
     with pytest.raises(error, match=pattern):
@@ -171,15 +199,31 @@ def test_sampling_params_refuse(kwargs, error, pattern):
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        ({"gpu_memory_utilization": 0.9}, TypeError, r"unexpected keyword argument 'gpu_memory_utilization'"),
+        (
+            {"gpu_memory_utilization": 0.9},
+            TypeError,
+            r"unexpected keyword argument 'gpu_memory_utilization'",
+        ),
         ({"max_num_seqs": "8"}, TypeError, r"max_num_seqs='8' must be int"),
         ({"max_num_seqs": 0}, ValueError, r"--max-num-seqs must be >= 1, got 0"),
         ({"tensor_parallel_size": 2}, ValueError, r"tensor_parallel_size=2 is not supported"),
-        ({"distributed_executor_backend": "ray"}, ValueError, r"distributed_executor_backend='ray'"),
-        ({"data_parallel_size": 2}, ValueError, r"data_parallel_size=2 needs one process per DP rank"),
-        ({"distributed_executor_backend": "external_launcher"}, ValueError, r"missing torchrun environment"),
+        (
+            {"distributed_executor_backend": "ray"},
+            ValueError,
+            r"distributed_executor_backend='ray'",
+        ),
+        (
+            {"data_parallel_size": 2},
+            ValueError,
+            r"data_parallel_size=2 needs one process per DP rank",
+        ),
+        (
+            {"distributed_executor_backend": "external_launcher"},
+            ValueError,
+            r"missing torchrun environment",
+        ),
     ],
-)  # fmt: skip
+)
 def test_llm_arguments_refuse(tiny_mixtral_dir, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         LLM(tiny_mixtral_dir, **kwargs)
@@ -204,18 +248,24 @@ def two_ranks(tiny_chat_dir, tiny_prompts, tmp_path_factory) -> list[dict]:
     """One torchrun run of tests/helpers/offline_ranks.py on 2 DP ranks (EP, DBO)."""
     out_dir = tmp_path_factory.mktemp("offline_ranks")
     proc = subprocess.run(
-        torchrun_command(2, "tests.helpers.offline_ranks", tiny_chat_dir, str(out_dir),
-                         json.dumps(tiny_prompts)),
-        cwd=REPO, env={**os.environ, **TORCHRUN_ENV}, capture_output=True, text=True,
-        timeout=240, check=False,
-    )  # fmt: skip
+        torchrun_command(
+            2, "tests.helpers.offline_ranks", tiny_chat_dir, str(out_dir), json.dumps(tiny_prompts)
+        ),
+        cwd=REPO,
+        env={**os.environ, **TORCHRUN_ENV},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.slow
-def test_two_dp_ranks_with_ep_and_dbo(two_ranks, llm, tiny_chat_dir, tiny_prompts,
-                                      transformers_greedy, hf_texts):  # fmt: skip
+def test_two_dp_ranks_with_ep_and_dbo(
+    two_ranks, llm, tiny_chat_dir, tiny_prompts, transformers_greedy, hf_texts
+):
     for rank, result in enumerate(two_ranks):
         indices = range(rank, len(tiny_prompts), 2)  # each rank passed prompts[rank::2]
         assert result["num_ubatched_steps"] > 0  # DBO microbatched the steps
@@ -245,11 +295,19 @@ def test_bad_input_on_one_rank_raises_on_every_rank(two_ranks):
 
 def test_the_example_script_runs_on_a_checkpoint_with_a_tokenizer(tiny_chat_dir):
     proc = subprocess.run(
-        [sys.executable, "examples/offline_inference.py", f"--model={tiny_chat_dir}",
-         "--max-tokens=4"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "examples/offline_inference.py",
+            f"--model={tiny_chat_dir}",
+            "--max-tokens=4",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("DP rank 0: prompt 'Hello, my name is' -> text '<") == 1, proc.stdout
     assert "DP rank 0: chat reply '<" in proc.stdout, proc.stdout

@@ -13,11 +13,22 @@ def test_defaults_and_vllm_extensions():
     assert not o.stream and not r.return_token_ids and o.stop == () and o.n == 1
     assert r.logprobs is None and not r.echo and o.top_p == 1.0
     r = parse_completion_request(
-        {"prompt": "hi", "model": "m", "stop": "x", "stop_token_ids": [7], "seed": 3,
-         "ignore_eos": True, "return_token_ids": True, "stream": True, "top_p": 0.9, "n": 2,
-         "logprobs": 3, "stream_options": {"include_usage": True}},
+        {
+            "prompt": "hi",
+            "model": "m",
+            "stop": "x",
+            "stop_token_ids": [7],
+            "seed": 3,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "top_p": 0.9,
+            "n": 2,
+            "logprobs": 3,
+            "stream_options": {"include_usage": True},
+        },
         model_name="m",
-    )  # fmt: skip
+    )
     params = r.options.sampling_params(index=1, max_tokens=5, logprobs=r.logprobs)
     assert r.options.stop == ("x",) and params.stop_token_ids == (7,) and params.seed == 4
     assert params.ignore_eos and r.return_token_ids and r.options.stream and params.top_p == 0.9

@@ -34,10 +34,20 @@ def _argv(tmp_path, out_dir, *extra):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_token_ids": [5, 6]}\n{"prompt_token_ids": [7]}\n')
     return [
-        "--vllm-python", sys.executable, "--vllm-runner", str(runner), "--out-dir", str(out_dir),
-        "--checkpoint", f"tiny={tmp_path}:{prompts}", "--dtypes", "float32", "--repeats", "1",
+        "--vllm-python",
+        sys.executable,
+        "--vllm-runner",
+        str(runner),
+        "--out-dir",
+        str(out_dir),
+        "--checkpoint",
+        f"tiny={tmp_path}:{prompts}",
+        "--dtypes",
+        "float32",
+        "--repeats",
+        "1",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def test_vllm_only_then_ours_against_it(tmp_path, monkeypatch, capsys):

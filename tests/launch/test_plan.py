@@ -60,8 +60,14 @@ def test_layer_costs_validation():
 
 def _unit_device(**kw) -> DeviceSpec:
     # 1 TFLOP/s, 1 TB/s, no kernel floor: times are FLOPs / 1e12 or bytes / 1e12
-    base = dict(name="unit", peak_tflops={"bf16": 1.0}, mem_tbps=1.0, gemm_efficiency=1.0,
-                mem_efficiency=1.0, kernel_us=0.0)  # fmt: skip
+    base = dict(
+        name="unit",
+        peak_tflops={"bf16": 1.0},
+        mem_tbps=1.0,
+        gemm_efficiency=1.0,
+        mem_efficiency=1.0,
+        kernel_us=0.0,
+    )
     return DeviceSpec(**{**base, **kw})
 
 
@@ -142,8 +148,16 @@ def test_reproduces_sglang_decode_256_tokens():
 
 
 def _trace_event(name, cat, tid, start_ms, dur_ms, args=None) -> dict:
-    return {"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid, "ts": start_ms * 1e3,
-            "dur": dur_ms * 1e3, "args": args or {}}  # fmt: skip
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": cat,
+        "pid": 0,
+        "tid": tid,
+        "ts": start_ms * 1e3,
+        "dur": dur_ms * 1e3,
+        "args": args or {},
+    }
 
 
 TRUTH = {"attention": (0.05, 0.002), "experts": (0.1, 0.004)}  # (ms, ms per token)
@@ -179,8 +193,15 @@ def _synthetic_step(events, step, t0, tokens, num_ubatches, slowdown) -> float:
 
 def write_synthetic_timeline(directory, slowdown: float = 1.0) -> None:
     """A ``launch.bench`` run in miniature: decode:64 and decode:256, off and on."""
-    names = {0: "engine step", 1: "main compute", 101: "main comm", 10: "ubatch0 compute",
-             11: "ubatch1 compute", 110: "ubatch0 comm", 111: "ubatch1 comm"}  # fmt: skip
+    names = {
+        0: "engine step",
+        1: "main compute",
+        101: "main comm",
+        10: "ubatch0 compute",
+        11: "ubatch1 compute",
+        110: "ubatch0 comm",
+        111: "ubatch1 comm",
+    }
     events = [
         {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
         for tid, name in names.items()
@@ -191,8 +212,16 @@ def write_synthetic_timeline(directory, slowdown: float = 1.0) -> None:
             now = _synthetic_step(events, step, now, tokens, num_ubatches, slowdown) + 1.0
             step += 1
     (directory / "rank0.json").write_text(json.dumps({"traceEvents": events}))
-    records = [{"num_tokens_per_rank": t, "batch_kind": "decode", "batch": f"decode:{t}",
-                "speedup": 1.0, "emulate_link": "latency_us=100,gbps=0.512"} for t in (64, 256)]  # fmt: skip
+    records = [
+        {
+            "num_tokens_per_rank": t,
+            "batch_kind": "decode",
+            "batch": f"decode:{t}",
+            "speedup": 1.0,
+            "emulate_link": "latency_us=100,gbps=0.512",
+        }
+        for t in (64, 256)
+    ]
     (directory / "results.json").write_text(json.dumps(records))
 
 
@@ -249,8 +278,16 @@ def test_bucket_prior():
 
 def test_cli_prints_table_crossovers_and_sensitivity(capsys, tmp_path):
     prior = tmp_path / "prior.json"
-    argv = ["--ep-size", "72", "--decode-tokens", "32,256", "--prefill-tokens", "4096",
-            "--write-prior", str(prior)]  # fmt: skip
+    argv = [
+        "--ep-size",
+        "72",
+        "--decode-tokens",
+        "32,256",
+        "--prefill-tokens",
+        "4096",
+        "--write-prior",
+        str(prior),
+    ]
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert "model: DeepSeek-V3 (huggingface.co/deepseek-ai/DeepSeek-V3 config.json)" in out

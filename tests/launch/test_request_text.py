@@ -41,8 +41,11 @@ def _post_raw(config: ServerConfig, path: str, data: bytes) -> tuple[int, dict, 
             new, _ = bridge.take(0)
             submitted += new
             for r in new:
-                bridge.deliver(RequestOutput(request_id=r.request_id, new_token_ids=(5,),
-                                             finish_reason="length"))  # fmt: skip
+                bridge.deliver(
+                    RequestOutput(
+                        request_id=r.request_id, new_token_ids=(5,), finish_reason="length"
+                    )
+                )
             await asyncio.sleep(0.01)
 
     async def go():

@@ -143,9 +143,12 @@ def test_engine_seeded_request_same_tokens_in_any_batch(tiny_mixtral_dir, tiny_p
     alone = _sampled_outputs(tiny_mixtral_dir, tiny_prompts, [2])[0][2]
     batched, _ = _sampled_outputs(tiny_mixtral_dir, tiny_prompts, range(8))
     preempted, num_preemptions = _sampled_outputs(
-        tiny_mixtral_dir, tiny_prompts, range(8), num_gpu_blocks_override=12,
+        tiny_mixtral_dir,
+        tiny_prompts,
+        range(8),
+        num_gpu_blocks_override=12,
         max_num_batched_tokens=24,
-    )  # fmt: skip
+    )
     assert num_preemptions > 0
     assert batched[2] == alone and preempted[2] == alone
     assert preempted == batched

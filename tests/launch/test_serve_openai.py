@@ -109,9 +109,14 @@ def test_batched_token_prompts_n2_logprobs_equal_offline(served, client):
     srv, model_dir, offline, _ = served
     prompts = _completion_prompts()[:3]
     result = client.completions.create(
-        model=model_dir, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2, logprobs=3,
+        model=model_dir,
+        prompt=prompts,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        n=2,
+        logprobs=3,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert [c.index for c in result.choices] == list(range(6))
     for c in result.choices:
         expected = offline[c.index // 2]
@@ -146,9 +151,15 @@ def test_streaming_completions_n2_with_usage(served, client):
     _, model_dir, offline, _ = served
     prompts = _completion_prompts()[5:7]
     stream = client.completions.create(
-        model=model_dir, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
-    )  # fmt: skip
+        model=model_dir,
+        prompt=prompts,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
     tokens: dict[int, list[int]] = {i: [] for i in range(4)}
     finish: dict[int, list] = {i: [] for i in range(4)}
     chunks = list(stream)
@@ -170,9 +181,13 @@ def test_chat_whole_with_logprobs_equals_offline(served, client):
         CONVERSATIONS, offline_chat, _chat_prompts(), strict=True
     ):
         result = client.chat.completions.create(
-            model=model_dir, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0,
-            logprobs=True, top_logprobs=2,
-        )  # fmt: skip
+            model=model_dir,
+            messages=messages,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
         (choice,) = result.choices
         assert choice.message.role == "assistant" and choice.message.content == _decode(expected)
         content = choice.logprobs.content
@@ -191,9 +206,14 @@ def test_chat_stop_string_and_include_usage(served, client):
     stop = f"<{expected[2]}>"
     full = _decode(expected)
     stream = client.chat.completions.create(
-        model=model_dir, messages=CONVERSATIONS[0], max_tokens=MAX_TOKENS, temperature=0,
-        stop=[stop], stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model=model_dir,
+        messages=CONVERSATIONS[0],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full[: full.index(stop)]
@@ -205,9 +225,13 @@ def test_chat_streaming_the_openai_way(served, client):
     """The issue's done-when: ``chat.completions.create(..., stream=True)`` works."""
     _, model_dir, _, offline_chat = served
     stream = client.chat.completions.create(
-        model=model_dir, messages=CONVERSATIONS[1], max_tokens=MAX_TOKENS, temperature=0, n=2,
+        model=model_dir,
+        messages=CONVERSATIONS[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        n=2,
         stream=True,
-    )  # fmt: skip
+    )
     content = {0: "", 1: ""}
     roles, finishes = {0: [], 1: []}, {0: [], 1: []}
     for chunk in stream:
@@ -226,9 +250,13 @@ def test_top_p_seed_and_errors(served, client):
     prompt = _completion_prompts()[7]
     # a nucleus of ~0 mass holds only the most likely token: sampling equals greedy
     tiny_p = client.completions.create(
-        model=model_dir, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1e-6,
+        model=model_dir,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        top_p=1e-6,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert tiny_p.choices[0].model_extra["token_ids"] == offline[7]
     runs = [
         client.completions.create(
@@ -240,7 +268,7 @@ def test_top_p_seed_and_errors(served, client):
             seed=5,
             n=2,
             extra_body={"return_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     ids = [[c.model_extra["token_ids"] for c in r.choices] for r in runs]
@@ -256,8 +284,13 @@ def test_top_p_seed_and_errors(served, client):
 
 
 def _stream_tokens(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
     url = urlparse(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -278,8 +311,14 @@ def test_disconnected_client_is_aborted_while_16_streams_finish(served):
     long_max = MAX_MODEL_LEN - 4
     url = urlparse(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    body = {"prompt": [5, 6, 7], "max_tokens": long_max, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": long_max,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     prompts = _completion_prompts()[:16]

@@ -68,8 +68,14 @@ def test_requests_are_submitted_n_per_prompt_with_their_parameters(tmp_path):
     async def go():
         bridge = EngineBridge(asyncio.get_running_loop())
         async with TestClient(TestServer(build_app(config, bridge))) as client:
-            body = {"prompt": [[5, 6], [7]], "n": 2, "seed": 3, "top_p": 0.5, "logprobs": 2,
-                    "max_tokens": 4}  # fmt: skip
+            body = {
+                "prompt": [[5, 6], [7]],
+                "n": 2,
+                "seed": 3,
+                "top_p": 0.5,
+                "logprobs": 2,
+                "max_tokens": 4,
+            }
             task = asyncio.create_task(client.post("/v1/completions", json=body))
             await asyncio.sleep(0.2)
             new, _ = bridge.take(0)

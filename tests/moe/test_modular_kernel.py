@@ -449,8 +449,11 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
 
 def test_ep2_model_matches_single_rank_with_and_without_dbo():
     backend_names = [
-        "all_to_all", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"
-    ]  # fmt: skip
+        "all_to_all",
+        "allgather_reducescatter",
+        "deepep_high_throughput",
+        "deepep_low_latency",
+    ]
     results = run_distributed(_ep_rank_main, 2, backend_names, timeout_s=120)
     for per_rank in results:
         assert sorted(per_rank) == sorted(backend_names)
@@ -469,10 +472,14 @@ def _hook_failure_rank(rank, world_size):
         data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=3
     )
     backend = make_all2all_backend(
-        "deepep_low_latency", ep_group=groups.ep_group, ep_rank=groups.ep_rank,
-        ep_size=groups.ep_size, num_experts=CONFIG.num_experts, timeout=groups.timeout,
+        "deepep_low_latency",
+        ep_group=groups.ep_group,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        num_experts=CONFIG.num_experts,
+        timeout=groups.timeout,
         num_max_dispatch_tokens_per_rank=16,
-    )  # fmt: skip
+    )
     if rank == 0:
         dispatch = backend.buffer.low_latency_dispatch
 

@@ -186,10 +186,24 @@ def installed_plugin(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("plugin_site")
     build = tmp_path_factory.mktemp("plugin_build")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-         "--no-build-isolation", "--target", str(target), str(PLUGIN)],
-        check=True, timeout=240, cwd=build, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(PLUGIN),
+        ],
+        check=True,
+        timeout=240,
+        cwd=build,
+        capture_output=True,
+    )
     return target
 
 
@@ -212,9 +226,19 @@ def test_installed_plugin_platform_changes_the_engines_decisions(installed_plugi
     )
     assert probe.stdout.split() == ["plugin_cpu", "False", "forward_native"], probe.stderr
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-        "-m", "launch.generate", "--max-tokens", "4", "--dtype", "bfloat16",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "launch.generate",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "bfloat16",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in (
