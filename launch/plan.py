@@ -81,7 +81,19 @@ def _add_workload_args(add) -> None:
         help="prefill tokens per device",
     )
     add("--prompt-len", type=int, default=2000, help="tokens per prefill request")
-    add("--num-ubatches", type=_int_list, default=[2, 3, 4], help="N values to compare (>= 2)")
+    add(
+        "--num-ubatches",
+        type=_int_list,
+        default=None,
+        help="N values to compare (>= 2; default 2,3,4, and 2 under --schedule sglang)",
+    )
+    add(
+        "--schedule",
+        default="ring",
+        choices=("ring", "sglang"),
+        help="overlap schedule: ring (this engine's DBO) or sglang (SGLang's two-batch overlap: "
+        "its decode strategy, 5 stages per layer, the second batch 2 stages behind; N = 2)",
+    )
 
 
 def _add_calibration_args(add) -> None:
@@ -115,8 +127,20 @@ def check_args(ns) -> None:
         raise ValueError("--link-latency-us and --link-gbps go together")
     if ns.ep_size < 2:
         raise ValueError(f"--ep-size must be >= 2, got {ns.ep_size}")
+    if ns.num_ubatches is None:
+        ns.num_ubatches = [2] if ns.schedule == "sglang" else [2, 3, 4]
     if min(ns.num_ubatches) < 2:
         raise ValueError(f"--num-ubatches values must be >= 2, got {ns.num_ubatches}")
+    if ns.schedule == "sglang" and ns.num_ubatches != [2]:
+        raise ValueError(
+            f"--schedule sglang models SGLang's two-batch overlap: --num-ubatches must be 2, "
+            f"got {ns.num_ubatches}"
+        )
+    if ns.schedule == "sglang" and ns.calibrate:
+        raise ValueError(
+            "--schedule sglang needs a preset model (its stages are priced from the model's "
+            "shapes); a calibration fits this engine's ring schedule"
+        )
     if ns.context_len < 1 or ns.prompt_len < 1:
         raise ValueError("--context-len and --prompt-len must be >= 1")
 
@@ -165,6 +189,16 @@ def resolve(ns):
     return model, link, lines
 
 
+SCHEDULE_LINES = {
+    "ring": "overlap model: N ubatches take turns on the compute in a ring; each transfer hides "
+    "behind the other N-1 ubatches' compute; transfers share the link, latencies overlap; DBO off "
+    "= N 1",
+    "sglang": "overlap model: SGLang's two-batch overlap; decode: 5 stages per layer, the second "
+    "batch 2 stages behind, a transfer hides behind the one stage of the other batch between its "
+    "issue and receive; prefill: the ring with N 2; transfers share the link; DBO off = N 1",
+}
+
+
 def _link_line(link, what: str = "link") -> str:
     return (
         f"{what}: {link.name}: latency {link.latency_us:.1f} µs, dispatch "
@@ -179,12 +213,9 @@ def run(ns, model, link, lines: list[str]) -> None:
 
     ns_list = ns.num_ubatches
     print(*lines, _link_line(link), sep="\n")
-    print(
-        "overlap model: N ubatches take turns on the compute in a ring; each transfer hides behind "
-        "the other N-1 ubatches' compute; transfers share the link, latencies overlap; DBO off = N 1"
-    )
+    print(SCHEDULE_LINES[ns.schedule])
     shapes = [("decode", t) for t in ns.decode_tokens] + [("prefill", t) for t in ns.prefill_tokens]
-    preds = [planner.predict(model, link, k, t, ns_list) for k, t in shapes]
+    preds = [planner.predict(model, link, k, t, ns_list, schedule=ns.schedule) for k, t in shapes]
     print(report.format_table(preds, ns_list))
     largest: dict[str, int] = {}  # the largest requested shape per kind
     for kind, t in shapes:
@@ -198,7 +229,7 @@ def run(ns, model, link, lines: list[str]) -> None:
         if ns.decode_tokens
         else ("prefill", max(ns.prefill_tokens))
     )
-    sens = report.sensitivity(model, link, kind, tokens, 2)
+    sens = report.sensitivity(model, link, kind, tokens, 2, schedule=ns.schedule)
     print(report.format_sensitivity(kind, tokens, 2, sens))
     if ns.compare:
         print(f"predicted vs measured (N=2; median over {len(ns.compare)} run(s)):")
@@ -215,7 +246,7 @@ def _print_recommendation(ns, model, link) -> None:
         highs["decode"] = max(ns.decode_tokens)
     if ns.prefill_tokens:
         highs["prefill"] = max(ns.prefill_tokens)
-    rec = planner.recommend(model, link, ns.num_ubatches, highs)
+    rec = planner.recommend(model, link, ns.num_ubatches, highs, schedule=ns.schedule)
     flags = []
     for kind, r in rec.items():
         if r["threshold"]:
@@ -224,6 +255,9 @@ def _print_recommendation(ns, model, link) -> None:
             where = f"never up to {highs[kind]} tokens per device"
         print(f"crossover {kind}: DBO pays {where}")
         flags.append(f"--dbo-{kind}-token-threshold {r['threshold'] or 'never'}")
+    if ns.schedule != "ring":
+        print("(SGLang's schedule: this engine's thresholds come from --schedule ring)")
+        return
     print("recommended: " + " ".join(flags) + " ('never': keep DBO off for that kind)")
 
 

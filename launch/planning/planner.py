@@ -8,6 +8,11 @@ into step times. A step with N ubatches of a batch of T tokens costs::
 
 and DBO off is N = 1. The speedup is off / on; a crossover is the smallest token count from which
 the best N beats off by more than the adaptive policy's tie tolerance (1 %).
+
+``schedule`` names the overlap schedule: ``"ring"``, this engine's DBO (``simulate_layers``), or
+``"sglang"``, SGLang's two-batch overlap (N = 2 only): its decode strategy
+(``simulate_sglang_decode``); its prefill strategy yields after issuing the dispatch and the
+combine, which is the ring with two ubatches.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from launch.planning.schedule import serial_layer_ms, simulate_layers
+from launch.planning.schedule import serial_layer_ms, simulate_layers, simulate_sglang_decode
 
 TIE_TOLERANCE = 0.01  # dbo.AdaptivePolicyConfig.tie_tolerance: on must beat off by this
+SCHEDULES = ("ring", "sglang")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,28 +51,48 @@ class Prediction:
         return (c + m) / max(c, m, 1e-12)
 
 
-def step_ms(model, link, kind: str, num_tokens: int, num_ubatches: int) -> float:
-    """Predicted ms of one step of ``num_tokens`` tokens per device cut into ``num_ubatches``.
+def step_ms(
+    model, link, kind: str, num_tokens: int, num_ubatches: int, *, schedule: str = "ring"
+) -> float:
+    """Predicted ms of one step of ``num_tokens`` tokens per device cut into ``num_ubatches``
+    under ``schedule`` (see the module docstring).
 
     Raises:
-        ValueError: ``num_tokens < num_ubatches`` (an empty ubatch) or ``num_ubatches < 1``.
+        ValueError: ``num_tokens < num_ubatches`` (an empty ubatch), ``num_ubatches < 1``, an
+            unknown schedule, or ``"sglang"`` with more than two ubatches.
     """
     if num_ubatches < 1 or num_tokens < num_ubatches:
         raise ValueError(f"cannot cut {num_tokens} tokens into {num_ubatches} non-empty ubatches")
+    if schedule not in SCHEDULES or (schedule == "sglang" and num_ubatches > 2):
+        raise ValueError(
+            f"schedule {schedule!r} with {num_ubatches} ubatches: schedules are {SCHEDULES}, "
+            f"and SGLang's two-batch overlap runs 2"
+        )
     costs = model.layer_costs(kind, num_tokens / num_ubatches, num_ubatches=num_ubatches)
     if num_ubatches > 1 and hasattr(model, "ubatched_link"):
         link = model.ubatched_link(link)
-    layers = simulate_layers(
-        costs,
-        num_layers=model.num_moe_layers,
-        num_ubatches=num_ubatches,
-        link=link,
-        yield_ms=model.yield_ms,
-    )
+    if schedule == "sglang" and kind == "decode" and num_ubatches == 2:
+        layers = simulate_sglang_decode(costs, num_layers=model.num_moe_layers, link=link)
+    else:
+        layers = simulate_layers(
+            costs,
+            num_layers=model.num_moe_layers,
+            num_ubatches=num_ubatches,
+            link=link,
+            yield_ms=model.yield_ms,
+        )
     return model.outside_ms(kind, num_tokens, num_ubatches) + layers
 
 
-def predict(model, link, kind: str, num_tokens: int, ubatch_counts: Sequence[int]) -> Prediction:
+def predict(
+    model,
+    link,
+    kind: str,
+    num_tokens: int,
+    ubatch_counts: Sequence[int],
+    *,
+    schedule: str = "ring",
+) -> Prediction:
     """``Prediction`` for one shape; N values that would leave a ubatch empty are skipped."""
     c, m = serial_layer_ms(model.layer_costs(kind, num_tokens), link)
     return Prediction(
@@ -76,7 +102,9 @@ def predict(model, link, kind: str, num_tokens: int, ubatch_counts: Sequence[int
         comm_ms=m,
         step_ms_off=step_ms(model, link, kind, num_tokens, 1),
         step_ms_on={
-            n: step_ms(model, link, kind, num_tokens, n) for n in ubatch_counts if num_tokens >= n
+            n: step_ms(model, link, kind, num_tokens, n, schedule=schedule)
+            for n in ubatch_counts
+            if num_tokens >= n
         },
     )
 
@@ -90,25 +118,41 @@ def token_sweep(low: int = 1, high: int = 16384) -> list[int]:
     return sorted(set(out))
 
 
-def crossover(model, link, kind: str, ubatch_counts: Sequence[int], tokens: Sequence[int]):
+def crossover(
+    model,
+    link,
+    kind: str,
+    ubatch_counts: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    schedule: str = "ring",
+):
     """The smallest of ``tokens`` from which DBO with its best N beats off by more than the tie
     tolerance at every larger one; None if it does not at the largest."""
     threshold = None
     for t in sorted(tokens, reverse=True):
-        p = predict(model, link, kind, t, ubatch_counts)
+        p = predict(model, link, kind, t, ubatch_counts, schedule=schedule)
         if not p.step_ms_on or p.speedup[p.best_n] <= 1 + TIE_TOLERANCE:
             break
         threshold = t
     return threshold
 
 
-def recommend(model, link, ubatch_counts: Sequence[int], max_tokens: dict[str, int]) -> dict:
+def recommend(
+    model,
+    link,
+    ubatch_counts: Sequence[int],
+    max_tokens: dict[str, int],
+    *,
+    schedule: str = "ring",
+) -> dict:
     """Per kind: the threshold to pass to the engine (the crossover on a sweep of token counts up
     to ``max_tokens[kind]``; None: DBO does not pay there) and the best N at ``max_tokens[kind]``."""
     out = {}
     for kind, high in max_tokens.items():
-        threshold = crossover(model, link, kind, ubatch_counts, token_sweep(2, high))
-        best = predict(model, link, kind, high, ubatch_counts)
+        sweep = token_sweep(2, high)
+        threshold = crossover(model, link, kind, ubatch_counts, sweep, schedule=schedule)
+        best = predict(model, link, kind, high, ubatch_counts, schedule=schedule)
         n = best.best_n if threshold is not None and best.step_ms_on else None
         out[kind] = {"threshold": threshold, "num_ubatches": n}
     return out

@@ -66,10 +66,24 @@ SENSITIVITY_INPUTS = (
 )
 
 
-def sensitivity(model, link, kind: str, num_tokens: int, num_ubatches: int, factor: float = 1.25):
+def sensitivity(
+    model,
+    link,
+    kind: str,
+    num_tokens: int,
+    num_ubatches: int,
+    factor: float = 1.25,
+    *,
+    schedule: str = "ring",
+):
     """Per input, the predicted speedup with it scaled by ``1/factor`` and ``factor``; and the
     input that moves the speedup most. Returns (base, {input: (low, high)}, most)."""
-    base = predict(model, link, kind, num_tokens, [num_ubatches]).speedup[num_ubatches]
+
+    def speedup(model, link) -> float:
+        p = predict(model, link, kind, num_tokens, [num_ubatches], schedule=schedule)
+        return p.speedup[num_ubatches]
+
+    base = speedup(model, link)
     out = {}
     for name in SENSITIVITY_INPUTS:
         pair = []
@@ -77,7 +91,7 @@ def sensitivity(model, link, kind: str, num_tokens: int, num_ubatches: int, fact
             scaled = _perturbed(model, link, name, f)
             if scaled is None:
                 break
-            pair.append(predict(*scaled, kind, num_tokens, [num_ubatches]).speedup[num_ubatches])
+            pair.append(speedup(*scaled))
         if pair:
             out[name] = tuple(pair)
     most = max(out, key=lambda k: max(abs(v - base) for v in out[k]))

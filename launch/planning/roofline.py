@@ -26,6 +26,9 @@ FP8_SCALE_BYTES_PER_ELEMENT = 4 / 128  # DeepEP FP8 dispatch: one fp32 scale per
 # a DeepSeek decode layer: 4 RMSNorms, rope, the second absorbed bmm, 6 FP8 activation
 # quantisations, top-k, 2 SiLU-and-mul, the residual add (a count, not a measurement)
 NUM_MISC_KERNELS = 16
+# of those, the ones before the attention core: the input and the two latent RMSNorms, rope and
+# three of the quantisations (a count, as above)
+NUM_MISC_KERNELS_BEFORE_ATTENTION_CORE = 7
 KINDS = ("decode", "prefill")
 
 
@@ -109,11 +112,18 @@ class RooflineCostModel:
     # --- parts of a layer ------------------------------------------------------------------
     def attention_ms(self, kind: str, num_tokens: float) -> float:
         """Projections and the attention kernel for ``num_tokens`` tokens of ``kind``."""
+        return sum(self.attention_parts_ms(kind, num_tokens))
+
+    def attention_parts_ms(self, kind: str, num_tokens: float) -> tuple[float, float]:
+        """``attention_ms`` as (before the attention core: the query and key/value projections,
+        and for absorbed MLA the query's absorption into the latent; the core: the attention
+        kernel and the output projections)."""
         c = self.config
         if c.attention_type == "mla":
-            return self._mla_ms(kind, num_tokens)
+            return self._mla_parts_ms(kind, num_tokens)
         h, hd, q, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        proj = self.gemm_ms(num_tokens, h, (q + 2 * kv) * hd) + self.gemm_ms(num_tokens, q * hd, h)
+        prepare = self.gemm_ms(num_tokens, h, (q + 2 * kv) * hd)
+        out = self.gemm_ms(num_tokens, q * hd, h)
         if kind == "decode":
             ctx = self.workload.context_len
             core = self._kernel_ms(
@@ -124,9 +134,9 @@ class RooflineCostModel:
             core = self._kernel_ms(
                 4 * num_tokens * ctx * q * hd, num_tokens * 2 * (q + 2 * kv) * hd, "bf16"
             )
-        return proj + core
+        return prepare, core + out
 
-    def _mla_ms(self, kind: str, t: float) -> float:
+    def _mla_parts_ms(self, kind: str, t: float) -> tuple[float, float]:
         c = self.config
         h, nh = c.hidden_size, c.num_attention_heads
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -137,6 +147,8 @@ class RooflineCostModel:
             q = self.gemm_ms(t, h, nh * qk)
         kv_a = self.gemm_ms(t, h, latent)
         kv_b = self.gemm_ms(t, c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim))
+        # kv_b's key half absorbs the query before the core, its value half the core's output
+        kv_b_key = kv_b * c.qk_nope_head_dim / (c.qk_nope_head_dim + c.v_head_dim)
         o = self.gemm_ms(t, nh * c.v_head_dim, h)
         if kind == "decode":  # absorbed: multi-query attention over the cached latent (bf16)
             ctx = self.workload.context_len
@@ -148,7 +160,7 @@ class RooflineCostModel:
             core = self._kernel_ms(
                 2 * t * ctx * nh * (qk + c.v_head_dim), t * nh * (2 * qk + c.v_head_dim) * 2, "bf16"
             )
-        return q + kv_a + kv_b + o + core
+        return q + kv_a + kv_b_key, kv_b - kv_b_key + o + core
 
     def experts_ms(self, num_tokens: float) -> float:
         """This device's routed experts on the ``num_tokens * top-k`` rows it receives."""
@@ -177,11 +189,9 @@ class RooflineCostModel:
             num_tokens, intermediate, h
         )
 
-    def _misc_ms(self, num_tokens: float) -> float:
+    def _misc_ms(self, num_tokens: float, count: int = NUM_MISC_KERNELS) -> float:
         h = self.config.hidden_size
-        return self._kernel_ms(
-            0, num_tokens * h * 2 * 2 * NUM_MISC_KERNELS, "bf16", NUM_MISC_KERNELS
-        )
+        return self._kernel_ms(0, num_tokens * h * 2 * 2 * count, "bf16", count)
 
     # --- the CostModel interface ----------------------------------------------------------
     def parts_ms(self, kind: str, num_tokens: float) -> dict[str, float]:
@@ -204,8 +214,11 @@ class RooflineCostModel:
         dispatch_elem = (
             1 + FP8_SCALE_BYTES_PER_ELEMENT if self.weight_dtype == "fp8" else BYTES["bf16"]
         )
+        prepare = self.attention_parts_ms(kind, num_tokens)[0]
         return LayerCosts(
             pre_ms=parts["attention"] + parts["router"] + parts["other kernels"],
+            attn_prepare_ms=prepare
+            + self._misc_ms(num_tokens, NUM_MISC_KERNELS_BEFORE_ATTENTION_CORE),
             mid_ms=parts["experts"],
             shared_ms=parts["shared experts"],
             dispatch_bytes=copies * c.hidden_size * dispatch_elem,

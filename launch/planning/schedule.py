@@ -15,6 +15,13 @@ The schedule (the one ``dbo.UBatchContext`` implements, for any N):
 So each transfer hides behind the other N-1 ubatches' compute segments. DBO off is the same
 schedule with N = 1 and the whole batch: every transfer is waited for at once (the combine before
 the shared experts run, as the engine's synchronous combine does).
+
+``simulate_sglang_decode`` is SGLang's two-batch overlap in decode instead (its
+``operations_strategy.py``, ``_compute_moe_deepseek_blog_decode``): five stages per layer split at
+its yield points, the second batch two stages behind the first, the stages of the two batches
+alternating on one compute stream. A transfer hides only behind the one stage of the other batch
+that runs between its issue and its receive (the other's attention projections, or its attention
+core and gate); no transfer is in flight while a batch runs its experts.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ class LayerCosts:
     ``pre_ms`` before the dispatch is issued, ``mid_ms`` between the dispatch landing and the
     combine being issued, ``shared_ms`` after the combine is issued (shared experts), ``post_ms``
     after the combine lands (receive-side unpacking); ``dispatch_bytes`` / ``combine_bytes`` on
-    the wire.
+    the wire. ``attn_prepare_ms``: the part of ``pre_ms`` before the attention core (the
+    projections; where SGLang's decode schedule yields), 0 when not priced.
 
     Raises:
-        ValueError: a negative entry.
+        ValueError: a negative entry, or ``attn_prepare_ms > pre_ms``.
     """
 
     pre_ms: float
@@ -41,11 +49,25 @@ class LayerCosts:
     post_ms: float = 0.0
     dispatch_bytes: float = 0.0
     combine_bytes: float = 0.0
+    attn_prepare_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("pre_ms", "mid_ms", "shared_ms", "post_ms", "dispatch_bytes", "combine_bytes"):
+        for name in (
+            "pre_ms",
+            "mid_ms",
+            "shared_ms",
+            "post_ms",
+            "dispatch_bytes",
+            "combine_bytes",
+            "attn_prepare_ms",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerCosts.{name} must be >= 0, got {getattr(self, name)}")
+        if self.attn_prepare_ms > self.pre_ms:
+            raise ValueError(
+                f"LayerCosts.attn_prepare_ms ({self.attn_prepare_ms}) is part of pre_ms "
+                f"({self.pre_ms}) and cannot exceed it"
+            )
 
     @property
     def compute_ms(self) -> float:
@@ -102,6 +124,68 @@ def simulate_layers(
             now += costs.shared_ms
     for u in range(num_ubatches):
         now = max(now, ready[u]) + costs.post_ms
+    return now
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """One stage of SGLang's decode schedule: wait for the batch's in-flight transfer (if
+    ``wait``), compute ``before_ms``, issue ``send`` (if any), compute ``after_ms``."""
+
+    before_ms: float = 0.0
+    wait: bool = False
+    send: str | None = None
+    after_ms: float = 0.0
+
+
+def _sglang_decode_stages(costs: LayerCosts, num_layers: int) -> list[_Stage]:
+    """One batch's stages, all layers, split where SGLang's decode strategy yields."""
+    core_ms = costs.pre_ms - costs.attn_prepare_ms
+    stages = []
+    for layer in range(num_layers):
+        post = costs.post_ms if layer else 0.0
+        stages += [
+            _Stage(before_ms=post + costs.attn_prepare_ms),  # [output,] norm, projections
+            _Stage(before_ms=core_ms),  # attention core, post-attention norm, gate, top-k
+            _Stage(send="dispatch", after_ms=costs.shared_ms),  # dispatch_a, shared experts
+            _Stage(wait=True, before_ms=costs.mid_ms, send="combine"),  # dispatch_b .. combine_a
+            _Stage(wait=True),  # combine_b
+        ]
+    return [*stages, _Stage(before_ms=costs.post_ms)]
+
+
+def simulate_sglang_decode(
+    costs: LayerCosts, *, num_layers: int, link, delta_stages: int = 2
+) -> float:
+    """Milliseconds for SGLang's two-batch overlap in decode (``execute_overlapped_operations``)
+    to run ``num_layers`` MoE layers, each batch with ``costs`` per layer (see the module
+    docstring): batch a runs ``delta_stages`` stages alone, then the two alternate stage by
+    stage, then batch b runs its last ``delta_stages``. One compute stream; a stage that
+    receives a transfer waits for it to land; transfers share the link as in
+    ``simulate_layers``, and ``sm_fraction`` of a transfer's wire time is compute at its issue.
+
+    Raises:
+        ValueError: ``num_layers < 1`` or ``delta_stages < 0``.
+    """
+    if num_layers < 1 or delta_stages < 0:
+        raise ValueError(
+            f"need num_layers >= 1 and delta_stages >= 0, got {num_layers}, {delta_stages}"
+        )
+    stages = _sglang_decode_stages(costs, num_layers)
+    order = [(0, i) for i in range(delta_stages)]
+    order += [(b, i - b * delta_stages) for i in range(delta_stages, len(stages)) for b in (0, 1)]
+    order += [(1, i) for i in range(len(stages) - delta_stages, len(stages))]
+    state, now, ready = _Link(), 0.0, [0.0, 0.0]
+    for batch, index in order:
+        stage = stages[index]
+        if stage.wait:
+            now = max(now, ready[batch])
+        now += stage.before_ms
+        if stage.send is not None:
+            wire = link.wire_ms(stage.send, getattr(costs, f"{stage.send}_bytes"))
+            now += link.sm_fraction * wire
+            ready[batch] = state.send(now, wire, link.latency_ms(stage.send))
+        now += stage.after_ms
     return now
 
 
