@@ -47,9 +47,11 @@ class CalibratedCostModel:
     # ratio of bandwidths, carried over to any other link it predicts (adapt_link)
     link_overhead_us: float = 0.0
     bandwidth_ratio: float = 1.0
-    # mean µs a transfer of a DBO step lands later than one of a DBO-off step beyond the link
-    # model (a collective completes when the last rank has issued it: the ranks' jitter)
-    ubatched_delay_us: float = 0.0
+    # ms a transfer of a DBO step lands later than one of a DBO-off step beyond the link model,
+    # by the step's token count (the mean over the step's transfers at each calibrated count: a
+    # collective completes when the last rank has issued it, and the ranks drift apart most
+    # where the ubatches' compute segments are short); None: not measured
+    ubatched_delay: Curve | None = None
 
     def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
         fit = self.parts.get(name)
@@ -84,14 +86,22 @@ class CalibratedCostModel:
     def describe(self) -> str:
         return f"calibrated on {self.source}"
 
-    def ubatched_link(self, link: LinkModel) -> LinkModel:
-        """``link`` in a DBO step: each transfer lands ``ubatched_delay_us`` later."""
+    def ubatched_delay_us(self, kind: str, num_tokens: float) -> float:
+        """µs a transfer of a DBO step of ``num_tokens`` tokens lands late (``ubatched_delay``)."""
+        if self.ubatched_delay is None:
+            return 0.0
+        return max(self.ubatched_delay(kind, num_tokens), 0.0) * 1e3
+
+    def ubatched_link(self, link: LinkModel, kind: str, num_tokens: float) -> LinkModel:
+        """``link`` in a DBO step of ``num_tokens`` tokens: each transfer lands
+        ``ubatched_delay_us(kind, num_tokens)`` later."""
+        delay_us = self.ubatched_delay_us(kind, num_tokens)
         return replace(
             link,
-            latency_us=link.latency_us + self.ubatched_delay_us,
+            latency_us=link.latency_us + delay_us,
             combine_latency_us=None
             if link.combine_latency_us is None
-            else link.combine_latency_us + self.ubatched_delay_us,
+            else link.combine_latency_us + delay_us,
         )
 
     def adapt_link(self, link: LinkModel) -> LinkModel:
@@ -189,15 +199,30 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
     emulated = _emulated_link(results_path)
     if emulated is None:
         return model
-    delays = [transfer_delays_ms(spans, emulated) for spans in ranks]
-    off = statistics.fmean(d for rank in delays for d in rank[False]) if delays else 0.0
-    on = [d for rank in delays for d in rank[True]]
     return replace(
         model,
         link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
         bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
-        ubatched_delay_us=max(statistics.fmean(on) - off, 0.0) * 1e3 if on else 0.0,
+        ubatched_delay=_fit_ubatched_delay(ranks, emulated, kinds),
     )
+
+
+def _fit_ubatched_delay(ranks, emulated, kinds: dict[int, str]) -> Curve | None:
+    """``Curve`` of the mean extra delay (ms) of a DBO step's transfers over a DBO-off step's, per
+    calibrated step token count (``kinds``: token count -> kind); None without DBO steps."""
+    delays = [transfer_delays_ms(spans, emulated) for spans in ranks]
+    off = [d for rank in delays for t, d in rank[False] if t in kinds]
+    by_tokens: dict[int, list[float]] = {}
+    for rank in delays:
+        for t, d in rank[True]:
+            if t in kinds:
+                by_tokens.setdefault(t, []).append(d)
+    if not off or not by_tokens:
+        return None
+    off_ms = statistics.fmean(off)
+    # the mean, not the median: a few transfers land very late and the sum is what counts
+    points = [(kinds[t], t, statistics.fmean(ds) - off_ms) for t, ds in by_tokens.items()]
+    return fit_curve(points, per_kind=False)
 
 
 def _emulated_link(results_path: Path):

@@ -232,11 +232,12 @@ def fit_curve(points: list[tuple[str, float, float]], *, per_kind: bool) -> Curv
     return Curve(points=curves, fallback=fit_affine(points, per_kind=per_kind))
 
 
-def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[float]]:
-    """Per transfer of one rank, how much later it landed than ``link`` (a ``LinkSpec``: the
-    run's ``--emulate-link``) alone would have it land, the rank's transfers queued in issue
-    order; keyed by whether the step was ubatched (True) or not."""
-    out: dict[bool, list[float]] = {False: [], True: []}
+def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[tuple[int, float]]]:
+    """Per transfer of one rank, ``(the step's num_tokens, how much later in ms it landed than
+    link alone would have it land)``, ``link`` being a ``LinkSpec`` (the run's
+    ``--emulate-link``) and the rank's transfers queued in issue order; keyed by whether the step
+    was ubatched (True) or not."""
+    out: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
     spans = sorted(spans, key=lambda s: s.start_ns)
     steps = [s for s in spans if s.cat == CAT_STEP]
     transfers = [
@@ -250,6 +251,7 @@ def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[float]]:
     for step in steps:
         free_ms = 0.0
         is_ubatched = bool(step.args.get("is_ubatched"))
+        num_tokens = int(step.args.get("num_tokens", 0))
         while i < len(transfers) and transfers[i].start_ns < step.end_ns:
             t = transfers[i]
             i += 1
@@ -257,5 +259,6 @@ def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[float]]:
                 continue
             start_ms = max(t.start_ns / 1e6, free_ms)
             free_ms = start_ms + link.transfer_ns(int(t.args.get("num_bytes", 0))) / 1e6
-            out[is_ubatched].append(t.end_ns / 1e6 - (free_ms + link.latency_ns / 1e6))
+            delay_ms = t.end_ns / 1e6 - (free_ms + link.latency_ns / 1e6)
+            out[is_ubatched].append((num_tokens, delay_ms))
     return out

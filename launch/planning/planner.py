@@ -70,7 +70,7 @@ def step_ms(
         )
     costs = model.layer_costs(kind, num_tokens / num_ubatches, num_ubatches=num_ubatches)
     if num_ubatches > 1 and hasattr(model, "ubatched_link"):
-        link = model.ubatched_link(link)
+        link = model.ubatched_link(link, kind, num_tokens)
     if schedule == "sglang" and kind == "decode" and num_ubatches == 2:
         layers = simulate_sglang_decode(costs, num_layers=model.num_moe_layers, link=link)
     else:

@@ -273,7 +273,8 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
     assert model.bytes_per_token["dispatch"] == pytest.approx(BYTES_PER_TOKEN)
     # the run's --emulate-link is what was fitted: nothing to carry over to other links
     assert model.link_overhead_us == pytest.approx(0, abs=0.1)
-    assert model.ubatched_delay_us == pytest.approx(0, abs=1)  # transfers land as the link says
+    # transfers land as the link says
+    assert model.ubatched_delay_us("decode", 64) == pytest.approx(0, abs=1)
     assert model.bandwidth_ratio == pytest.approx(1, rel=1e-3)
     other = model.adapt_link(from_gbps(200, 0.14))
     assert other.latency_us == pytest.approx(
