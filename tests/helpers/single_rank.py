@@ -2,27 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
-import types
-
-import torch
-
-
-def single_rank_groups() -> types.SimpleNamespace:
-    """Stands in for ``distributed.ParallelGroups`` of a 1-rank run (no process groups)."""
-    return types.SimpleNamespace(
-        rank=0,
-        world_size=1,
-        dp_rank=0,
-        dp_size=1,
-        dp_group=None,
-        ep_rank=0,
-        ep_size=1,
-        ep_group=None,
-        device=torch.device("cpu"),
-        timeout=datetime.timedelta(seconds=60),
-        dp_rank_of_ep_rank=(0,),
-    )
+from distributed import single_process_groups
 
 
 def single_rank_engine(model_dir: str, **overrides):
@@ -39,4 +19,6 @@ def single_rank_engine(model_dir: str, **overrides):
             **overrides,
         }
     )
-    return LLMEngine(engine_args=args, model=resolve_model(args), groups=single_rank_groups())
+    return LLMEngine(
+        engine_args=args, model=resolve_model(args), groups=single_process_groups(timeout_s=60)
+    )
