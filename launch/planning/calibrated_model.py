@@ -84,7 +84,15 @@ class CalibratedCostModel:
         return self.outside(kind, num_tokens) + self.dbo_step_ms * (num_ubatches - 1)
 
     def describe(self) -> str:
-        return f"calibrated on {self.source}"
+        """``calibrated on DIR``, and the fitted DBO-step delay per calibrated token count."""
+        if self.ubatched_delay is None:
+            return f"calibrated on {self.source}"
+        points = next(iter(self.ubatched_delay.points.values()), ())
+        delays = ", ".join(f"{t:g}: {max(ms, 0.0):.2f}" for t, ms in points)
+        return (
+            f"calibrated on {self.source}; a DBO step's transfers land late by (step tokens: "
+            f"ms) {delays}"
+        )
 
     def ubatched_delay_us(self, kind: str, num_tokens: float) -> float:
         """µs a transfer of a DBO step of ``num_tokens`` tokens lands late (``ubatched_delay``)."""

@@ -355,7 +355,7 @@ def test_cli_calibrate_and_compare(capsys, tmp_path):
     results = str(tmp_path / "results.json")
     assert plan.main(["--calibrate", str(tmp_path), "--compare", results]) == 0
     out = capsys.readouterr().out
-    assert f"cost model: calibrated on {tmp_path}" in out
+    assert f"cost model: calibrated on {tmp_path}; a DBO step's transfers land late by" in out
     assert "fitted link:" in out and "| latency_us=100,gbps=0.512 | decode:64 |" in out
 
 
