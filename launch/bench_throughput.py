@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from distributed.parallel_state import TorchrunEnv
 from launch.benchmarks.throughput import (
     DATASET_NAMES,
     ThroughputResult,
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         if ns.warmup_output_len < 0:
             raise ValueError(f"--warmup-output-len must be >= 0, got {ns.warmup_output_len}")
         from launch.engine.llm_engine import resolve_model

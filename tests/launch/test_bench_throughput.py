@@ -124,3 +124,19 @@ def test_two_rank_run_prints_vllm_line_and_writes_json(tmp_path):
     assert [r["index"] for r in rows] == list(range(6))
     assert all(len(r["output_token_ids"]) == 4 for r in rows)
     assert "microbatched" in proc.stdout and "start-up" in proc.stdout
+
+
+def test_plain_python_run_fails_with_one_line():
+    """Started with ``python -m`` instead of torchrun: one line naming the missing variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        ["python", "-m", "launch.bench_throughput", "--output-len", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing torchrun environment variables" in lines[0], lines
