@@ -6,12 +6,13 @@ backends deliver different activation formats, so each subclasses the base of it
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.deepep_kernels import DEEPEP_KERNELS, make_deepep_buffer
-from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming
+from distributed.comm_handle import CommHandle, CommTiming
 
 
 def previous_event(buffer):
@@ -30,12 +31,13 @@ class DeepEPBufferMixin:
     extra_options: ClassVar[tuple[str, ...]] = ("hidden_size", "num_max_dispatch_tokens_per_rank")
     buffer: Any
     implementation: str
-    # set by All2AllBackend.__init__
+    # from All2AllBackend: set by its __init__, and its _handle method
     ep_group: ProcessGroup | None
     ep_rank: int
     ep_size: int
     num_experts: int
     timeout: datetime.timedelta
+    _handle: Callable[..., CommHandle]
 
     def _attach_buffer(
         self,
@@ -65,14 +67,7 @@ class DeepEPBufferMixin:
         with the emulated transfer's ``CommTiming`` (DeepEP's kernels report none: issued at
         ``start_ns``, bytes unknown, 0)."""
         timing = getattr(work, "timing", None) or CommTiming(issued_at_ns=start_ns, num_bytes=0)
-        handle: CollectiveHandle = CollectiveHandle(
-            op=op,
-            rank=self.ep_rank,
-            timeout=self.timeout,
-            work=work,
-            finalize=finalize,
-            timing=timing,
+        # All2AllBackend._handle: the one place a payload's handle is made (and waited if sync)
+        return self._handle(
+            op=op, pending=(work, None), finalize=finalize, timing=timing, async_op=async_op
         )
-        if not async_op:
-            handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait
-        return handle
