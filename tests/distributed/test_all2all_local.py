@@ -57,7 +57,8 @@ def test_pack_unpack_round_trip_is_exact(dtype, hidden_size, num_topk):
     assert torch.equal(got_x[:4], x) and not got_x[4:].any()
 
 
-def _local_backend(name: str = "all_to_all", num_experts: int = 4):
+def _local_backend(name: str = "all_to_all", num_experts: int = 4, **options):
+    """A one-rank backend (no process group); ``options``: the class's extra options."""
     return make_all2all_backend(
         name,
         ep_group=None,
@@ -65,6 +66,7 @@ def _local_backend(name: str = "all_to_all", num_experts: int = 4):
         ep_size=1,
         num_experts=num_experts,
         timeout=datetime.timedelta(seconds=5),
+        **options,
     )
 
 
@@ -162,15 +164,7 @@ def test_low_latency_hook_completes_the_receive():
 
 def test_low_latency_capacity_limit():
     """At its limit a dispatch fills one expert's slots; one token more is refused, naming both."""
-    backend = make_all2all_backend(
-        "deepep_low_latency",
-        ep_group=None,
-        ep_rank=0,
-        ep_size=1,
-        num_experts=4,
-        timeout=datetime.timedelta(seconds=5),
-        num_max_dispatch_tokens_per_rank=5,
-    )
+    backend = _local_backend("deepep_low_latency", num_max_dispatch_tokens_per_rank=5)
     x, w = torch.randn(5, 3), torch.ones(5, 1)
     ids = torch.zeros(5, 1, dtype=torch.long)  # every token to expert 0
     result = backend.dispatch(x, ids, w).wait()
@@ -186,15 +180,7 @@ def test_low_latency_capacity_limit():
     assert backend.dispatch_capacity(3, [3, 2]) == 3  # the call's slots: the agreed max
     assert backend.dispatch_capacity(0, [0, 0]) == 1 and backend.dispatch_capacity(2, None) == 5
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank must be >= 1, got 0"):
-        make_all2all_backend(
-            "deepep_low_latency",
-            ep_group=None,
-            ep_rank=0,
-            ep_size=1,
-            num_experts=4,
-            timeout=datetime.timedelta(seconds=5),
-            num_max_dispatch_tokens_per_rank=0,
-        )
+        _local_backend("deepep_low_latency", num_max_dispatch_tokens_per_rank=0)
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=9 must be in \[1, 5\]"):
         _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
 

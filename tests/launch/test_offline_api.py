@@ -311,3 +311,14 @@ def test_the_example_script_runs_on_a_checkpoint_with_a_tokenizer(tiny_chat_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("DP rank 0: prompt 'Hello, my name is' -> text '<") == 1, proc.stdout
     assert "DP rank 0: chat reply '<" in proc.stdout, proc.stdout
+
+
+def test_launch_reexports_exactly_the_offline_api():
+    """``launch`` lists the names itself (it must know them without importing torch): the two
+    lists must not drift apart."""
+    import launch
+    import launch.offline
+
+    assert launch.__all__ == launch.offline.__all__
+    for name in launch.__all__:
+        assert getattr(launch, name) is getattr(launch.offline, name)
