@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from launch.planning.calibration import (
     fit_curve,
     read_kinds,
     read_rank_spans,
+    read_records,
     transfer_delays_ms,
 )
 from launch.planning.links import LinkModel, from_gbps
@@ -198,13 +198,14 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
             f"--calibrate: {results_path} not found (run launch.bench with --output "
             f"{directory}/results.json, or pass --calibrate-results)"
         )
-    kinds = read_kinds(results_path)
+    records = read_records(results_path)
+    kinds = read_kinds(records)
     samples = TimelineSamples()
     ranks = read_rank_spans(directory)
     for spans in ranks:
         collect(spans, kinds, samples)
     model = fit(samples, source=str(directory))
-    emulated = _emulated_link(results_path)
+    emulated = _emulated_link(records)
     if emulated is None:
         return model
     return replace(
@@ -233,11 +234,10 @@ def _fit_ubatched_delay(ranks, emulated, kinds: dict[int, str]) -> Curve | None:
     return fit_curve(points, per_kind=False)
 
 
-def _emulated_link(results_path: Path):
-    """The ``--emulate-link`` of a ``launch.bench`` run (``LinkSpec``), or None."""
+def _emulated_link(records: list[dict]):
+    """The ``--emulate-link`` of a ``launch.bench`` run's records (``LinkSpec``), or None."""
     from distributed.link_emulation import LinkSpec
 
-    records = json.loads(results_path.read_text(encoding="utf-8"))
     specs = {r.get("emulate_link") for r in records}
     if len(specs) != 1 or None in specs:
         return None

@@ -76,21 +76,31 @@ class TimelineSamples:
     num_layers: int = 0
 
 
-def read_kinds(results_path: Path) -> dict[int, str]:
-    """Tokens per rank -> batch kind from a ``launch.bench --output`` file.
+def read_records(results_path: Path | str, *, option: str = "--calibrate") -> list[dict]:
+    """The records of a ``launch.bench --output`` file (each with its token count, kind and
+    speedup); ``option`` names the flag that gave the file, for the error.
 
     Raises:
-        ValueError: unreadable file, or one token count benchmarked as both kinds.
+        ValueError: an unreadable file or one that is not launch.bench records.
     """
     try:
-        records = json.loads(results_path.read_text(encoding="utf-8"))
-        pairs = [(int(r["num_tokens_per_rank"]), str(r["batch_kind"])) for r in records]
+        records = json.loads(Path(results_path).read_text(encoding="utf-8"))
+        for r in records:
+            int(r["num_tokens_per_rank"]), str(r["batch_kind"]), r["speedup"]  # noqa: B018
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(
-            f"--calibrate: cannot read {results_path} as launch.bench records ({e})"
-        ) from None
+        raise ValueError(f"{option} {results_path}: not launch.bench records ({e})") from None
+    return records
+
+
+def read_kinds(records: list[dict]) -> dict[int, str]:
+    """Tokens per rank -> batch kind of ``read_records``' records.
+
+    Raises:
+        ValueError: one token count benchmarked as both kinds.
+    """
     kinds: dict[int, str] = {}
-    for tokens, kind in pairs:
+    for r in records:
+        tokens, kind = int(r["num_tokens_per_rank"]), str(r["batch_kind"])
         if kinds.setdefault(tokens, kind) != kind:
             raise ValueError(
                 f"--calibrate: {tokens} tokens benchmarked as both decode and prefill (steps are "

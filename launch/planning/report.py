@@ -3,13 +3,12 @@ adaptive policy's prior and the PNG."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from distributed.link_emulation import LinkSpec
+from launch.planning.calibration import read_records
 from launch.planning.links import LinkModel, from_gbps
 from launch.planning.planner import Prediction, bucket_prior, predict
 
@@ -118,16 +117,6 @@ def link_of_record(record: dict, fallback: LinkModel) -> LinkModel:
     )
 
 
-def _read_records(path: str) -> list[dict]:
-    try:
-        records = json.loads(Path(path).read_text(encoding="utf-8"))
-        for r in records:
-            r["batch_kind"], r["num_tokens_per_rank"], r["speedup"]  # noqa: B018 - fields present
-        return records
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"--compare {path}: not launch.bench records ({e})") from None
-
-
 def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
     """Predicted vs measured DBO speedup (N = 2) per (link, batch shape) over one or more
     ``launch.bench --output`` files: the measured value is the median over the files of each
@@ -141,7 +130,7 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
     fastest: dict[tuple[str, str], list[float]] = {}
     shapes: dict[tuple[str, str], tuple[LinkModel, str, int]] = {}
     for path in results_paths:
-        for r in _read_records(path):
+        for r in read_records(path, option="--compare"):
             if not r.get("dbo_engaged", True):
                 continue
             run_link = link_of_record(r, link)
