@@ -11,13 +11,14 @@ from launch.planning.calibration import (
     PARTS,
     PER_KIND,
     Curve,
+    PeerArrival,
     TimelineSamples,
     collect,
     fit_curve,
+    peer_arrival_samples,
     read_kinds,
     read_rank_spans,
     read_records,
-    transfer_delays_ms,
 )
 from launch.planning.links import LinkModel, from_gbps
 from launch.planning.schedule import LayerCosts
@@ -47,11 +48,10 @@ class CalibratedCostModel:
     # ratio of bandwidths, carried over to any other link it predicts (adapt_link)
     link_overhead_us: float = 0.0
     bandwidth_ratio: float = 1.0
-    # ms a transfer of a DBO step lands later than one of a DBO-off step beyond the link model,
-    # by the step's token count (the mean over the step's transfers at each calibrated count: a
-    # collective completes when the last rank has issued it, and the ranks drift apart most
-    # where the ubatches' compute segments are short); None: not measured
-    ubatched_delay: Curve | None = None
+    # when a collective's last peer payload is there after this rank's issue, as measured on
+    # the calibration run's ranks (DBO-off and DBO steps apart); None: one rank, or no
+    # --emulate-link to subtract
+    peer_arrival: PeerArrival | None = None
 
     def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
         fit = self.parts.get(name)
@@ -84,33 +84,23 @@ class CalibratedCostModel:
         return self.outside(kind, num_tokens) + self.dbo_step_ms * (num_ubatches - 1)
 
     def describe(self) -> str:
-        """``calibrated on DIR``, and the fitted DBO-step delay per calibrated token count."""
-        if self.ubatched_delay is None:
+        """``calibrated on DIR``, and the mean peer arrival of DBO steps per calibrated count."""
+        if self.peer_arrival is None:
             return f"calibrated on {self.source}"
-        points = next(iter(self.ubatched_delay.points.values()), ())
-        delays = ", ".join(f"{t:g}: {max(ms, 0.0):.2f}" for t, ms in points)
+        counts = sorted(t for u, t in self.peer_arrival.samples if u)
+        means = ", ".join(f"{t}: {self.peer_arrival.mean_ms(True, t):.2f}" for t in counts)
         return (
-            f"calibrated on {self.source}; a DBO step's transfers land late by (step tokens: "
-            f"ms) {delays}"
+            f"calibrated on {self.source}; in DBO steps the last peer's payload is there, on "
+            f"average, this long after a rank's issue (step tokens: ms) {means}"
         )
 
-    def ubatched_delay_us(self, kind: str, num_tokens: float) -> float:
-        """µs a transfer of a DBO step of ``num_tokens`` tokens lands late (``ubatched_delay``)."""
-        if self.ubatched_delay is None:
-            return 0.0
-        return max(self.ubatched_delay(kind, num_tokens), 0.0) * 1e3
-
-    def ubatched_link(self, link: LinkModel, kind: str, num_tokens: float) -> LinkModel:
-        """``link`` in a DBO step of ``num_tokens`` tokens: each transfer lands
-        ``ubatched_delay_us(kind, num_tokens)`` later."""
-        delay_us = self.ubatched_delay_us(kind, num_tokens)
-        return replace(
-            link,
-            latency_us=link.latency_us + delay_us,
-            combine_latency_us=None
-            if link.combine_latency_us is None
-            else link.combine_latency_us + delay_us,
-        )
+    def peer_arrival_ms(self, num_tokens: float, num_ubatches: int) -> tuple[float, ...]:
+        """Offsets (ms) to draw a transfer's peer arrival from, for a step of ``num_tokens``
+        tokens cut into ``num_ubatches`` (N >= 3 uses the two-ubatch samples); () without a
+        measurement."""
+        if self.peer_arrival is None:
+            return ()
+        return self.peer_arrival.draws(num_ubatches > 1, num_tokens)
 
     def adapt_link(self, link: LinkModel) -> LinkModel:
         """``link`` as this machine would run it: plus the per-transfer overhead and times the
@@ -212,26 +202,8 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
         model,
         link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
         bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
-        ubatched_delay=_fit_ubatched_delay(ranks, emulated, kinds),
+        peer_arrival=peer_arrival_samples(ranks, emulated, kinds) if len(ranks) > 1 else None,
     )
-
-
-def _fit_ubatched_delay(ranks, emulated, kinds: dict[int, str]) -> Curve | None:
-    """``Curve`` of the mean extra delay (ms) of a DBO step's transfers over a DBO-off step's, per
-    calibrated step token count (``kinds``: token count -> kind); None without DBO steps."""
-    delays = [transfer_delays_ms(spans, emulated) for spans in ranks]
-    off = [d for rank in delays for t, d in rank[False] if t in kinds]
-    by_tokens: dict[int, list[float]] = {}
-    for rank in delays:
-        for t, d in rank[True]:
-            if t in kinds:
-                by_tokens.setdefault(t, []).append(d)
-    if not off or not by_tokens:
-        return None
-    off_ms = statistics.fmean(off)
-    # the mean, not the median: a few transfers land very late and the sum is what counts
-    points = [(kinds[t], t, statistics.fmean(ds) - off_ms) for t, ds in by_tokens.items()]
-    return fit_curve(points, per_kind=False)
 
 
 def _emulated_link(records: list[dict]):

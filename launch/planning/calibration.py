@@ -12,7 +12,9 @@ Fits (least squares): each part ``a + b * tokens`` on the DBO-off steps (attenti
 time with a slope per kind; ``a`` is what every call costs, so a split pays it per ubatch), and per
 part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
 threads and the transfers in flight compete for the cores); the link ``latency + bytes /
-bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers.
+bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers. From the ranks'
+timelines together (one host's clock): per collective and rank, when the last peer's payload was
+there after the rank's own issue (``PeerArrival``), kept as samples per step token count.
 
 Steps are told apart by their token count, so a run must not hold two shapes of one count: a
 ``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to
@@ -242,12 +244,55 @@ def fit_curve(points: list[tuple[str, float, float]], *, per_kind: bool) -> Curv
     return Curve(points=curves, fallback=fit_affine(points, per_kind=per_kind))
 
 
-def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[tuple[int, float]]]:
-    """Per transfer of one rank, ``(the step's num_tokens, how much later in ms it landed than
-    link alone would have it land)``, ``link`` being a ``LinkSpec`` (the run's
-    ``--emulate-link``) and the rank's transfers queued in issue order; keyed by whether the step
-    was ubatched (True) or not."""
-    out: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
+@dataclass(frozen=True, slots=True)
+class PeerArrival:
+    """When a collective's last peer payload is there, in ms after this rank issued it, as
+    measured: sorted samples per ``(ubatched, step token count)`` (``peer_arrival_samples``).
+
+    A collective completes on a rank no earlier than its own link deadline and no earlier than
+    the last rank's issue plus the exchange (the ``--emulate-link`` deadline runs from the rank's
+    own issue; a real all-to-all also waits for every peer's bytes). How far the ranks drift
+    apart is a property of the machine and the shape (stalls of one rank, then a slow return),
+    and whether the drift costs anything depends
+    on the link: it is hidden while the rank's own transfer is still on the wire. So the planner
+    samples these offsets per transfer (``schedule.simulate_layers``) rather than adding a mean
+    delay, and a calibration on one link carries over to another.
+    """
+
+    samples: dict[tuple[bool, int], tuple[float, ...]]
+
+    def draws(self, ubatched: bool, num_tokens: float, k: int = 256) -> tuple[float, ...]:
+        """``k`` offsets (ms) for a step of ``num_tokens`` tokens: the quantiles of the samples
+        at the calibrated token counts around it, mixed by log distance (the nearest count's
+        beyond the calibrated range); () without samples of that kind of step."""
+        counts = sorted(t for u, t in self.samples if u == ubatched)
+        if not counts:
+            return ()
+        lower = max((t for t in counts if t <= num_tokens), default=counts[0])
+        upper = min((t for t in counts if t >= num_tokens), default=counts[-1])
+        weight = 0.0
+        if upper != lower:
+            weight = math.log(num_tokens / lower) / math.log(upper / lower)
+        k_upper = round(k * weight)
+        return _quantiles(self.samples[(ubatched, lower)], k - k_upper) + _quantiles(
+            self.samples[(ubatched, upper)], k_upper
+        )
+
+    def mean_ms(self, ubatched: bool, num_tokens: int) -> float:
+        """Mean offset at a calibrated token count (0 without samples)."""
+        values = self.samples.get((ubatched, num_tokens), ())
+        return statistics.fmean(values) if values else 0.0
+
+
+def _quantiles(values: tuple[float, ...], k: int) -> tuple[float, ...]:
+    """``k`` evenly spaced order statistics of the sorted ``values``."""
+    if k <= 0 or not values:
+        return ()
+    return tuple(values[min(int((i + 0.5) * len(values) / k), len(values) - 1)] for i in range(k))
+
+
+def _step_transfers(spans: list[Span]) -> dict[int, tuple[Span, list[Span]]]:
+    """Step index -> (the step span, its dispatch and combine spans in issue order)."""
     spans = sorted(spans, key=lambda s: s.start_ns)
     steps = [s for s in spans if s.cat == CAT_STEP]
     transfers = [
@@ -257,18 +302,43 @@ def transfer_delays_ms(spans: list[Span], link) -> dict[bool, list[tuple[int, fl
         and (m := _LAYER_SPAN.match(s.name))
         and m.group(2) in ("dispatch", "combine")
     ]
-    i = 0
+    out, i = {}, 0
     for step in steps:
-        free_ms = 0.0
-        is_ubatched = bool(step.args.get("is_ubatched"))
-        num_tokens = int(step.args.get("num_tokens", 0))
+        own = []
         while i < len(transfers) and transfers[i].start_ns < step.end_ns:
-            t = transfers[i]
+            if transfers[i].start_ns >= step.start_ns:
+                own.append(transfers[i])
             i += 1
-            if t.start_ns < step.start_ns:
-                continue
-            start_ms = max(t.start_ns / 1e6, free_ms)
-            free_ms = start_ms + link.transfer_ns(int(t.args.get("num_bytes", 0))) / 1e6
-            delay_ms = t.end_ns / 1e6 - (free_ms + link.latency_ns / 1e6)
-            out[is_ubatched].append((num_tokens, delay_ms))
+        out[int(step.args.get("step", len(out)))] = (step, own)
     return out
+
+
+def peer_arrival_samples(ranks: list[list[Span]], link, kinds: dict[int, str]) -> PeerArrival:
+    """``PeerArrival`` of a multi-rank timeline (``ranks``: each rank's spans, on one host's
+    monotonic clock; ``link``: the run's ``--emulate-link`` ``LinkSpec``; ``kinds``: the
+    benchmarked token counts, other steps skipped). The same collective is matched across ranks
+    by its place in the step (every rank issues the same transfers in the same order); per rank
+    the offset is ``max(issues) + excess - own issue``, ``excess`` being how much later than both
+    the rank's own link deadline (queued behind its earlier transfers) and the last issue the
+    data landed (the exchange itself)."""
+    per_rank = [_step_transfers(spans) for spans in ranks]
+    samples: dict[tuple[bool, int], list[float]] = defaultdict(list)
+    for index, (step, _) in per_rank[0].items():
+        matched = [rank.get(index) for rank in per_rank]
+        num_tokens = int(step.args.get("num_tokens", 0))
+        if num_tokens not in kinds or any(m is None for m in matched):
+            continue
+        lists = [m[1] for m in matched]
+        if len({len(x) for x in lists}) != 1:
+            continue  # a rank's timeline lost spans: no match by position
+        key = (bool(step.args.get("is_ubatched")), num_tokens)
+        free_ms = [0.0] * len(lists)
+        for collective in zip(*lists, strict=True):
+            last_ms = max(t.start_ns for t in collective) / 1e6
+            for r, t in enumerate(collective):
+                start_ms = max(t.start_ns / 1e6, free_ms[r])
+                free_ms[r] = start_ms + link.transfer_ns(int(t.args.get("num_bytes", 0))) / 1e6
+                deadline_ms = free_ms[r] + link.latency_ns / 1e6
+                excess = max(t.end_ns / 1e6 - max(deadline_ms, last_ms), 0.0)
+                samples[key].append(last_ms + excess - t.start_ns / 1e6)
+    return PeerArrival(samples={k: tuple(sorted(v)) for k, v in samples.items()})

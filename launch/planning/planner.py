@@ -69,8 +69,6 @@ def step_ms(
             f"and SGLang's two-batch overlap runs 2"
         )
     costs = model.layer_costs(kind, num_tokens / num_ubatches, num_ubatches=num_ubatches)
-    if num_ubatches > 1 and hasattr(model, "ubatched_link"):
-        link = model.ubatched_link(link, kind, num_tokens)
     if schedule == "sglang" and kind == "decode" and num_ubatches == 2:
         layers = simulate_sglang_decode(costs, num_layers=model.num_moe_layers, link=link)
     else:
@@ -80,6 +78,7 @@ def step_ms(
             num_ubatches=num_ubatches,
             link=link,
             yield_ms=model.yield_ms,
+            peer_arrival_ms=model.peer_arrival_ms(num_tokens, num_ubatches),
         )
     return model.outside_ms(kind, num_tokens, num_ubatches) + layers
 

@@ -92,6 +92,11 @@ class RooflineCostModel:
         self.num_moe_layers = sum(config.moe_layers)
         self.num_dense_layers = config.num_hidden_layers - self.num_moe_layers
 
+    def peer_arrival_ms(self, num_tokens: float, num_ubatches: int) -> tuple[float, ...]:
+        """(): from presets, ranks are taken to issue each collective together (no measured
+        drift between them; ``CalibratedCostModel`` measures it)."""
+        return ()
+
     # --- one kernel ------------------------------------------------------------------------
     def _kernel_ms(
         self, flops: float, num_bytes: float, dtype: str, count: int = 1, rows: float = 4096

@@ -11,7 +11,9 @@ The schedule (the one ``dbo.UBatchContext`` implements, for any N):
 - a ubatch that gets the turn first waits for its own last transfer to land;
 - one link per rank: a transfer starts when it is issued and the link is free (bytes go one
   transfer after another, ``wire_ms``), and lands ``latency`` after its last byte (latencies
-  overlap); ``sm_fraction`` of the wire time also occupies the compute resource at issue.
+  overlap); ``sm_fraction`` of the wire time also occupies the compute resource at issue;
+- other ranks: a transfer lands no earlier than the last peer's payload, drawn per transfer from
+  what a calibration measured (``peer_arrival_ms``; from presets the ranks issue together).
 So each transfer hides behind the other N-1 ubatches' compute segments. DBO off is the same
 schedule with N = 1 and the whole batch: every transfer is waited for at once (the combine before
 the shared experts run, as the engine's synchronous combine does).
@@ -26,6 +28,9 @@ core and gate); no transfer is in flight while a batch runs its experts.
 
 from __future__ import annotations
 
+import random
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -92,33 +97,59 @@ def simulate_layers(
     num_ubatches: int,
     link,
     yield_ms: float = 0.0,
+    peer_arrival_ms: Sequence[float] = (),
+    num_draws: int = 64,
 ) -> float:
     """Milliseconds for ``num_ubatches`` ubatches, each with ``costs`` per layer, to run
     ``num_layers`` MoE layers under the ring schedule of the module docstring (``link``: a
     ``LinkModel``). ``num_ubatches == 1`` is DBO off (``yield_ms`` is then not charged).
 
+    ``peer_arrival_ms``: when the last peer's payload of a collective is there, in ms after this
+    rank issued it (``calibration.PeerArrival``); each transfer then lands no earlier than its
+    issue plus one of these drawn at random, and the result is the mean over ``num_draws``
+    draws (seeded: the same inputs give the same answer). Empty: the link alone decides.
+
     Raises:
-        ValueError: ``num_layers < 1`` or ``num_ubatches < 1``.
+        ValueError: ``num_layers < 1``, ``num_ubatches < 1`` or ``num_draws < 1``.
     """
-    if num_layers < 1 or num_ubatches < 1:
+    if num_layers < 1 or num_ubatches < 1 or num_draws < 1:
         raise ValueError(
-            f"need num_layers >= 1 and num_ubatches >= 1, got {num_layers}, {num_ubatches}"
+            f"need num_layers >= 1, num_ubatches >= 1 and num_draws >= 1, got {num_layers}, "
+            f"{num_ubatches}, {num_draws}"
         )
+    if not peer_arrival_ms:
+        return _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, lambda: 0.0)
+    rng = random.Random(0)
+    offsets = list(peer_arrival_ms)
+    draws = [
+        _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, lambda: rng.choice(offsets))
+        for _ in range(num_draws)
+    ]
+    return statistics.fmean(draws)
+
+
+def _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, peer_offset) -> float:
+    """One run of the ring schedule; ``peer_offset()``: ms after its issue before a transfer's
+    peers' payloads are there."""
     wire = {op: link.wire_ms(op, getattr(costs, f"{op}_bytes")) for op in ("dispatch", "combine")}
     sm_ms = {op: link.sm_fraction * wire[op] for op in wire}
     baton = yield_ms if num_ubatches > 1 else 0.0
     latency = {op: link.latency_ms(op) for op in wire}
     state = _Link()
+
+    def send(issue_ms: float, op: str) -> float:
+        return max(state.send(issue_ms, wire[op], latency[op]), issue_ms + peer_offset())
+
     now = 0.0
     ready = [0.0] * num_ubatches
     for layer in range(num_layers):
         for u in range(num_ubatches):  # pre, then issue the dispatch
             now = max(now, ready[u]) + baton + (costs.post_ms if layer else 0.0) + costs.pre_ms
             now += sm_ms["dispatch"]
-            ready[u] = state.send(now, wire["dispatch"], latency["dispatch"])
+            ready[u] = send(now, "dispatch")
         for u in range(num_ubatches):  # mid, issue the combine, shared experts meanwhile
             now = max(now, ready[u]) + baton + costs.mid_ms + sm_ms["combine"]
-            ready[u] = state.send(now, wire["combine"], latency["combine"])
+            ready[u] = send(now, "combine")
             if num_ubatches == 1:  # DBO off: the combine is waited for before the shared experts
                 now = ready[u]
             now += costs.shared_ms

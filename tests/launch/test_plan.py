@@ -9,8 +9,10 @@ import math
 import pytest
 
 from dbo import Bucket
+from distributed.link_emulation import LinkSpec
 from launch import plan
 from launch.planning.calibrated_model import calibrate
+from launch.planning.calibration import PeerArrival, peer_arrival_samples, read_rank_spans
 from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
 from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
 from launch.planning.model_presets import PRESETS, load_model
@@ -39,6 +41,60 @@ def test_two_ubatches_hand_worked():
     # D0 hide one pass), K1 lands at 7.73
     with_yield = simulate_layers(COSTS, num_layers=1, num_ubatches=2, link=LINK, yield_ms=0.01)
     assert with_yield == pytest.approx(7.73)
+
+
+def test_peer_arrival_hand_worked():
+    costs = LayerCosts(pre_ms=1, mid_ms=1, dispatch_bytes=1e6, combine_bytes=1e6)
+    # DBO off, one layer: D issued at 1 lands at max(1 + 1.1, 1 + 3) = 4; mid [4, 5]; K lands
+    # at max(5 + 1.1, 5 + 3) = 8 (the link alone: D lands at 2.1, mid [2.1, 3.1], K at 4.2)
+    assert simulate_layers(costs, num_layers=1, num_ubatches=1, link=LINK) == pytest.approx(4.2)
+    late = simulate_layers(costs, num_layers=1, num_ubatches=1, link=LINK, peer_arrival_ms=[3.0])
+    assert late == pytest.approx(8.0)
+    # peers that are there before the own bytes land change nothing
+    early = simulate_layers(costs, num_layers=2, num_ubatches=2, link=LINK, peer_arrival_ms=[0.5])
+    assert early == pytest.approx(simulate_layers(costs, num_layers=2, num_ubatches=2, link=LINK))
+    # drawn offsets: the mean over the draws lies between the runs with the smallest and the
+    # largest offset alone, and is reproducible
+    drawn = [
+        simulate_layers(costs, num_layers=2, num_ubatches=2, link=LINK, peer_arrival_ms=o)
+        for o in ([0.0, 4.0], [0.0, 4.0], [0.0], [4.0])
+    ]
+    assert drawn[0] == drawn[1] and drawn[2] < drawn[0] < drawn[3]
+    with pytest.raises(ValueError, match="num_draws"):
+        simulate_layers(costs, num_layers=1, num_ubatches=1, link=LINK, num_draws=0)
+
+
+def test_peer_arrival_from_two_ranks(tmp_path):
+    # one decode step of 64 tokens, one transfer of 64 kB (TRUTH_LINK: 1 ms wire + 0.1 latency);
+    # rank 0 issues at 1.0, rank 1 at 1.5; both have the data at 2.6. Rank 0: the last issue is
+    # 1.5 and its own deadline 2.1, so the exchange took 0.5 more: offset 1.5 + 0.5 - 1.0 = 1.0.
+    # Rank 1: its deadline 2.6 is when it landed: offset 0.
+    for rank, issue in ((0, 1.0), (1, 1.5)):
+        events = [
+            _trace_event("step", "step", 0, 0.0, 3.0, {"num_tokens": 64, "step": 0}),
+            _trace_event("layer0.dispatch", "comm", 101, issue, 2.6 - issue, {"num_bytes": 64e3}),
+        ]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+    spans = read_rank_spans(tmp_path)
+    arrival = peer_arrival_samples(
+        spans, LinkSpec.parse("latency_us=100,gbps=0.512"), {64: "decode"}
+    )
+    assert arrival.samples[(False, 64)] == pytest.approx((0.0, 1.0))
+    assert arrival.mean_ms(False, 64) == pytest.approx(0.5)
+    # a token count that was not benchmarked is skipped
+    assert (
+        peer_arrival_samples(spans, LinkSpec.parse("latency_us=100,gbps=1"), {32: "decode"}).samples
+        == {}
+    )
+
+
+def test_peer_arrival_draws_mix_the_neighbouring_counts():
+    arrival = PeerArrival(samples={(True, 32): (1.0,) * 4, (True, 128): (3.0,) * 4})
+    assert arrival.draws(True, 32, k=8) == (1.0,) * 8
+    assert arrival.draws(True, 16, k=8) == (1.0,) * 8  # below the range: the nearest count
+    assert arrival.draws(True, 512, k=8) == (3.0,) * 8
+    assert sorted(arrival.draws(True, 64, k=8)) == [1.0] * 4 + [3.0] * 4  # halfway in log2
+    assert arrival.draws(False, 64) == ()  # no DBO-off samples
 
 
 def test_compute_bound_and_link_bound_limits():
@@ -229,8 +285,9 @@ def _synthetic_step(events, step, t0, tokens, num_ubatches, slowdown) -> float:
     return end
 
 
-def write_synthetic_timeline(directory, slowdown: float = 1.0) -> None:
-    """A ``launch.bench`` run in miniature: decode:64 and decode:256, off and on."""
+def write_synthetic_timeline(directory, slowdown: float = 1.0, num_ranks: int = 1) -> None:
+    """A ``launch.bench`` run in miniature: decode:64 and decode:256, off and on, on
+    ``num_ranks`` ranks that run in lockstep."""
     names = {
         0: "engine step",
         1: "main compute",
@@ -249,7 +306,8 @@ def write_synthetic_timeline(directory, slowdown: float = 1.0) -> None:
         for num_ubatches in (1, 2, 1, 2):
             now = _synthetic_step(events, step, now, tokens, num_ubatches, slowdown) + 1.0
             step += 1
-    (directory / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    for rank in range(num_ranks):
+        (directory / f"rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
     records = [
         {
             "num_tokens_per_rank": t,
@@ -273,8 +331,8 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
     assert model.bytes_per_token["dispatch"] == pytest.approx(BYTES_PER_TOKEN)
     # the run's --emulate-link is what was fitted: nothing to carry over to other links
     assert model.link_overhead_us == pytest.approx(0, abs=0.1)
-    # transfers land as the link says
-    assert model.ubatched_delay_us("decode", 64) == pytest.approx(0, abs=1)
+    # one rank: no peers to wait for, the link alone decides
+    assert model.peer_arrival is None and model.peer_arrival_ms(64, 2) == ()
     assert model.bandwidth_ratio == pytest.approx(1, rel=1e-3)
     other = model.adapt_link(from_gbps(200, 0.14))
     assert other.latency_us == pytest.approx(
@@ -351,11 +409,15 @@ def test_cli_sglang_schedule(capsys):
 
 
 def test_cli_calibrate_and_compare(capsys, tmp_path):
-    write_synthetic_timeline(tmp_path)
+    write_synthetic_timeline(tmp_path, num_ranks=2)
     results = str(tmp_path / "results.json")
     assert plan.main(["--calibrate", str(tmp_path), "--compare", results]) == 0
     out = capsys.readouterr().out
-    assert f"cost model: calibrated on {tmp_path}; a DBO step's transfers land late by" in out
+    # two ranks in lockstep: every peer's payload is there when the own one lands
+    assert (
+        f"cost model: calibrated on {tmp_path}; in DBO steps the last peer's payload is there, "
+        "on average, this long after a rank's issue (step tokens: ms) 64: 0.00, 256: 0.00"
+    ) in out
     assert "fitted link:" in out and "| latency_us=100,gbps=0.512 | decode:64 |" in out
 
 
