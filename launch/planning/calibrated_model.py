@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launch.planning.calibration import (
+    BETWEEN_PARTS,
     PARTS,
     PER_KIND,
     Curve,
@@ -30,7 +31,8 @@ class CalibratedCostModel:
 
     ``parts``: part name -> ``Curve``; ``bytes_per_token``: op -> bytes per token on the wire;
     ``outside``: per-step ms outside the MoE layers with DBO off; ``dbo_step_ms``: what a DBO step
-    adds outside the layers (thread start and join); ``yield_ms``: one baton pass;
+    adds outside the layers (thread start and join); ``turn``: ubatched -> ms from a transfer's
+    landing (or the previous ubatch's yield) to the resuming part, per ubatch token count;
     ``link``: the fitted link; ``num_moe_layers``; ``ubatched_factor``: part -> measured / fitted
     time of the part in DBO steps (the ubatch threads and the transfers in flight share the CPU).
     """
@@ -39,7 +41,7 @@ class CalibratedCostModel:
     bytes_per_token: dict[str, float]
     outside: Curve
     dbo_step_ms: float
-    yield_ms: float
+    turn: dict[bool, Curve]
     link: LinkModel
     num_moe_layers: int
     source: str = ""
@@ -71,7 +73,7 @@ class CalibratedCostModel:
             return sum(self._part(n, kind, num_tokens, num_ubatches) for n in names)
 
         return LayerCosts(
-            pre_ms=p("attention", "router", "dispatch_prep"),
+            pre_ms=p("attention", "router", "dispatch_prep", BETWEEN_PARTS),
             mid_ms=p("dispatch_finish", "experts", "combine_prep"),
             shared_ms=p("shared_experts"),
             post_ms=p("combine_finish"),
@@ -79,19 +81,32 @@ class CalibratedCostModel:
             combine_bytes=self.bytes_per_token.get("combine", 0.0) * num_tokens,
         )
 
+    def turn_ms(self, num_tokens: float, num_ubatches: int) -> float:
+        """One turn's overhead (ms) for ubatches of ``num_tokens`` tokens (``simulate_layers``'s
+        ``turn_ms``); 0 where the timeline had no turns of that kind of step."""
+        curve = self.turn.get(num_ubatches > 1)
+        return curve("*", num_tokens) if curve is not None else 0.0
+
     def outside_ms(self, kind: str, num_tokens: float, num_ubatches: int) -> float:
         """Per step outside the MoE layers; a DBO step adds ``dbo_step_ms`` per extra ubatch."""
         return self.outside(kind, num_tokens) + self.dbo_step_ms * (num_ubatches - 1)
 
     def describe(self) -> str:
-        """``calibrated on DIR``, and the mean peer arrival of DBO steps per calibrated count."""
+        """``calibrated on DIR``; the turn overhead per calibrated ubatch token count; and the
+        mean peer arrival of DBO steps per calibrated step token count."""
+        turns = "; ".join(
+            f"{'DBO' if ubatched else 'DBO off'} "
+            + ", ".join(f"{t:g}: {ms:.3f}" for t, ms in self.turn[ubatched].points.get("*", ()))
+            for ubatched in sorted(self.turn)
+        )
+        text = f"calibrated on {self.source}; a turn's overhead (ubatch tokens: ms) {turns}"
         if self.peer_arrival is None:
-            return f"calibrated on {self.source}"
+            return text
         counts = sorted(t for u, t in self.peer_arrival.samples if u)
         means = ", ".join(f"{t}: {self.peer_arrival.mean_ms(True, t):.2f}" for t in counts)
         return (
-            f"calibrated on {self.source}; in DBO steps the last peer's payload is there, on "
-            f"average, this long after a rank's issue (step tokens: ms) {means}"
+            f"{text}; in DBO steps the last peer's payload is there, on average, this long "
+            f"after a rank's issue (step tokens: ms) {means}"
         )
 
     def peer_arrival_ms(self, num_tokens: float, num_ubatches: int) -> tuple[float, ...]:
@@ -143,7 +158,7 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
     if not samples.num_layers or not samples.parts:
         raise ValueError("--calibrate: no layer spans in the timeline (was it a launch.bench run?)")
     parts, factors = {}, {}
-    for part in PARTS:
+    for part in (*PARTS, BETWEEN_PARTS):
         points = samples.parts.get(part)
         if not points:
             continue
@@ -163,8 +178,12 @@ def fit(samples: TimelineSamples, *, source: str) -> CalibratedCostModel:
         bytes_per_token=_bytes_per_token(samples),
         outside=outside,
         dbo_step_ms=max(statistics.median(extra), 0.0) if extra else 0.0,
-        # the mean, not the median: a few passes wait long for a core and the sum is what counts
-        yield_ms=statistics.fmean(samples.batons_ms) if samples.batons_ms else 0.0,
+        turn={
+            ubatched: fit_curve(
+                [("*", t, ms) for u, t, ms in samples.turns if u == ubatched], per_kind=False
+            )
+            for ubatched in {u for u, _, _ in samples.turns}
+        },
         link=_fit_link(samples, source),
         num_moe_layers=samples.num_layers,
         source=source,

@@ -6,12 +6,18 @@ Inputs: ``DIR/rank<r>.json`` (each rank's spans) and ``DIR/results.json`` (``lau
   ``.experts``, ``.combine_prep``, ``.shared_experts``, ``.combine_finish``) its mean ms per layer
   and ubatch, against the ubatch's tokens;
 - every ``dispatch`` / ``combine`` of a DBO-off step: its bytes and ms (alone on the link);
+- the compute between a segment's part spans that no part span covers (``between_parts``: norms,
+  residual adds, the Python between them), per layer and ubatch;
+- each turn's overhead: from the later of the previous segment's end and the landing of the
+  transfer the resuming ubatch waited for, to its first part (the baton pass, the receive-side
+  work, the thread waking up); with DBO off, from each transfer's landing to the next part;
 - the step's time outside the layers (scheduling, DP vote, embedding, LM head, sampling, and with
-  DBO on the ubatch threads' start and join) and the median baton pass.
+  DBO on the ubatch threads' start and join).
 Fits (least squares): each part ``a + b * tokens`` on the DBO-off steps (attention and the outside
 time with a slope per kind; ``a`` is what every call costs, so a split pays it per ubatch), and per
 part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
-threads and the transfers in flight compete for the cores); the link ``latency + bytes /
+threads and the transfers in flight compete for the cores); the turn overhead per ubatch token
+count, DBO-off and DBO steps apart (a curve through the median of the steps' means); the link ``latency + bytes /
 bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers. From the ranks'
 timelines together (one host's clock): per collective and rank, when the last peer's payload was
 there after the rank's own issue (``PeerArrival``), kept as samples per step token count.
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dbo.timeline.metrics import Span, spans_from_chrome_trace
-from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_STEP
+from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_STEP
 
 PARTS = (
     "attention",
@@ -45,6 +51,7 @@ PARTS = (
     "shared_experts",
     "combine_finish",
 )
+BETWEEN_PARTS = "between_parts"  # fitted like a part: the compute no part span covers
 PER_KIND = ("attention",)  # parts whose cost per token differs between decode and prefill
 _LAYER_SPAN = re.compile(r"^layer(\d+)\.(\w+)$")
 
@@ -74,7 +81,8 @@ class TimelineSamples:
         default_factory=lambda: defaultdict(list)
     )  # op -> (tokens, bytes)
     outside: list[tuple[str, float, int, float]] = field(default_factory=list)  # kind, T, N, ms
-    batons_ms: list[float] = field(default_factory=list)
+    # (ubatched, tokens per ubatch, mean ms of the step's turns)
+    turns: list[tuple[bool, float, float]] = field(default_factory=list)
     num_layers: int = 0
 
 
@@ -155,11 +163,10 @@ def _collect_step(step: Span, spans: list[Span], kind: str, samples: TimelineSam
     tokens = int(step.args.get("num_tokens_padded") or step.args["num_tokens"]) / num_ubatches
     per_part: dict[str, list[float]] = defaultdict(list)
     layer_start, layer_end, layers = math.inf, -math.inf, set()
+    layer_spans = []
     for s in spans:
         match = _LAYER_SPAN.match(s.name)
         if match is None:
-            if s.cat == CAT_BATON and num_ubatches > 1:
-                samples.batons_ms.append((s.end_ns - s.start_ns) / 1e6)
             continue
         layer, part = int(match.group(1)), match.group(2)
         layers.add(layer)
@@ -167,23 +174,57 @@ def _collect_step(step: Span, spans: list[Span], kind: str, samples: TimelineSam
         ms = (s.end_ns - s.start_ns) / 1e6
         if s.cat == CAT_COMPUTE and part in PARTS:
             per_part[part].append(ms)
+            layer_spans.append(s)
         elif s.cat == CAT_COMM and part in ("dispatch", "combine"):
             num_bytes = float(s.args.get("num_bytes", 0))
             samples.bytes_per_op[part].append((tokens, num_bytes))
+            layer_spans.append(s)
             if num_ubatches == 1:
                 samples.transfers.append((num_bytes, ms))
     if not layers:
         return
     num_layers = len(layers)
     samples.num_layers = max(samples.num_layers, num_layers)
+    between_ms, turns_ms = _between_parts_and_turns(layer_spans, ubatched=num_ubatches > 1)
+    per_part[BETWEEN_PARTS].append(between_ms)
     for part, values in per_part.items():
         # the mean per layer and ubatch: sum over the step / (layers * ubatches)
         mean_ms = sum(values) / (num_layers * num_ubatches)
         samples.parts[part].append((kind, tokens, num_ubatches, mean_ms))
+    if turns_ms:
+        samples.turns.append((num_ubatches > 1, tokens, statistics.fmean(turns_ms)))
     step_ms = (step.end_ns - step.start_ns) / 1e6
     samples.outside.append(
         (kind, tokens * num_ubatches, num_ubatches, step_ms - (layer_end - layer_start) / 1e6)
     )
+
+
+def _between_parts_and_turns(spans: list[Span], *, ubatched: bool) -> tuple[float, list[float]]:
+    """From one step's part and transfer spans (by start time): the ms between consecutive parts
+    of one segment (summed), and each turn's overhead in ms. A turn: with DBO, the ubatch
+    computing changes; with DBO off, a transfer ran since the previous part. Its overhead runs
+    from the later of the previous part's end and the landing of the resuming ubatch's last
+    transfer (while it waited for it) to the resuming part's start."""
+    between_ns, turns = 0, []
+    prev_track, prev_end_ns = None, 0
+    last_transfer: dict[str, Span] = {}
+    waited: set[str] = set()  # DBO off: a transfer ran since the track's last part
+    for s in spans:
+        track = s.track.split(" ")[0]
+        if s.cat == CAT_COMM:
+            last_transfer[track] = s
+            waited.add(track)
+            continue
+        if prev_track is not None:
+            if (ubatched and track != prev_track) or (not ubatched and track in waited):
+                transfer = last_transfer.get(track)  # what the resuming ubatch waited for
+                landed_ns = transfer.end_ns if transfer is not None else prev_end_ns
+                turns.append((s.start_ns - max(prev_end_ns, landed_ns)) / 1e6)
+            else:
+                between_ns += max(s.start_ns - prev_end_ns, 0)
+        waited.discard(track)
+        prev_track, prev_end_ns = track, s.end_ns
+    return between_ns / 1e6, turns
 
 
 def fit_affine(points: list[tuple[str, float, float]], *, per_kind: bool) -> Affine:

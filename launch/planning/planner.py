@@ -77,7 +77,7 @@ def step_ms(
             num_layers=model.num_moe_layers,
             num_ubatches=num_ubatches,
             link=link,
-            yield_ms=model.yield_ms,
+            turn_ms=model.turn_ms(num_tokens / num_ubatches, num_ubatches),
             peer_arrival_ms=model.peer_arrival_ms(num_tokens, num_ubatches),
         )
     return model.outside_ms(kind, num_tokens, num_ubatches) + layers

@@ -66,8 +66,6 @@ class RooflineCostModel:
         ValueError: ``ep_size < 1`` or an unknown dtype.
     """
 
-    yield_ms = 0.0  # ubatch switches are stream events inside a CUDA graph (no CPU baton)
-
     def __init__(
         self,
         config: MoEModelConfig,
@@ -91,6 +89,11 @@ class RooflineCostModel:
         self.workload = workload or Workload()
         self.num_moe_layers = sum(config.moe_layers)
         self.num_dense_layers = config.num_hidden_layers - self.num_moe_layers
+
+    def turn_ms(self, num_tokens: float, num_ubatches: int) -> float:
+        """0: ubatch switches are stream events inside a CUDA graph (no CPU baton), and a
+        transfer's receive runs as kernels, priced in ``sm_fraction``."""
+        return 0.0
 
     def peer_arrival_ms(self, num_tokens: float, num_ubatches: int) -> tuple[float, ...]:
         """(): from presets, ranks are taken to issue each collective together (no measured

@@ -7,8 +7,10 @@ Each ubatch runs, per MoE layer, two compute segments separated by two transfers
 
 The schedule (the one ``dbo.UBatchContext`` implements, for any N):
 - one compute resource: exactly one ubatch computes at a time; the turn passes in a ring
-  0 -> 1 -> ... -> N-1 -> 0 at each transfer (a yield), costing ``yield_ms``;
-- a ubatch that gets the turn first waits for its own last transfer to land;
+  0 -> 1 -> ... -> N-1 -> 0 at each transfer (a yield);
+- a ubatch that gets the turn first waits for its own last transfer to land, then ``turn_ms``
+  passes before it computes (the baton pass and the receive-side work of its transfer; with DBO
+  off, the receive after each transfer);
 - one link per rank: a transfer starts when it is issued and the link is free (bytes go one
   transfer after another, ``wire_ms``), and lands ``latency`` after its last byte (latencies
   overlap); ``sm_fraction`` of the wire time also occupies the compute resource at issue;
@@ -96,13 +98,16 @@ def simulate_layers(
     num_layers: int,
     num_ubatches: int,
     link,
-    yield_ms: float = 0.0,
+    turn_ms: float = 0.0,
     peer_arrival_ms: Sequence[float] = (),
     num_draws: int = 64,
 ) -> float:
     """Milliseconds for ``num_ubatches`` ubatches, each with ``costs`` per layer, to run
     ``num_layers`` MoE layers under the ring schedule of the module docstring (``link``: a
-    ``LinkModel``). ``num_ubatches == 1`` is DBO off (``yield_ms`` is then not charged).
+    ``LinkModel``). ``num_ubatches == 1`` is DBO off. ``turn_ms``: what passes between a ubatch
+    taking its turn (its transfer landed, or the previous ubatch yielded) and its compute
+    starting: charged at every turn of a DBO step but the first, and with DBO off after each
+    transfer lands.
 
     ``peer_arrival_ms``: when the last peer's payload of a collective is there, in ms after this
     rank issued it (``calibration.PeerArrival``); each transfer then lands no earlier than its
@@ -118,22 +123,23 @@ def simulate_layers(
             f"{num_ubatches}, {num_draws}"
         )
     if not peer_arrival_ms:
-        return _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, lambda: 0.0)
+        return _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, lambda: 0.0)
     rng = random.Random(0)
     offsets = list(peer_arrival_ms)
     draws = [
-        _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, lambda: rng.choice(offsets))
+        _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, lambda: rng.choice(offsets))
         for _ in range(num_draws)
     ]
     return statistics.fmean(draws)
 
 
-def _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, peer_offset) -> float:
+def _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, peer_offset) -> float:
     """One run of the ring schedule; ``peer_offset()``: ms after its issue before a transfer's
     peers' payloads are there."""
     wire = {op: link.wire_ms(op, getattr(costs, f"{op}_bytes")) for op in ("dispatch", "combine")}
     sm_ms = {op: link.sm_fraction * wire[op] for op in wire}
-    baton = yield_ms if num_ubatches > 1 else 0.0
+    dbo = num_ubatches > 1
+    baton = turn_ms if dbo else 0.0  # DBO off: no turn passes before the next layer's pre
     latency = {op: link.latency_ms(op) for op in wire}
     state = _Link()
 
@@ -144,17 +150,18 @@ def _simulate_ring(costs, num_layers, num_ubatches, link, yield_ms, peer_offset)
     ready = [0.0] * num_ubatches
     for layer in range(num_layers):
         for u in range(num_ubatches):  # pre, then issue the dispatch
-            now = max(now, ready[u]) + baton + (costs.post_ms if layer else 0.0) + costs.pre_ms
+            turn = baton if (layer or u) else 0.0  # the step's first segment takes no turn
+            now = max(now, ready[u]) + turn + (costs.post_ms if layer else 0.0) + costs.pre_ms
             now += sm_ms["dispatch"]
             ready[u] = send(now, "dispatch")
         for u in range(num_ubatches):  # mid, issue the combine, shared experts meanwhile
-            now = max(now, ready[u]) + baton + costs.mid_ms + sm_ms["combine"]
+            now = max(now, ready[u]) + turn_ms + costs.mid_ms + sm_ms["combine"]
             ready[u] = send(now, "combine")
-            if num_ubatches == 1:  # DBO off: the combine is waited for before the shared experts
-                now = ready[u]
+            if not dbo:  # DBO off: the combine is waited for before the shared experts
+                now = ready[u] + turn_ms
             now += costs.shared_ms
     for u in range(num_ubatches):
-        now = max(now, ready[u]) + costs.post_ms
+        now = max(now, ready[u]) + baton + costs.post_ms
     return now
 
 

@@ -37,10 +37,15 @@ def test_two_ubatches_hand_worked():
     # u0 mid [2.1,4.1], K0 wire [4.1,5.1] lands 5.2, shared [4.1,4.6];
     # u1 mid [4.6,6.6], K1 wire [6.6,7.6] lands 7.7, shared [6.6,7.1]; done at 7.7
     assert simulate_layers(COSTS, num_layers=1, num_ubatches=2, link=LINK) == pytest.approx(7.7)
-    # a 0.01 ms baton pass before each of the 4 turns: u1's mid starts at 4.63 (u0's waits for
-    # D0 hide one pass), K1 lands at 7.73
-    with_yield = simulate_layers(COSTS, num_layers=1, num_ubatches=2, link=LINK, yield_ms=0.01)
-    assert with_yield == pytest.approx(7.73)
+    # a 0.01 ms turn before each of the 5 turns (every segment but the step's first): u1's pre
+    # [1.01,2.01], D1 lands 3.11; u0's mid [2.11,4.11]; u1's mid [4.62,6.62], K1 lands 7.72;
+    # the last turn (u1's receive of K1) ends at 7.73
+    with_turns = simulate_layers(COSTS, num_layers=1, num_ubatches=2, link=LINK, turn_ms=0.01)
+    assert with_turns == pytest.approx(7.73)
+    # DBO off: a turn after each transfer lands (the receive): D lands 2.1, mid [2.11,4.11], K
+    # lands 5.21, shared [5.22,5.72]
+    off = simulate_layers(COSTS, num_layers=1, num_ubatches=1, link=LINK, turn_ms=0.01)
+    assert off == pytest.approx(5.72)
 
 
 def test_peer_arrival_hand_worked():
@@ -254,33 +259,70 @@ def _trace_event(name, cat, tid, start_ms, dur_ms, args=None) -> dict:
     }
 
 
-TRUTH = {"attention": (0.05, 0.002), "experts": (0.1, 0.004)}  # (ms, ms per token)
+# (ms, ms per token) of the parts; pre = attention, router; mid = experts; post = combine_finish
+TRUTH = {
+    "attention": (0.05, 0.002),
+    "router": (0.01, 0.0001),
+    "experts": (0.1, 0.004),
+    "combine_finish": (0.02, 0.0001),
+}
 BYTES_PER_TOKEN, OUTSIDE_MS, NUM_LAYERS = 1000.0, 2.0, 2
 TRUTH_LINK = from_gbps(100.0, 0.512)  # 64 tokens: 64 kB = 1 ms on the wire
+BETWEEN_MS = 0.01  # between the attention and the router (once per layer and ubatch)
+TURN_MS = {False: 0.02, True: 0.05}  # DBO off: after a transfer lands; DBO: a ubatch's turn
 
 
 def _synthetic_step(events, step, t0, tokens, num_ubatches, slowdown) -> float:
-    """Append one step's spans (laid out one after another; parts of a DBO step ``slowdown``
-    times slower); return its end in ms."""
-    now = t0 + OUTSIDE_MS / 2
-    per = tokens / num_ubatches
-    factor = slowdown if num_ubatches > 1 else 1.0
+    """Append one step's spans, laid out by the ring schedule (``simulate_layers``) on
+    ``TRUTH_LINK`` with ``TURN_MS`` and ``BETWEEN_MS`` (parts of a DBO step ``slowdown`` times
+    slower); return its end in ms."""
+    per, dbo = tokens / num_ubatches, num_ubatches > 1
+    factor = slowdown if dbo else 1.0
+    tids = [10 + u if dbo else 1 for u in range(num_ubatches)]
+    state = {"now": t0 + OUTSIDE_MS / 2, "link_free": 0.0}
+    ready = [0.0] * num_ubatches
+
+    def parts(layer, u, names):
+        for part in names:
+            a, b = TRUTH[part]
+            ms = (a + b * per) * factor
+            state["now"] += BETWEEN_MS if part == "router" else 0.0
+            events.append(
+                _trace_event(f"layer{layer}.{part}", "compute", tids[u], state["now"], ms)
+            )
+            state["now"] += ms
+
+    def send(layer, u, op) -> float:
+        num_bytes = BYTES_PER_TOKEN * per
+        start = max(state["now"], state["link_free"])
+        state["link_free"] = start + TRUTH_LINK.wire_ms(op, num_bytes)
+        landed = state["link_free"] + TRUTH_LINK.latency_ms(op)
+        args = {"num_bytes": num_bytes}
+        ms = landed - state["now"]
+        events.append(
+            _trace_event(f"layer{layer}.{op}", "comm", tids[u] + 100, state["now"], ms, args)
+        )
+        return landed
+
+    def take_turn(u, charged=True):
+        state["now"] = max(state["now"], ready[u]) + (TURN_MS[dbo] if charged else 0.0)
+
     for layer in range(NUM_LAYERS):
         for u in range(num_ubatches):
-            tid = 10 + u if num_ubatches > 1 else 1
-            for part, (a, b) in TRUTH.items():
-                ms = (a + b * per) * factor
-                events.append(_trace_event(f"layer{layer}.{part}", "compute", tid, now, ms))
-                now += ms
-            for op in ("dispatch", "combine"):
-                ms = TRUTH_LINK.transfer_ms(op, BYTES_PER_TOKEN * per)
-                args = {"num_bytes": BYTES_PER_TOKEN * per}
-                events.append(_trace_event(f"layer{layer}.{op}", "comm", tid + 100, now, ms, args))
-                now += ms
-            if num_ubatches > 1:
-                events.append(_trace_event("baton", "baton", tid, now, 0.04))
-    end = now + OUTSIDE_MS / 2 + (0.5 if num_ubatches > 1 else 0.0)
-    args = {"num_tokens": tokens, "is_ubatched": num_ubatches > 1, "step": step}
+            take_turn(u, dbo and bool(layer or u))
+            parts(layer, u, (["combine_finish"] if layer else []) + ["attention", "router"])
+            ready[u] = send(layer, u, "dispatch")
+        for u in range(num_ubatches):
+            take_turn(u)
+            parts(layer, u, ["experts"])
+            ready[u] = send(layer, u, "combine")
+            if not dbo:
+                state["now"] = ready[u] + TURN_MS[False]
+    for u in range(num_ubatches):
+        take_turn(u, dbo)
+        parts(NUM_LAYERS - 1, u, ["combine_finish"])
+    end = state["now"] + OUTSIDE_MS / 2 + (0.5 if dbo else 0.0)
+    args = {"num_tokens": tokens, "is_ubatched": dbo, "step": step}
     events.append(_trace_event("step", "step", 0, t0, end - t0, args))
     return end
 
@@ -346,13 +388,15 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
             assert model.parts[part]("decode", tokens) == pytest.approx(a + b * tokens, rel=1e-3)
     assert model.outside("decode", 64) == pytest.approx(OUTSIDE_MS, rel=1e-3)
     assert model.dbo_step_ms == pytest.approx(0.5, rel=1e-3)
-    assert model.yield_ms == pytest.approx(0.04, rel=1e-3)
-    # DBO off is predicted exactly: outside + the serial layers
-    costs = model.layer_costs("decode", 64)
-    layer = costs.compute_ms + sum(
-        TRUTH_LINK.transfer_ms(op, 64e3) for op in ("dispatch", "combine")
-    )
-    assert step_ms(model, model.link, "decode", 64, 1) == pytest.approx(OUTSIDE_MS + 2 * layer)
+    for ubatched, turn in TURN_MS.items():
+        assert model.turn_ms(32, 1 + ubatched) == pytest.approx(turn, rel=1e-3)
+    assert model.parts["between_parts"]("decode", 64) == pytest.approx(BETWEEN_MS)
+    # both arms are predicted exactly: the timeline was laid out by the schedule
+    for tokens, num_ubatches, step in ((64, 1, 0), (64, 2, 1), (256, 1, 4), (256, 2, 5)):
+        events = []
+        measured = _synthetic_step(events, step, 0.0, tokens, num_ubatches, 1.1)
+        predicted = step_ms(model, model.link, "decode", tokens, num_ubatches)
+        assert predicted == pytest.approx(measured, rel=1e-6)
 
 
 def test_calibration_errors(tmp_path):
@@ -415,8 +459,10 @@ def test_cli_calibrate_and_compare(capsys, tmp_path):
     out = capsys.readouterr().out
     # two ranks in lockstep: every peer's payload is there when the own one lands
     assert (
-        f"cost model: calibrated on {tmp_path}; in DBO steps the last peer's payload is there, "
-        "on average, this long after a rank's issue (step tokens: ms) 64: 0.00, 256: 0.00"
+        f"cost model: calibrated on {tmp_path}; a turn's overhead (ubatch tokens: ms) DBO off "
+        "64: 0.020, 256: 0.020; DBO 32: 0.050, 128: 0.050; in DBO steps the last peer's payload "
+        "is there, on average, this long after a rank's issue (step tokens: ms) 64: 0.00, 256: "
+        "0.00"
     ) in out
     assert "fitted link:" in out and "| latency_us=100,gbps=0.512 | decode:64 |" in out
 
