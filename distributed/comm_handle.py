@@ -48,6 +48,9 @@ class CommTiming:
         notify_ns: ``(start, end)`` of a blocking count exchange run before the payload was
             issued (DeepEP's notify step), or None if there was none.
         completed_at_ns: when the data had arrived; None until known.
+        payload_at_ns: when the payload itself had arrived, where an emulated link
+            (``EmulatedLinkBackend``) then held it back to its deadline: the exchange without
+            the link, which the planner's calibration reads; None: at ``completed_at_ns``.
         finish_ns: ``(start, end)`` of the receive-side work that turned the arrived bytes into
             the value (unpacking rows, scattering them back, the weighted sum of a combine:
             compute, like DeepEP's receive kernels), once done; None before, or when there was
@@ -60,6 +63,7 @@ class CommTiming:
     notify_ns: tuple[int, int] | None = None
     completed_at_ns: int | None = None
     finish_ns: tuple[int, int] | None = None
+    payload_at_ns: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_bytes < 0 or (self.num_recv_bytes or 0) < 0:
@@ -75,7 +79,7 @@ class CommTiming:
 
     def at_issue(self) -> CommTiming:
         """This record without what is stamped after issue (completion, finish)."""
-        return dataclasses.replace(self, completed_at_ns=None, finish_ns=None)
+        return dataclasses.replace(self, completed_at_ns=None, finish_ns=None, payload_at_ns=None)
 
 
 @runtime_checkable

@@ -47,7 +47,7 @@ class LinkDelayedHandle(Generic[T]):
     releases the GIL, so the other ubatch thread computes meanwhile), then completes the inner
     handle (its collective's wait, then its finalize step): the receive-side work starts once
     both the bytes and the deadline are there. ``timing.completed_at_ns`` is never earlier than
-    the deadline.
+    the deadline; ``timing.payload_at_ns`` is when the inner handle's bytes were there.
     """
 
     __slots__ = ("_inner", "deadline_ns")
@@ -59,10 +59,12 @@ class LinkDelayedHandle(Generic[T]):
     @property
     def timing(self) -> CommTiming:
         timing = self._inner.timing
-        completed_at_ns = timing.completed_at_ns
-        if completed_at_ns is None or completed_at_ns >= self.deadline_ns:
+        arrived_ns = timing.completed_at_ns
+        if arrived_ns is None:
             return timing
-        return dataclasses.replace(timing, completed_at_ns=self.deadline_ns)
+        return dataclasses.replace(
+            timing, completed_at_ns=max(arrived_ns, self.deadline_ns), payload_at_ns=arrived_ns
+        )
 
     def is_completed(self) -> bool:
         return time.perf_counter_ns() >= self.deadline_ns and self._inner.is_completed()

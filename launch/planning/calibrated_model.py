@@ -50,9 +50,8 @@ class CalibratedCostModel:
     # ratio of bandwidths, carried over to any other link it predicts (adapt_link)
     link_overhead_us: float = 0.0
     bandwidth_ratio: float = 1.0
-    # when a collective's last peer payload is there after this rank's issue, as measured on
-    # the calibration run's ranks (DBO-off and DBO steps apart); None: one rank, or no
-    # --emulate-link to subtract
+    # when a transfer's peer bytes were there after this rank's issue, as measured on the
+    # calibration run (DBO-off and DBO steps apart); None: no --emulate-link run
     peer_arrival: PeerArrival | None = None
 
     def _part(self, name: str, kind: str, num_tokens: float, num_ubatches: int) -> float:
@@ -221,7 +220,7 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
         model,
         link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
         bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
-        peer_arrival=peer_arrival_samples(ranks, emulated, kinds) if len(ranks) > 1 else None,
+        peer_arrival=peer_arrival_samples(ranks, kinds),
     )
 
 

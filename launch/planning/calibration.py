@@ -18,9 +18,9 @@ time with a slope per kind; ``a`` is what every call costs, so a split pays it p
 part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
 threads and the transfers in flight compete for the cores); the turn overhead per ubatch token
 count, DBO-off and DBO steps apart (a curve through the median of the steps' means); the link ``latency + bytes /
-bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers. From the ranks'
-timelines together (one host's clock): per collective and rank, when the last peer's payload was
-there after the rank's own issue (``PeerArrival``), kept as samples per step token count.
+bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers. Behind an
+emulated link, per transfer: when its peers' bytes were there after the rank issued it (the
+span's ``payload_ms``: ``PeerArrival``), kept as samples per step token count.
 
 Steps are told apart by their token count, so a run must not hold two shapes of one count: a
 ``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to
@@ -291,13 +291,14 @@ class PeerArrival:
     measured: sorted samples per ``(ubatched, step token count)`` (``peer_arrival_samples``).
 
     A collective completes on a rank no earlier than its own link deadline and no earlier than
-    the last rank's issue plus the exchange (the ``--emulate-link`` deadline runs from the rank's
-    own issue; a real all-to-all also waits for every peer's bytes). How far the ranks drift
-    apart is a property of the machine and the shape (stalls of one rank, then a slow return),
-    and whether the drift costs anything depends
-    on the link: it is hidden while the rank's own transfer is still on the wire. So the planner
-    samples these offsets per transfer (``schedule.simulate_layers``) rather than adding a mean
-    delay, and a calibration on one link carries over to another.
+    its peers' bytes are there: the last rank's issue plus the exchange itself (the
+    ``--emulate-link`` deadline runs from the rank's own issue; a real all-to-all also waits for
+    every peer's bytes). The second is measured on every transfer, under any link (the handle
+    stamps the bytes' arrival before the emulated deadline): how far the ranks drift apart (one
+    rank stalls, then catches up) and how long the exchange takes while both compute. Whether it
+    costs anything depends on the link: it is hidden while the rank's own transfer is still on
+    the wire. So the planner samples these offsets per transfer (``schedule.simulate_layers``)
+    rather than adding a mean delay.
     """
 
     samples: dict[tuple[bool, int], tuple[float, ...]]
@@ -332,54 +333,29 @@ def _quantiles(values: tuple[float, ...], k: int) -> tuple[float, ...]:
     return tuple(values[min(int((i + 0.5) * len(values) / k), len(values) - 1)] for i in range(k))
 
 
-def _step_transfers(spans: list[Span]) -> dict[int, tuple[Span, list[Span]]]:
-    """Step index -> (the step span, its dispatch and combine spans in issue order)."""
-    spans = sorted(spans, key=lambda s: s.start_ns)
-    steps = [s for s in spans if s.cat == CAT_STEP]
-    transfers = [
-        s
-        for s in spans
-        if s.cat == CAT_COMM
-        and (m := _LAYER_SPAN.match(s.name))
-        and m.group(2) in ("dispatch", "combine")
-    ]
-    out, i = {}, 0
-    for step in steps:
-        own = []
-        while i < len(transfers) and transfers[i].start_ns < step.end_ns:
-            if transfers[i].start_ns >= step.start_ns:
-                own.append(transfers[i])
-            i += 1
-        out[int(step.args.get("step", len(out)))] = (step, own)
-    return out
-
-
-def peer_arrival_samples(ranks: list[list[Span]], link, kinds: dict[int, str]) -> PeerArrival:
-    """``PeerArrival`` of a multi-rank timeline (``ranks``: each rank's spans, on one host's
-    monotonic clock; ``link``: the run's ``--emulate-link`` ``LinkSpec``; ``kinds``: the
-    benchmarked token counts, other steps skipped). The same collective is matched across ranks
-    by its place in the step (every rank issues the same transfers in the same order); per rank
-    the offset is ``max(issues) + excess - own issue``, ``excess`` being how much later than both
-    the rank's own link deadline (queued behind its earlier transfers) and the last issue the
-    data landed (the exchange itself)."""
-    per_rank = [_step_transfers(spans) for spans in ranks]
+def peer_arrival_samples(ranks: list[list[Span]], kinds: dict[int, str]) -> PeerArrival | None:
+    """``PeerArrival`` of a timeline run behind an emulated link (``ranks``: each rank's spans;
+    ``kinds``: the benchmarked token counts, other steps skipped): per transfer, its
+    ``payload_ms`` arg, when its peers' bytes were there after the rank issued it (the last
+    peer's issue and the exchange itself, whatever the emulated link then added). None: no
+    transfer carries the arg (a run without ``--emulate-link``)."""
     samples: dict[tuple[bool, int], list[float]] = defaultdict(list)
-    for index, (step, _) in per_rank[0].items():
-        matched = [rank.get(index) for rank in per_rank]
-        num_tokens = int(step.args.get("num_tokens", 0))
-        if num_tokens not in kinds or any(m is None for m in matched):
-            continue
-        lists = [m[1] for m in matched]
-        if len({len(x) for x in lists}) != 1:
-            continue  # a rank's timeline lost spans: no match by position
-        key = (bool(step.args.get("is_ubatched")), num_tokens)
-        free_ms = [0.0] * len(lists)
-        for collective in zip(*lists, strict=True):
-            last_ms = max(t.start_ns for t in collective) / 1e6
-            for r, t in enumerate(collective):
-                start_ms = max(t.start_ns / 1e6, free_ms[r])
-                free_ms[r] = start_ms + link.transfer_ns(int(t.args.get("num_bytes", 0))) / 1e6
-                deadline_ms = free_ms[r] + link.latency_ns / 1e6
-                excess = max(t.end_ns / 1e6 - max(deadline_ms, last_ms), 0.0)
-                samples[key].append(last_ms + excess - t.start_ns / 1e6)
+    for spans in ranks:
+        spans = sorted(spans, key=lambda s: s.start_ns)
+        key = None
+        for s in spans:
+            if s.cat == CAT_STEP:
+                num_tokens = int(s.args.get("num_tokens", 0))
+                in_run = num_tokens in kinds
+                key = (bool(s.args.get("is_ubatched")), num_tokens) if in_run else None
+            elif (
+                key is not None
+                and s.cat == CAT_COMM
+                and "payload_ms" in s.args
+                and (m := _LAYER_SPAN.match(s.name))
+                and m.group(2) in ("dispatch", "combine")
+            ):
+                samples[key].append(float(s.args["payload_ms"]))
+    if not samples:
+        return None
     return PeerArrival(samples={k: tuple(sorted(v)) for k, v in samples.items()})

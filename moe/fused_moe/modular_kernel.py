@@ -104,17 +104,21 @@ def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
 
 
 def _record_comm(op: str, handle: CommHandle) -> None:
-    """Spans of one completed transfer: ``{op}`` from issue to data arrival (comm) and the
+    """Spans of one completed transfer: ``{op}`` from issue to data arrival (comm; behind an
+    emulated link its ``payload_ms`` arg is when the bytes themselves were there) and the
     receive-side unpacking ``{op}_finish`` (compute: CPU work no overlap can hide, which the
     overlap metrics must count in C; it runs in whichever ubatch completed the handle)."""
     timing = handle.timing
+    args = {"num_bytes": timing.num_bytes}
+    if timing.payload_at_ns is not None:  # behind an emulated link: when the bytes were there
+        args["payload_ms"] = (timing.payload_at_ns - timing.issued_at_ns) / 1e6
     record_span(
         op,
         cat=CAT_COMM,
         start_ns=timing.issued_at_ns,
         end_ns=timing.completed_at_ns or time.perf_counter_ns(),
         kind="comm",
-        args={"num_bytes": timing.num_bytes},
+        args=args,
     )
     if timing.finish_ns is not None:
         start_ns, end_ns = timing.finish_ns

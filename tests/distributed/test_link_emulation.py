@@ -63,6 +63,11 @@ def test_handle_completes_no_earlier_than_the_deadline():
     assert handle.timing.completed_at_ns >= issued + 30_000_000 and handle.is_completed()
     # the receive-side work ran after the deadline, not during the emulated transfer
     assert handle.timing.finish_ns[0] >= issued + 30_000_000
+    # the payload's own arrival is the inner handle's completion (here stamped by its wait, as
+    # no collective offers a future), which the planner's calibration reads
+    assert handle.timing.payload_at_ns == inner.timing.completed_at_ns
+    assert issued <= handle.timing.payload_at_ns <= handle.timing.completed_at_ns
+    assert inner.timing.payload_at_ns is None  # the inner handle knows no emulated link
 
 
 class RecordingLink(EmulatedLink):

@@ -184,3 +184,10 @@ def test_short_bench_run_writes_json_and_png(tmp_path):
     )
     assert (timeline / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"rank0.json", "rank1.json", "timeline.json"} <= {p.name for p in timeline.iterdir()}
+    # behind the emulated link each transfer says when its peers' bytes were there (the
+    # planner's calibration reads it): never after the link let the transfer complete
+    events = json.loads((timeline / "rank0.json").read_text())["traceEvents"]
+    transfers = [e for e in events if e.get("cat") == "comm" and e["name"].endswith("dispatch")]
+    assert transfers and all(
+        0 <= e["args"]["payload_ms"] <= e["dur"] / 1e3 + 1e-6 for e in transfers
+    )

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from dbo import Bucket
-from distributed.link_emulation import LinkSpec
 from launch import plan
 from launch.planning.calibrated_model import calibrate
 from launch.planning.calibration import PeerArrival, peer_arrival_samples, read_rank_spans
@@ -69,28 +68,31 @@ def test_peer_arrival_hand_worked():
         simulate_layers(costs, num_layers=1, num_ubatches=1, link=LINK, num_draws=0)
 
 
-def test_peer_arrival_from_two_ranks(tmp_path):
-    # one decode step of 64 tokens, one transfer of 64 kB (TRUTH_LINK: 1 ms wire + 0.1 latency);
-    # rank 0 issues at 1.0, rank 1 at 1.5; both have the data at 2.6. Rank 0: the last issue is
-    # 1.5 and its own deadline 2.1, so the exchange took 0.5 more: offset 1.5 + 0.5 - 1.0 = 1.0.
-    # Rank 1: its deadline 2.6 is when it landed: offset 0.
-    for rank, issue in ((0, 1.0), (1, 1.5)):
+def test_peer_arrival_from_payload_ms(tmp_path):
+    # one decode step of 64 tokens per rank, one dispatch each: rank 0's peer bytes were there
+    # 1.6 ms after its issue (rank 1 issued late), rank 1's 0.1 ms after its own
+    for rank, payload_ms in ((0, 1.6), (1, 0.1)):
         events = [
             _trace_event("step", "step", 0, 0.0, 3.0, {"num_tokens": 64, "step": 0}),
-            _trace_event("layer0.dispatch", "comm", 101, issue, 2.6 - issue, {"num_bytes": 64e3}),
+            _trace_event(
+                "layer0.dispatch",
+                "comm",
+                101,
+                1.0,
+                1.6,
+                {"num_bytes": 64e3, "payload_ms": payload_ms},
+            ),
         ]
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
     spans = read_rank_spans(tmp_path)
-    arrival = peer_arrival_samples(
-        spans, LinkSpec.parse("latency_us=100,gbps=0.512"), {64: "decode"}
-    )
-    assert arrival.samples[(False, 64)] == pytest.approx((0.0, 1.0))
-    assert arrival.mean_ms(False, 64) == pytest.approx(0.5)
-    # a token count that was not benchmarked is skipped
-    assert (
-        peer_arrival_samples(spans, LinkSpec.parse("latency_us=100,gbps=1"), {32: "decode"}).samples
-        == {}
-    )
+    arrival = peer_arrival_samples(spans, {64: "decode"})
+    assert arrival.samples[(False, 64)] == pytest.approx((0.1, 1.6))
+    assert arrival.mean_ms(False, 64) == pytest.approx(0.85)
+    # a token count that was not benchmarked is skipped; no payload_ms (no emulated link): None
+    assert peer_arrival_samples(spans, {32: "decode"}) is None
+    for span in spans[0]:
+        span.args.pop("payload_ms", None)
+    assert peer_arrival_samples(spans[:1], {64: "decode"}) is None
 
 
 def test_peer_arrival_draws_mix_the_neighbouring_counts():
@@ -297,7 +299,7 @@ def _synthetic_step(events, step, t0, tokens, num_ubatches, slowdown) -> float:
         start = max(state["now"], state["link_free"])
         state["link_free"] = start + TRUTH_LINK.wire_ms(op, num_bytes)
         landed = state["link_free"] + TRUTH_LINK.latency_ms(op)
-        args = {"num_bytes": num_bytes}
+        args = {"num_bytes": num_bytes, "payload_ms": 0.0}  # ranks in lockstep: bytes there at once
         ms = landed - state["now"]
         events.append(
             _trace_event(f"layer{layer}.{op}", "comm", tids[u] + 100, state["now"], ms, args)
@@ -373,8 +375,8 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
     assert model.bytes_per_token["dispatch"] == pytest.approx(BYTES_PER_TOKEN)
     # the run's --emulate-link is what was fitted: nothing to carry over to other links
     assert model.link_overhead_us == pytest.approx(0, abs=0.1)
-    # one rank: no peers to wait for, the link alone decides
-    assert model.peer_arrival is None and model.peer_arrival_ms(64, 2) == ()
+    # the bytes were there at issue: the link alone decides
+    assert set(model.peer_arrival_ms(64, 2)) == {0.0} and model.peer_arrival.mean_ms(True, 64) == 0
     assert model.bandwidth_ratio == pytest.approx(1, rel=1e-3)
     other = model.adapt_link(from_gbps(200, 0.14))
     assert other.latency_us == pytest.approx(
