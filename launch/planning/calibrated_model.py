@@ -100,7 +100,10 @@ class CalibratedCostModel:
         )
         text = f"calibrated on {self.source}; a turn's overhead (ubatch tokens: ms) {turns}"
         if self.peer_arrival is None:
-            return text
+            return (
+                f"{text}; no peer arrival measured (a run without --emulate-link, or one whose "
+                "transfers carry no payload_ms): the link alone decides when a transfer lands"
+            )
         counts = sorted(t for u, t in self.peer_arrival.samples if u)
         means = ", ".join(f"{t}: {self.peer_arrival.mean_ms(True, t):.2f}" for t in counts)
         return (

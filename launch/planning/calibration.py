@@ -304,9 +304,10 @@ class PeerArrival:
     samples: dict[tuple[bool, int], tuple[float, ...]]
 
     def draws(self, ubatched: bool, num_tokens: float, k: int = 256) -> tuple[float, ...]:
-        """``k`` offsets (ms) for a step of ``num_tokens`` tokens: the quantiles of the samples
-        at the calibrated token counts around it, mixed by log distance (the nearest count's
-        beyond the calibrated range); () without samples of that kind of step."""
+        """``k`` offsets (ms) for a step of ``num_tokens`` tokens: the distribution between those
+        of the calibrated token counts around it, interpolated quantile by quantile in log
+        tokens (each quantile moves from one count's value toward the other's; beyond the
+        calibrated range, the nearest count's); () without samples of that kind of step."""
         counts = sorted(t for u, t in self.samples if u == ubatched)
         if not counts:
             return ()
@@ -315,10 +316,9 @@ class PeerArrival:
         weight = 0.0
         if upper != lower:
             weight = math.log(num_tokens / lower) / math.log(upper / lower)
-        k_upper = round(k * weight)
-        return _quantiles(self.samples[(ubatched, lower)], k - k_upper) + _quantiles(
-            self.samples[(ubatched, upper)], k_upper
-        )
+        low = _quantiles(self.samples[(ubatched, lower)], k)
+        high = _quantiles(self.samples[(ubatched, upper)], k)
+        return tuple(a + weight * (b - a) for a, b in zip(low, high, strict=True))
 
     def mean_ms(self, ubatched: bool, num_tokens: int) -> float:
         """Mean offset at a calibrated token count (0 without samples)."""

@@ -95,12 +95,14 @@ def test_peer_arrival_from_payload_ms(tmp_path):
     assert peer_arrival_samples(spans[:1], {64: "decode"}) is None
 
 
-def test_peer_arrival_draws_mix_the_neighbouring_counts():
-    arrival = PeerArrival(samples={(True, 32): (1.0,) * 4, (True, 128): (3.0,) * 4})
-    assert arrival.draws(True, 32, k=8) == (1.0,) * 8
-    assert arrival.draws(True, 16, k=8) == (1.0,) * 8  # below the range: the nearest count
-    assert arrival.draws(True, 512, k=8) == (3.0,) * 8
-    assert sorted(arrival.draws(True, 64, k=8)) == [1.0] * 4 + [3.0] * 4  # halfway in log2
+def test_peer_arrival_draws_interpolate_the_neighbouring_counts():
+    arrival = PeerArrival(samples={(True, 32): (1.0, 2.0), (True, 128): (3.0, 8.0)})
+    assert arrival.draws(True, 32, k=2) == (1.0, 2.0)
+    assert arrival.draws(True, 16, k=2) == (1.0, 2.0)  # below the range: the nearest count
+    assert arrival.draws(True, 512, k=2) == (3.0, 8.0)
+    # halfway in log2: each quantile halfway (not half of the draws from each count)
+    assert arrival.draws(True, 64, k=2) == pytest.approx((2.0, 5.0))
+    assert arrival.draws(True, 64, k=4) == pytest.approx((2.0, 2.0, 5.0, 5.0))
     assert arrival.draws(False, 64) == ()  # no DBO-off samples
 
 
