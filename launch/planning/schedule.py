@@ -139,7 +139,9 @@ def _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, peer_offset) 
     wire = {op: link.wire_ms(op, getattr(costs, f"{op}_bytes")) for op in ("dispatch", "combine")}
     sm_ms = {op: link.sm_fraction * wire[op] for op in wire}
     dbo = num_ubatches > 1
-    baton = turn_ms if dbo else 0.0  # DBO off: no turn passes before the next layer's pre
+    # a turn before a pre or post segment: DBO passes the baton there; DBO off charged its turn
+    # when the combine landed, before the shared experts
+    ring_turn = turn_ms if dbo else 0.0
     latency = {op: link.latency_ms(op) for op in wire}
     state = _Link()
 
@@ -150,7 +152,7 @@ def _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, peer_offset) 
     ready = [0.0] * num_ubatches
     for layer in range(num_layers):
         for u in range(num_ubatches):  # pre, then issue the dispatch
-            turn = baton if (layer or u) else 0.0  # the step's first segment takes no turn
+            turn = ring_turn if (layer or u) else 0.0  # the step's first segment takes no turn
             now = max(now, ready[u]) + turn + (costs.post_ms if layer else 0.0) + costs.pre_ms
             now += sm_ms["dispatch"]
             ready[u] = send(now, "dispatch")
@@ -161,7 +163,7 @@ def _simulate_ring(costs, num_layers, num_ubatches, link, turn_ms, peer_offset) 
                 now = ready[u] + turn_ms
             now += costs.shared_ms
     for u in range(num_ubatches):
-        now = max(now, ready[u]) + baton + costs.post_ms
+        now = max(now, ready[u]) + ring_turn + costs.post_ms
     return now
 
 
