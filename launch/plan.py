@@ -217,6 +217,14 @@ def run(ns, model, link, lines: list[str]) -> None:
     shapes = [("decode", t) for t in ns.decode_tokens] + [("prefill", t) for t in ns.prefill_tokens]
     preds = [planner.predict(model, link, k, t, ns_list, schedule=ns.schedule) for k, t in shapes]
     print(report.format_table(preds, ns_list))
+    flagged = [
+        (f"{k}:{t}", found)
+        for k, t in shapes
+        if (found := report.drift_unmeasured(model, link, k, t)) is not None
+    ]
+    note = report.drift_note(flagged)
+    if note:
+        print(note)
     largest: dict[str, int] = {}  # the largest requested shape per kind
     for kind, t in shapes:
         largest[kind] = max(t, largest.get(kind, 0))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from launch.planning.calibration import (
     read_records,
 )
 from launch.planning.links import LinkModel, from_gbps
-from launch.planning.schedule import LayerCosts
+from launch.planning.schedule import LayerCosts, serial_layer_ms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +86,15 @@ class CalibratedCostModel:
         ``turn_ms``); 0 where the timeline had no turns of that kind of step."""
         curve = self.turn.get(num_ubatches > 1)
         return curve("*", num_tokens) if curve is not None else 0.0
+
+    def comm_to_compute(self, kind: str, num_tokens: float, link: LinkModel | None = None) -> float:
+        """M / C of one ubatch's MoE layer in a two-ubatch step of ``num_tokens`` tokens on
+        ``link`` (default: the link fitted to the calibration run): above 1 the transfers take
+        longer than the compute that hides them."""
+        compute_ms, comm_ms = serial_layer_ms(
+            self.layer_costs(kind, num_tokens / 2, num_ubatches=2), link or self.link
+        )
+        return comm_ms / compute_ms if compute_ms > 0 else math.inf
 
     def outside_ms(self, kind: str, num_tokens: float, num_ubatches: int) -> float:
         """Per step outside the MoE layers; a DBO step adds ``dbo_step_ms`` per extra ubatch."""

@@ -106,6 +106,42 @@ def format_sensitivity(kind, num_tokens, num_ubatches, result, factor: float = 1
     )
 
 
+# Transfers / compute per ubatch and layer (``CalibratedCostModel.comm_to_compute``) where the
+# ranks run apart between transfers (near balance), and from where every transfer holds them
+# together (link-bound); read off the calibrations in docs/planner.md, a judgment, not a constant
+# of nature.
+NEAR_BALANCE = (0.8, 1.4)
+
+
+def drift_unmeasured(model, link, kind: str, tokens: int) -> tuple[float, float] | None:
+    """``(calibration run's, link's)`` transfers / compute per ubatch and layer of the shape when
+    ``link`` runs it near balance and the calibration run's link ran it link-bound (the ranks'
+    drift drawn for it was measured where they meet at every transfer, so its predicted speedup
+    may be too high); None otherwise, or when ``model`` is not calibrated."""
+    if not hasattr(model, "comm_to_compute"):
+        return None
+    target, calibrated = (
+        model.comm_to_compute(kind, tokens, link),
+        model.comm_to_compute(kind, tokens),
+    )
+    low, high = NEAR_BALANCE
+    return (calibrated, target) if low <= target <= high < calibrated else None
+
+
+def drift_note(flagged: Sequence[tuple[str, tuple[float, float]]]) -> str | None:
+    """The line that names ``flagged`` shapes (``(label, drift_unmeasured(...))``); None if none."""
+    if not flagged:
+        return None
+    shapes = ", ".join(f"{label} ({a:.2f} -> {b:.2f})" for label, (a, b) in flagged)
+    return (
+        f"drift not measured near balance: {shapes} (transfers / compute per ubatch and layer, "
+        "calibration run -> predicted link): the calibration ran these link-bound, where the "
+        "ranks meet at every transfer; near balance they drift further apart, so these "
+        "predictions may be too high (calibrate on a link that runs them near balance: "
+        "docs/planner.md#calibrated-on-this-machine)"
+    )
+
+
 def link_of_record(record: dict, fallback: LinkModel) -> LinkModel:
     """The link a ``launch.bench`` record ran on (its ``emulate_link``), else ``fallback``."""
     spec = record.get("emulate_link")
@@ -147,6 +183,7 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
         p = predict(model, run_link, kind, tokens, [2])
         rows.append(
             {
+                "unmeasured_drift": drift_unmeasured(model, run_link, kind, tokens),
                 "link": key[0],
                 "batch": key[1],
                 "measured": statistics.median(values),
@@ -166,12 +203,21 @@ def format_compare(rows: list[dict]) -> str:
     for r in rows:
         diff = 100 * (r["predicted"] - r["measured"])
         runs = ", ".join(f"{v:.2f}" for v in r["runs"])
+        mark = " *" if r.get("unmeasured_drift") else ""
         lines.append(
             f"| {r['link']} | {r['batch']} | {r['measured']:.2f}x ({runs}) | {r['fastest']:.2f}x | "
-            f"{r['predicted']:.2f}x | {diff:+.0f} |"
+            f"{r['predicted']:.2f}x | {diff:+.0f}{mark} |"
         )
     worst = max((abs(r["predicted"] - r["measured"]) for r in rows), default=0.0)
-    return "\n".join(lines) + f"\nlargest difference: {100 * worst:.0f} points"
+    text = "\n".join(lines) + f"\nlargest difference: {100 * worst:.0f} points"
+    note = drift_note(
+        [
+            (f"{r['link']} {r['batch']}", r["unmeasured_drift"])
+            for r in rows
+            if r.get("unmeasured_drift")
+        ]
+    )
+    return text + (f"\n{note}" if note else "")
 
 
 def prior_table(model, link, num_ubatches: int = 2) -> dict:

@@ -16,7 +16,7 @@ from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
 from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
 from launch.planning.model_presets import PRESETS, load_model
 from launch.planning.planner import bucket_prior, crossover, predict, step_ms, token_sweep
-from launch.planning.report import prior_table
+from launch.planning.report import drift_note, drift_unmeasured, prior_table
 from launch.planning.roofline import RooflineCostModel, Workload
 from launch.planning.schedule import LayerCosts, simulate_layers, simulate_sglang_decode
 
@@ -401,6 +401,28 @@ def test_calibration_recovers_a_synthetic_timeline(tmp_path):
         measured = _synthetic_step(events, step, 0.0, tokens, num_ubatches, 1.1)
         predicted = step_ms(model, model.link, "decode", tokens, num_ubatches)
         assert predicted == pytest.approx(measured, rel=1e-6)
+
+
+def test_drift_unmeasured_flags_shapes_the_calibration_ran_link_bound(tmp_path):
+    write_synthetic_timeline(tmp_path, slowdown=1.1)
+    model = calibrate(tmp_path)
+    # on the calibration run's own link decode:64 is link-bound: 1 ms on the wire per ubatch
+    # transfer against ~0.4 ms of compute per ubatch and layer
+    assert model.comm_to_compute("decode", 64) > 1.4
+    near = from_gbps(10.0, 1.2)  # a faster link runs it near balance
+    assert 0.8 <= model.comm_to_compute("decode", 64, near) <= 1.4
+    flagged = drift_unmeasured(model, near, "decode", 64)
+    assert flagged == pytest.approx(
+        (model.comm_to_compute("decode", 64), model.comm_to_compute("decode", 64, near))
+    )
+    note = drift_note([("decode:64", flagged)])
+    assert note.startswith("drift not measured near balance: decode:64 (") and "too high" in note
+    # the calibration's own link, a link still link-bound, a compute-bound one: nothing to flag
+    for link in (model.link, from_gbps(50.0, 0.8), from_gbps(1.0, 100.0)):
+        assert drift_unmeasured(model, link, "decode", 64) is None
+    assert drift_note([]) is None
+    roofline, link = sglang_decode_model()  # presets: no calibration run to speak of
+    assert drift_unmeasured(roofline, link, "decode", 64) is None
 
 
 def test_calibration_errors(tmp_path):
