@@ -17,7 +17,6 @@ from launch.planning.calibration import (
     TimelineSamples,
     collect,
     fit_curve,
-    peer_arrival_samples,
     read_kinds,
     read_rank_spans,
     read_records,
@@ -222,8 +221,7 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
     records = read_records(results_path)
     kinds = read_kinds(records)
     samples = TimelineSamples()
-    ranks = read_rank_spans(directory)
-    for spans in ranks:
+    for spans in read_rank_spans(directory):
         collect(spans, kinds, samples)
     model = fit(samples, source=str(directory))
     emulated = _emulated_link(records)
@@ -233,7 +231,7 @@ def calibrate(timeline_dir: str | Path, results: str | Path | None = None) -> Ca
         model,
         link_overhead_us=max(model.link.latency_us - emulated.latency_us, 0.0),
         bandwidth_ratio=model.link.dispatch_gbytes * 8 / emulated.gbps,
-        peer_arrival=peer_arrival_samples(ranks, kinds),
+        peer_arrival=PeerArrival.from_samples(samples),
     )
 
 

@@ -8,6 +8,7 @@ Inputs: ``DIR/rank<r>.json`` (each rank's spans) and ``DIR/results.json`` (``lau
 - every ``dispatch`` / ``combine`` of a DBO-off step: its bytes and ms (alone on the link);
 - the compute between a segment's part spans that no part span covers (``between_parts``: norms,
   residual adds, the Python between them), per layer and ubatch;
+- each transfer's ``payload_ms`` behind an emulated link (``PeerArrival``);
 - each turn's overhead: from the later of the previous segment's end and the landing of the
   transfer the resuming ubatch waited for, to its first part (the baton pass, the receive-side
   work, the thread waking up); with DBO off, from each transfer's landing to the next part;
@@ -18,9 +19,8 @@ time with a slope per kind; ``a`` is what every call costs, so a split pays it p
 part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
 threads and the transfers in flight compete for the cores); the turn overhead per ubatch token
 count, DBO-off and DBO steps apart (a curve through the median of the steps' means); the link ``latency + bytes /
-bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers. Behind an
-emulated link, per transfer: when its peers' bytes were there after the rank issued it (the
-span's ``payload_ms``: ``PeerArrival``), kept as samples per step token count.
+bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers; the transfers'
+``payload_ms`` kept as samples per step token count.
 
 Steps are told apart by their token count, so a run must not hold two shapes of one count: a
 ``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to
@@ -83,6 +83,10 @@ class TimelineSamples:
     outside: list[tuple[str, float, int, float]] = field(default_factory=list)  # kind, T, N, ms
     # (ubatched, tokens per ubatch, mean ms of the step's turns)
     turns: list[tuple[bool, float, float]] = field(default_factory=list)
+    # (ubatched, step tokens) -> each transfer's payload_ms (behind an emulated link)
+    payload_ms: dict[tuple[bool, int], list[float]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
     num_layers: int = 0
 
 
@@ -179,6 +183,9 @@ def _collect_step(step: Span, spans: list[Span], kind: str, samples: TimelineSam
             num_bytes = float(s.args.get("num_bytes", 0))
             samples.bytes_per_op[part].append((tokens, num_bytes))
             layer_spans.append(s)
+            if "payload_ms" in s.args:
+                key = (num_ubatches > 1, int(step.args["num_tokens"]))
+                samples.payload_ms[key].append(float(s.args["payload_ms"]))
             if num_ubatches == 1:
                 samples.transfers.append((num_bytes, ms))
     if not layers:
@@ -288,7 +295,7 @@ def fit_curve(points: list[tuple[str, float, float]], *, per_kind: bool) -> Curv
 @dataclass(frozen=True, slots=True)
 class PeerArrival:
     """When a collective's last peer payload is there, in ms after this rank issued it, as
-    measured: sorted samples per ``(ubatched, step token count)`` (``peer_arrival_samples``).
+    measured: sorted samples per ``(ubatched, step token count)`` (``from_samples``).
 
     A collective completes on a rank no earlier than its own link deadline and no earlier than
     its peers' bytes are there: the last rank's issue plus the exchange itself (the
@@ -302,6 +309,16 @@ class PeerArrival:
     """
 
     samples: dict[tuple[bool, int], tuple[float, ...]]
+
+    @classmethod
+    def from_samples(cls, samples: TimelineSamples) -> PeerArrival | None:
+        """The transfers' ``payload_ms`` that ``collect`` read: when the peers' bytes were there
+        after the rank issued it (the last peer's issue and the exchange itself, whatever the
+        emulated link then added). None: no transfer carried it (a run without
+        ``--emulate-link``)."""
+        if not samples.payload_ms:
+            return None
+        return cls(samples={k: tuple(sorted(v)) for k, v in samples.payload_ms.items()})
 
     def draws(self, ubatched: bool, num_tokens: float, k: int = 256) -> tuple[float, ...]:
         """``k`` offsets (ms) for a step of ``num_tokens`` tokens: the distribution between those
@@ -331,31 +348,3 @@ def _quantiles(values: tuple[float, ...], k: int) -> tuple[float, ...]:
     if k <= 0 or not values:
         return ()
     return tuple(values[min(int((i + 0.5) * len(values) / k), len(values) - 1)] for i in range(k))
-
-
-def peer_arrival_samples(ranks: list[list[Span]], kinds: dict[int, str]) -> PeerArrival | None:
-    """``PeerArrival`` of a timeline run behind an emulated link (``ranks``: each rank's spans;
-    ``kinds``: the benchmarked token counts, other steps skipped): per transfer, its
-    ``payload_ms`` arg, when its peers' bytes were there after the rank issued it (the last
-    peer's issue and the exchange itself, whatever the emulated link then added). None: no
-    transfer carries the arg (a run without ``--emulate-link``)."""
-    samples: dict[tuple[bool, int], list[float]] = defaultdict(list)
-    for spans in ranks:
-        spans = sorted(spans, key=lambda s: s.start_ns)
-        key = None
-        for s in spans:
-            if s.cat == CAT_STEP:
-                num_tokens = int(s.args.get("num_tokens", 0))
-                in_run = num_tokens in kinds
-                key = (bool(s.args.get("is_ubatched")), num_tokens) if in_run else None
-            elif (
-                key is not None
-                and s.cat == CAT_COMM
-                and "payload_ms" in s.args
-                and (m := _LAYER_SPAN.match(s.name))
-                and m.group(2) in ("dispatch", "combine")
-            ):
-                samples[key].append(float(s.args["payload_ms"]))
-    if not samples:
-        return None
-    return PeerArrival(samples={k: tuple(sorted(v)) for k, v in samples.items()})

@@ -11,7 +11,7 @@ import pytest
 from dbo import Bucket
 from launch import plan
 from launch.planning.calibrated_model import calibrate
-from launch.planning.calibration import PeerArrival, peer_arrival_samples, read_rank_spans
+from launch.planning.calibration import PeerArrival, TimelineSamples, collect, read_rank_spans
 from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
 from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
 from launch.planning.model_presets import PRESETS, load_model
@@ -66,6 +66,14 @@ def test_peer_arrival_hand_worked():
     assert drawn[0] == drawn[1] and drawn[2] < drawn[0] < drawn[3]
     with pytest.raises(ValueError, match="num_draws"):
         simulate_layers(costs, num_layers=1, num_ubatches=1, link=LINK, num_draws=0)
+
+
+def peer_arrival_samples(ranks, kinds):
+    """``PeerArrival`` of the ranks' spans, read as calibration reads them."""
+    samples = TimelineSamples()
+    for spans in ranks:
+        collect(spans, kinds, samples)
+    return PeerArrival.from_samples(samples)
 
 
 def test_peer_arrival_from_payload_ms(tmp_path):
