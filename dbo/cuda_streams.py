@@ -9,8 +9,8 @@ and shares one compute stream (vLLM: ``torch.cuda.current_stream()`` at wrapper 
 ``switch_*`` functions move a ubatch between its two streams, each switch ordered by an event.
 
 Written against the documented ``torch.cuda`` stream and event API (``Stream``, ``Event.record``,
-``Stream.wait_event``, ``torch.cuda.set_stream``); it has not run on a GPU yet (CI has none): the
-tests that exercise it are marked ``gpu`` and skip without CUDA.
+``Stream.wait_event``, ``torch.cuda.set_stream``); the tests that exercise it are marked ``gpu``
+and skip without CUDA.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ class UBatchStreams:
     switch_event: torch.cuda.Event
 
     def enter(self) -> None:
-        """Make the compute stream this thread's current stream (streams are per thread)."""
+        """Make the stream's device and the compute stream this thread's current ones (both
+        are per thread: a new ubatch thread starts on device 0)."""
+        torch.cuda.set_device(self.compute_stream.device)
         torch.cuda.set_stream(self.compute_stream)
 
     def record_before_yield(self) -> torch.cuda.Event:

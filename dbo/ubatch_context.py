@@ -23,14 +23,12 @@ next owner's stream waits on it, so the GPU runs the kernels in the order the ba
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dbo.ubatch_group import UBatchAborted, UBatchGroup, set_baton_observer
 
 if TYPE_CHECKING:
-    import torch
-
     from dbo.cuda_streams import UBatchStreams
 
 __all__ = [
@@ -174,27 +172,26 @@ def make_ubatch_contexts(
     num_ubatches: int = 2,
     *,
     timeout_s: float,
-    stream_device: torch.device | None = None,
+    streams: Sequence[UBatchStreams] | None = None,
 ) -> list[UBatchContext]:
     """Make the contexts of one step, sharing one protocol state; ubatch 0 holds the baton first.
 
-    With a ``stream_device`` (a CUDA device; the caller asks the platform whether ubatches get
-    streams) each context gets ``UBatchStreams`` on it (``dbo.cuda_streams``).
+    ``streams``: one ``UBatchStreams`` per ubatch (``dbo.cuda_streams.make_ubatch_streams``;
+    the platform makes them where ops are asynchronous), or None.
 
     Raises:
-        ValueError: if ``num_ubatches < 1`` or ``timeout_s <= 0``.
+        ValueError: if ``num_ubatches < 1``, ``timeout_s <= 0`` or ``streams`` has not one entry
+            per ubatch.
     """
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if streams is not None and len(streams) != num_ubatches:
+        raise ValueError(f"{len(streams)} stream sets for {num_ubatches} ubatches")
     group = UBatchGroup(num_ubatches, float(timeout_s))
-    streams: list = [None] * num_ubatches
-    if stream_device is not None:
-        from dbo.cuda_streams import make_ubatch_streams
-
-        streams = make_ubatch_streams(num_ubatches, stream_device)
-    return [UBatchContext(i, group, streams[i]) for i in range(num_ubatches)]
+    per_ubatch = [None] * num_ubatches if streams is None else list(streams)
+    return [UBatchContext(i, group, per_ubatch[i]) for i in range(num_ubatches)]
 
 
 _local = threading.local()

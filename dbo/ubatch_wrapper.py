@@ -39,18 +39,23 @@ class UBatchWrapper:
             points. Its output's dim 0 must be the token dim (one row per input token).
         timeout_s: bound on every baton wait; a ubatch thread that runs without handing on the
             baton for longer (plus a grace of up to 1 s) fails the step with ``TimeoutError``.
-        use_streams: give each ubatch a comm stream and events on the inputs' device
-            (``dbo.cuda_streams``; the caller passes ``Platform.has_ubatch_streams``).
+        make_streams: ``(num_ubatches, device) -> list of UBatchStreams or None``: each ubatch's
+            comm stream and events on the inputs' device (the platform's ``make_ubatch_streams``,
+            ``dbo.cuda_streams`` on CUDA); None: no streams (ops run in issue order).
     """
 
     def __init__(
-        self, model_fn: ModelFn, *, timeout_s: float = 300.0, use_streams: bool = False
+        self,
+        model_fn: ModelFn,
+        *,
+        timeout_s: float = 300.0,
+        make_streams: Callable[[int, torch.device], list | None] | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.model_fn = model_fn
         self.timeout_s = float(timeout_s)
-        self.use_streams = use_streams
+        self.make_streams = make_streams
 
     def __call__(
         self,
@@ -87,10 +92,11 @@ class UBatchWrapper:
             raise ValueError(
                 f"{len(ubatch_scopes)} ubatch_scopes for {len(ubatch_slices)} ubatch_slices"
             )
+        streams = None
+        if self.make_streams is not None:
+            streams = self.make_streams(len(ubatch_slices), input_ids.device)
         contexts = make_ubatch_contexts(
-            len(ubatch_slices),
-            timeout_s=self.timeout_s,
-            stream_device=input_ids.device if self.use_streams else None,
+            len(ubatch_slices), timeout_s=self.timeout_s, streams=streams
         )
         outputs: list[Tensor | None] = [None] * len(contexts)
         start_barrier = threading.Barrier(len(contexts) + 1)

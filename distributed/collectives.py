@@ -6,13 +6,20 @@ completed (only the fallbacks need one). ``group=None`` means a single rank: the
 locally. Newer ops are chosen at call time (``all_gather_single``/``reduce_scatter_single`` exist
 only in newer torch); a backend that rejects an op at issue time gets a fallback built from older
 ops. Every rank takes the same path, so the sequence of collectives stays identical across ranks.
+
+Device tensors over a gloo group (ranks sharing one GPU: NCCL refuses two ranks per device) are
+staged through host memory: the input is copied to the host (a host-device sync, on the caller's
+current stream: a ubatch's comm stream under DBO), the collective runs on host tensors, and the
+after-step copies the result back onto the device.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -30,6 +37,29 @@ def _is_unsupported(exc: BaseException) -> bool:
     )
 
 
+def _host_staged(collective: Callable[..., Pending]) -> Callable[..., Pending]:
+    """``collective(output, input, *, group, ...)`` staged through host memory where ``group``
+    is a gloo group and the tensors live on an accelerator (see the module docstring)."""
+
+    @functools.wraps(collective)
+    def run(output: Tensor, input: Tensor, *, group: ProcessGroup | None, **kwargs) -> Pending:
+        if group is None or output.is_cpu or dist.get_backend(group) != "gloo":
+            return collective(output, input, group=group, **kwargs)
+        host_output = torch.empty(output.shape, dtype=output.dtype)
+        host_input = input.cpu()  # host-device sync: the bytes must be on the host for gloo
+        work, after = collective(host_output, host_input, group=group, **kwargs)
+
+        def land() -> None:
+            if after is not None:
+                after()
+            output.copy_(host_output)  # host-to-device, on the caller's current stream
+
+        return work, land
+
+    return run
+
+
+@_host_staged
 def all_to_all_single(
     output: Tensor,
     input: Tensor,
@@ -48,6 +78,7 @@ def all_to_all_single(
     return work, None
 
 
+@_host_staged
 def all_gather_into(output: Tensor, input: Tensor, *, group: ProcessGroup | None) -> Pending:
     """``output [group_size * n, ...]`` = every rank's ``input [n, ...]`` stacked in rank order."""
     if group is None:
@@ -65,6 +96,7 @@ def all_gather_into(output: Tensor, input: Tensor, *, group: ProcessGroup | None
     return dist.all_gather(views, input, group=group, async_op=True), None
 
 
+@_host_staged
 def reduce_scatter_sum(output: Tensor, input: Tensor, *, group: ProcessGroup | None) -> Pending:
     """``output [n, ...]`` = sum over ranks of block ``rank`` of ``input [group_size * n, ...]``.
 

@@ -26,16 +26,18 @@ _REQUIRED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TorchrunEnv:
-    """The rank layout torchrun hands to each process.
+    """The rank layout torchrun hands to each process; ``local_world_size``: ranks on this node
+    (torchrun's ``LOCAL_WORLD_SIZE``; None: unknown, taken as ``world_size``).
 
     Raises:
-        ValueError: if ``world_size < 1``, ``rank`` is outside ``[0, world_size)`` or
-            ``local_rank < 0``.
+        ValueError: if ``world_size < 1``, ``rank`` is outside ``[0, world_size)``,
+            ``local_rank < 0`` or ``local_rank >= local_world_size``.
     """
 
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -44,6 +46,16 @@ class TorchrunEnv:
             raise ValueError(f"RANK must be in [0, {self.world_size}), got {self.rank}")
         if self.local_rank < 0:
             raise ValueError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
+        if self.local_world_size is not None and self.local_rank >= self.local_world_size:
+            raise ValueError(
+                f"LOCAL_RANK must be < LOCAL_WORLD_SIZE ({self.local_world_size}), "
+                f"got {self.local_rank}"
+            )
+
+    @property
+    def num_local_ranks(self) -> int:
+        """Ranks on this node (``LOCAL_WORLD_SIZE``, else the world size)."""
+        return self.world_size if self.local_world_size is None else self.local_world_size
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
@@ -67,8 +79,14 @@ class TorchrunEnv:
         port = _parse_int(environ, "MASTER_PORT")
         if not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT must be in [1, 65535], got {port}")
+        local_world_size = None
+        if environ.get("LOCAL_WORLD_SIZE"):
+            local_world_size = _parse_int(environ, "LOCAL_WORLD_SIZE")
         return cls(
-            rank=values["RANK"], world_size=values["WORLD_SIZE"], local_rank=values["LOCAL_RANK"]
+            rank=values["RANK"],
+            world_size=values["WORLD_SIZE"],
+            local_rank=values["LOCAL_RANK"],
+            local_world_size=local_world_size,
         )
 
 
@@ -128,15 +146,6 @@ class ParallelGroups:
             )
 
 
-def _rank_device(backend: str, env: TorchrunEnv) -> torch.device:
-    """``cuda:{local_rank}`` (made the current CUDA device) for nccl, else cpu."""
-    if backend != "nccl":
-        return torch.device("cpu")
-    device = torch.device("cuda", env.local_rank)
-    torch.cuda.set_device(device)
-    return device
-
-
 def _check_layout(data_parallel_size: int, env: TorchrunEnv, timeout_s: float) -> None:
     """ValueError unless one DP rank runs per process and ``timeout_s > 0``."""
     if data_parallel_size != env.world_size:
@@ -153,7 +162,8 @@ def init_distributed(
     data_parallel_size: int,
     enable_expert_parallel: bool,
     timeout_s: float = 300.0,
-    backend: str | None = None,
+    backend: str = "gloo",
+    device: torch.device | None = None,
     env: TorchrunEnv | None = None,
 ) -> ParallelGroups:
     """Initialise the default process group (if needed) and build the DP and EP groups.
@@ -165,11 +175,10 @@ def init_distributed(
         enable_expert_parallel: shard experts over all DP ranks (``ep_size = dp_size``); otherwise
             every rank holds every expert (``ep_size = 1``, ``ep_group = None``).
         timeout_s: limit in seconds for every collective on these groups.
-        backend: ``"gloo"`` or ``"nccl"``; default nccl when CUDA is available, else gloo.
+        backend: ``"gloo"`` or ``"nccl"`` (the platform's ``RankPlacement.dist_backend``).
+        device: where this rank computes (the platform's ``RankPlacement.device``; default cpu).
+            An NCCL group needs it to be this rank's CUDA device.
         env: the rank layout; parsed from ``os.environ`` when None.
-
-    Returns:
-        ParallelGroups; ``device`` is ``cuda:{local_rank}`` for nccl, else cpu.
 
     Raises:
         ValueError: if ``data_parallel_size != world_size``, ``timeout_s <= 0``, the backend is
@@ -178,9 +187,9 @@ def init_distributed(
     """
     env = TorchrunEnv.from_environ() if env is None else env
     _check_layout(data_parallel_size, env, timeout_s)
-    backend = _pick_backend(backend)
+    _check_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    device = _rank_device(backend, env)
+    device = torch.device("cpu") if device is None else torch.device(device)
     _init_default_group(env, backend, timeout)
     all_ranks = list(range(env.world_size))
     # Two separate communicators: DP-wide votes and expert all-to-alls never interleave on one tag
@@ -257,14 +266,11 @@ def _init_default_group(env: TorchrunEnv, backend: str, timeout: datetime.timede
     )
 
 
-def _pick_backend(backend: str | None) -> str:
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
+def _check_backend(backend: str) -> None:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
-    return backend
 
 
 def destroy_distributed() -> None:

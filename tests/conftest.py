@@ -10,6 +10,9 @@ import pytest
 
 
 def pytest_configure(config):
+    # The suite tests the CPU platform wherever it runs (a machine with GPUs too): engines and
+    # spawned ranks inherit this; GPU tests ask for CUDA themselves (tests/helpers/gpu.py).
+    os.environ.setdefault("MOE_DBO_PLATFORM", "cpu")
     # Graph mode compiles seconds per graph: engines in tests run eagerly unless a test asks for
     # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")

@@ -26,6 +26,8 @@ DEFAULT_ALL2ALL_BACKEND = "all_to_all"
 DEFAULT_DBO_ALL2ALL_BACKEND = "deepep_low_latency"
 # float64 is for exactness tests (transformers builds the same checkpoint in float64), not serving.
 DTYPES = ("float32", "bfloat16", "float64")
+# --load-format (vLLM's names): "dummy" runs a checkpoint's config.json with seeded random weights
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 MAX_DISTRIBUTED_TIMEOUT_S = 86400.0  # a day: beyond it a hung peer is a hang, whatever the flag
 AUTO = "auto"  # a DBO threshold learned by dbo.AdaptiveDBOPolicy instead of fixed
 MIN_DBO_THRESHOLD = 2
@@ -63,6 +65,7 @@ class EngineArgs:
     """
 
     model: str | None = None
+    load_format: str = "auto"
     dtype: str = "bfloat16"
     custom_ops: str = "all"
     seed: int = 0
@@ -74,6 +77,7 @@ class EngineArgs:
     # KV cache budget per rank in bytes (default: launch.engine.kv_cache_sizing's)
     kv_cache_memory_bytes: int | None = None
     data_parallel_size: int = 1
+    share_gpus: bool = False  # more ranks than GPUs on a node: share them (else refused)
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | str = 32  # or "auto": learned (dbo.AdaptiveDBOPolicy)
@@ -131,6 +135,8 @@ class EngineArgs:
         ``--load-balance-method`` against what is accepted (ValueError naming the value)."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format!r} is not one of {LOAD_FORMATS}")
         from moe.platforms.custom_op import parse_custom_ops
 
         parse_custom_ops(self.custom_ops)
@@ -342,6 +348,13 @@ def _add_model_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
     add = group.add_argument
     add("--model", default=None, help="Hugging Face checkpoint directory (default: embedded model)")
     add(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="'dummy': only the checkpoint's config.json is read and the weights are seeded "
+        "random (real model shapes without a download); 'auto'/'safetensors': load the weights",
+    )
+    add(
         "--dtype",
         default=d.dtype,
         choices=DTYPES,
@@ -428,6 +441,12 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
     """DP, EP, DBO, the expert all-to-all and the distributed timeout."""
     add = group.add_argument
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
+    add(
+        "--share-gpus",
+        action="store_true",
+        help="let more ranks than GPUs run on a node, sharing GPUs round-robin (without it that "
+        "is refused); their process groups then run on gloo, transfers staged through host memory",
+    )
     add("--enable-expert-parallel", action="store_true", help="shard experts over the DP ranks")
     add("--enable-dbo", action="store_true", help="Dual Batch Overlap of the expert all-to-all")
     _add_dbo_args(group, d)  # listed right after --enable-dbo

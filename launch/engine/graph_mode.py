@@ -17,12 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from launch.engine.arg_utils import EngineArgs
 from moe.compilation import CaptureStats, GraphModeModel
-from moe.compilation.backends import has_standalone_compile
 from moe.platforms import current_platform
 
 
@@ -48,23 +46,21 @@ def build_graph_mode(
     model: nn.Module, args: EngineArgs, *, show_progress: bool
 ) -> tuple[nn.Module, CaptureStats | None]:
     """``(GraphModeModel over model, its capture stats)``, or ``(model, None)`` when graph mode is
-    off (``--enforce-eager``), the platform has no graph backend, or this torch lacks ``standalone_compile`` (a note on stderr).
+    off (``--enforce-eager``), the platform has no graph backend, or the backend cannot run here
+    (a note on stderr).
 
     Compiles at start-up only; a forward above the largest bucket later runs eagerly."""
     capture_sizes = args.graph_capture_sizes()
     if not capture_sizes:
         return model, None
-    backend = current_platform().graph_backend
+    backend = current_platform().graph_backend()
     if backend is None:  # check_and_update_config turns graph mode off there; a direct call
         return model, None
-    if backend == "inductor" and not has_standalone_compile():
-        sys.stderr.write(
-            f"graph mode needs torch._inductor.standalone_compile (torch >= 2.8), this is "
-            f"{torch.__version__}: running eagerly\n"
-        )
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        sys.stderr.write(f"{reason}: running eagerly\n")
         return model, None
-    if backend == "inductor":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = graph_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = graph_cache_dir()  # read by inductor only
     graph_model = GraphModeModel(model, capture_sizes, backend=backend)
     stats = graph_model.capture(progress=show_progress)
     return graph_model, stats

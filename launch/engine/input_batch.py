@@ -48,7 +48,9 @@ class InputBatch:
         max_num_blocks_per_req: int,
         kv_cache_manager: KVCacheManager,
         default_seed: int,
+        device: torch.device | None = None,
     ) -> None:
+        self.device = torch.device("cpu") if device is None else device
         self.max_num_reqs = max_num_reqs
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -137,10 +139,10 @@ class InputBatch:
         is_sampled = seq_lens == self.num_tokens[rows]  # all known tokens computed
         sampled_rows = rows[is_sampled]
         attn_metadata = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_num_new)).astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(self.block_table[rows]),
-            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc=self._to_device(np.concatenate(([0], cu_num_new)).astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_table=self._to_device(self.block_table[rows]),
+            slot_mapping=self._to_device(slot_mapping),
             num_reqs=len(scheduled),
             num_actual_tokens=num_tokens,
             num_tokens=num_rows,
@@ -148,10 +150,10 @@ class InputBatch:
             max_seq_len=int(seq_lens.max(initial=0)),
         )
         return ModelInputs(
-            input_ids=torch.from_numpy(input_ids),
-            positions=torch.from_numpy(positions),
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             attn_metadata=attn_metadata,
-            logits_indices=torch.from_numpy(cu_num_new[is_sampled] - 1),
+            logits_indices=self._to_device(cu_num_new[is_sampled] - 1),
             sampled_request_ids=tuple(request_ids[is_sampled].tolist()),
             sampling_metadata=self._sampling_metadata(sampled_rows),
         )
@@ -181,16 +183,20 @@ class InputBatch:
         )
         return input_ids, positions, slot_mapping
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a tensor on the rank's device (host-to-device copy off the CPU)."""
+        return torch.from_numpy(array).to(self.device)
+
     def _sampling_metadata(self, sampled_rows: np.ndarray) -> SamplingMetadata:
         """The sampling parameters of the persistent rows ``sampled_rows``, in that order."""
         temperature = self.temperature[sampled_rows]
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature),
-            top_p=torch.from_numpy(self.top_p[sampled_rows]),
-            seeds=torch.from_numpy(self.seeds[sampled_rows]),
-            output_positions=torch.from_numpy(
+            temperature=self._to_device(temperature),
+            top_p=self._to_device(self.top_p[sampled_rows]),
+            seeds=self._to_device(self.seeds[sampled_rows]),
+            output_positions=self._to_device(
                 self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
             ),
-            num_logprobs=torch.from_numpy(self.num_logprobs[sampled_rows]),
+            num_logprobs=self._to_device(self.num_logprobs[sampled_rows]),
             is_all_greedy=not temperature.any(),
         )

@@ -31,6 +31,7 @@ from moe import (
     check_checkpoint,
     init_random_weights,
     load_checkpoint,
+    load_config,
     parameter_bytes,
     set_custom_ops,
 )
@@ -63,7 +64,12 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     else:
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
-        config = check_checkpoint(args.model)  # parses config.json (moe.model_loader.load_config)
+        if args.load_format == "dummy":  # config.json only: the weights will be seeded random
+            config = load_config(args.model)
+        else:
+            config = check_checkpoint(
+                args.model
+            )  # parses config.json (moe.model_loader.load_config)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -76,16 +82,46 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
 
 
 def init_parallel_groups(args: EngineArgs):
-    """This rank's ``distributed.ParallelGroups`` for ``args`` on the platform's distributed
-    backend (collective: every rank calls it; see ``distributed.init_distributed``)."""
-    from distributed import init_distributed
+    """This rank's ``distributed.ParallelGroups`` for ``args``, on the device and process-group
+    backend the platform places this rank on (collective: every rank calls it; see
+    ``distributed.init_distributed``).
 
+    Raises:
+        ValueError: before any process group exists, if the platform cannot place this rank
+            (e.g. more ranks on the node than GPUs without ``--share-gpus``) or the torchrun
+            environment is bad.
+    """
+    from distributed import TorchrunEnv, init_distributed
+
+    env = TorchrunEnv.from_environ()
+    placement = current_platform().place_rank(
+        local_rank=env.local_rank,
+        local_world_size=env.num_local_ranks,
+        share_devices=args.share_gpus,
+    )
+    if placement.is_shared and env.rank == 0:
+        print(
+            f"moe-dbo: {placement.num_ranks_on_device} ranks share {placement.device}: process "
+            "groups on gloo, transfers staged through host memory",
+            file=sys.stderr,
+            flush=True,
+        )
     return init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         timeout_s=args.distributed_timeout_s,
-        backend=current_platform().dist_backend,
+        backend=placement.dist_backend,
+        device=placement.device,
+        env=env,
     )
+
+
+def single_rank_groups(args: EngineArgs):
+    """The groups of an engine that runs alone without torchrun, on the platform's device."""
+    from distributed import single_process_groups
+
+    placement = current_platform().place_rank()
+    return single_process_groups(args.distributed_timeout_s, placement.device)
 
 
 @dataclass(slots=True)
@@ -185,7 +221,7 @@ class LLMEngine:
             kv_cache_memory_bytes=engine_args.kv_cache_memory_bytes,
         )
         self._log(self.kv_cache_sizing.summary())
-        if model.checkpoint_dir is None:
+        if model.checkpoint_dir is None or engine_args.load_format == "dummy":
             init_random_weights(self.model, seed=engine_args.seed)
         else:
             load_checkpoint(self.model, model.checkpoint_dir)
@@ -212,6 +248,7 @@ class LLMEngine:
             ep_size=self.groups.ep_size,
             all2all_backend=self.all2all_backend,
             dtype=dtype,
+            device=self.groups.device,
         )
 
     def _build_model_runner(self, platform) -> ModelRunner:
@@ -244,6 +281,7 @@ class LLMEngine:
         platform, its config notes and why the dtype differs from the request, if it does."""
         chosen = self.args.compute_dtype()
         self._log(platform.describe())
+        self._log(f"device {platform.describe_device(self.groups.device)}")
         for note in self.args.platform_notes:
             self._log(note)
         if chosen.reason is not None:

@@ -100,10 +100,11 @@ class ModelRunner:
         self.args = engine_args
         self.groups = groups
         self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.platform = current_platform()
         self.wrapper = UBatchWrapper(
             self._forward,
             timeout_s=engine_args.distributed_timeout_s,
-            use_streams=current_platform().has_ubatch_streams,
+            make_streams=self.platform.make_ubatch_streams,
         )
         self.input_batch = InputBatch(
             max_num_reqs=engine_args.max_num_seqs,
@@ -111,6 +112,7 @@ class ModelRunner:
             max_num_blocks_per_req=max_num_blocks_per_req,
             kv_cache_manager=kv_cache_manager,
             default_seed=engine_args.seed,
+            device=groups.device,
         )
         self.sampler = Sampler()
         # Learns per batch shape whether microbatching pays; used for the kinds whose threshold is
@@ -213,8 +215,6 @@ class ModelRunner:
         num_rows = decision.num_tokens_padded if decision.should_ubatch else max(num_tokens, 1)
         inputs = self.input_batch.prepare_inputs(scheduler_output, num_rows=num_rows)
         hidden_states = self._run_model(decision, inputs, num_rows)
-        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
-        # clock (host-device sync), or the policy would time the launches only.
         self._end_step_timing(start_ns, decision)
         return ForwardOutput(
             hidden_states=hidden_states,
@@ -305,8 +305,8 @@ class ModelRunner:
 
     def _end_step_timing(self, start_ns: int, decision: DPMicrobatchDecision) -> None:
         """Keep this step's time for the next vote; mark an exploration step on the timeline."""
-        # On CPU the forward has finished here; a CUDA path must synchronise before reading the
-        # clock (host-device sync), or the policy would time the launches only.
+        # host-device sync where ops are asynchronous (CUDA): else the policy would time launches
+        self.platform.synchronize(self.groups.device)
         end_ns = self.clock_ns()
         self._prev_step_us = max((end_ns - start_ns) // 1000, 1)
         choice = decision.adaptive
@@ -368,7 +368,7 @@ class ModelRunner:
             return self.sampler(logits, metadata), {}
         except Exception:  # noqa: BLE001 - find the row(s) at fault below
             pass
-        tokens = torch.zeros(logits.shape[0], dtype=torch.int64)
+        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
         errors: dict[int, str] = {}
         for row in range(logits.shape[0]):  # failure path only, never in a normal step
             try:

@@ -87,12 +87,8 @@ class LLM:
         return llm
 
     def _start(self, args, offline_model: OfflineModel, by_torchrun: bool) -> None:
-        import torch
-
-        from distributed import single_process_groups
         from distributed.liveness import Heartbeat
-        from launch.engine.llm_engine import LLMEngine, init_parallel_groups
-        from moe.platforms.plugins import current_platform
+        from launch.engine.llm_engine import LLMEngine, init_parallel_groups, single_rank_groups
 
         self.offline_model = offline_model
         self.heartbeat = None
@@ -102,8 +98,7 @@ class LLM:
             groups = init_parallel_groups(args)  # the platform's distributed backend
             self.heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
         else:
-            device = torch.device(current_platform().device_type)
-            groups = single_process_groups(args.distributed_timeout_s, device)
+            groups = single_rank_groups(args)
         atexit.register(self.shutdown)
         try:
             self.llm_engine = LLMEngine(

@@ -1,4 +1,7 @@
-"""Graph backends for one piece at one bucket size: inductor on CPU, CUDA graphs on CUDA.
+"""Graph backends for one piece at one bucket size: inductor on CPU, CUDA graphs on CUDA. The
+platform hands out the class (``Platform.graph_backend()``); each offers ``name``,
+``shares_graphs`` (one graph may serve pieces of equal structure: their weights are inputs),
+``unavailable_reason()`` and ``for_piece(module, example_inputs, is_weight)``.
 
 A piece is an FX ``GraphModule`` cut out of the traced model forward
 (``moe.compilation.piecewise``): a pure function of its inputs, the weights it reads among them.
@@ -14,7 +17,8 @@ A piece is an FX ``GraphModule`` cut out of the traced model forward
   buffers (documented API: warm up on a side stream, then ``torch.cuda.graph``); the weights are
   captured in place, replay copies the other inputs in and CLONES the outputs, because the two DBO
   ubatches replay the same graph in turn and the second replay would overwrite the first one's
-  outputs. Written against the documented API; its tests are marked ``gpu``.
+  outputs. All pieces' graphs share one memory pool (each graph's outputs are cloned before the
+  next replay, so their intermediates may overlap). Its tests are marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,24 @@ def has_standalone_compile() -> bool:
 class InductorGraph:
     """One piece compiled by inductor for inputs of the example's shapes, strides and dtypes:
     ``graph(*inputs) -> tuple of tensors`` (the piece's outputs)."""
+
+    name = "inductor"
+    shares_graphs = True
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if has_standalone_compile():
+            return None
+        return (
+            f"graph mode needs torch._inductor.standalone_compile (torch >= 2.8), this is "
+            f"{torch.__version__}"
+        )
+
+    @classmethod
+    def for_piece(
+        cls, piece: fx.GraphModule, example_inputs: Sequence[Tensor], is_weight: Sequence[bool]
+    ) -> InductorGraph:
+        return cls(piece, example_inputs, cpp_wrapper=True)
 
     def __init__(
         self, piece: fx.GraphModule, example_inputs: Sequence[Tensor], *, cpp_wrapper: bool
@@ -61,6 +83,20 @@ class CUDAGraphPiece:
         RuntimeError: if CUDA is not available.
     """
 
+    name = "cuda_graph"
+    shares_graphs = False
+    _pool = None  # one memory pool for every captured piece (torch.cuda.graph_pool_handle)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        return None if torch.cuda.is_available() else "CUDA graphs need a CUDA device"
+
+    @classmethod
+    def for_piece(
+        cls, piece: fx.GraphModule, example_inputs: Sequence[Tensor], is_weight: Sequence[bool]
+    ) -> CUDAGraphPiece:
+        return cls(piece, example_inputs, is_weight)
+
     def __init__(
         self,
         piece: Callable[..., Sequence[Tensor]],
@@ -80,8 +116,10 @@ class CUDAGraphPiece:
             for _ in range(num_warmup):
                 piece(*self._inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        if CUDAGraphPiece._pool is None:
+            CUDAGraphPiece._pool = torch.cuda.graph_pool_handle()
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
+        with torch.cuda.graph(self._graph, pool=CUDAGraphPiece._pool):
             self._outputs = tuple(piece(*self._inputs))
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:

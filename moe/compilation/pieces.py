@@ -4,6 +4,7 @@ code over other layers' weights share one compiled graph."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -178,13 +179,29 @@ def _piece(
     return Piece(name=node.target, module=sub, example=example, is_weight=is_weight)
 
 
+def _return_tuples(graph: fx.GraphModule) -> None:
+    """Make every submodule of ``graph`` (a ``split_module`` result) return a tuple, its caller
+    taking item 0 where it returned one value (what newer torch's ``tuple_return=True`` does;
+    done here so that every torch the package accepts splits alike)."""
+    for node in [n for n in graph.graph.nodes if n.op == "call_module"]:
+        sub = getattr(graph, node.target)
+        output = next(n for n in sub.graph.nodes if n.op == "output")
+        if isinstance(output.args[0], (tuple, list)):
+            continue
+        output.args = ((output.args[0],),)
+        sub.recompile()
+        with graph.graph.inserting_after(node):
+            item = graph.graph.call_function(operator.getitem, (node, 0))
+        node.replace_all_uses_with(item, delete_user_cb=lambda user, item=item: user is not item)
+    graph.recompile()
+
+
 def split_forward(traced: TracedForward) -> SplitForward:
     """Cut ``traced`` at its splitting ops (``split_module``; every submodule returns a tuple):
     splitting-op submodules are bound to their runners, the others listed as pieces."""
     ids = _partitions(traced.graph.graph)
-    graph = split_module(
-        traced.graph, traced.graph, lambda n: ids[n], keep_original_order=True, tuple_return=True
-    )
+    graph = split_module(traced.graph, traced.graph, lambda n: ids[n], keep_original_order=True)
+    _return_tuples(graph)
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     weight_index = {n: i for i, n in enumerate(placeholders[: len(traced.weights)])}
     split = SplitForward(graph=graph, weights=traced.weights, pieces=[])

@@ -35,14 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import is_timeline_active, set_timeline_layer, timeline_span
-from moe.compilation.backends import CUDAGraphPiece, InductorGraph
+from moe.compilation.backends import InductorGraph
 from moe.compilation.config import bucket_for
 from moe.compilation.pieces import Piece, SplitForward, split_forward, structure_key, trace_forward
 from moe.compilation.splitting import pad_rows, splitting_context
 
-BACKENDS = ("inductor", "cuda_graph")
-
-__all__ = ["BACKENDS", "CaptureStats", "GraphModeModel", "pad_rows"]
+__all__ = ["CaptureStats", "GraphModeModel", "pad_rows"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,20 +72,19 @@ class GraphModeModel(nn.Module):
         causal_lm: the built model, weights loaded (graphs are captured from its current state);
             ``forward(input_ids [n] int64, positions [n] int64, attn_metadata) -> [n, hidden]``.
         capture_sizes: ascending buckets (``moe.compilation.config.resolve_capture_sizes``).
-        backend: ``"inductor"`` (CPU) or ``"cuda_graph"``.
+        backend: the piece backend class (``moe.compilation.backends``; the platform's
+            ``graph_backend()``): ``InductorGraph`` (CPU) or ``CUDAGraphPiece``.
 
     Raises:
-        ValueError: empty ``capture_sizes`` or an unknown backend.
+        ValueError: empty ``capture_sizes``.
     """
 
     def __init__(
-        self, causal_lm: nn.Module, capture_sizes: tuple[int, ...], *, backend: str = "inductor"
+        self, causal_lm: nn.Module, capture_sizes: tuple[int, ...], *, backend=InductorGraph
     ):
         super().__init__()
         if not capture_sizes:
             raise ValueError("graph mode needs at least one capture size")
-        if backend not in BACKENDS:
-            raise ValueError(f"graph backend {backend!r} is not one of {BACKENDS}")
         self.lm = causal_lm
         self.capture_sizes = tuple(capture_sizes)
         self.backend = backend
@@ -115,7 +112,7 @@ class GraphModeModel(nn.Module):
             splits = {b: split_forward(trace_forward(self.lm, b)) for b in self.capture_sizes}
             groups = self._group_pieces(splits)
             bar = tqdm(
-                groups, desc=f"graph mode ({self.backend})", unit="graph", disable=not progress
+                groups, desc=f"graph mode ({self.backend.name})", unit="graph", disable=not progress
             )
             for pieces in bar:
                 graph = _spanned(self._compile_piece(pieces[0][1]))
@@ -128,7 +125,7 @@ class GraphModeModel(nn.Module):
             num_graphs=len(groups),
             seconds=time.perf_counter() - start,
             capture_sizes=self.capture_sizes,
-            backend=self.backend,
+            backend=self.backend.name,
         )
         return self._stats
 
@@ -139,7 +136,7 @@ class GraphModeModel(nn.Module):
         alone = []
         for bucket, split in splits.items():
             for piece in split.pieces:
-                if self.backend != "inductor":
+                if not self.backend.shares_graphs:
                     alone.append([(bucket, piece)])
                     continue
                 key, constants = structure_key(piece.module, piece.example)
@@ -153,9 +150,7 @@ class GraphModeModel(nn.Module):
         return alone + [members for entries in groups.values() for _, members in entries]
 
     def _compile_piece(self, piece: Piece) -> Callable[..., tuple[Tensor, ...]]:
-        if self.backend == "inductor":
-            return InductorGraph(piece.module, piece.example, cpp_wrapper=True)
-        return CUDAGraphPiece(piece.module, piece.example, piece.is_weight)
+        return self.backend.for_piece(piece.module, piece.example, piece.is_weight)
 
     # no_grad, not inference_mode: as MoEForCausalLM.forward (a recv hook may finalize a combine
     # outside the caller's inference mode)

@@ -105,11 +105,12 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     return result
 
 
-def _open(file: Path):
+def _open(file: Path, device: torch.device | str = "cpu"):
+    """``file`` opened by safetensors; ``get_tensor`` reads straight onto ``device``."""
     if not file.is_file():
         raise FileNotFoundError(f"safetensors file {str(file)!r} (listed in the index) is missing")
     try:
-        return safe_open(str(file), framework="pt", device="cpu")
+        return safe_open(str(file), framework="pt", device=str(device))
     except Exception as e:  # SafetensorError is not importable as a stable name across versions
         raise ValueError(f"cannot read safetensors file {str(file)!r}: {e}") from e
 
@@ -176,8 +177,9 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> LoadStats:
     """
     by_file = _plan(model, Path(path))
     names_read: list[str] = []
+    device = next(model.parameters()).device  # read onto the device, no host copy of the model
     for file, entries in by_file.items():
-        with _open(file) as f:
+        with _open(file, device) as f:
             keys = set(f.keys())
             for name, target in entries:
                 _check_entry(f, file, keys, name, target)

@@ -5,14 +5,16 @@ instead of testing device strings, and an out-of-tree platform (``moe_dbo.platfo
 see ``moe.platforms.plugins``) is one subclass that overrides the answers it changes. The
 questions:
 
-- ``device_type``: the torch device type tensors live on; ``dispatch_key``: which
-  ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch everywhere).
-- ``dist_backend``: the torch.distributed backend of the process groups.
-- ``has_ubatch_streams``: whether each DBO ubatch gets its own comm stream and events
-  (``dbo.cuda_streams``); ``issue_before_recv_hook``: the transfer order under DBO. On the CPU a
-  recv hook blocks until the data land, so a ubatch issues its own transfer first and then runs
-  the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order (hook first) is kept.
-- ``graph_backend``: ``"inductor"``, ``"cuda_graph"`` or None (graph mode runs eagerly).
+- ``place_rank(...)``: the rank's ``RankPlacement`` (``moe.platforms.placement``): the device
+  the model, KV cache and step tensors live on and the process-group backend that fits it;
+  ``synchronize(device)``: wait for the work enqueued there (a no-op where ops are synchronous).
+  ``dispatch_key``: which ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch).
+- ``make_ubatch_streams(n, device)``: each DBO ubatch's comm stream and events
+  (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
+  the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
+  then runs the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order is kept.
+- ``graph_backend()``: the class that compiles or captures one graph-mode piece
+  (``moe.compilation.backends``), or None (graph mode runs eagerly).
 - ``prepare_kernels()``: build or load the platform's own kernels before the first step; the
   start-up line, or None where there are none.
 - ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
@@ -38,6 +40,7 @@ from moe.platforms.cpu_capability import (
     detect_cpu_capability,
     onednn_linear_unavailable_reason,
 )
+from moe.platforms.placement import RankPlacement, accelerator_index, host_placement
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,12 +74,8 @@ class Platform:
     Subclass and override the answers that differ (see the module docstring)."""
 
     name: str = "unspecified"
-    device_type: str = "cpu"
     dispatch_key: str = "native"
-    dist_backend: str = "gloo"
-    has_ubatch_streams: bool = False
     issue_before_recv_hook: bool = True
-    graph_backend: str | None = None
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
 
     def __repr__(self) -> str:
@@ -86,6 +85,32 @@ class Platform:
         """The host CPU's capability, detected on the first call (the host CPU runs the Python
         side on every platform)."""
         return _host_cpu_capability()
+
+    def place_rank(
+        self, *, local_rank: int = 0, local_world_size: int = 1, share_devices: bool = False
+    ) -> RankPlacement:
+        """Where rank ``local_rank`` of the ``local_world_size`` ranks of this node computes.
+
+        Raises:
+            ValueError: the node cannot host that many ranks (see ``placement``), naming why.
+        """
+        return host_placement()
+
+    def synchronize(self, device: torch.device) -> None:
+        """Block until the work enqueued on ``device`` is done (host-device synchronisation)."""
+
+    def describe_device(self, device: torch.device) -> str:
+        """The device for the start-up line, e.g. ``cpu`` or ``cuda:0 (NVIDIA H200, 139.8 GiB)``."""
+        return str(device)
+
+    def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
+        """Per-ubatch streams and events on ``device`` (``dbo.cuda_streams.UBatchStreams``), or
+        None where ops run in issue order."""
+        return None
+
+    def graph_backend(self) -> type | None:
+        """The graph-mode piece backend (``moe.compilation.backends``), or None (eager only)."""
+        return None
 
     def prepare_kernels(self) -> str | None:
         """Build or load this platform's kernels now; the start-up line, or None if it has none."""
@@ -113,7 +138,7 @@ class Platform:
                 naming it and what is accepted.
         """
         self.compute_dtype(getattr(torch, args.dtype))  # raises for an unsupported dtype
-        if self.graph_backend is None and not args.enforce_eager:
+        if self.graph_backend() is None and not args.enforce_eager:
             return ConfigUpdate(
                 changes={"enforce_eager": True},
                 notes=(f"graph mode off: platform {self.name} has no graph backend",),
@@ -139,12 +164,13 @@ class CpuPlatform(Platform):
     oneDNN's prepacked GEMMs where a probe shows they run."""
 
     name = "cpu"
-    device_type = "cpu"
     dispatch_key = "cpu"
-    dist_backend = "gloo"
-    has_ubatch_streams = False
     issue_before_recv_hook = True
-    graph_backend = "inductor"
+
+    def graph_backend(self) -> type | None:
+        from moe.compilation.backends import InductorGraph
+
+        return InductorGraph
 
     def prepare_kernels(self) -> str | None:
         from moe.kernels import prepare_cpu_kernels  # builds C++: only when asked
@@ -179,14 +205,51 @@ class CpuPlatform(Platform):
 
 
 class CudaPlatform(Platform):
-    """NVIDIA GPUs: NCCL, per-ubatch CUDA streams and events, CUDA graphs, vLLM's transfer order.
-    Written against the documented APIs; not run on a GPU by this project's CI."""
+    """NVIDIA GPUs: a device per local rank (shared on request), NCCL (gloo when shared),
+    per-ubatch CUDA streams and events, CUDA graphs, vLLM's transfer order."""
 
     name = "cuda"
-    device_type = "cuda"
     dispatch_key = "cuda"
-    dist_backend = "nccl"
-    has_ubatch_streams = True
     issue_before_recv_hook = False
-    graph_backend = "cuda_graph"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+    def device_count(self) -> int:
+        """Visible CUDA devices (tests override it to drive ``place_rank``)."""
+        return torch.cuda.device_count()
+
+    def place_rank(
+        self, *, local_rank: int = 0, local_world_size: int = 1, share_devices: bool = False
+    ) -> RankPlacement:
+        index, num_on_device = accelerator_index(
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            device_count=self.device_count(),
+            share_devices=share_devices,
+        )
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        return RankPlacement(
+            device=device,
+            # NCCL refuses two ranks on one device: shared devices talk over gloo via the host
+            dist_backend="gloo" if num_on_device > 1 else "nccl",
+            num_ranks_on_device=num_on_device,
+        )
+
+    def describe_device(self, device: torch.device) -> str:
+        if device.type != "cuda":
+            return str(device)
+        props = torch.cuda.get_device_properties(device)
+        return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
+        from dbo.cuda_streams import make_ubatch_streams
+
+        return make_ubatch_streams(num_ubatches, device)
+
+    def graph_backend(self) -> type | None:
+        from moe.compilation.backends import CUDAGraphPiece
+
+        return CUDAGraphPiece

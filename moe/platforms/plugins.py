@@ -7,15 +7,16 @@ package adds a platform by declaring, in its ``pyproject.toml``,
     my_npu = "my_pkg:register"          # register() -> "my_pkg.platform.NPUPlatform" or None
 
 and registers other things (out-of-tree ops, ...) through ``moe_dbo.general_plugins``, whose
-functions are simply called once. ``current_platform()`` resolves lazily, on first use: an activated
-(non-None) plugin platform wins (at most one may activate), else CUDA when available, else CPU.
-Nothing happens at import time.
+functions are simply called once. ``current_platform()`` resolves lazily, on first use: ``MOE_DBO_PLATFORM`` (``cpu``, ``cuda`` or a
+platform plugin's entry-point name) when set, else an activated (non-None) plugin platform (at
+most one may activate), else CUDA when available, else CPU. Nothing happens at import time.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -65,12 +66,21 @@ def _import_class(qualname: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+PLATFORM_ENV = "MOE_DBO_PLATFORM"
+BUILTIN_PLATFORMS: dict[str, type[Platform]] = {"cpu": CpuPlatform, "cuda": CudaPlatform}
+
+
 def resolve_platform() -> Platform:
     """Pick the platform now (see the module docstring).
 
     Raises:
         RuntimeError: more than one platform plugin activated (their names are listed).
+        ValueError: ``MOE_DBO_PLATFORM`` names no built-in platform or installed plugin, or
+            ``cuda`` where CUDA is not available.
     """
+    chosen = os.environ.get(PLATFORM_ENV, "")
+    if chosen:
+        return _named_platform(chosen)
     activated = {}
     for name, register in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
         qualname = register()
@@ -83,6 +93,23 @@ def resolve_platform() -> Platform:
     if torch.cuda.is_available():
         return CudaPlatform()
     return CpuPlatform()
+
+
+def _named_platform(name: str) -> Platform:
+    """The platform ``MOE_DBO_PLATFORM`` names: a built-in one or a plugin's (even one that would
+    not activate itself)."""
+    if name in BUILTIN_PLATFORMS:
+        if name == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{PLATFORM_ENV}=cuda, but CUDA is not available")
+        return BUILTIN_PLATFORMS[name]()
+    plugins = load_plugins_by_group(PLATFORM_PLUGINS_GROUP)
+    if name not in plugins:
+        known = sorted([*BUILTIN_PLATFORMS, *plugins])
+        raise ValueError(f"{PLATFORM_ENV}={name!r} is not one of {known}")
+    qualname = plugins[name]()
+    if qualname is None:
+        raise ValueError(f"{PLATFORM_ENV}={name!r}: the plugin is not available on this machine")
+    return _import_class(qualname)()
 
 
 _current_platform: Platform | None = None

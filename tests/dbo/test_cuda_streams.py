@@ -1,6 +1,6 @@
 """The GPU half of the ubatch protocol (``dbo.cuda_streams``): streams per ubatch and an event
-recorded before each hand-over that the next owner's stream waits on. Needs CUDA; skipped here
-(this code has not run on a GPU yet)."""
+recorded before each hand-over that the next owner's stream waits on. Needs CUDA; skipped
+without it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dbo import dbo_switch_to_comm, dbo_switch_to_compute, dbo_yield, make_ubatch_contexts
+from dbo.cuda_streams import make_ubatch_streams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +37,9 @@ def _run(contexts, fn):
 
 
 def test_contexts_carry_streams_and_start_on_the_compute_stream():
-    contexts = make_ubatch_contexts(2, timeout_s=10, stream_device=torch.device("cuda"))
+    contexts = make_ubatch_contexts(
+        2, timeout_s=10, streams=make_ubatch_streams(2, torch.device("cuda"))
+    )
     streams = [ctx.streams for ctx in contexts]
     assert all(s is not None for s in streams)
     assert streams[0].compute_stream == streams[1].compute_stream
@@ -58,7 +61,9 @@ def test_work_enqueued_before_a_yield_is_visible_to_the_next_owner():
     """Ubatch 0 writes on its comm stream behind a long kernel and yields without syncing; ubatch
     1's reads, enqueued after the baton pass, must see the write (the hand-over event orders
     them)."""
-    contexts = make_ubatch_contexts(2, timeout_s=10, stream_device=torch.device("cuda"))
+    contexts = make_ubatch_contexts(
+        2, timeout_s=10, streams=make_ubatch_streams(2, torch.device("cuda"))
+    )
     data = torch.zeros(1 << 20, device="cuda")
     result = {}
 

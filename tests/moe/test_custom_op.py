@@ -186,6 +186,7 @@ def test_platform_and_general_plugins_found_through_entry_points(tmp_path, monke
         "[moe_dbo.platform_plugins]\nfake_npu = fake_npu_plugin:register_platform\n\n"
         "[moe_dbo.general_plugins]\nfake_ops = fake_npu_plugin:register_ops\n"
     )
+    monkeypatch.delenv("MOE_DBO_PLATFORM", raising=False)  # the suite pins the CPU platform
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(plugins, "_general_plugins_loaded", False)
     set_current_platform(resolve_platform())

@@ -14,6 +14,7 @@ import torch
 
 from launch.engine.arg_utils import EngineArgs
 from moe import TorchExperts
+from moe.compilation.backends import CUDAGraphPiece, InductorGraph
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
 from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
 from moe.platforms import (
@@ -104,17 +105,15 @@ def test_probes_answer_for_the_dtypes_every_cpu_has():
 
 def test_cpu_platform_answers():
     cpu = CpuPlatform()
-    assert (cpu.device_type, cpu.dispatch_key, cpu.dist_backend) == ("cpu", "cpu", "gloo")
-    assert (cpu.has_ubatch_streams, cpu.issue_before_recv_hook) == (False, True)
-    assert cpu.graph_backend == "inductor"
+    placement = cpu.place_rank(local_rank=1, local_world_size=4)
+    assert (placement.device, placement.dist_backend) == (torch.device("cpu"), "gloo")
+    assert cpu.dispatch_key == "cpu" and cpu.issue_before_recv_hook is True
+    assert cpu.make_ubatch_streams(2, torch.device("cpu")) is None
+    assert cpu.graph_backend() is InductorGraph
     assert cpu.compute_dtype(torch.float32) == ComputeDtype(dtype=torch.float32)
     cuda = CudaPlatform()
-    assert (cuda.dist_backend, cuda.has_ubatch_streams, cuda.issue_before_recv_hook) == (
-        "nccl",
-        True,
-        False,
-    )
-    assert cuda.graph_backend == "cuda_graph"
+    assert cuda.issue_before_recv_hook is False
+    assert cuda.graph_backend() is CUDAGraphPiece
 
 
 def test_bfloat16_runs_as_float32_exactly_where_the_probe_fails(monkeypatch):
@@ -216,6 +215,7 @@ def test_installed_plugin_platform_changes_the_engines_decisions(installed_plugi
         "PYTHONPATH": os.pathsep.join([str(installed_plugin), str(REPO)]),
         "MOE_DBO_TEST_PLATFORM": "1",
     }
+    env.pop("MOE_DBO_PLATFORM", None)  # the suite's pin to the CPU platform would win
     check = (
         "from moe.platforms import current_platform; from moe import TorchExperts;"
         "p = current_platform(); e = TorchExperts(num_local_experts=1, hidden_size=4, "
@@ -254,6 +254,7 @@ def test_installed_plugin_platform_changes_the_engines_decisions(installed_plugi
 def test_the_plugin_stays_inactive_unless_enabled(installed_plugin):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_plugin), str(REPO)])}
     env.pop("MOE_DBO_TEST_PLATFORM", None)
+    env.pop("MOE_DBO_PLATFORM", None)
     check = "from moe.platforms import current_platform; print(current_platform().name)"
     proc = subprocess.run(
         [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120

@@ -9,7 +9,6 @@ class PluginPlatform(Platform):
     name = "plugin_cpu"
     dispatch_key = "oot"  # ops bind forward_oot (forward_native where an op has none)
     issue_before_recv_hook = False  # vLLM's transfer order
-    graph_backend = None  # graph mode off: check_and_update_config says so
     supported_dtypes = (torch.float32, torch.float64, torch.bfloat16)
 
     def prepare_kernels(self) -> str | None:
