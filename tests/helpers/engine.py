@@ -41,7 +41,7 @@ def run_engine_steps(engine, prompts, dp_rank, dp_size):
         engine.scheduler.update_from_output(scheduler_output, sampled)
     tokens = {r.request_id: r.output_token_ids[:NUM_DECODE_STEPS] for r in engine.running_requests}
     # numpy, not tensors: tensors cross the result queue through shared memory that dies with the rank
-    return {i: torch.cat(v).numpy() for i, v in logits.items()}, tokens, ubatched
+    return {i: torch.cat(v).cpu().numpy() for i, v in logits.items()}, tokens, ubatched
 
 
 def dbo_test_engine_args(model_dir, world_size, enable_dbo, **overrides):

@@ -1,0 +1,58 @@
+"""What the GPU tests share: the CUDA platform for one test, attention metadata moved
+to a device, and the matrix products a callable runs on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_MATMULS = frozenset(
+    name
+    for op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm")
+    for name in (f"aten::{op}",)
+)
+
+
+@contextlib.contextmanager
+def cuda_platform() -> Iterator[None]:
+    """The CUDA platform for the duration (the suite pins the CPU one: ``tests/conftest.py``)."""
+    from moe.platforms import CudaPlatform, set_current_platform
+
+    set_current_platform(CudaPlatform())
+    try:
+        yield
+    finally:
+        set_current_platform(None)
+
+
+def metadata_to(metadata, device: torch.device):
+    """``CommonAttentionMetadata`` with its tensors on ``device`` (a fresh derived cache)."""
+    tensors = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    return dataclasses.replace(
+        metadata, **{name: getattr(metadata, name).to(device) for name in tensors}
+    )
+
+
+class _HostMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in _MATMULS or "mkldnn" in name or "onednn" in name:
+            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))]
+            if any(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors):
+                self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def host_matmuls(fn: Callable[[], object]) -> list[str]:
+    """The matrix-product ops ``fn()`` ran with an operand in host memory (ATen op names)."""
+    with _HostMatmuls() as mode:
+        fn()
+    return mode.calls

@@ -1,0 +1,114 @@
+"""The device flags without a GPU: ``--share-gpus`` and the refusal of more ranks than GPUs
+before any process group exists, ``--load-format dummy`` on a config.json-only directory, and the
+graph-mode split on the installed torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_namespace
+from moe.platforms import CudaPlatform, set_current_platform
+
+
+class _OneFakeGpu(CudaPlatform):
+    def device_count(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def one_fake_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    set_current_platform(_OneFakeGpu())
+    yield
+    set_current_platform(None)
+
+
+def _parse(*argv: str) -> EngineArgs:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_args_from_namespace(parser.parse_args(list(argv)))
+
+
+def test_share_gpus_and_load_format_parse_with_vllms_spelling():
+    args = _parse("--share-gpus", "--load-format", "dummy", "--dtype", "float32")
+    assert args.share_gpus and args.load_format == "dummy"
+    defaults = _parse("--dtype", "float32")
+    assert not defaults.share_gpus and defaults.load_format == "auto"
+    with pytest.raises(ValueError, match=r"--load-format 'npz' is not one of"):
+        EngineArgs(load_format="npz", dtype="float32")
+
+
+def test_two_ranks_on_one_gpu_are_refused_before_any_process_group(one_fake_gpu, monkeypatch):
+    from launch.engine.llm_engine import init_parallel_groups
+
+    for key, value in dict(
+        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
+    ).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    args = EngineArgs(data_parallel_size=2, dtype="float32", enforce_eager=True)
+    with pytest.raises(ValueError, match=r"^2 ranks on this node but 1 CUDA device\(s\) visible"):
+        init_parallel_groups(args)
+    assert not dist.is_initialized()
+
+
+def test_a_config_json_alone_runs_with_load_format_dummy(tiny_mixtral_dir, tmp_path):
+    from tests.helpers.single_rank import single_rank_engine
+
+    shutil.copy(f"{tiny_mixtral_dir}/config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        single_rank_engine(str(tmp_path))
+    engine = single_rank_engine(str(tmp_path), load_format="dummy", seed=7)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert engine.model.model.embed_tokens.weight.shape == (
+        config["vocab_size"],
+        config["hidden_size"],
+    )
+    from launch.engine.request import Request, SamplingParams
+
+    engine.add_request(
+        Request(
+            request_id=0,
+            prompt_token_ids=[3, 4, 5],
+            sampling_params=SamplingParams(max_tokens=4),
+        )
+    )
+    (finished,) = engine.run_until_done()
+    assert len(finished.output_token_ids) == 4
+    # seeded: the same seed gives the same weights, another seed other weights
+    again = single_rank_engine(str(tmp_path), load_format="dummy", seed=7)
+    other = single_rank_engine(str(tmp_path), load_format="dummy", seed=8)
+    w = [e.model.lm_head.weight for e in (engine, again, other)]
+    assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+
+
+def test_graph_mode_pieces_return_tuples_on_this_torch():
+    """``split_forward`` gives every piece a tuple return whether or not this torch's
+    ``split_module`` takes ``tuple_return`` (torch 2.11 does not)."""
+    from torch import fx
+    from torch.fx.passes.split_module import split_module
+
+    from moe.compilation.pieces import _return_tuples
+
+    def f(x, y):
+        a = x + 1  # partition 0: one output
+        b = a * y  # partition 1: one output
+        return b, a
+
+    traced = fx.symbolic_trace(f)
+    parts = {"add": 0, "mul": 1}
+    graph = split_module(traced, traced, lambda n: parts.get(n.name, 0), keep_original_order=True)
+    _return_tuples(graph)
+    for node in graph.graph.nodes:
+        if node.op == "call_module":
+            out = next(n for n in getattr(graph, node.target).graph.nodes if n.op == "output")
+            assert isinstance(out.args[0], tuple)
+    x, y = torch.randn(3), torch.randn(3)
+    assert all(torch.equal(a, b) for a, b in zip(graph(x, y), f(x, y), strict=True))

@@ -1,0 +1,160 @@
+"""The engine on a CUDA device (tests marked ``gpu``; skipped without CUDA): every parameter and
+the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
+transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
+one GPU with DP+EP+DBO equal DBO off and transformers. The host-matmul detector itself is checked
+on the CPU, where it must find the host's products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.engine import NUM_DECODE_STEPS, run_engine_steps
+from tests.helpers.gpu import cuda_platform, host_matmuls
+from tests.helpers.precision import FLOAT32_REL, reference_model, reference_rel
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+GPU_ARCHS = ("mixtral", "deepseek_v3", "qwen2_moe")
+
+
+def _engine(model_dir: str, device: torch.device, **overrides):
+    from distributed import single_process_groups
+    from launch.engine.arg_utils import EngineArgs
+    from launch.engine.llm_engine import LLMEngine, resolve_model
+
+    args = EngineArgs(
+        **{
+            "model": model_dir,
+            "dtype": "float32",
+            "max_model_len": 64,
+            "block_size": 4,
+            **overrides,
+        }
+    )
+    groups = single_process_groups(timeout_s=60, device=device)
+    return LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+
+
+def _one_decode_step(engine) -> None:
+    from launch.engine.request import Request, SamplingParams
+
+    engine.add_request(
+        Request(request_id=0, prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams())
+    )
+    engine.step()  # the prefill
+
+
+def test_the_host_matmul_detector_finds_the_cpus_products(tiny_mixtral_dir):
+    engine = _engine(tiny_mixtral_dir, torch.device("cpu"), enforce_eager=True)
+    _one_decode_step(engine)
+    assert host_matmuls(engine.step)  # a CPU engine multiplies on the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the_host(
+    tiny_mixtral_dir,
+):
+    with cuda_platform():
+        engine = _engine(tiny_mixtral_dir, torch.device("cuda", 0), dtype="bfloat16")
+        tensors = {**dict(engine.model.named_parameters()), **dict(engine.model.named_buffers())}
+        assert {t.device.type for t in tensors.values()} == {"cuda"}
+        caches = [layer.kv_cache for layer in engine.model.attention_layers]
+        assert {c.device.type for c in caches} == {"cuda"}
+        _one_decode_step(engine)
+        assert host_matmuls(engine.step) == []
+
+
+def _logits_on_gpu(model_dir: str, dtype: str):
+    with cuda_platform():
+        engine = _engine(model_dir, torch.device("cuda", 0), dtype=dtype, enforce_eager=True)
+        return run_engine_steps(engine, PROMPTS, 0, 1)
+
+
+def _assert_close_to_transformers(model_dir, model_type, logits, tokens, rel_of):
+    exact = reference_model(model_dir)
+    for index, rows in logits.items():
+        full = torch.tensor([PROMPTS[index] + tokens[index]])
+        with torch.no_grad():
+            ref = exact(full).logits[0, : rows.shape[0]].double()
+        bound = rel_of(model_type) * ref.abs().max().item()
+        torch.testing.assert_close(torch.from_numpy(rows).double(), ref, rtol=0, atol=bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_type", GPU_ARCHS)
+def test_gpu_logits_equal_transformers_in_float64_and_float32(tiny_arch_dirs, model_type):
+    model_dir = tiny_arch_dirs[model_type]
+    logits64, tokens64, _ = _logits_on_gpu(model_dir, "float64")
+    _assert_close_to_transformers(model_dir, model_type, logits64, tokens64, reference_rel)
+    logits32, tokens32, _ = _logits_on_gpu(model_dir, "float32")
+    # float32 greedy tokens follow float64's except at near-ties, which the logit bound covers
+    _assert_close_to_transformers(
+        model_dir, model_type, logits32, tokens32, lambda _: max(FLOAT32_REL, 1e-5)
+    )
+    assert all(len(t) == NUM_DECODE_STEPS for t in tokens32.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
+    with cuda_platform():
+        device = torch.device("cuda", 0)
+        eager = run_engine_steps(
+            _engine(tiny_mixtral_dir, device, enforce_eager=True), PROMPTS, 0, 1
+        )
+        graphs = run_engine_steps(
+            _engine(tiny_mixtral_dir, device, cudagraph_capture_sizes=(1, 2, 4, 8, 16)),
+            PROMPTS,
+            0,
+            1,
+        )
+    assert graphs[1] == eager[1]  # tokens
+    for index, rows in eager[0].items():
+        bound = 64 * torch.finfo(torch.float32).eps * float(abs(rows).max())
+        torch.testing.assert_close(graphs[0][index], rows, rtol=0, atol=bound)
+
+
+def _shared_gpu_rank(rank, world_size, model_dir):
+    from distributed import init_distributed
+    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from moe.platforms import CudaPlatform, set_current_platform
+    from tests.helpers.engine import dbo_test_engine_args
+
+    platform = CudaPlatform()
+    set_current_platform(platform)
+    placement = platform.place_rank(
+        local_rank=rank, local_world_size=world_size, share_devices=True
+    )
+    groups = init_distributed(
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=60,
+        backend=placement.dist_backend,
+        device=placement.device,
+    )
+    results = {}
+    for enable_dbo in (True, False):
+        args = dbo_test_engine_args(model_dir, world_size, enable_dbo, dtype="float64")
+        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+        results[enable_dbo] = run_engine_steps(engine, PROMPTS, groups.dp_rank, groups.dp_size)
+    return placement.dist_backend, str(placement.device), results
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_sharing_one_gpu_with_dbo_equal_dbo_off_and_transformers(tiny_mixtral_dir):
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.engine import assert_dbo_on_equals_off_equals_reference
+
+    per_rank = run_distributed(_shared_gpu_rank, 2, tiny_mixtral_dir, timeout_s=300)
+    assert [(b, d) for b, d, _ in per_rank] == [("gloo", "cuda:0")] * 2
+    assert_dbo_on_equals_off_equals_reference(
+        [r[True] for _, _, r in per_rank],
+        [r[False] for _, _, r in per_rank],
+        reference_model(tiny_mixtral_dir),
+        PROMPTS,
+        atol=1e-10,
+    )
