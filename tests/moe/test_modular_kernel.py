@@ -28,6 +28,7 @@ from moe import (
 from moe.forward_context import DPMetadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.forward_context import context_forward, ubatch_scopes
+from tests.helpers.gpu import metadata_to
 
 H, FF, E, K = 16, 24, 4, 2
 
@@ -463,13 +464,23 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
             assert len(diffs) == 5 and max(diffs) < 1e-5, results
 
 
-def _hook_failure_rank(rank, world_size):
+def _hook_failure_rank(rank, world_size, device_type="cpu"):
     """Rank 0's DeepEP low-latency receive hook of ubatch 1 of 3 (run by ubatch 0) raises inside a
-    DBO step; report each rank's error."""
+    DBO step; report each rank's error. ``device_type="cuda"``: both ranks share one GPU."""
     from distributed import init_distributed, make_all2all_backend
+    from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
 
+    platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
+    set_current_platform(platform)
+    placement = platform.place_rank(
+        local_rank=rank, local_world_size=world_size, share_devices=True
+    )
     groups = init_distributed(
-        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=3
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=3,
+        backend=placement.dist_backend,
+        device=placement.device,
     )
     backend = make_all2all_backend(
         "deepep_low_latency",
@@ -495,27 +506,47 @@ def _hook_failure_rank(rank, world_size):
 
         backend.buffer.low_latency_dispatch = failing_dispatch
     model = build_model(
-        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, all2all_backend=backend
+        CONFIG,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        all2all_backend=backend,
+        device=groups.device,
     )
     init_random_weights(model, seed=3)
     model.allocate_kv_caches(8, BLOCK_SIZE)
-    meta = _metadata([5, 3], 0)
-    ids = torch.arange(meta.num_tokens) % CONFIG.vocab_size
-    pos = torch.cat([torch.arange(5), torch.arange(3)])
+    meta = metadata_to(_metadata([5, 3], 0), groups.device)
+    ids = torch.arange(meta.num_tokens, device=groups.device) % CONFIG.vocab_size
+    pos = torch.cat([torch.arange(5), torch.arange(3)]).to(groups.device)
     slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens, 3)
+    wrapper = UBatchWrapper(
+        context_forward(model), timeout_s=3, make_streams=platform.make_ubatch_streams
+    )
     start = time.perf_counter()
     try:
         with torch.inference_mode():
-            UBatchWrapper(context_forward(model), timeout_s=3)(
-                ids, pos, slices, ubatch_scopes=ubatch_scopes(slices, meta)
-            )
+            wrapper(ids, pos, slices, ubatch_scopes=ubatch_scopes(slices, meta))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc), time.perf_counter() - start
     return None, "", time.perf_counter() - start
 
 
-def test_an_exception_in_one_ranks_hook_is_an_error_on_every_rank():
-    (kind0, msg0, _), (kind1, msg1, elapsed1) = run_distributed(_hook_failure_rank, 2, timeout_s=60)
+@pytest.mark.parametrize(
+    "device_type",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_an_exception_in_one_ranks_hook_is_an_error_on_every_rank(device_type):
+    (kind0, msg0, _), (kind1, msg1, elapsed1) = run_distributed(
+        _hook_failure_rank, 2, device_type, timeout_s=60
+    )
     assert kind0 == "RuntimeError" and "injected failure in rank 0's receive hook" in msg0
     # the peer blocks in the next collective rank 0 never joins: an error within the timeout
     assert kind1 in ("TimeoutError", "RuntimeError"), (kind1, msg1)
