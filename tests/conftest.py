@@ -72,8 +72,10 @@ def make_tiny_mixtral(*, seed: int, **overrides):
 # Tiny configs of the other architectures (transformers' config classes, built offline). Small
 # enough for a fast suite, but each exercises its architecture's features: DeepSeek-V2 MLA without
 # q_lora and group-limited routing, DeepSeek-V3 MLA with q_lora, yarn RoPE and noaux_tc routing,
-# Qwen2-MoE's gated shared expert with a dense layer, OLMoE's q/k norms. All have one dense or one
-# sparse layer at least, 8 experts (divisible by EP 2 and 4), and eos ids outside the prompts.
+# Qwen2-MoE's gated shared expert with a dense layer, OLMoE's q/k norms, Qwen3-MoE's per-head q/k
+# norms with a head_dim of its own, attention biases and a dense layer by decoder_sparse_step. All
+# have one dense or one sparse layer at least, 8 experts (divisible by EP 2 and 4), and eos ids
+# outside the prompts.
 _TINY_COMMON = dict(
     vocab_size=128,
     hidden_size=32,
@@ -146,6 +148,20 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "olmoe": (
         "Olmoe",
         dict(_TINY_COMMON, num_key_value_heads=2, intermediate_size=16, num_experts=8),
+    ),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(
+            _TINY_COMMON,
+            num_key_value_heads=2,
+            head_dim=16,  # not hidden_size / num_attention_heads, as in Qwen3's checkpoints
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=8,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            attention_bias=True,
+        ),
     ),
 }
 

@@ -1,10 +1,7 @@
 """The model shapes the planner needs, read from an HF ``config.json`` or a named preset.
 
-The config is read by the project's own parser (``MoEModelConfig.from_hf_config``); the planner
-only needs sizes, so a Qwen3-MoE config (``model_type: qwen3_moe``, which the engine does not load)
-is read with the Qwen2-MoE rules: the fields the planner uses (``num_experts``,
-``moe_intermediate_size``, ``head_dim``, ``decoder_sparse_step``, ``mlp_only_layers``) mean the
-same in both (transformers' ``Qwen3MoeConfig`` / ``Qwen2MoeConfig``).
+The config is read by the project's own parser (``MoEModelConfig.from_hf_config``), as the
+engine reads it.
 
 Presets are the published ``config.json`` values of each model card (the fields the planner
 reads, copied from huggingface.co/<repo>/blob/main/config.json, named in ``source``).
@@ -17,9 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe.models.config import MoEModelConfig
-
-# model_type read with another architecture's rules (same meaning of the planner's fields)
-_READ_AS = {"qwen3_moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,15 +115,11 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def config_from_hf(hf_config: dict) -> MoEModelConfig:
-    """``MoEModelConfig`` of an HF config dict (Qwen3-MoE read with the Qwen2-MoE rules).
+    """``MoEModelConfig`` of an HF config dict.
 
     Raises:
         ValueError: unsupported ``model_type`` or a missing / invalid field (the parser's message).
     """
-    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-    if model_type in _READ_AS:
-        as_type, arch = _READ_AS[model_type]
-        hf_config = {**hf_config, "model_type": as_type, "architectures": [arch]}
     return MoEModelConfig.from_hf_config(hf_config)
 
 

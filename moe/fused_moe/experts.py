@@ -15,14 +15,20 @@ returning UNWEIGHTED outputs (that combine weights), on the same per-expert GEMM
 expert, gate and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and
 down on a prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``,
 re-packed if a weight changes, rows padded to buckets so oneDNN reuses its primitives); where
-oneDNN cannot pack, each projection is ONE grouped GEMM over the per-expert row groups
-(``torch._grouped_mm``, torch >= 2.8 on CPU); otherwise (float64, older torch) the reference loop.
+oneDNN cannot pack, gate and up are ONE grouped GEMM over the per-expert row groups
+(``torch._grouped_mm``) and down another; otherwise (float64, row strides that are not multiples
+of 16 bytes, a torch without it) the reference loop.
+``forward_cuda`` (and ``apply_batched`` on that path) read nothing to the host, so a CUDA graph can
+capture them: the grouping, the grouped GEMMs and the combine all stay on the device
+(``moe.fused_moe.grouped_experts``).
 ``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the expert
-weights (the originals stay for ``forward_native``, the grouped GEMM and graph mode).
+weights (the originals stay for ``forward_native``, the grouped GEMM and graph mode). ``w1`` and
+``w3`` are the two halves of one ``[E, 2F, H]`` tensor, so ``[w1; w3]`` is a view, not a copy.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -30,6 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
+from moe.fused_moe.grouped_experts import (
+    ExpertWeights,
+    batched_experts,
+    dense_experts,
+    dense_fits,
+    grouped_experts,
+    grouped_mm_runs,
+    grouped_mm_unavailable,
+)
 from moe.layers import linear
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
@@ -42,7 +57,6 @@ from moe.layers.linear import (
     upcast_linear,
     upcast_wins,
 )
-from moe.platforms.cpu_capability import grouped_mm_unavailable_reason
 from moe.platforms.custom_op import CustomOp
 
 # Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
@@ -51,17 +65,14 @@ MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w2": "w2", "w3": "w3"}
 GATE_UP_DOWN_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-# torch._grouped_mm's dtypes; float64 (exact comparisons) takes the reference loop
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 @CustomOp.register("experts")
 class TorchExperts(CustomOp):
     """The experts one EP rank owns, stacked on dim 0: local id l holds global expert
     ``global_expert_offset + l`` (= ``ep_rank * E + l``).
 
-    Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, w2 (down) ``[E, H, F]``; ``checkpoint_names``
-    maps them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
+    Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, the two halves of one ``[E, 2F, H]``
+    allocation (``expert_weights().gate_up``), w2 (down) ``[E, H, F]``; ``checkpoint_names`` maps
+    them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
     """
 
     # the activation formats these experts take (``FusedMoEModularKernel`` checks the
@@ -92,9 +103,11 @@ class TorchExperts(CustomOp):
         self.intermediate_size = intermediate_size
         self.checkpoint_names = dict(checkpoint_names or MIXTRAL_EXPERT_NAMES)
         kw = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
+        # w1 and w3 in one allocation: [w1; w3] is then one GEMM operand without a copy
+        w13 = torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, **kw)
+        self.w1 = nn.Parameter(w13[:, :intermediate_size])
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
-        self.w3 = nn.Parameter(torch.empty(num_local_experts, intermediate_size, hidden_size, **kw))
+        self.w3 = nn.Parameter(w13[:, intermediate_size:])
         self._packs: PackedWeights | None = None
         # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
         self._upcast: tuple[Tensor, ...] = ()
@@ -103,8 +116,13 @@ class TorchExperts(CustomOp):
         """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or
         float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and
         keep float32 copies of small bfloat16 experts (``upcast_linear``: plain torch, so they
-        are kept where oneDNN cannot pack too)."""
+        are kept where oneDNN cannot pack too). First puts w1 and w3 back into one allocation
+        if something (``module.to``, ``.double()``) split them; on a GPU, probes
+        ``torch._grouped_mm`` for ``forward_cuda``."""
         self._packs, self._upcast = None, ()
+        self._join_gate_up()
+        if self.w1.device.type not in ("cpu", "meta"):  # probe now, not in a captured forward
+            grouped_mm_unavailable(self.w1.device, self.w1.dtype)
         sources = (self.w1, self.w2, self.w3)
         per_expert = self.hidden_size * self.intermediate_size
         if not all(can_pack(w, num_elements=per_expert) for w in sources):
@@ -121,6 +139,20 @@ class TorchExperts(CustomOp):
             packed = None if gate_up is None or down is None else [*packed, gate_up, down]
         self._packs = PackedWeights.of(sources, tuple(packed or ()))
         self._upcast = tuple(upcast)
+
+    @torch.no_grad()
+    def _join_gate_up(self) -> None:
+        if self.w1.is_meta or self.expert_weights().gate_up is not None:
+            return
+        w13 = torch.cat([self.w1, self.w3], dim=1)  # once, at load
+        self.w1.data, self.w3.data = (
+            w13[:, : self.intermediate_size],
+            w13[:, self.intermediate_size :],
+        )
+
+    def expert_weights(self) -> ExpertWeights:
+        """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
+        return ExpertWeights(self.w1, self.w2, self.w3)
 
     def packed_weights(self) -> tuple[Tensor, ...]:
         """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
@@ -217,20 +249,38 @@ class TorchExperts(CustomOp):
     def forward_grouped(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
-        """One grouped GEMM per projection over the per-expert row groups (``forward_native``
-        where torch lacks ``_grouped_mm`` or for float64)."""
-        dtype = hidden_states.dtype
-        if dtype not in _GROUPED_MM_DTYPES or grouped_mm_unavailable_reason(dtype) is not None:
+        """One grouped GEMM for gate and up, one for down, over the per-expert row groups with
+        the counts on the host, local pairs only (``forward_native`` where ``grouped_mm_runs``
+        says no: float64, unaligned row strides, no ``_grouped_mm``)."""
+        weights = self.expert_weights()
+        if not grouped_mm_runs(hidden_states, weights):
             return self.forward_native(hidden_states, topk_ids, topk_weights)
         out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
         if routed is None:
             return out
         pairs, counts, token_idx, x = routed
         offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        gate = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offsets)
-        up = torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offsets)
-        y = torch._grouped_mm(swiglu(gate, up), self.w2.transpose(1, 2), offs=offsets)
+        y = weights.swiglu(x, functools.partial(torch._grouped_mm, offs=offsets))
         return self._scatter_weighted(out, y, topk_weights, pairs, token_idx)
+
+    def forward_cuda(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """``forward_native``'s result with nothing read to the host (CUDA-graph capturable):
+        ``grouped_experts`` where ``grouped_mm_runs``, else ``dense_experts`` where it fits, else
+        the reference. Pure torch, so it runs (and is tested) on CPU tensors too. Unlike the
+        reference, a local id >= E is not refused (that would read the ids): it adds nothing.
+
+        Raises:
+            ValueError: shape mismatch.
+        """
+        self._check(hidden_states, topk_ids, topk_weights)
+        if topk_ids.numel() == 0:
+            return torch.zeros_like(hidden_states)
+        weights = self.expert_weights()
+        if grouped_mm_runs(hidden_states, weights):
+            return grouped_experts(hidden_states, topk_ids, topk_weights, weights)
+        if hidden_states.dtype == self.w1.dtype and dense_fits(hidden_states.shape[0], weights):
+            return dense_experts(hidden_states, topk_ids, topk_weights, weights)
+        return self.forward_native(hidden_states, topk_ids, topk_weights)
 
     def _routed_rows(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         """Checks, then the zero output ``[N, H]`` and, if any slot is local, (pairs sorted by
@@ -322,20 +372,23 @@ class TorchExperts(CustomOp):
         combine applies the top-k weights).
 
         On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply_standard``'s
-        (``_swiglu_rows``: prepacked oneDNN weights in bfloat16 / float32); otherwise, and for
-        float64, the reference's plain GEMMs.
+        (``_swiglu_rows``: prepacked oneDNN weights in bfloat16 / float32); on the CUDA path
+        (``forward_cuda``) one batched GEMM per projection over all M rows and nothing read to the
+        host (``batched_experts``: the counts are not checked there); otherwise, and for float64,
+        the reference's plain GEMMs per expert.
 
         Args:
             hidden_states: ``[E, M, H]`` (M = max_tokens_per_expert), dtype of the weights; rows
                 past the count of their expert are ignored (DeepEP leaves them unspecified).
-            expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``.
+            expert_num_tokens: ``[E]`` integer valid rows per local expert, each in ``[0, M]``,
+                on hidden_states' device.
 
         Returns:
             ``[E, M, H]`` in hidden_states' dtype: ``out[l, :n_l] = W2_l (silu(W1_l x) * W3_l x)``,
             rows past ``n_l`` zero.
 
         Raises:
-            ValueError: on a shape mismatch or a count outside ``[0, M]``.
+            ValueError: on a shape mismatch, or (host paths) a count outside ``[0, M]``.
         """
         num_experts, max_tokens = self.num_local_experts, hidden_states.shape[1]
         if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
@@ -343,12 +396,23 @@ class TorchExperts(CustomOp):
                 f"hidden_states must be [{num_experts}, max_tokens, {self.hidden_size}], got "
                 f"{tuple(hidden_states.shape)}"
             )
+        if expert_num_tokens.shape != (num_experts,):
+            raise ValueError(
+                f"expert_num_tokens must be [{num_experts}], got {tuple(expert_num_tokens.shape)}"
+            )
+        if self.forward_path == "forward_cuda" and hidden_states.dtype == self.w1.dtype:
+            return batched_experts(hidden_states, expert_num_tokens, self.expert_weights())
         # blocking host sync: the per-expert row counts size the GEMMs
         counts = expert_num_tokens.tolist()
-        if len(counts) != num_experts or not all(0 <= n <= max_tokens for n in counts):
+        if not all(0 <= n <= max_tokens for n in counts):
             raise ValueError(
                 f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
             )
+        return self._apply_batched_per_expert(hidden_states, counts)
+
+    def _apply_batched_per_expert(self, hidden_states: Tensor, counts: list[int]) -> Tensor:
+        """``apply_batched`` with host counts: per expert, the packed GEMMs on the CPU path, else
+        the reference's plain GEMMs."""
         fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
         packs = self.packed_weights() if fast else ()
         fast = fast and bool(packs or self._upcast)

@@ -255,7 +255,8 @@ class GQAAttention(nn.Module):
     """Grouped-query attention over a paged K/V cache (Mixtral, Qwen2-MoE, OLMoE).
 
     Options from the config: biases on q/k/v (``qkv_bias``) and o (``o_bias``); OLMoE's ``q_norm``
-    [num_heads*head_dim] / ``k_norm`` [num_kv_heads*head_dim] RMSNorms before RoPE and ``clip_qkv``.
+    [num_heads*head_dim] / ``k_norm`` [num_kv_heads*head_dim] RMSNorms before RoPE, or Qwen3's
+    per head (``qk_norm_per_head``: both [head_dim], over each head), and ``clip_qkv``.
     """
 
     def __init__(self, config: MoEModelConfig, *, dtype: torch.dtype | None, device=None):
@@ -268,8 +269,9 @@ class GQAAttention(nn.Module):
         self.v_proj = Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
         self.o_proj = Linear(nh * hd, h, bias=c.o_bias, **kw)
         if c.qk_norm:
-            self.q_norm = RMSNorm(nh * hd, c.rms_norm_eps, **kw)
-            self.k_norm = RMSNorm(nkv * hd, c.rms_norm_eps, **kw)
+            per_head = c.qk_norm_per_head
+            self.q_norm = RMSNorm(hd if per_head else nh * hd, c.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(hd if per_head else nkv * hd, c.rms_norm_eps, **kw)
         self.clip_qkv = c.clip_qkv
         self.rotary_emb = RotaryEmbedding(
             hd,
@@ -285,8 +287,9 @@ class GQAAttention(nn.Module):
     ) -> Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        if hasattr(self, "q_norm"):  # over the norm's width: the whole projection or each head
+            q = self.q_norm(q.view(num_tokens, -1, self.q_norm.weight.shape[0])).flatten(1)
+            k = self.k_norm(k.view(num_tokens, -1, self.k_norm.weight.shape[0])).flatten(1)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.attn.num_heads, self.attn.head_dim)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
-from moe.layers.attention import iter_request_spans
+from moe.layers.attention import iter_request_spans, kv_write_slots
 from moe.layers.batched_attention import batched_mla_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
@@ -81,6 +81,23 @@ class PagedMLACache(CustomOp):
         slots = slot_mapping[valid].long()
         if slots.numel():
             flat[slots] = torch.cat((kv_c[valid], k_pe[valid]), dim=-1).to(flat.dtype)
+
+    def write_planned(
+        self, kv_c: Tensor, k_pe: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> None:
+        """``write`` of the real rows of kv_c [T, r], k_pe [T, rope] at the metadata's slots,
+        which are computed once per (u)batch (``kv_write_slots``): no layer reads the slots."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
+        rows, slots = kv_write_slots(attn_metadata, self.kv_cache.device)
+        if slots.numel() == 0:
+            return
+        num_actual = attn_metadata.num_actual_tokens
+        latents = torch.cat((kv_c[:num_actual], k_pe[:num_actual]), dim=-1)
+        if rows is not None:
+            latents = latents.index_select(0, rows)
+        flat = self.kv_cache.view(-1, self.kv_elements_per_token)
+        flat.index_copy_(0, slots, latents.to(flat.dtype))
 
     def read(self, block_ids: Tensor, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(kv_c [seq_len, r], k_pe [seq_len, rope]) of one request's context."""
@@ -234,8 +251,5 @@ class MLAAttention(nn.Module):
     ) -> Tensor:
         """The core: write the real rows' latents (kv_c [T, r], k_pe [T, rope]) to the cache,
         then attend (q_nope [T, H, nope], q_pe [T, H, rope]) -> [T, H, v]."""
-        num_actual = attn_metadata.num_actual_tokens
-        self.attn.write(
-            kv_c[:num_actual], k_pe[:num_actual], attn_metadata.slot_mapping[:num_actual]
-        )
+        self.attn.write_planned(kv_c, k_pe, attn_metadata)
         return self.attn(q_nope, q_pe, self.kv_b_proj.weight, attn_metadata, scale=self.scale)

@@ -16,6 +16,7 @@ ARCHITECTURE_MODULES: tuple[str, ...] = (
     "moe.models.deepseek_v3",
     "moe.models.qwen2_moe",
     "moe.models.olmoe",
+    "moe.models.qwen3_moe",
 )
 
 

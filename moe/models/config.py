@@ -35,7 +35,8 @@ class MoEModelConfig:
     not per EP rank. ``moe_layers[i]`` says whether layer i is sparse (else dense MLP).
 
     Attention: ``attention_type`` (the architecture spec's) "gqa" (q/k/v projections,
-    ``head_dim``; ``qkv_bias``, ``o_bias``, ``qk_norm``, ``clip_qkv`` options) or "mla" (DeepSeek
+    ``head_dim``; ``qkv_bias``, ``o_bias``, ``qk_norm`` (over the whole q / k projection, or with
+    ``qk_norm_per_head`` over each head's ``head_dim``), ``clip_qkv`` options) or "mla" (DeepSeek
     multi-head latent attention: ``q_lora_rank`` (None: plain q_proj), ``kv_lora_rank``,
     ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). RoPE: ``rope_theta``, ``rope_scaling`` (yarn parameters
     as sorted (key, value) pairs, or None), ``rope_interleave`` (rotate adjacent pairs).
@@ -64,6 +65,7 @@ class MoEModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = False
     clip_qkv: float | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0

@@ -29,7 +29,8 @@ from tests.helpers.engine import (
 )
 from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
 
-ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe")
+ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "qwen3_moe")
+NO_SHARED_EXPERTS = ("olmoe", "qwen3_moe")
 
 
 def _shared_in_combine(spans) -> list[tuple[int, int, int, int]]:
@@ -101,7 +102,7 @@ def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
         )
         for rank_result in per_rank:
             pairs = rank_result[model_type, "timeline"]
-            if model_type != "olmoe":  # OLMoE has no shared experts
+            if model_type not in NO_SHARED_EXPERTS:
                 # one per sparse layer (1) per ubatch (2) per step (3)
                 assert len(pairs) == 6, pairs
                 for issued, shared_start, shared_end, taken in pairs:

@@ -128,16 +128,25 @@ def test_configs_parse_each_architecture(checkpoints):
     assert qwen.moe_layers == (False, True) and qwen.has_shared_expert_gate and qwen.qkv_bias
     olmoe = load_config(checkpoints["olmoe"][0])
     assert olmoe.qk_norm and olmoe.shared_intermediate_size == 0
+    qwen3 = load_config(checkpoints["qwen3_moe"][0])  # transformers writes num_local_experts
+    assert qwen3.moe_layers == (False, True) and qwen3.num_experts == 8 and qwen3.head_dim == 16
+    assert qwen3.qk_norm and qwen3.qk_norm_per_head and qwen3.shared_intermediate_size == 0
+    assert qwen3.qkv_bias and qwen3.o_bias and qwen3.norm_topk_prob
+    attn = build_model(qwen3, device="meta").model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)  # one head's width
 
 
-def test_qwen_sparse_step_and_mlp_only_layers():
-    raw = json.loads(json.dumps(TINY_CONFIGS["qwen2_moe"][1]))
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_sparse_step_and_mlp_only_layers(model_type):
+    raw = json.loads(json.dumps(TINY_CONFIGS[model_type][1]))
     raw.update(
-        model_type="qwen2_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]
+        model_type=model_type, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]
     )
     config = MoEModelConfig.from_hf_config(raw)
     # sparse where (i + 1) % 2 == 0 and i not in mlp_only_layers
     assert config.moe_layers == (False, True, False, False, False, True)
+    with pytest.raises(ValueError, match=f"{model_type} with use_sliding_window=true"):
+        MoEModelConfig.from_hf_config({**raw, "use_sliding_window": True})
 
 
 @pytest.mark.parametrize(

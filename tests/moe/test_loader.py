@@ -148,7 +148,7 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"supported architectures: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
-        r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM'\]",
+        r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM'\]",
     ):
         load_config(tmp_path)
 
