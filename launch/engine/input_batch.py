@@ -138,11 +138,13 @@ class InputBatch:
         seq_lens = num_computed + num_new
         is_sampled = seq_lens == self.num_tokens[rows]  # all known tokens computed
         sampled_rows = rows[is_sampled]
+        # on the host: each (u)batch's attention plan is built from it once (no device sync)
+        # and copied to the device (moe.layers.batched_attention, kv_write_slots)
         attn_metadata = CommonAttentionMetadata(
-            query_start_loc=self._to_device(np.concatenate(([0], cu_num_new)).astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_table=self._to_device(self.block_table[rows]),
-            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_num_new)).astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=torch.from_numpy(self.block_table[rows]),
+            slot_mapping=torch.from_numpy(slot_mapping),
             num_reqs=len(scheduled),
             num_actual_tokens=num_tokens,
             num_tokens=num_rows,

@@ -1,10 +1,8 @@
-"""What the GPU tests share: the CUDA platform for one test, attention metadata moved
-to a device, and the matrix products a callable runs on the host."""
+"""What the GPU tests share: the CUDA platform for one test and the matrix products a callable runs on the host."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,14 +25,6 @@ def cuda_platform() -> Iterator[None]:
         yield
     finally:
         set_current_platform(None)
-
-
-def metadata_to(metadata, device: torch.device):
-    """``CommonAttentionMetadata`` with its tensors on ``device`` (a fresh derived cache)."""
-    tensors = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
-    return dataclasses.replace(
-        metadata, **{name: getattr(metadata, name).to(device) for name in tensors}
-    )
 
 
 class _HostMatmuls(TorchDispatchMode):

@@ -28,7 +28,6 @@ from moe import (
 from moe.forward_context import DPMetadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.forward_context import context_forward, ubatch_scopes
-from tests.helpers.gpu import metadata_to
 
 H, FF, E, K = 16, 24, 4, 2
 
@@ -514,7 +513,7 @@ def _hook_failure_rank(rank, world_size, device_type="cpu"):
     )
     init_random_weights(model, seed=3)
     model.allocate_kv_caches(8, BLOCK_SIZE)
-    meta = metadata_to(_metadata([5, 3], 0), groups.device)
+    meta = _metadata([5, 3], 0)  # on the host, as the engine's
     ids = torch.arange(meta.num_tokens, device=groups.device) % CONFIG.vocab_size
     pos = torch.cat([torch.arange(5), torch.arange(3)]).to(groups.device)
     slices = make_ubatch_slices(meta.query_start_loc, meta.num_tokens, 3)
