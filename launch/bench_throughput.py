@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--output-json", default=None, help="write the results as JSON (rank 0)")
     add("--output-tokens", default=None, help="write the generated tokens as JSONL (rank 0)")
+    add(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print per step kind the memory-roofline fraction (bytes a step must read over the "
+        "measured copy bandwidth, against the step time) and the matmul-peak fraction (default: "
+        "on where the device is not the host CPU; one rank)",
+    )
     add_engine_args(parser)
     return parser
 
@@ -144,6 +152,7 @@ def benchmark(ns, args, model, requests, groups):
         run_requests(
             engine, requests, first_id=len(requests), max_tokens=ns.warmup_output_len, dp=dp
         )
+    roofline = _roofline(ns, engine, groups)
     num_steps0, num_ubatched0 = engine.stats.num_steps, engine.stats.num_ubatched_steps
     dist.barrier(group=groups.dp_group)  # blocking (group timeout): start the clock together
     start = time.perf_counter()
@@ -180,7 +189,35 @@ def benchmark(ns, args, model, requests, groups):
         enable_dbo=args.enable_dbo,
     )
     engine.write_timeline()
+    if roofline is not None:
+        print("\n".join(roofline.lines()), flush=True)
     return result, tokens
+
+
+def _roofline(ns, engine, groups):
+    """A ``StepRoofline`` attached to ``engine``'s timed steps, or None (``--roofline``; by
+    default on where the device is not the host; one rank only: a rank's share of the all-to-all
+    is not in its byte count)."""
+    wanted = ns.roofline if ns.roofline is not None else groups.device.type != "cpu"
+    if not wanted or groups.dp_size > 1:
+        return None
+    from launch.benchmarks.roofline import ModelTraffic, StepRoofline, copy_bandwidth, matmul_peak
+    from moe.platforms import current_platform
+
+    device = groups.device
+    dtype = engine.model.lm_head.weight.dtype
+
+    def synchronize() -> None:
+        current_platform().synchronize(device)
+
+    small = device.type == "cpu"  # a CPU measures its limits on smaller buffers in seconds
+    roofline = StepRoofline(
+        traffic=ModelTraffic.of(engine.model, dtype),
+        bandwidth=copy_bandwidth(device, synchronize, mib=64 if small else 1024),
+        peak=matmul_peak(device, dtype, synchronize, n=1024 if small else 8192),
+    )
+    roofline.attach(engine, synchronize)
+    return roofline
 
 
 def report(result: ThroughputResult, tokens, ns) -> None:

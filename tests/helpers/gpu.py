@@ -1,4 +1,5 @@
-"""What the GPU tests share: the CUDA platform for one test and the matrix products a callable runs on the host."""
+"""What the GPU tests share: the CUDA platform for one test, and the matrix products a callable
+runs on the host."""
 
 from __future__ import annotations
 
