@@ -87,9 +87,12 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     created = int(time.time())
+    # the error middleware outermost, so that anything unexpected (the key check included)
+    # answers a JSON 500; the key check runs before the router's handler, so no route, not even
+    # a 404, answers without the key
     middlewares = [openai_error_middleware]
-    if config.api_keys:  # outermost: no route, not even a 404, answers without the key
-        middlewares.insert(0, api_key_middleware(config.api_keys))
+    if config.api_keys:
+        middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
