@@ -20,7 +20,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.engine_bridge import EngineBridge
-from launch.serving.http_errors import MAX_LINE_BYTES, openai_error_middleware
+from launch.serving.http_errors import (
+    LARGE_BODY_LOCK,
+    MAX_LINE_BYTES,
+    openai_error_middleware,
+)
 from launch.serving.http_guard import (
     RETRY_AFTER_S,
     GuardedTCPSite,
@@ -94,6 +98,7 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
     if config.api_keys:
         middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
+    app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)

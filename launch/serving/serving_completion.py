@@ -8,6 +8,7 @@ entry holds the top ``logprobs`` tokens and the sampled one (so up to ``logprobs
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aiohttp import web
@@ -39,11 +40,17 @@ class OpenAIServingCompletion(OpenAIServing):
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            body = await read_json(http_request, timeout_s=config.body_read_timeout_s)
-            request = parse_completion_request(body, model_name=config.model_name)
+            request = await read_json(
+                http_request,
+                functools.partial(parse_completion_request, model_name=config.model_name),
+                timeout_s=config.body_read_timeout_s,
+            )
             prompts = [await self._prompt_ids(p) for p in request.prompts]
             options = request.options
-            max_tokens = [self.max_tokens_for(ids, options.max_tokens) for ids in prompts]
+            max_tokens = [
+                await self.offload(len(ids), self.max_tokens_for, ids, options.max_tokens)
+                for ids in prompts
+            ]
             choices, outputs = self.submit(
                 prompts,
                 n=options.n,
@@ -67,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            return await self.offload(len(prompt), list, prompt)
         if self.config.tokenizer is None:
             raise ProtocolError(
                 "this checkpoint has no tokenizer: send the prompt as a list of token ids",

@@ -100,13 +100,14 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
     return web.json_response(error_body(message, status=status, param=param), status=status)
 
 
-async def read_json(http_request: web.Request, *, timeout_s: float | None = None):
-    """The decoded body, read within ``timeout_s``. Raises ProtocolError: 400 for any body that
-    is not JSON in its charset, 415 for a non-JSON Content-Type, 408 for a body that did not
-    arrive in time (``launch.serving.http_errors.read_json_body``)."""
+async def read_json(http_request: web.Request, parse: Callable, *, timeout_s: float | None = None):
+    """``parse(body)`` of the decoded body, read within ``timeout_s``; a large body is decoded
+    and parsed off the event loop. Raises ProtocolError: 400 for any body that is not JSON in its
+    charset, 415 for a non-JSON Content-Type, 408 for a body that did not arrive in time
+    (``launch.serving.http_errors.read_json_body``), and whatever ``parse`` raises."""
     from launch.serving.http_errors import read_json_body
 
-    return await read_json_body(http_request, timeout_s=timeout_s)
+    return await read_json_body(http_request, timeout_s=timeout_s, parse=parse)
 
 
 def error_event(e: EngineError) -> dict:
