@@ -95,6 +95,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except ChatTemplateError as e:
             raise ProtocolError(str(e), param="messages") from None
+        self.check_text(text, "the rendered conversation", param="messages")
         return config.tokenizer.encode(text, add_special_tokens=False)
 
     def _head(self, choices: list[Choice], obj: str) -> dict:

@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 functools.partial(parse_completion_request, model_name=config.model_name),
                 timeout_s=config.body_read_timeout_s,
             )
-            prompts = [await self._prompt_ids(p) for p in request.prompts]
+            prompts = [await self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
             options = request.options
             max_tokens = [
                 await self.offload(len(ids), self.max_tokens_for, ids, options.max_tokens)
@@ -72,15 +72,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             self.abort_open(choices)  # client gone (handler cancelled, write failed) or an error
 
-    async def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+    async def _prompt_ids(self, index: int, prompt: str | tuple[int, ...]) -> list[int]:
+        """Prompt ``index``'s token ids; a text is checked to fit before it is encoded. Raises
+        ProtocolError (400) without a tokenizer or for a text too long to fit."""
         if not isinstance(prompt, str):
             return await self.offload(len(prompt), list, prompt)
-        if self.config.tokenizer is None:
+        config = self.config
+        if config.tokenizer is None:
             raise ProtocolError(
                 "this checkpoint has no tokenizer: send the prompt as a list of token ids",
                 param="prompt",
             )
-        return await self.offload(len(prompt), self.config.tokenizer.encode, prompt)
+        self.check_text(prompt, f"prompt {index}")
+        return await self.offload(len(prompt), config.tokenizer.encode, prompt)
 
     async def _echo_text(self, request: CompletionRequest, prompt, prompt_ids: list[int]) -> str:
         if not request.echo:

@@ -24,6 +24,7 @@ from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
 from launch.serving.http_guard import RETRY_AFTER_S
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
+from launch.serving.text_bound import check_prompt_text
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
 
@@ -172,6 +173,19 @@ class OpenAIServing:
             return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+    def check_text(self, text: str, where: str, *, param: str = "prompt") -> None:
+        """Raise ProtocolError (400) if ``text`` has more bytes than any prompt that fits the
+        context can hold (``launch.serving.text_bound.check_prompt_text``), before encoding."""
+        try:
+            check_prompt_text(
+                text,
+                where,
+                max_model_len=self.config.max_model_len,
+                tokenizer=self.config.tokenizer,
+            )
+        except ValueError as e:
+            raise ProtocolError(str(e), param=param) from None
 
     def max_tokens_for(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """``max_tokens`` checked against the context and the KV cache; None: all that fits.

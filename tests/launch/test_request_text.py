@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import threading
 import time
@@ -197,3 +198,37 @@ def test_a_large_body_is_checked_off_the_event_loop_one_at_a_time(config, monkey
     assert sorted(n for n, _ in threads) == [1] + [num_large] * 4
     assert all((thread == loop_thread) == (n == 1) for n, thread in threads), threads
     assert most_running[0] == 1
+
+
+# issue 35 case 2: a text prompt is bounded by bytes before it is tokenized (text_bound)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "pattern", "param"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "<5> " * 2000},
+            r"^prompt 0 has 8000 bytes of text",
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "<5> " * 2000}]},
+            r"^the rendered conversation has \d+ bytes of text",
+            "messages",
+        ),
+    ],
+)
+def test_a_text_too_long_to_fit_is_a_400_before_tokenizing(
+    config, monkeypatch, path, body, pattern, param
+):
+    def encode(text, **_kwargs):
+        raise AssertionError(f"encoded {len(text)} characters")
+
+    monkeypatch.setattr(config.tokenizer, "encode", encode)
+    status, answer, num_submitted = _post_raw(config, path, json.dumps(body).encode())
+    assert status == 400 and num_submitted == 0, answer
+    assert re.search(pattern, answer["error"]["message"]), answer
+    assert "with max_model_len 64" in answer["error"]["message"]
+    assert answer["error"]["param"] == param
