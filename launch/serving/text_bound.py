@@ -1,8 +1,8 @@
 """The most bytes of text a prompt that fits the context can hold, so that a longer text is refused
 before it is tokenized (``check_prompt_text``: ``launch.generate``, the offline API and the server).
 
-Tokenizing holds hundreds of bytes per token (``tokenizers``' encoding, then the ids), so a 10 MB
-line took 1.56 GiB per rank before it was found too long.
+Tokenizing holds hundreds of bytes per token (``tokenizers``' encoding, then the ids), so a long
+text must be found too long before it is encoded (docs/serving.md has the measurements).
 
 Derivation. A prompt fits when it has at most ``max_model_len - 1`` tokens (one is left to
 generate); special tokens the tokenizer adds only add to the count. A tokenizer is *covering* when
