@@ -66,7 +66,8 @@ def load_checked_prompts(ns, offline_model: OfflineModel) -> list[ParsedPrompt]:
 
     Raises:
         ValueError: a malformed file line, a text prompt without a tokenizer (naming the missing
-            file), or a prompt that is empty, too long or holds an out-of-vocabulary id.
+            file), a text too long to fit (refused before tokenizing), or a prompt that is empty,
+            too long or holds an out-of-vocabulary id.
         OSError: an unreadable file.
     """
     resolved = offline_model.resolved
@@ -76,7 +77,12 @@ def load_checked_prompts(ns, offline_model: OfflineModel) -> list[ParsedPrompt]:
         prompts = [
             ParsedPrompt(text=None, token_ids=tuple(ids)) for ids in resolved.synthetic_prompts()
         ]
-    prompts = encode_prompts(prompts, offline_model.tokenizer, offline_model.tokenizer_dir)
+    prompts = encode_prompts(
+        prompts,
+        offline_model.tokenizer,
+        offline_model.tokenizer_dir,
+        max_model_len=resolved.max_model_len,
+    )
     check_prompts(
         [p.token_ids for p in prompts],
         vocab_size=resolved.config.vocab_size,

@@ -1,12 +1,14 @@
-"""``/health`` latency while large text prompts are tokenized: ``python -m
-launch.benchmarks.health_latency [--num-prompts 8] [--prompt-bytes 1000000]``.
+"""``/health`` latency while large prompts are tokenized or validated: ``python -m
+launch.benchmarks.health_latency [--num-prompts 8] [--prompt-bytes 1000000] [--token-ids]``.
 
 Runs the real HTTP front end (``HTTPServerThread``) on a loopback port with a word-level
 ``tokenizers`` tokenizer and a stand-in engine that ends each request at once, sends
-``--num-prompts`` concurrent completions of ``--prompt-bytes`` of text each, and probes ``/health``
-every 20 ms meanwhile. Prints the idle and the under-load latency (max and median) and their
-ratio. Tokenizing on the event loop stalls every other request for the whole encode; off the loop
-(an executor, and ``tokenizers``' batch calls, which release the GIL) it does not.
+``--num-prompts`` concurrent completions of ``--prompt-bytes`` of text each (``--token-ids``: a
+body of that size holding token ids ``[1, 1, ..., VOCAB_SIZE]``, refused with 400 for its last id
+after every check has walked it), and probes ``/health`` every 20 ms meanwhile. Prints the idle
+and the under-load latency (max and median) and their ratio. Tokenizing or validating on the event
+loop stalls every other request for the whole call; off the loop (an executor, and
+``tokenizers``' batch calls, which release the GIL) it does not.
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ def _probe_while(address, workers: list[threading.Thread]) -> list[float]:
     return latencies
 
 
-def measure(num_prompts: int, prompt_bytes: int) -> dict:
+def _body(prompt_bytes: int, *, is_token_ids: bool) -> bytes:
+    if is_token_ids:  # "1," per id; the last one is outside the vocabulary
+        ids = [1] * max(prompt_bytes // 2 - 1, 0) + [VOCAB_SIZE]
+        return json.dumps({"prompt": ids, "max_tokens": 1}, separators=(",", ":")).encode()
+    words = " ".join(f"<{i % VOCAB_SIZE}>" for i in range(prompt_bytes // 5))
+    return json.dumps({"prompt": words[:prompt_bytes], "max_tokens": 1}).encode()
+
+
+def measure(num_prompts: int, prompt_bytes: int, *, is_token_ids: bool = False) -> dict:
     """Idle and under-load ``/health`` latencies (seconds) and the posts' HTTP statuses."""
     from launch.serving.api_server import HTTPServerThread, ServerConfig
     from launch.serving.metrics import ServerMetrics
@@ -97,8 +107,7 @@ def measure(num_prompts: int, prompt_bytes: int) -> dict:
         engine.start()
         try:
             idle = [_health_s(address) for _ in range(20)]
-            words = " ".join(f"<{i % VOCAB_SIZE}>" for i in range(prompt_bytes // 5))
-            body = json.dumps({"prompt": words[:prompt_bytes], "max_tokens": 1}).encode()
+            body = _body(prompt_bytes, is_token_ids=is_token_ids)
             statuses: list = []
             workers = [
                 threading.Thread(target=_post, args=(address, body, statuses))
@@ -122,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-bytes", type=int, default=1_000_000)
+    parser.add_argument(
+        "--token-ids", action="store_true", help="bodies of token ids instead of text"
+    )
     ns = parser.parse_args(argv)
-    result = measure(ns.num_prompts, ns.prompt_bytes)
+    result = measure(ns.num_prompts, ns.prompt_bytes, is_token_ids=ns.token_ids)
     idle, loaded = result["idle"], result["loaded"]
     print(f"statuses of the {ns.num_prompts} posts: {sorted(result['statuses'])}")
     print(f"/health idle:   max {max(idle):.4f} s, median {statistics.median(idle):.4f} s")

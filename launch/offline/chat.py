@@ -8,6 +8,7 @@ from __future__ import annotations
 from launch.offline.prompts import ParsedPrompt, missing_tokenizer_error
 from launch.serving.chat_protocol import parse_message
 from launch.serving.chat_template import ChatTemplate
+from launch.serving.text_bound import check_prompt_text
 
 
 def conversations(messages) -> list[list]:
@@ -36,8 +37,9 @@ def render_conversations(
 
     Raises:
         ValueError: no tokenizer (naming the missing file), no chat template, a malformed
-            message (``messages[i]`` named, ``conversation k`` when there are several), or the
-            template failing on the messages.
+            message (``messages[i]`` named, ``conversation k`` when there are several), the
+            template failing on the messages, or a rendered text too long to fit (refused before
+            it is tokenized).
         TypeError: ``messages`` of the wrong shape.
     """
     tokenizer = offline_model.tokenizer
@@ -64,6 +66,9 @@ def render_conversations(
             )
         except ValueError as e:
             raise ValueError(f"conversation {k}: {e}" if len(convs) > 1 else str(e)) from None
+        where = f"conversation {k}" if len(convs) > 1 else "the conversation"
+        max_model_len = offline_model.resolved.max_model_len
+        check_prompt_text(text, where, max_model_len=max_model_len, tokenizer=tokenizer)
         token_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         prompts.append(ParsedPrompt(text=text, token_ids=token_ids))
     return prompts

@@ -213,10 +213,12 @@ class LLM:
         params = params_per_prompt(sampling_params, len(prompts))
         offline_model = self.offline_model
         tokenizer = offline_model.tokenizer
-        prompts = encode_prompts(prompts, tokenizer, offline_model.tokenizer_dir)
+        resolved = offline_model.resolved
+        prompts = encode_prompts(
+            prompts, tokenizer, offline_model.tokenizer_dir, max_model_len=resolved.max_model_len
+        )
         if tokenizer is None and any(sp.stop for sp in params):
             raise missing_tokenizer_error(offline_model.tokenizer_dir, "stop strings")
-        resolved = self.offline_model.resolved
         kv = self.llm_engine.kv_cache_manager
         for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             check_prompt_ids(

@@ -96,17 +96,25 @@ def check_prompts(token_id_lists, *, vocab_size: int, max_model_len: int) -> Non
 
 
 def encode_prompts(
-    prompts: list[ParsedPrompt], tokenizer, tokenizer_dir: str | None
+    prompts: list[ParsedPrompt], tokenizer, tokenizer_dir: str | None, *, max_model_len: int
 ) -> list[ParsedPrompt]:
-    """``prompts`` with every text encoded (with the tokenizer's special tokens, as vLLM does).
+    """``prompts`` with every text encoded (with the tokenizer's special tokens, as vLLM does),
+    each text first checked to be short enough to fit ``max_model_len`` (``check_prompt_text``).
 
     Raises:
-        ValueError: a text prompt and no tokenizer (naming the missing ``tokenizer.json``).
+        ValueError: a text prompt and no tokenizer (naming the missing ``tokenizer.json``), or a
+            text with more bytes than any prompt that fits (naming its index and size).
     """
     if tokenizer is None:
         if any(p.token_ids is None for p in prompts):
             raise missing_tokenizer_error(tokenizer_dir, "text prompts")
         return prompts
+    from launch.serving.text_bound import check_prompt_text
+
+    for index, p in enumerate(prompts):
+        if p.token_ids is None:
+            where = f"prompt {index}"
+            check_prompt_text(p.text, where, max_model_len=max_model_len, tokenizer=tokenizer)
     return [
         p
         if p.token_ids is not None

@@ -20,7 +20,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.engine_bridge import EngineBridge
-from launch.serving.http_errors import MAX_LINE_BYTES, openai_error_middleware
+from launch.serving.http_errors import (
+    LARGE_BODY_LOCK,
+    MAX_LINE_BYTES,
+    openai_error_middleware,
+)
 from launch.serving.http_guard import (
     RETRY_AFTER_S,
     GuardedTCPSite,
@@ -87,10 +91,14 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     created = int(time.time())
+    # the error middleware outermost, so that anything unexpected (the key check included)
+    # answers a JSON 500; the key check runs before the router's handler, so no route, not even
+    # a 404, answers without the key
     middlewares = [openai_error_middleware]
-    if config.api_keys:  # outermost: no route, not even a 404, answers without the key
-        middlewares.insert(0, api_key_middleware(config.api_keys))
+    if config.api_keys:
+        middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
+    app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)

@@ -4,7 +4,8 @@
 body over ``client_max_size``) into OpenAI error objects, and anything unexpected a handler raises
 into a 500 error object, logging its traceback on the server side. ``read_json_body`` decodes a
 request body so that no body (an unknown charset, bytes that are not the charset, invalid or
-deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400.
+deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400; a large
+body is decoded and checked on an executor thread, one body at a time (``LARGE_BODY_BYTES``).
 
 Not covered: a request that is not HTTP at all, or whose request line / headers exceed
 ``MAX_LINE_BYTES``, is refused by aiohttp's parser before any application code runs (plain-text
@@ -14,8 +15,10 @@ Not covered: a request that is not HTTP at all, or whose request line / headers 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -26,6 +29,13 @@ logger = logging.getLogger("launch.serving")
 # Request line and header limits handed to aiohttp (its default is 8190 bytes): a long URL reaches
 # the router (and gets a JSON 404) instead of the parser's plain-text 400.
 MAX_LINE_BYTES = 65536
+
+# A body of at least this many bytes is decoded and checked (``read_json_body``'s ``parse``) on an
+# executor thread: json.loads and the checks cost time in proportion to the body and hold the GIL,
+# so eight 1 MiB token-id bodies checked on the event loop stalled /health for seconds. One such
+# body at a time (``LARGE_BODY_LOCK``), so the event loop contends for the GIL with one thread.
+LARGE_BODY_BYTES = 64 * 1024
+LARGE_BODY_LOCK = web.AppKey("large_body_lock", asyncio.Lock)
 
 
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
@@ -66,8 +76,12 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
         return json_error("internal server error (logged on the server)", 500)
 
 
-async def read_json_body(request: web.Request, *, timeout_s: float | None = None):
-    """The request body decoded as JSON, read within ``timeout_s`` seconds (None: no limit).
+async def read_json_body(
+    request: web.Request, *, timeout_s: float | None = None, parse: Callable = lambda body: body
+):
+    """``parse(body)`` of the request body decoded as JSON, read within ``timeout_s`` seconds
+    (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded and parsed on the event
+    loop's default executor, under the application's ``LARGE_BODY_LOCK`` if it has one.
 
     Raises:
         ProtocolError (415): a Content-Type other than JSON (``http_guard.require_json``).
@@ -76,6 +90,7 @@ async def read_json_body(request: web.Request, *, timeout_s: float | None = None
         ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
             JSON nested too deeply, or a number beyond Python's integer digit limit.
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
+        Whatever ``parse`` raises.
     """
     from launch.serving.http_guard import require_json
 
@@ -87,6 +102,17 @@ async def read_json_body(request: web.Request, *, timeout_s: float | None = None
             f"the request body did not arrive within {timeout_s:g} s", status=408
         ) from None
     charset = request.charset or "utf-8"
+    if len(raw) < LARGE_BODY_BYTES:
+        return parse(decode_json(raw, charset))
+    lock = request.app.get(LARGE_BODY_LOCK) or contextlib.nullcontext()
+    async with lock:  # waits for the large body before it to be checked
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: parse(decode_json(raw, charset)))
+
+
+def decode_json(raw: bytes, charset: str):
+    """``raw`` decoded from ``charset`` and parsed as JSON. Raises ProtocolError (400) as
+    ``read_json_body`` says."""
     try:
         text = raw.decode(charset)
     except LookupError:

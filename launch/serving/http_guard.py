@@ -11,6 +11,9 @@
   KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
 - ``require_json``: a JSON endpoint refuses any other ``Content-Type`` with 415, which also stops a
   browser's cross-origin "simple" POST (``text/plain``, sent without a CORS preflight).
+- ``header_text``: every header the application reads goes through it. aiohttp decodes header
+  bytes as UTF-8 with ``surrogateescape``, so a byte that is not UTF-8 (``\xe9``) arrives as a lone
+  surrogate that any later ``.encode()`` refuses; this names the header and the byte instead.
 
 The time limits are aiohttp's own ``keepalive_timeout`` (a connection that has not sent a complete
 request's headers within it, or sits idle between requests that long, is closed) and the body read
@@ -102,9 +105,37 @@ class GuardedTCPSite(web.BaseSite):
         )
 
 
+def header_text(request: web.Request, name: str, *, status: int = 400) -> str | None:
+    """Header ``name`` as text, or None if absent.
+
+    Raises:
+        ProtocolError (``status``): the value holds bytes that are not UTF-8, naming the header
+            and the first such byte.
+    """
+    value = request.headers.get(name)
+    if value is None or value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = value[e.start].encode("utf-8", "surrogateescape")[0]
+        raise ProtocolError(
+            f"the {name} header is not UTF-8 (byte 0x{byte:02x} at offset {e.start})",
+            status=status,
+        ) from None
+    return value
+
+
 def _bearer_token(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    """The token of ``Authorization: Bearer TOKEN``. Raises ProtocolError (401) for a header
+    that is not UTF-8 (no key can match it)."""
+    scheme, _, token = (header_text(request, "Authorization", status=401) or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _unauthorized(message: str) -> web.Response:
+    body = error_body(message, status=401)
+    return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def api_key_middleware(api_keys: tuple[str, ...]):
@@ -115,14 +146,14 @@ def api_key_middleware(api_keys: tuple[str, ...]):
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") or request.path == "/v1":
-            token = (_bearer_token(request) or "").encode()
+            try:
+                token = (_bearer_token(request) or "").encode()
+            except ProtocolError as e:
+                return _unauthorized(f"{e}; send Authorization: Bearer KEY")
             # every key compared, so the time taken does not say which one nearly matched
             matches = [hmac.compare_digest(token, key) for key in encoded]
             if not any(matches):
-                body = error_body(
-                    "missing or wrong API key (Authorization: Bearer KEY)", status=401
-                )
-                return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+                return _unauthorized("missing or wrong API key (Authorization: Bearer KEY)")
         return await handler(request)
 
     return check_api_key
@@ -130,8 +161,9 @@ def api_key_middleware(api_keys: tuple[str, ...]):
 
 def require_json(request: web.Request) -> None:
     """Raise ProtocolError (415) unless the request says its body is JSON (``application/json``
-    or ``application/*+json``, any charset parameter)."""
-    content_type = request.headers.get("Content-Type")
+    or ``application/*+json``, any charset parameter); ProtocolError (400) for a Content-Type
+    that is not UTF-8."""
+    content_type = header_text(request, "Content-Type")
     kind = request.content_type.lower()
     if content_type is None or not (
         kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))

@@ -10,6 +10,7 @@ format ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aiohttp import web
@@ -39,8 +40,11 @@ class OpenAIServingChat(OpenAIServing):
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            body = await read_json(http_request, timeout_s=config.body_read_timeout_s)
-            request = parse_chat_request(body, model_name=config.model_name)
+            request = await read_json(
+                http_request,
+                functools.partial(parse_chat_request, model_name=config.model_name),
+                timeout_s=config.body_read_timeout_s,
+            )
             prompt_ids = await self._prompt_ids(request)
             options = request.options
             max_tokens = self.max_tokens_for(prompt_ids, options.max_tokens)
@@ -91,6 +95,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except ChatTemplateError as e:
             raise ProtocolError(str(e), param="messages") from None
+        self.check_text(text, "the rendered conversation", param="messages")
         return config.tokenizer.encode(text, add_special_tokens=False)
 
     def _head(self, choices: list[Choice], obj: str) -> dict:

@@ -8,6 +8,7 @@ entry holds the top ``logprobs`` tokens and the sampled one (so up to ``logprobs
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aiohttp import web
@@ -39,11 +40,17 @@ class OpenAIServingCompletion(OpenAIServing):
     async def __call__(self, http_request: web.Request) -> web.StreamResponse:
         config = self.config
         try:
-            body = await read_json(http_request, timeout_s=config.body_read_timeout_s)
-            request = parse_completion_request(body, model_name=config.model_name)
-            prompts = [await self._prompt_ids(p) for p in request.prompts]
+            request = await read_json(
+                http_request,
+                functools.partial(parse_completion_request, model_name=config.model_name),
+                timeout_s=config.body_read_timeout_s,
+            )
+            prompts = [await self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
             options = request.options
-            max_tokens = [self.max_tokens_for(ids, options.max_tokens) for ids in prompts]
+            max_tokens = [
+                await self.offload(len(ids), self.max_tokens_for, ids, options.max_tokens)
+                for ids in prompts
+            ]
             choices, outputs = self.submit(
                 prompts,
                 n=options.n,
@@ -65,15 +72,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             self.abort_open(choices)  # client gone (handler cancelled, write failed) or an error
 
-    async def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+    async def _prompt_ids(self, index: int, prompt: str | tuple[int, ...]) -> list[int]:
+        """Prompt ``index``'s token ids; a text is checked to fit before it is encoded. Raises
+        ProtocolError (400) without a tokenizer or for a text too long to fit."""
         if not isinstance(prompt, str):
-            return list(prompt)
-        if self.config.tokenizer is None:
+            return await self.offload(len(prompt), list, prompt)
+        config = self.config
+        if config.tokenizer is None:
             raise ProtocolError(
                 "this checkpoint has no tokenizer: send the prompt as a list of token ids",
                 param="prompt",
             )
-        return await self.offload(len(prompt), self.config.tokenizer.encode, prompt)
+        self.check_text(prompt, f"prompt {index}")
+        return await self.offload(len(prompt), config.tokenizer.encode, prompt)
 
     async def _echo_text(self, request: CompletionRequest, prompt, prompt_ids: list[int]) -> str:
         if not request.echo:

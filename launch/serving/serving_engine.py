@@ -24,6 +24,7 @@ from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
 from launch.serving.http_guard import RETRY_AFTER_S
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
+from launch.serving.text_bound import check_prompt_text
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
 
@@ -100,13 +101,14 @@ def error_response(message: str, status: int, param: str | None = None) -> web.R
     return web.json_response(error_body(message, status=status, param=param), status=status)
 
 
-async def read_json(http_request: web.Request, *, timeout_s: float | None = None):
-    """The decoded body, read within ``timeout_s``. Raises ProtocolError: 400 for any body that
-    is not JSON in its charset, 415 for a non-JSON Content-Type, 408 for a body that did not
-    arrive in time (``launch.serving.http_errors.read_json_body``)."""
+async def read_json(http_request: web.Request, parse: Callable, *, timeout_s: float | None = None):
+    """``parse(body)`` of the decoded body, read within ``timeout_s``; a large body is decoded
+    and parsed off the event loop. Raises ProtocolError: 400 for any body that is not JSON in its
+    charset, 415 for a non-JSON Content-Type, 408 for a body that did not arrive in time
+    (``launch.serving.http_errors.read_json_body``), and whatever ``parse`` raises."""
     from launch.serving.http_errors import read_json_body
 
-    return await read_json_body(http_request, timeout_s=timeout_s)
+    return await read_json_body(http_request, timeout_s=timeout_s, parse=parse)
 
 
 def error_event(e: EngineError) -> dict:
@@ -171,6 +173,19 @@ class OpenAIServing:
             return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+    def check_text(self, text: str, where: str, *, param: str = "prompt") -> None:
+        """Raise ProtocolError (400) if ``text`` has more bytes than any prompt that fits the
+        context can hold (``launch.serving.text_bound.check_prompt_text``), before encoding."""
+        try:
+            check_prompt_text(
+                text,
+                where,
+                max_model_len=self.config.max_model_len,
+                tokenizer=self.config.tokenizer,
+            )
+        except ValueError as e:
+            raise ProtocolError(str(e), param=param) from None
 
     def max_tokens_for(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """``max_tokens`` checked against the context and the KV cache; None: all that fits.

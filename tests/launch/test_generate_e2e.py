@@ -261,3 +261,25 @@ def test_bad_input_ends_every_rank_with_one_line(
         assert re.search(pattern, line), line
     # no rank's traceback (torchrun's own ChildFailedError traceback is the launcher's)
     assert not re.search(r"RecursionError|File .*/launch/", proc.stderr), proc.stderr[-3000:]
+
+
+def test_a_text_line_too_long_to_fit_is_one_line_before_tokenizing(tmp_path, tiny_chat_dir):
+    """Issue 35 case 2: a 10 MB text line was tokenized before its length was checked (1.56 GiB
+    per rank); now its bytes are checked first (``launch.serving.text_bound``)."""
+    prompts = tmp_path / "long_text.jsonl"
+    text = "<5> " * 500_000
+    prompts.write_text(
+        json.dumps({"prompt": "<5> <6>"}) + "\n" + json.dumps({"prompt": text}) + "\n"
+    )
+    proc = torchrun(
+        2, f"--model={tiny_chat_dir}", f"--prompts={prompts}", "--data-parallel-size=2", timeout=60
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
+    assert 1 <= len(errors) <= 2, proc.stderr[-3000:]
+    for line in errors:
+        assert re.search(
+            r"error: prompt 1 has 2000000 bytes of text; with max_model_len 128 .* at most 8128 "
+            r"bytes .*; refused before tokenizing$",
+            line,
+        ), line

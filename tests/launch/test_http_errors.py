@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from launch.serving.api_server import HTTPServerThread, ServerConfig
 from launch.serving.engine_bridge import RequestOutput
 from launch.serving.metrics import ServerMetrics
+from launch.serving.text_bound import ASSUMED_BYTES_PER_TOKEN, BytesPerToken
 
 VOCAB_SIZE = 128
 MAX_MODEL_LEN = 64
@@ -28,6 +29,8 @@ BAD_TOKEN = 99  # the stand-in tokenizer cannot decode it
 
 class _Tokenizer:
     """Token i is the word ``<i>``; decoding BAD_TOKEN raises (a detokenizer bug, say)."""
+
+    bytes_per_token = BytesPerToken(num_bytes=ASSUMED_BYTES_PER_TOKEN, is_derived=False)
 
     def encode(self, text: str) -> list[int]:
         return [

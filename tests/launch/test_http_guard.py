@@ -226,6 +226,38 @@ def test_vllm_api_key_environment_variable(monkeypatch):
     assert frontend_args_from_namespace(build_parser().parse_args([])).api_keys == ()
 
 
+def _raw_answer(port: int, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """(status, JSON body) of one request sent as raw bytes (headers not UTF-8)."""
+    sock = raw_socket(port)
+    sock.sendall(head + b"Connection: close\r\n\r\n" + body)
+    is_closed, answer = closed_within(sock, 5)
+    sock.close()
+    assert is_closed, answer[:200]
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_headers_that_are_not_utf8_get_json_4xx_and_no_traceback(caplog):
+    """Issue 35 case 1: ``Authorization: Bearer \\xe9`` was a plain-text 500 and a
+    UnicodeEncodeError traceback per request."""
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(BODY)
+    with serve(api_keys=("K",)) as server, caplog.at_level(logging.INFO):
+        for head in (b"Authorization: Bearer \xe9\r\n", b"Authorization: \xff K\r\n"):
+            status, body = _raw_answer(
+                server.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + head
+            )
+            assert status == 401 and body["error"]["code"] == 401, body
+            assert "the Authorization header is not UTF-8 (byte 0x" in body["error"]["message"]
+        for content_type in (b"application/json; charset=\xe9", b"application/\xe9+json"):
+            head = post + b"Authorization: Bearer K\r\nContent-Type: " + content_type + b"\r\n"
+            status, body = _raw_answer(server.port, head, BODY)
+            assert status == 400, body
+            assert "the Content-Type header is not UTF-8 (byte 0xe9" in body["error"]["message"]
+        auth = {"Authorization": "Bearer K"}
+        assert request(server.port, "POST", "/v1/completions", BODY, {**JSON, **auth})[0] == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
 def test_non_json_content_types_get_415(content_type):
     headers = {} if content_type is None else {"Content-Type": content_type}

@@ -164,6 +164,16 @@ def test_chat_equals_the_server(llm, tiny_chat_dir):
             ValueError,
             r"token id 500 outside \[0, 128\)",
         ),
+        (  # issue 35 case 2: refused by its bytes, before it is tokenized
+            lambda llm: llm.generate(["<5>", "<5> " * 5000]),
+            ValueError,
+            r"^prompt 1 has 20000 bytes of text; with max_model_len 64 .* at most 4032 bytes",
+        ),
+        (
+            lambda llm: llm.chat([{"role": "user", "content": "<5> " * 5000}]),
+            ValueError,
+            r"^the conversation has \d+ bytes of text; with max_model_len 64",
+        ),
         (
             lambda llm: llm.chat([{"role": "robot", "content": "x"}]),
             ValueError,

@@ -5,6 +5,11 @@ accepts) is refused as a 400 naming the field, where requests are parsed, before
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import sys
+import threading
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -14,7 +19,11 @@ from launch.serving.chat_template import load_chat_template
 from launch.serving.detokenizer import load_tokenizer
 from launch.serving.engine_bridge import EngineBridge, RequestOutput
 from launch.serving.metrics import ServerMetrics
-from launch.serving.openai_protocol import ProtocolError, parse_completion_request
+from launch.serving.openai_protocol import (
+    ProtocolError,
+    check_prompt_ids,
+    parse_completion_request,
+)
 from tests.helpers.chat import build_chat_tokenizer
 
 
@@ -109,3 +118,117 @@ def test_the_check_walks_any_depth_and_keys():
         parse_completion_request({"prompt": [1], "x": deep}, model_name="m")
     with pytest.raises(ProtocolError, match="a key"):
         parse_completion_request({"prompt": [1], "\udc80": 1}, model_name="m")
+
+
+# issue 35 case 3: checking every string for surrogates walked each element of a token-id body on
+# the event loop (0.59 s per 1 MiB body); now a large body is checked on an executor thread, one at
+# a time, and the checks do no Python work per token id
+
+
+def _line_events_in_protocol(fn) -> int:
+    """Python line events in launch/serving/openai_protocol.py while ``fn()`` runs."""
+    count = 0
+
+    def trace(frame, event, _arg):
+        nonlocal count
+        if not frame.f_code.co_filename.endswith("openai_protocol.py"):
+            return None
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_checking_token_ids_does_no_python_work_per_id():
+    def check(num_ids: int):
+        def go():
+            body = {"prompt": [1] * num_ids, "stop_token_ids": [2] * num_ids, "max_tokens": 1}
+            request = parse_completion_request(body, model_name="m")
+            with pytest.raises(ProtocolError, match="token id 128 is outside"):
+                check_prompt_ids(
+                    [*request.prompts[0], 128], max_tokens=1, vocab_size=128, max_model_len=10**9
+                )
+
+        return go
+
+    few, many = _line_events_in_protocol(check(1000)), _line_events_in_protocol(check(300_000))
+    assert many < few + 200, (few, many)  # the scans run per 32k-id slice, not per id
+
+
+def test_a_large_body_is_checked_off_the_event_loop_one_at_a_time(config, monkeypatch):
+    from launch.serving import serving_completion
+    from launch.serving.http_errors import LARGE_BODY_BYTES
+
+    threads: list[tuple[int, int]] = []  # (body size in ids, thread id) per parse
+    running, most_running = [0], [0]
+    lock = threading.Lock()
+
+    def parse(body, **kwargs):
+        is_large = len(body["prompt"]) > 1
+        with lock:
+            running[0] += is_large
+            most_running[0] = max(most_running[0], running[0])
+        time.sleep(0.05)  # holds its turn, so that the other large bodies queue behind it
+        with lock:
+            running[0] -= is_large
+            threads.append((len(body["prompt"]), threading.get_ident()))
+        return parse_completion_request(body, **kwargs)
+
+    monkeypatch.setattr(serving_completion, "parse_completion_request", parse)
+    num_large = LARGE_BODY_BYTES // 2  # ids: "1," each
+    large = json.dumps({"prompt": [1] * num_large}, separators=(",", ":")).encode()
+
+    async def go():
+        bridge = EngineBridge(asyncio.get_running_loop())
+        async with TestClient(TestServer(build_app(config, bridge))) as client:
+            headers = {"Content-Type": "application/json"}
+            posts = [client.post("/v1/completions", data=large, headers=headers) for _ in range(4)]
+            small = b'{"prompt": [1], "max_tokens": 1000}'  # refused too: no engine here
+            posts.append(client.post("/v1/completions", data=small, headers=headers))
+            responses = await asyncio.wait_for(asyncio.gather(*posts), 30)
+            assert [r.status for r in responses] == [400] * 5, responses
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(go())
+    assert sorted(n for n, _ in threads) == [1] + [num_large] * 4
+    assert all((thread == loop_thread) == (n == 1) for n, thread in threads), threads
+    assert most_running[0] == 1
+
+
+# issue 35 case 2: a text prompt is bounded by bytes before it is tokenized (text_bound)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "pattern", "param"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "<5> " * 2000},
+            r"^prompt 0 has 8000 bytes of text",
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "<5> " * 2000}]},
+            r"^the rendered conversation has \d+ bytes of text",
+            "messages",
+        ),
+    ],
+)
+def test_a_text_too_long_to_fit_is_a_400_before_tokenizing(
+    config, monkeypatch, path, body, pattern, param
+):
+    def encode(text, **_kwargs):
+        raise AssertionError(f"encoded {len(text)} characters")
+
+    monkeypatch.setattr(config.tokenizer, "encode", encode)
+    status, answer, num_submitted = _post_raw(config, path, json.dumps(body).encode())
+    assert status == 400 and num_submitted == 0, answer
+    assert re.search(pattern, answer["error"]["message"]), answer
+    assert "with max_model_len 64" in answer["error"]["message"]
+    assert answer["error"]["param"] == param
