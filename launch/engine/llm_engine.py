@@ -52,7 +52,8 @@ class ResolvedModel:
 
 
 def resolve_model(args: EngineArgs) -> ResolvedModel:
-    """Read and check ``--model`` (config.json and safetensors headers) or take the embedded default.
+    """Read and check ``--model`` (config.json and safetensors headers; with ``--load-format
+    dummy`` config.json or a preset name alone) or take the embedded default.
 
     Raises:
         ValueError: unsupported architecture (naming the supported ones), a malformed config, or
@@ -61,15 +62,12 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     """
     if args.model is None:
         config = MoEModelConfig.from_hf_config(EMBEDDED_MODEL_CONFIG)
+    elif args.load_format == "dummy":  # config.json (or a preset) only: seeded random weights
+        config = _dummy_config(args.model)
     else:
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model!r}: no such checkpoint directory")
-        if args.load_format == "dummy":  # config.json only: the weights will be seeded random
-            config = load_config(args.model)
-        else:
-            config = check_checkpoint(
-                args.model
-            )  # parses config.json (moe.model_loader.load_config)
+        config = check_checkpoint(args.model)  # parses config.json and safetensors headers
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -79,6 +77,27 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     return ResolvedModel(
         config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
     )
+
+
+def _dummy_config(model: str) -> MoEModelConfig:
+    """``--model``'s config under ``--load-format dummy``: a directory's ``config.json``, else a
+    preset's (``launch.plan``'s, e.g. ``OLMoE-1B-7B``: shapes without a download).
+
+    Raises:
+        FileNotFoundError: neither a directory nor a preset name (the presets are listed).
+    """
+    if Path(model).is_dir():
+        return load_config(model)
+    from launch.planning.model_presets import PRESETS, config_from_hf
+
+    preset = PRESETS.get(model.lower())
+    if preset is None:
+        names = sorted(p.name for p in PRESETS.values())
+        raise FileNotFoundError(
+            f"--model {model!r}: no such checkpoint directory, nor a preset ({names}) for "
+            "--load-format dummy"
+        )
+    return config_from_hf(preset.hf_config)
 
 
 def init_parallel_groups(args: EngineArgs):

@@ -87,6 +87,22 @@ def _mixtral_8x7b() -> dict:
     }
 
 
+def _olmoe_1b_7b() -> dict:
+    return {
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 4096,
+    }
+
+
 PRESETS: dict[str, ModelPreset] = {
     p.name.lower(): p
     for p in (
@@ -104,6 +120,11 @@ PRESETS: dict[str, ModelPreset] = {
             name="Qwen3-235B-A22B",
             source="huggingface.co/Qwen/Qwen3-235B-A22B config.json",
             hf_config=_qwen3(4096, 12288, 94, 64, 4, 128, 1536, 151936),
+        ),
+        ModelPreset(
+            name="OLMoE-1B-7B",
+            source="huggingface.co/allenai/OLMoE-1B-7B-0924 config.json",
+            hf_config=_olmoe_1b_7b(),
         ),
         ModelPreset(
             name="Mixtral-8x7B",

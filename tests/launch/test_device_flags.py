@@ -112,3 +112,22 @@ def test_graph_mode_pieces_return_tuples_on_this_torch():
             assert isinstance(out.args[0], tuple)
     x, y = torch.randn(3), torch.randn(3)
     assert all(torch.equal(a, b) for a, b in zip(graph(x, y), f(x, y), strict=True))
+
+
+def test_load_format_dummy_takes_a_preset_name_for_real_shapes():
+    from launch.engine.llm_engine import resolve_model
+
+    olmoe = resolve_model(EngineArgs(model="OLMoE-1B-7B", load_format="dummy", dtype="float32"))
+    c = olmoe.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_experts, c.num_experts_per_tok) == (
+        16,
+        2048,
+        64,
+        8,
+    )
+    qwen3 = resolve_model(EngineArgs(model="qwen3-30b-a3b", load_format="dummy", dtype="float32"))
+    assert qwen3.config.num_experts == 128
+    with pytest.raises(FileNotFoundError, match=r"nor a preset \(\['DeepSeek-V3', "):
+        resolve_model(EngineArgs(model="no-such-model", load_format="dummy", dtype="float32"))
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+        resolve_model(EngineArgs(model="OLMoE-1B-7B", dtype="float32"))  # weights wanted
