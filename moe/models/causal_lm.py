@@ -37,7 +37,7 @@ class MoEForCausalLM(nn.Module):
     Args:
         config: model shape (any supported architecture).
         prepare_finalize: dispatch/combine strategy shared by all MoE layers
-            (``NoEPPrepareAndFinalize`` when ep_size == 1, ``All2AllPrepareAndFinalize`` otherwise).
+            (``NoEPPrepareAndFinalize`` when ep_size == 1, the all-to-all backend otherwise).
         ep_rank, ep_size: this rank's place in the EP group; it holds global experts
             ``[ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size)``.
         dtype: parameter / activation dtype (float32 or bfloat16); device: where parameters live.
