@@ -5,10 +5,8 @@ Imports only torch (and the standard library). Nothing happens at import time.
 
 from distributed.all2all import (
     BACKENDS,
-    AllGatherDispatchMetadata,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
-    AllToAllDispatchMetadata,
     BatchedDispatchMetadata,
     BatchedDispatchResult,
     DeepEPHighThroughputBackend,
@@ -34,10 +32,8 @@ from distributed.parallel_state import (
 
 __all__ = [
     "BACKENDS",
-    "AllGatherDispatchMetadata",
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
-    "AllToAllDispatchMetadata",
     "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "CollectiveHandle",

@@ -49,8 +49,9 @@ class CommTiming:
             issued (DeepEP's notify step), or None if there was none.
         completed_at_ns: when the data had arrived; None until known.
         payload_at_ns: when the payload itself had arrived, where an emulated link
-            (``link_emulation.LinkDelayedHandle``) then held it back to its deadline: the exchange without
-            the link, which the planner's calibration reads; None: at ``completed_at_ns``.
+            (``link_emulation.LinkDelayedHandle``) then held it back to its deadline: the
+            exchange without the link, which the planner's calibration reads; None: at
+            ``completed_at_ns``.
         finish_ns: ``(start, end)`` of the receive-side work that turned the arrived bytes into
             the value (unpacking rows, scattering them back, the weighted sum of a combine:
             compute, like DeepEP's receive kernels), once done; None before, or when there was
@@ -150,7 +151,8 @@ def wrap_blocking_exchanges(wrap: Callable[[CommHandle], CommHandle]) -> Iterato
 
 
 def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:
-    """The exception to raise for a failed collective: TimeoutError for timeouts, else RuntimeError."""
+    """The exception to raise for a failed collective: TimeoutError for timeouts, else
+    RuntimeError."""
     if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
         return TimeoutError(
             f"{op} on rank {rank} did not complete within {timeout.total_seconds():g} s "

@@ -1,11 +1,8 @@
 """Expert all-to-all: one ``FusedMoEPrepareAndFinalize`` subclass per communication pattern, one
 module each, named in ``registry``."""
 
-from distributed.all2all.all_to_all import AllToAllBackend, AllToAllDispatchMetadata
-from distributed.all2all.allgather_reducescatter import (
-    AllGatherDispatchMetadata,
-    AllGatherReduceScatterBackend,
-)
+from distributed.all2all.all_to_all import AllToAllBackend
+from distributed.all2all.allgather_reducescatter import AllGatherReduceScatterBackend
 from distributed.all2all.base import (
     BatchedDispatchMetadata,
     BatchedDispatchResult,
@@ -24,10 +21,8 @@ from distributed.all2all.registry import BACKENDS, PATTERNS, make_all2all_backen
 __all__ = [
     "BACKENDS",
     "PATTERNS",
-    "AllGatherDispatchMetadata",
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
-    "AllToAllDispatchMetadata",
     "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "DeepEPHighThroughputBackend",

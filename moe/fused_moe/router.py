@@ -94,7 +94,8 @@ class RoutingConfig:
                 )
             if not 1 <= self.topk_group <= self.num_expert_group:
                 raise ValueError(
-                    f"topk_group must be in [1, n_group={self.num_expert_group}], got {self.topk_group}"
+                    f"topk_group must be in [1, n_group={self.num_expert_group}], "
+                    f"got {self.topk_group}"
                 )
         if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
             raise ValueError("topk_method 'noaux_tc' needs scoring_func 'sigmoid'")

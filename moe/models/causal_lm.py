@@ -166,8 +166,8 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
     routed_experts: ``TorchExperts`` (this rank's share only); shared_experts: the shared MLP and
     its gate; router: the MoE gates; dense: dense-layer MLPs; attention: everything under
-    ``self_attn`` (its q/k/latent norms included); norm: the other RMSNorms; embedding: embeddings and
-    lm_head.
+    ``self_attn`` (its q/k/latent norms included); norm: the other RMSNorms; embedding: embeddings
+    and lm_head.
     """
     owner: dict[int, str] = {}
     # named_modules visits parents first, so the first claim (setdefault) is the outermost one

@@ -58,8 +58,9 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Build the model for EP rank ``ep_rank`` of ``ep_size`` (weights uninitialised: ``torch.empty``,
-    no default random init; load a checkpoint or call ``init_random_weights`` next).
+    """Build the model for EP rank ``ep_rank`` of ``ep_size`` (weights uninitialised:
+    ``torch.empty``, no default random init; load a checkpoint or call ``init_random_weights``
+    next).
 
     Give either ``prepare_finalize`` or ``all2all_backend`` (the same kind of object, the
     name the engine uses); with neither, ep_size must be 1 and ``NoEPPrepareAndFinalize``

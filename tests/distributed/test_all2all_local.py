@@ -141,7 +141,8 @@ def _local_buffer(capacity: int):
 
 
 def test_low_latency_hook_completes_the_receive():
-    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after hook()."""
+    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after
+    hook()."""
     buffer = _local_buffer(4)
     x = torch.arange(12.0).view(3, 4)
     ids = torch.tensor([[1, 0], [1, -1], [0, 1]])

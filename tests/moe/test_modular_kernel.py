@@ -94,7 +94,8 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
 @torch.no_grad()
 def test_batched_experts_equal_the_experts_on_the_same_tokens():
     """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
-    applied afterwards) gives the same result as ``apply_standard`` on the routed tokens (float64)."""
+    applied afterwards) gives the same result as ``apply_standard`` on the routed tokens
+    (float64)."""
     experts = make_experts().double()
     x, ids, w = routed(11)
     x, w = x.double(), w.double()
