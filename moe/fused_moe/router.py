@@ -114,6 +114,24 @@ def _group_mask(choice: Tensor, config: RoutingConfig, group_score: str) -> Tens
     return group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
 
 
+def _top_k(
+    scores: Tensor, config: RoutingConfig, e_score_correction_bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(topk_weights, topk_ids)`` of ``scores [num_tokens, num_experts]`` float32 by
+    ``config.topk_method`` (see the module docstring)."""
+    if config.topk_method == "greedy":
+        return torch.topk(scores, config.top_k, dim=-1)
+    if config.topk_method == "group_limited_greedy":
+        masked = scores.masked_fill(~_group_mask(scores, config, "max"), 0.0)
+        return torch.topk(masked, config.top_k, dim=-1)
+    if e_score_correction_bias is None:  # noaux_tc
+        raise ValueError("topk_method 'noaux_tc' needs e_score_correction_bias")
+    choice = scores + e_score_correction_bias.float()[None, :]
+    choice = choice.masked_fill(~_group_mask(choice, config, "top2_sum"), float("-inf"))
+    topk_ids = torch.topk(choice, config.top_k, dim=-1).indices
+    return scores.gather(1, topk_ids), topk_ids
+
+
 def select_experts(
     router_logits: Tensor,
     top_k: int | None = None,
@@ -153,18 +171,7 @@ def select_experts(
         )
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if config.scoring_func == "softmax" else logits.sigmoid()
-    if config.topk_method == "greedy":
-        topk_weights, topk_ids = torch.topk(scores, config.top_k, dim=-1)
-    elif config.topk_method == "group_limited_greedy":
-        masked = scores.masked_fill(~_group_mask(scores, config, "max"), 0.0)
-        topk_weights, topk_ids = torch.topk(masked, config.top_k, dim=-1)
-    else:  # noaux_tc
-        if e_score_correction_bias is None:
-            raise ValueError("topk_method 'noaux_tc' needs e_score_correction_bias")
-        choice = scores + e_score_correction_bias.float()[None, :]
-        choice = choice.masked_fill(~_group_mask(choice, config, "top2_sum"), float("-inf"))
-        topk_ids = torch.topk(choice, config.top_k, dim=-1).indices
-        topk_weights = scores.gather(1, topk_ids)
+    topk_weights, topk_ids = _top_k(scores, config, e_score_correction_bias)
     if config.renormalize:
         denominator = topk_weights.sum(dim=-1, keepdim=True)
         if config.scoring_func == "sigmoid":
