@@ -126,36 +126,26 @@ class DeepEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     def __init__(
         self,
         *,
-        ep_group: ProcessGroup | None,
-        ep_rank: int,
-        ep_size: int,
-        num_experts: int,
-        timeout: datetime.timedelta,
         hidden_size: int = 0,
         num_max_dispatch_tokens_per_rank: int = DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK,
         buffer=None,
+        **kwargs,
     ) -> None:
         if num_max_dispatch_tokens_per_rank < 1:
             raise ValueError(
                 f"num_max_dispatch_tokens_per_rank must be >= 1, got "
                 f"{num_max_dispatch_tokens_per_rank}"
             )
-        super().__init__(
-            ep_group=ep_group,
-            ep_rank=ep_rank,
-            ep_size=ep_size,
-            num_experts=num_experts,
-            timeout=timeout,
-        )
+        super().__init__(**kwargs)  # the groups, sizes and timeout
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.buffer = buffer or make_deepep_buffer(
             low_latency_mode=self.low_latency_mode,
-            group=ep_group,
-            rank=ep_rank,
-            num_ranks=ep_size,
-            timeout=timeout,
+            group=self.ep_group,
+            rank=self.ep_rank,
+            num_ranks=self.ep_size,
+            timeout=self.timeout,
             hidden_size=hidden_size,
-            num_experts=num_experts,
+            num_experts=self.num_experts,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         )
         self.implementation = self.buffer.implementation
