@@ -1,30 +1,27 @@
-"""distributed: process groups from the torchrun environment and the expert all-to-all backends.
+"""distributed: process groups from the torchrun environment and the expert all-to-all.
 
 Imports only torch (and the standard library). Nothing happens at import time.
 """
 
 from distributed.all2all import (
     BACKENDS,
-    All2AllBackend,
-    AllGatherDispatchMetadata,
     AllGatherReduceScatterBackend,
     AllToAllBackend,
-    AllToAllDispatchMetadata,
-    BatchedAll2AllBackend,
     BatchedDispatchMetadata,
     BatchedDispatchResult,
     DeepEPHighThroughputBackend,
     DeepEPLowLatencyBackend,
     DispatchMetadata,
+    DispatchRequest,
     DispatchResult,
     FusedMoEActivationFormat,
-    StandardAll2AllBackend,
+    FusedMoEPrepareAndFinalize,
+    NoEPPrepareAndFinalize,
     StandardDispatchMetadata,
     make_all2all_backend,
 )
-from distributed.all2all.emulated_link import EmulatedLinkBackend, LinkDelayedHandle
 from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
-from distributed.link_emulation import EmulatedLink, LinkSpec
+from distributed.link_emulation import EmulatedLink, LinkDelayedHandle, LinkSpec
 from distributed.parallel_state import (
     ParallelGroups,
     TorchrunEnv,
@@ -35,12 +32,8 @@ from distributed.parallel_state import (
 
 __all__ = [
     "BACKENDS",
-    "All2AllBackend",
-    "AllGatherDispatchMetadata",
     "AllGatherReduceScatterBackend",
     "AllToAllBackend",
-    "AllToAllDispatchMetadata",
-    "BatchedAll2AllBackend",
     "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "CollectiveHandle",
@@ -50,14 +43,15 @@ __all__ = [
     "DeepEPHighThroughputBackend",
     "DeepEPLowLatencyBackend",
     "DispatchMetadata",
+    "DispatchRequest",
     "DispatchResult",
     "EmulatedLink",
-    "EmulatedLinkBackend",
     "FusedMoEActivationFormat",
+    "FusedMoEPrepareAndFinalize",
     "LinkDelayedHandle",
     "LinkSpec",
+    "NoEPPrepareAndFinalize",
     "ParallelGroups",
-    "StandardAll2AllBackend",
     "StandardDispatchMetadata",
     "TorchrunEnv",
     "destroy_distributed",

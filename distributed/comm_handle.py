@@ -9,9 +9,9 @@ backend, owns everything that changes after issue, so a backend object holds no 
 and two ubatch threads can share it.
 
 A backend that must complete a small exchange before it can issue its payload (a count exchange:
-DeepEP's notify) waits on it with ``wait_blocking_exchange``; a backend wrapper (the emulated link,
-``distributed.all2all.emulated_link``) can substitute that handle for the length of one call with
-``wrap_blocking_exchanges``, so backends know nothing of what wraps them.
+DeepEP's notify) waits on it with ``wait_blocking_exchange``; the emulated link
+(``distributed.link_emulation``) substitutes that handle for the length of one call with
+``wrap_blocking_exchanges``, so the exchange code knows nothing of links.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class CommTiming:
             issued (DeepEP's notify step), or None if there was none.
         completed_at_ns: when the data had arrived; None until known.
         payload_at_ns: when the payload itself had arrived, where an emulated link
-            (``EmulatedLinkBackend``) then held it back to its deadline: the exchange without
-            the link, which the planner's calibration reads; None: at ``completed_at_ns``.
+            (``link_emulation.LinkDelayedHandle``) then held it back to its deadline: the
+            exchange without the link, which the planner's calibration reads; None: at
+            ``completed_at_ns``.
         finish_ns: ``(start, end)`` of the receive-side work that turned the arrived bytes into
             the value (unpacking rows, scattering them back, the weighted sum of a combine:
             compute, like DeepEP's receive kernels), once done; None before, or when there was
@@ -150,7 +151,8 @@ def wrap_blocking_exchanges(wrap: Callable[[CommHandle], CommHandle]) -> Iterato
 
 
 def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:
-    """The exception to raise for a failed collective: TimeoutError for timeouts, else RuntimeError."""
+    """The exception to raise for a failed collective: TimeoutError for timeouts, else
+    RuntimeError."""
     if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
         return TimeoutError(
             f"{op} on rank {rank} did not complete within {timeout.total_seconds():g} s "

@@ -1,4 +1,5 @@
-"""A software model of a slower network link: the deadline arithmetic (torch-free).
+"""A software model of a slower network link: the deadline arithmetic and the handle that waits
+for it (torch-free).
 
 This is an EMULATION, not a network: the bytes of every collective really move through the
 process-group backend (gloo over loopback on CPU), and the collective's ``CommHandle`` then
@@ -9,16 +10,22 @@ completes no earlier than::
 where ``num_bytes`` is the larger of what this rank sends to and receives from other ranks (a
 full-duplex link) and transfers of one rank share its link one after the other (a transfer issued
 while another is on the wire starts when that one ends). It lets a 2-core machine show the overlap
-DBO gives when the link, not the CPU, is the bottleneck, as between nodes. It is applied around any
-expert all-to-all backend by ``distributed.all2all.emulated_link.EmulatedLinkBackend``. For a real
-kernel-shaped link see ``launch.netns`` (veth pairs with a ``tbf`` rate limit).
+DBO gives when the link, not the CPU, is the bottleneck, as between nodes. An expert all-to-all
+backend puts its transfers behind it with ``with_link``. For a real kernel-shaped link see
+``launch.netns`` (veth pairs with a ``tbf`` rate limit).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from distributed.comm_handle import CommHandle, CommTiming
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +95,44 @@ class EmulatedLink:
             start_ns = max(issued_at_ns, self._free_at_ns)
             self._free_at_ns = start_ns + self.spec.transfer_ns(num_bytes)
             return self._free_at_ns + self.spec.latency_ns
+
+    def delayed(self, handle: CommHandle[T]) -> LinkDelayedHandle[T]:
+        """Book ``handle``'s transfer (the larger of the bytes sent and received) on the link;
+        the handle, completing no earlier than the link's deadline."""
+        deadline_ns = self.deadline_ns(handle.timing.issued_at_ns, handle.timing.num_link_bytes)
+        return LinkDelayedHandle(handle, deadline_ns)
+
+
+class LinkDelayedHandle(Generic[T]):
+    """A ``CommHandle`` that completes no earlier than ``deadline_ns`` (``perf_counter_ns``).
+
+    ``wait()`` sleeps until the deadline (releasing the GIL), then completes the inner handle, so
+    the receive-side work starts once both the bytes and the deadline are there.
+    ``timing.payload_at_ns`` is when the inner handle's bytes were there.
+    """
+
+    __slots__ = ("_inner", "deadline_ns")
+
+    def __init__(self, inner: CommHandle[T], deadline_ns: int) -> None:
+        self._inner = inner
+        self.deadline_ns = deadline_ns
+
+    @property
+    def timing(self) -> CommTiming:
+        timing = self._inner.timing
+        arrived_ns = timing.completed_at_ns
+        if arrived_ns is None:
+            return timing
+        return dataclasses.replace(
+            timing, completed_at_ns=max(arrived_ns, self.deadline_ns), payload_at_ns=arrived_ns
+        )
+
+    def is_completed(self) -> bool:
+        return time.perf_counter_ns() >= self.deadline_ns and self._inner.is_completed()
+
+    def wait(self) -> T:
+        sleep_until(self.deadline_ns)  # blocking wait, bounded by the emulated deadline
+        return self._inner.wait()  # blocking wait (the inner handle's timeout)
 
 
 def sleep_until(deadline_ns: int | None) -> None:

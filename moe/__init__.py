@@ -10,12 +10,7 @@ from moe.forward_context import (
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import (
-    All2AllPrepareAndFinalize,
-    CompletedHandle,
-    FusedMoEPrepareAndFinalize,
-    NoEPPrepareAndFinalize,
-)
+from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
 from moe.layers.activation import SiluAndMul, swiglu
 from moe.layers.attention import PagedAttention, paged_attention, write_kv_cache
@@ -45,9 +40,7 @@ __all__ = [
     "ARCHITECTURES",
     "ArchitectureSpec",
     "PARAM_CATEGORIES",
-    "All2AllPrepareAndFinalize",
     "CommonAttentionMetadata",
-    "CompletedHandle",
     "CpuPlatform",
     "CudaPlatform",
     "CustomOp",

@@ -1,109 +1,101 @@
-"""Results and the abstract interfaces of the expert all-to-all (dispatch / combine).
+"""The expert all-to-all of vLLM's modular kernel, ``[Router] → [Prepare/Dispatch] → [Experts]
+→ [Finalize/Combine]``: one ``FusedMoEPrepareAndFinalize`` subclass per communication pattern.
 
-A backend delivers the received tokens in one of two activation formats
-(``FusedMoEActivationFormat``, vLLM's names), and the experts must take that format:
-
-- ``Standard`` (``StandardAll2AllBackend``), after DeepEP's high-throughput ``Buffer.dispatch`` /
-  ``Buffer.combine``: dispatch sends each token once to every EP rank holding at least one of its
-  top-k experts, with its ``topk_ids`` rewritten to that rank's LOCAL expert ids (-1 elsewhere)
-  and its ``topk_weights``; the experts return one weighted sum per received row; combine sends
-  the rows back and sums a token's partial outputs over the ranks, in the token's original order.
-- ``BatchedExperts`` (``BatchedAll2AllBackend``), after DeepEP's ``low_latency_dispatch`` /
-  ``low_latency_combine``: rows grouped per local expert with per-expert counts; the experts
-  return UNWEIGHTED outputs in that layout and combine applies the top-k weights.
-
-A backend object holds no per-call state: everything combine needs travels in the frozen
-``DispatchMetadata``.
+Prepare and finalize live in one class because finalize undoes what prepare did, from the frozen
+metadata prepare returned: nothing is stashed on ``self``, so two ubatch threads share one object.
+Global expert ``e`` lives on EP rank ``e // num_local_experts``.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from distributed.all2all.token_packing import RowLayout
+from distributed.collectives import Pending
 from distributed.comm_handle import (
     CollectiveHandle,
     CommHandle,
     CommTiming,
     wait_blocking_exchange,
+    wrap_blocking_exchanges,
 )
+from distributed.link_emulation import EmulatedLink
+
+T = TypeVar("T")
+
+# ``implementation`` of DeepEP's own kernels: their completion is on the GPU stream
+DEEPEP_KERNELS = "deep_ep kernels"
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype combine sums partial expert outputs in: float32, or float64 for float64 inputs
-    (the exactness tests run the whole model in float64)."""
+    """float32 for the partial sums of a combine, float64 for float64 inputs (exactness tests)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 class FusedMoEActivationFormat(enum.Enum):
-    """Layout in which a dispatch delivers tokens to the experts (vLLM's
-    ``FusedMoEActivationFormat``).
-
-    ``Standard``: ``DispatchResult``, rows ``[num_recv_tokens, hidden_size]`` with LOCAL top-k ids
-    and weights; the experts return ``[num_recv_tokens, hidden_size]`` weighted sums.
-    ``BatchedExperts``: ``BatchedDispatchResult``, rows ``[num_local_experts,
-    max_tokens_per_expert, hidden_size]`` with per-expert counts; the experts return UNWEIGHTED
-    outputs in the same layout and combine applies the top-k weights.
-    """
+    """The layout a dispatch delivers and its combine takes back (vLLM's names): ``Standard``
+    (``DispatchResult``; the experts return one weighted sum per row) or ``BatchedExperts``
+    (``BatchedDispatchResult``, per local expert; UNWEIGHTED outputs in that layout)."""
 
     Standard = "standard"
     BatchedExperts = "batched_experts"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DispatchMetadata:
-    """What combine needs to route expert outputs back; opaque to callers.
+class DispatchRequest:
+    """One checked dispatch, what ``FusedMoEPrepareAndFinalize.prepare`` issues."""
 
-    Each backend subclasses the metadata of its activation format with its own routing fields.
-    """
+    hidden_states: Tensor  # [num_tokens, hidden_size], float32/bfloat16/float16/float64
+    topk_ids: Tensor  # [num_tokens, num_topk] int64 GLOBAL expert ids, -1 = no selection
+    topk_weights: Tensor  # [num_tokens, num_topk] floating
+    layout: RowLayout  # the packed row format of these tokens
+    # every EP rank's num_tokens when the DP ranks agreed on them (under DBO), else None
+    num_tokens_across_ep: tuple[int, ...] | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hidden_states.shape[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DispatchMetadata:
+    """What combine needs to route expert outputs back; each pattern adds its routing fields."""
 
     backend: str
     ep_rank: int
     num_tokens: int  # tokens this rank dispatched (rows of the combine result)
     hidden_size: int
-    dtype: torch.dtype  # dtype of the dispatched hidden states and of the combine result
+    dtype: torch.dtype  # of the dispatched hidden states and of the combine result
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StandardDispatchMetadata(DispatchMetadata):
-    """Metadata of a ``Standard`` dispatch."""
-
     num_recv_tokens: int  # rows this rank received (rows of the expert output)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchedDispatchMetadata(DispatchMetadata):
-    """Metadata of a ``BatchedExperts`` dispatch."""
-
-    # rows per local expert in the received layout (valid or not): dim 1 of the expert output
-    max_tokens_per_expert: int
+    max_tokens_per_expert: int  # rows per local expert in the received layout, valid or not
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchResult:
-    """Tokens received by this EP rank (``Standard`` activation format).
+    """Tokens received by this EP rank (``Standard``); pass ``metadata`` back to ``combine``."""
 
-    Attributes:
-        hidden_states: ``[num_recv_tokens, hidden_size]``, dtype of the dispatched input.
-        topk_ids: ``[num_recv_tokens, num_topk]`` torch.int64 LOCAL expert ids in
-            ``[0, num_local_experts)``; -1 = that top-k slot is not on this rank.
-        topk_weights: ``[num_recv_tokens, num_topk]`` torch.float32, 0 where ``topk_ids == -1``.
-        metadata: pass it back to ``combine``.
-    """
-
-    hidden_states: Tensor
-    topk_ids: Tensor
-    topk_weights: Tensor
+    hidden_states: Tensor  # [num_recv_tokens, hidden_size], dtype of the dispatched input
+    topk_ids: Tensor  # [num_recv_tokens, num_topk] int64 LOCAL ids, -1 = expert elsewhere
+    topk_weights: Tensor  # [num_recv_tokens, num_topk] float32, 0 where topk_ids == -1
     metadata: StandardDispatchMetadata
 
     def __post_init__(self) -> None:
@@ -122,20 +114,13 @@ class DispatchResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchedDispatchResult:
-    """Tokens received by this EP rank, grouped per local expert (``BatchedExperts`` activation
-    format: DeepEP's low-latency layout).
+    """Tokens received by this EP rank grouped per local expert (``BatchedExperts``); pass
+    ``metadata`` back to ``combine`` with the UNWEIGHTED expert outputs."""
 
-    Attributes:
-        hidden_states: ``[num_local_experts, max_tokens_per_expert, hidden_size]``, dtype of the
-            dispatched input; only the first ``expert_num_tokens[l]`` rows of expert ``l`` are
-            valid (the rest is unspecified).
-        expert_num_tokens: ``[num_local_experts]`` torch.int32 valid rows per local expert.
-        metadata: pass it back to ``combine``, with the experts' UNWEIGHTED outputs in the same
-            layout (combine applies the top-k weights).
-    """
-
+    # [num_local_experts, max_tokens_per_expert, hidden_size], dtype of the dispatched input;
+    # rows past expert_num_tokens[l] are unspecified
     hidden_states: Tensor
-    expert_num_tokens: Tensor
+    expert_num_tokens: Tensor  # [num_local_experts] int32 valid rows per local expert
     metadata: BatchedDispatchMetadata
 
     def __post_init__(self) -> None:
@@ -150,40 +135,76 @@ class BatchedDispatchResult:
             )
 
 
-class All2AllBackend(ABC):
-    """Expert-parallel dispatch / combine over ``ep_group``: what every backend shares (groups,
-    sizes, checks, class-level declarations). A backend subclasses the base of the activation
-    format it delivers, ``StandardAll2AllBackend`` or ``BatchedAll2AllBackend``, which declare
-    ``dispatch`` and ``combine`` with that format's types.
+def collective_handle(
+    pending: Pending,
+    finalize: Callable[[], T],
+    *,
+    op: str,
+    rank: int,
+    timeout: datetime.timedelta,
+    timing: CommTiming,
+) -> CollectiveHandle[T]:
+    """The handle of the issued collective ``pending``; its after-step (a fallback collective's)
+    runs before ``finalize``."""
+    work, after = pending
 
-    Collective: every EP rank calls ``dispatch`` and ``combine`` in the same order (also with 0
-    tokens). Safe to share between two ubatch threads that issue calls alternately: the object is
-    never mutated after ``__init__``.
+    def run_finalize() -> T:
+        if after is not None:
+            after()
+        return finalize()
+
+    return CollectiveHandle(
+        op=op, rank=rank, timeout=timeout, work=work, finalize=run_finalize, timing=timing
+    )
+
+
+def complete_exchange(
+    pending: Pending,
+    *,
+    op: str,
+    rank: int,
+    timeout: datetime.timedelta,
+    num_bytes: int,
+    start_ns: int,
+) -> tuple[int, int]:
+    """Wait for the small exchange ``pending`` issued at ``start_ns`` (a count exchange: DeepEP's
+    notify; behind an emulated link, delayed as a transfer); its ``(start, end)`` in ns."""
+    timing = CommTiming(issued_at_ns=start_ns, num_bytes=num_bytes)
+    kwargs = {"op": op, "rank": rank, "timeout": timeout, "timing": timing}
+    wait_blocking_exchange(collective_handle(pending, lambda: None, **kwargs))  # blocking wait
+    return start_ns, time.perf_counter_ns()
+
+
+class FusedMoEPrepareAndFinalize(ABC):
+    """Dispatch tokens to the EP ranks holding their experts and combine the outputs back.
+
+    A pattern implements ``prepare`` (issue a ``DispatchRequest``) and ``finalize`` (issue the
+    combine); ``dispatch`` and ``combine`` check the arguments, put the transfers behind the
+    emulated link if any, and complete them unless ``async_op``. Collective: every EP rank calls
+    them in the same order, also with 0 tokens. Never mutated after ``__init__``.
 
     Args:
-        ep_group: the EP process group (None allowed only when ``ep_size == 1``: local copies).
+        ep_group: the EP process group (None only when ``ep_size == 1``: local copies).
         ep_rank, ep_size: this rank and the number of EP ranks.
         num_experts: global experts; rank ``r`` holds ``[r * num_local_experts, (r+1) * ...)``.
         timeout: limit of every blocking wait.
 
     Raises:
-        ValueError: if ``num_experts % ep_size != 0``, ``ep_rank`` is outside ``[0, ep_size)``,
-            ``ep_group`` is None with ``ep_size > 1``, or ``timeout <= 0``.
+        ValueError: ``num_experts`` not a positive multiple of ``ep_size``, ``ep_rank`` outside
+            ``[0, ep_size)``, no ``ep_group`` with ``ep_size > 1``, or ``timeout <= 0``.
     """
 
-    name: ClassVar[str]
-    # the layout dispatch delivers and combine takes back (set by the two format bases below)
+    name: ClassVar[str]  # the registry key (and the --all2all-backend choice)
     activation_format: ClassVar[FusedMoEActivationFormat]
-    # constructor arguments beyond ``All2AllBackend``'s that this backend takes;
-    # ``make_all2all_backend`` passes them only to the backends that declare them
+    # constructor arguments only this class takes; make_all2all_backend passes them to it alone
     extra_options: ClassVar[tuple[str, ...]] = ()
-    # which code moves the bytes (start-up log and summary line)
-    implementation: str = "torch.distributed"
+    # False only without expert parallelism: nothing moves, so no host-synced id check
+    moves_tokens: ClassVar[bool] = True
     # whether dispatch blocks on a count exchange even when num_tokens_across_ep is given
     blocks_under_dbo: ClassVar[bool] = False
-    # how many ubatches may have a dispatch or combine in flight at once (None: any number);
-    # DeepEP's low-latency kernels double-buffer, so their results allow two
-    max_num_ubatches: int | None = None
+    implementation: str = "torch.distributed"  # which code moves the bytes (logs, summary line)
+    max_num_ubatches: int | None = None  # ubatches with transfers in flight at once (None: any)
+    link: EmulatedLink | None = None  # set by ``with_link``
 
     def __init__(
         self,
@@ -211,11 +232,119 @@ class All2AllBackend(ABC):
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
 
-    # ---- shared helpers (no state) ----
+    def __repr__(self) -> str:
+        return type(self).__name__
 
-    def _row_layout(
-        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
-    ) -> RowLayout:
+    def with_link(self, link: EmulatedLink):
+        """A copy of this object (same groups and buffers) whose every transfer, count exchange
+        included, completes no earlier than ``link``'s deadline (``--emulate-link``). ValueError
+        on DeepEP's kernels: they complete on the GPU stream, not in a host wait to delay."""
+        if self.implementation == DEEPEP_KERNELS:
+            raise ValueError(
+                f"--emulate-link applies to the torch.distributed implementations only, not to "
+                f"{self.name} on {DEEPEP_KERNELS}"
+            )
+        linked = copy.copy(self)
+        linked.link = link
+        return linked
+
+    def dispatch(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        async_op: bool = False,
+        num_tokens_across_ep: Sequence[int] | None = None,
+    ) -> CommHandle[DispatchResult] | CommHandle[BatchedDispatchResult]:
+        """Send each token to the EP ranks holding its experts.
+
+        Args:
+            hidden_states, topk_ids, topk_weights, num_tokens_across_ep: as ``DispatchRequest``,
+                with the same hidden_size, num_topk and dtype on every EP rank (0 tokens allowed).
+                Known counts spare a pattern whose count exchange only learns them that exchange.
+            async_op: True: the payload stays in flight (a count exchange before it blocks, as
+                DeepEP's notify does); False: the handle comes back complete.
+
+        Returns:
+            A handle of the rows this rank computes, in ``activation_format``.
+
+        Raises:
+            ValueError / TypeError: bad shapes, dtypes, expert ids or counts, or a row format that
+                differs across EP ranks. TimeoutError / RuntimeError: a collective failed.
+        """
+        request = DispatchRequest(
+            hidden_states=hidden_states,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            layout=self._check_tokens(hidden_states, topk_ids, topk_weights),
+            num_tokens_across_ep=self._check_counts(num_tokens_across_ep, hidden_states.shape[0]),
+        )
+        return self._issue(lambda: self.prepare(request), async_op)
+
+    def combine(
+        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
+    ) -> CommHandle[Tensor]:
+        """Send the expert outputs back and sum them per token.
+
+        Args:
+            expert_output: ``Standard``: ``[num_recv_tokens, hidden_size]``, each row's weighted
+                sum over its local top-k; ``BatchedExperts``: ``[num_local_experts,
+                max_tokens_per_expert, hidden_size]`` UNWEIGHTED (combine applies the weights).
+            metadata: ``result.metadata`` of the matching dispatch on this object.
+
+        Returns:
+            A handle of ``[num_tokens, hidden_size]`` in the dispatched order and dtype, summed in
+            float32 (float64 for float64).
+
+        Raises:
+            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
+        """
+        self._check_combine(expert_output, metadata)
+        return self._issue(lambda: self.finalize(expert_output, metadata), async_op)
+
+    @abstractmethod
+    def prepare(
+        self, request: DispatchRequest
+    ) -> CommHandle[DispatchResult] | CommHandle[BatchedDispatchResult]:
+        """Issue the dispatch of ``request``; the handle may still be in flight."""
+
+    @abstractmethod
+    def finalize(self, expert_output: Tensor, metadata: DispatchMetadata) -> CommHandle[Tensor]:
+        """Issue the combine of a checked ``expert_output``; the handle may still be in flight."""
+
+    def _issue(self, issue: Callable[[], CommHandle[T]], async_op: bool) -> CommHandle[T]:
+        """``issue()``'s handle, behind the link when there is one; complete unless ``async_op``."""
+        link = self.link
+        if link is None:
+            handle = issue()
+        else:
+            with wrap_blocking_exchanges(link.delayed):  # the count exchange waits for it too
+                handle = link.delayed(issue())
+        if not async_op:
+            handle.wait()  # blocking wait (timeout: self.timeout, after the link's deadline)
+        return handle
+
+    def _handle(self, pending: Pending, finalize: Callable[[], T], *, op: str, timing: CommTiming):
+        """The ``CollectiveHandle`` of this rank's issued payload ``pending``."""
+        return collective_handle(
+            pending, finalize, op=op, rank=self.ep_rank, timeout=self.timeout, timing=timing
+        )
+
+    def _metadata(self, cls: type, request: DispatchRequest, **fields):
+        """A ``cls`` (a ``DispatchMetadata``) of ``request`` on this rank, with ``fields``."""
+        layout = request.layout
+        return cls(
+            backend=self.name,
+            ep_rank=self.ep_rank,
+            num_tokens=request.num_tokens,
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            **fields,
+        )
+
+    def _check_tokens(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        """The ``RowLayout`` of the dispatched tokens; TypeError / ValueError if malformed."""
         if hidden_states.dim() != 2 or not hidden_states.is_floating_point():
             raise TypeError(
                 f"hidden_states must be a 2-D floating tensor [num_tokens, hidden_size], got "
@@ -232,8 +361,7 @@ class All2AllBackend(ABC):
                 f"topk_weights must be floating {list(topk_ids.shape)}, got "
                 f"{list(topk_weights.shape)} {topk_weights.dtype}"
             )
-        # host sync (small): the routing needs counts on the host anyway
-        if num_tokens and bool(((topk_ids < -1) | (topk_ids >= self.num_experts)).any()):
+        if self.moves_tokens and num_tokens and not self._ids_in_range(topk_ids):
             raise ValueError(
                 f"topk_ids must be in [0, {self.num_experts}) or -1, got values in "
                 f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
@@ -244,10 +372,29 @@ class All2AllBackend(ABC):
             dtype=hidden_states.dtype,
         )
 
-    def _check_combine(self, expert_output: Tensor, metadata: DispatchMetadata, kind: type) -> None:
-        """ValueError unless ``metadata`` is a ``kind`` from this backend and rank and
-        ``expert_output`` is floating in the layout of ``activation_format``."""
-        if not isinstance(metadata, kind) or metadata.ep_rank != self.ep_rank:
+    def _ids_in_range(self, topk_ids: Tensor) -> bool:
+        # host sync (small): the routing needs counts on the host anyway
+        return not bool(((topk_ids < -1) | (topk_ids >= self.num_experts)).any())
+
+    def _check_counts(
+        self, num_tokens_across_ep: Sequence[int] | None, num_tokens: int
+    ) -> tuple[int, ...] | None:
+        """ValueError unless ``num_tokens_across_ep`` has ``ep_size`` counts >= 0 and this rank's
+        equals its ``num_tokens``."""
+        if num_tokens_across_ep is None:
+            return None
+        counts = tuple(int(n) for n in num_tokens_across_ep)
+        if len(counts) != self.ep_size or counts[self.ep_rank] != num_tokens or min(counts) < 0:
+            raise ValueError(
+                f"num_tokens_across_ep={list(counts)} must list {self.ep_size} counts >= 0 with "
+                f"entry {self.ep_rank} equal to this rank's num_tokens={num_tokens}"
+            )
+        return counts
+
+    def _check_combine(self, expert_output: Tensor, metadata: DispatchMetadata) -> None:
+        """ValueError unless ``metadata`` comes from this pattern and rank and ``expert_output``
+        is floating in the layout of ``activation_format``."""
+        if metadata.backend != self.name or metadata.ep_rank != self.ep_rank:
             raise ValueError(
                 f"metadata must come from dispatch on this {self.name!r} backend at ep_rank "
                 f"{self.ep_rank}, got {type(metadata).__name__} from {metadata.backend!r} at "
@@ -265,175 +412,3 @@ class All2AllBackend(ABC):
                 f"expert_output must be floating {list(expected)} ({dims}), "
                 f"got {list(expert_output.shape)} {expert_output.dtype}"
             )
-
-    def _check_num_tokens_across_ep(
-        self, num_tokens_across_ep: Sequence[int] | None, num_tokens: int
-    ) -> list[int] | None:
-        """``num_tokens_across_ep`` as a list, checked against this rank; ValueError if it does not
-        have ``ep_size`` entries or disagrees with this rank's own ``num_tokens``."""
-        if num_tokens_across_ep is None:
-            return None
-        counts = [int(n) for n in num_tokens_across_ep]
-        if len(counts) != self.ep_size or counts[self.ep_rank] != num_tokens or min(counts) < 0:
-            raise ValueError(
-                f"num_tokens_across_ep={counts} must list {self.ep_size} counts >= 0 with "
-                f"entry {self.ep_rank} equal to this rank's num_tokens={num_tokens}"
-            )
-        return counts
-
-    def _check_signatures(self, signatures: list[list[int]], layout: RowLayout, op: str) -> None:
-        """Raise on every rank (before the payload) if EP ranks disagree on the row format."""
-        expected = list(layout.signature())
-        if any(sig != expected for sig in signatures):
-            raise ValueError(
-                f"{op} on ep_rank {self.ep_rank}: (hidden_size, num_topk, dtype code) differ across "
-                f"EP ranks: {signatures}; every rank must dispatch the same hidden_size, num_topk "
-                f"and dtype"
-            )
-
-    def _notify(self, pending, op: str, *, issued_at_ns: int, num_bytes: int) -> tuple[int, int]:
-        """Complete the small blocking count exchange ``pending`` (issued at ``issued_at_ns``,
-        ``num_bytes`` each way); return its ``(start, end)`` ns (``perf_counter_ns``)."""
-        work, after = pending
-        handle = CollectiveHandle(
-            op=op,
-            rank=self.ep_rank,
-            timeout=self.timeout,
-            work=work,
-            finalize=after or (lambda: None),
-            timing=CommTiming(issued_at_ns=issued_at_ns, num_bytes=num_bytes),
-        )
-        wait_blocking_exchange(handle)  # blocking wait (timeout: self.timeout)
-        return issued_at_ns, time.perf_counter_ns()
-
-    def _handle(self, *, op: str, pending, finalize, timing: CommTiming, async_op: bool):
-        """The ``CollectiveHandle`` of a payload ``pending`` (its after-step runs before
-        ``finalize``); complete when not ``async_op``."""
-        work, after = pending
-
-        def run_finalize():
-            if after is not None:
-                after()
-            return finalize()
-
-        handle = CollectiveHandle(
-            op=op,
-            rank=self.ep_rank,
-            timeout=self.timeout,
-            work=work,
-            finalize=run_finalize,
-            timing=timing,
-        )
-        if not async_op:
-            handle.wait()  # blocking wait (timeout: self.timeout) inside CommHandle.wait
-        return handle
-
-
-class StandardAll2AllBackend(All2AllBackend):
-    """A backend in the ``Standard`` activation format: dispatch delivers ``DispatchResult`` rows
-    with LOCAL top-k ids and weights; combine takes one weighted sum per received row."""
-
-    activation_format = FusedMoEActivationFormat.Standard
-
-    @abstractmethod
-    def dispatch(
-        self,
-        hidden_states: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        *,
-        async_op: bool = False,
-        num_tokens_across_ep: Sequence[int] | None = None,
-    ) -> CommHandle[DispatchResult]:
-        """Send each token to the EP ranks holding its experts.
-
-        Args:
-            hidden_states: ``[num_tokens, hidden_size]``, float32/bfloat16/float16/float64;
-                ``num_tokens`` may be 0. Same hidden_size, num_topk and dtype on every EP rank.
-            topk_ids: ``[num_tokens, num_topk]`` torch.int64 GLOBAL expert ids in
-                ``[0, num_experts)``; -1 = no selection.
-            topk_weights: ``[num_tokens, num_topk]`` float (used as float32).
-            async_op: False: the returned handle is complete. True: the payload collective is in
-                flight (the small count exchange before it blocks, like DeepEP's notify).
-            num_tokens_across_ep: every EP rank's ``num_tokens`` in this dispatch, when the caller
-                already knows them (under DBO the DP ranks agreed on padded ubatch sizes). A
-                backend whose count exchange only learns these counts skips it, so the dispatch
-                issues without blocking (vLLM's naive dispatcher uses the DP metadata the same way).
-
-        Raises:
-            ValueError / TypeError: bad shapes, dtypes, expert ids, or a row format that differs
-                across EP ranks. TimeoutError / RuntimeError: a collective timed out or failed.
-        """
-
-    @abstractmethod
-    def combine(
-        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
-    ) -> CommHandle[Tensor]:
-        """Send expert outputs back and sum them per token.
-
-        Args:
-            expert_output: ``[num_recv_tokens, hidden_size]``: per received row, the sum over its
-                local top-k slots of ``topk_weight * expert(x)``.
-            metadata: ``DispatchResult.metadata`` of the matching dispatch on this backend.
-
-        Returns:
-            Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
-            dtype: the sum over ranks of the partial outputs, accumulated in float32 (float64 for
-            float64 inputs).
-
-        Raises:
-            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
-        """
-
-
-class BatchedAll2AllBackend(All2AllBackend):
-    """A backend in the ``BatchedExperts`` activation format: dispatch delivers a
-    ``BatchedDispatchResult`` (rows grouped per local expert, one row per (token, local expert)
-    pair); combine takes the experts' UNWEIGHTED outputs in that layout and applies the top-k
-    weights itself."""
-
-    activation_format = FusedMoEActivationFormat.BatchedExperts
-
-    @abstractmethod
-    def dispatch(
-        self,
-        hidden_states: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        *,
-        async_op: bool = False,
-        num_tokens_across_ep: Sequence[int] | None = None,
-    ) -> CommHandle[BatchedDispatchResult]:
-        """Send each token to every local expert of every EP rank among its top-k.
-
-        Args: as ``StandardAll2AllBackend.dispatch``; ``topk_weights`` travel in the metadata
-        (combine applies them), not to the experts.
-
-        Returns:
-            Handle of a ``BatchedDispatchResult``: ``[num_local_experts, max_tokens_per_expert,
-            hidden_size]`` rows and ``[num_local_experts]`` int32 valid counts.
-
-        Raises:
-            ValueError / TypeError: bad shapes, dtypes or expert ids, or more tokens than the
-                backend's capacity. TimeoutError / RuntimeError: a collective timed out or failed.
-        """
-
-    @abstractmethod
-    def combine(
-        self, expert_output: Tensor, metadata: DispatchMetadata, *, async_op: bool = False
-    ) -> CommHandle[Tensor]:
-        """Send expert outputs back, weight them by the dispatched top-k weights and sum per token.
-
-        Args:
-            expert_output: ``[num_local_experts, max_tokens_per_expert, hidden_size]`` floating,
-                the UNWEIGHTED output of local expert ``l`` for its first
-                ``expert_num_tokens[l]`` rows (rows past the count are ignored).
-            metadata: ``BatchedDispatchResult.metadata`` of the matching dispatch on this backend.
-
-        Returns:
-            Handle of ``[num_tokens, hidden_size]`` in the dispatching caller's token order and
-            dtype: ``sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x)``.
-
-        Raises:
-            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
-        """

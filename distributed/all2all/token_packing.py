@@ -1,17 +1,12 @@
-"""Routing index math and the packed row format of the expert all-to-all.
+"""Routing index math and the packed row of a ``Standard`` dispatch (DeepEP high-throughput's
+``get_dispatch_layout`` / ``dispatch``): a token goes once to every EP rank holding one of its
+top-k experts, with its ``topk_ids`` (int64), ``topk_weights`` (float32) and hidden state packed
+into one uint8 row, so a dispatch moves ONE payload tensor::
 
-Routing (DeepEP high-throughput semantics, ``deep_ep.Buffer.get_dispatch_layout`` /
-``dispatch``): a token is sent once to every EP rank that holds at least one of its top-k experts
-("per destination rank, one row per token"). Experts live on EP ranks in contiguous blocks:
-global expert ``e`` is on rank ``e // num_local_experts`` with local id ``e % num_local_experts``.
+    [ topk_ids: num_topk * 8 B | topk_weights: num_topk * 4 B | pad | hidden | pad to 8 B ]
 
-Row format: one token's ``topk_ids`` (int64), ``topk_weights`` (float32) and hidden state are
-packed into one uint8 row so that a dispatch moves ONE payload tensor::
-
-    [ topk_ids: num_topk * 8 B | topk_weights: num_topk * 4 B | pad | hidden: hidden_size * itemsize | pad ]
-
-Fields are ordered by alignment and the row length is padded to 8 bytes, so unpacking is a set of
-zero-copy ``view(dtype)`` calls; the bytes round-trip exactly for any dtype.
+Fields are ordered by alignment, so unpacking is zero-copy ``view(dtype)`` calls; the bytes
+round-trip exactly for any dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Exchanged with the counts so that ranks disagreeing on the row format fail with a clear error
+# Sent with the counts, so that ranks disagreeing on the row format fail with a clear error
 # instead of a collective with mismatched sizes (which aborts the process).
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
@@ -37,7 +32,8 @@ def _align(offset: int, alignment: int) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RowLayout:
-    """Byte offsets of the fields of a packed row (see the module docstring)."""
+    """Byte offsets of a packed row's fields; ValueError for a dtype outside ``DTYPE_CODES`` or
+    ``hidden_size`` / ``num_topk`` below 1."""
 
     hidden_size: int
     num_topk: int
@@ -73,6 +69,16 @@ class RowLayout:
         """(hidden_size, num_topk, dtype code): must agree on every EP rank."""
         return (self.hidden_size, self.num_topk, DTYPE_CODES[self.dtype])
 
+    def check_signatures(self, signatures: list[list[int]], op: str, rank: int) -> None:
+        """ValueError (raised on every rank, before the payload) unless every EP rank's
+        ``signature()`` in ``signatures`` equals this one."""
+        if any(sig != list(self.signature()) for sig in signatures):
+            raise ValueError(
+                f"{op} on ep_rank {rank}: (hidden_size, num_topk, dtype code) differ across EP "
+                f"ranks: {signatures}; every rank must dispatch the same hidden_size, num_topk "
+                f"and dtype"
+            )
+
 
 def pack_rows(
     hidden_states: Tensor,
@@ -82,17 +88,9 @@ def pack_rows(
     *,
     num_rows: int | None = None,
 ) -> Tensor:
-    """Pack rows into one uint8 tensor.
-
-    Args:
-        hidden_states: ``[n, hidden_size]``, ``layout.dtype``.
-        topk_ids: ``[n, num_topk]`` torch.int64.
-        topk_weights: ``[n, num_topk]`` torch.float32.
-        num_rows: total rows of the result (>= n); rows past ``n`` are zero padding.
-
-    Returns:
-        ``[num_rows, layout.row_bytes]`` torch.uint8.
-    """
+    """``[num_rows (default n), row_bytes]`` uint8 of ``hidden_states [n, hidden_size]``
+    (``layout.dtype``), ``topk_ids [n, num_topk]`` int64 and float32 ``topk_weights``; zero
+    padding."""
     n = hidden_states.shape[0]
     num_rows = n if num_rows is None else num_rows
     packed = torch.zeros(num_rows, layout.row_bytes, dtype=torch.uint8, device=hidden_states.device)
@@ -104,14 +102,8 @@ def pack_rows(
 
 
 def unpack_rows(packed: Tensor, layout: RowLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero-copy views ``(topk_ids int64, topk_weights float32, hidden_states layout.dtype)``.
-
-    Args:
-        packed: ``[n, layout.row_bytes]`` torch.uint8 with unit stride along the row.
-
-    Returns:
-        ``[n, num_topk]``, ``[n, num_topk]``, ``[n, hidden_size]`` views into ``packed``.
-    """
+    """Zero-copy views ``(topk_ids [n, num_topk] int64, topk_weights float32, hidden_states
+    [n, hidden_size])`` of ``packed [n, row_bytes]`` uint8 (ValueError for another shape)."""
     if packed.dim() != 2 or packed.shape[1] != layout.row_bytes or packed.dtype != torch.uint8:
         raise ValueError(
             f"packed rows must be [n, {layout.row_bytes}] uint8, got {list(packed.shape)} "
@@ -126,14 +118,9 @@ def unpack_rows(packed: Tensor, layout: RowLayout) -> tuple[Tensor, Tensor, Tens
 
 
 def token_rank_mask(topk_ids: Tensor, *, num_local_experts: int, ep_size: int) -> Tensor:
-    """Which EP ranks each token must be sent to (DeepEP's ``is_token_in_rank``).
-
-    Args:
-        topk_ids: ``[num_tokens, num_topk]`` torch.int64 global expert ids; -1 = no selection.
-
-    Returns:
-        ``[num_tokens, ep_size]`` torch.bool; True where the rank holds >= 1 of the token's experts.
-    """
+    """``[num_tokens, ep_size]`` torch.bool, True where the rank holds >= 1 of the token's
+    experts (DeepEP's ``is_token_in_rank``), of ``topk_ids [num_tokens, num_topk]`` int64 global
+    ids (-1 = no selection)."""
     num_tokens = topk_ids.shape[0]
     # -1 slots go to an extra column that is dropped, so scatter only ever writes True.
     dest = torch.where(topk_ids >= 0, topk_ids // num_local_experts, ep_size)
@@ -145,17 +132,8 @@ def token_rank_mask(topk_ids: Tensor, *, num_local_experts: int, ep_size: int) -
 def localize_topk(
     topk_ids: Tensor, topk_weights: Tensor, ep_rank: Tensor | int, *, num_local_experts: int
 ) -> tuple[Tensor, Tensor]:
-    """Global expert ids → the local ids on ``ep_rank`` (-1 where the expert lives elsewhere).
-
-    Args:
-        topk_ids: ``[n, num_topk]`` torch.int64 global ids (-1 = no selection).
-        topk_weights: ``[n, num_topk]`` torch.float32.
-        ep_rank: the destination rank of every row: an int, or ``[n]`` torch.int64.
-
-    Returns:
-        ``(local_ids [n, num_topk] int64 in [0, num_local_experts) or -1,
-        local_weights [n, num_topk] float32, 0 where local_ids == -1)``.
-    """
+    """Global expert ids ``[n, num_topk]`` → the local ids on ``ep_rank`` (an int, or ``[n]``
+    int64 per row), -1 where the expert lives elsewhere; the float32 weights, 0 there."""
     if isinstance(ep_rank, Tensor):
         ep_rank = ep_rank.unsqueeze(1)
     first_expert = ep_rank * num_local_experts
@@ -165,3 +143,31 @@ def localize_topk(
     local_ids = torch.where(is_local, topk_ids - first_expert, -1)
     local_weights = torch.where(is_local, topk_weights, 0.0)
     return local_ids, local_weights
+
+
+def pack_sent_rows(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    is_token_in_rank: Tensor,
+    layout: RowLayout,
+    *,
+    num_local_experts: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows a rank sends: each (destination rank, token) pair of ``is_token_in_rank``, sorted
+    by rank then token, with the token's top-k ids made local to the destination.
+
+    Returns:
+        ``(packed [num_pairs, row_bytes] uint8, send_rank [num_pairs] int64,
+        send_token_idx [num_pairs] int64)``.
+    """
+    # nonzero of the transposed mask lists (rank, token) pairs sorted by rank, then token
+    send_rank, send_token_idx = is_token_in_rank.t().nonzero(as_tuple=True)
+    local_ids, local_weights = localize_topk(
+        topk_ids[send_token_idx],
+        topk_weights[send_token_idx].float(),
+        send_rank,
+        num_local_experts=num_local_experts,
+    )
+    packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
+    return packed, send_rank, send_token_idx

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dbo import TimelineRecorder, set_timeline_recorder
 from dbo.timeline.recorder import timeline_step
-from distributed import EmulatedLink, EmulatedLinkBackend, make_all2all_backend
+from distributed import EmulatedLink, make_all2all_backend
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.engine.graph_mode import build_graph_mode
@@ -197,7 +197,7 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
         num_max_dispatch_tokens_per_rank=engine_args.max_num_batched_tokens,
     )
     if link_spec is not None:
-        backend = EmulatedLinkBackend(backend, EmulatedLink(link_spec))
+        backend = backend.with_link(EmulatedLink(link_spec))
     if engine_args.enable_dbo:
         check_num_ubatches(backend, engine_args.num_ubatches)
     return backend

@@ -1,23 +1,17 @@
 """The MoE layer: ``[Router] -> [Prepare/Dispatch] -> [Experts] -> [Finalize/Combine]``.
 
 ``layer.FusedMoE`` owns the router and the experts' weights; ``modular_kernel`` runs the token flow
-with the DBO yield points; ``prepare_finalize`` wraps the all-to-all backends; ``experts`` computes.
+with the DBO yield points over a ``FusedMoEPrepareAndFinalize`` (``distributed.all2all``);
+``experts`` computes.
 """
 
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import (
-    All2AllPrepareAndFinalize,
-    CompletedHandle,
-    FusedMoEPrepareAndFinalize,
-    NoEPPrepareAndFinalize,
-)
+from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
 
 __all__ = [
-    "All2AllPrepareAndFinalize",
-    "CompletedHandle",
     "FusedMoE",
     "FusedMoEModularKernel",
     "FusedMoEPrepareAndFinalize",

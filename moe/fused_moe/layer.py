@@ -20,8 +20,8 @@ class FusedMoE(nn.Module):
     """Sparse MoE block (Mixtral ``block_sparse_moe``, DeepSeek/Qwen/OLMoE ``mlp``) holding only
     this rank's routed experts.
 
-    Experts are assigned in contiguous blocks: EP rank r holds global experts
-    ``[r * num_local_experts, (r + 1) * num_local_experts)``, ``num_local_experts = num_experts // ep_size``.
+    EP rank r holds global experts ``[r * num_local_experts, (r + 1) * num_local_experts)``,
+    ``num_local_experts = num_experts // ep_size``.
 
     Parameters: ``gate.weight`` [num_experts, hidden_size] (every rank routes over all experts; plus
     ``gate.e_score_correction_bias`` [num_experts] for DeepSeek-V3), ``experts.w1``/``experts.w3``
@@ -58,7 +58,8 @@ class FusedMoE(nn.Module):
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size}), ep_size >= 1"
+                f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size}), "
+                f"ep_size >= 1"
             )
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")

@@ -1,24 +1,16 @@
-"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points.
+"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points (after vLLM's
+``FusedMoEModularKernel``)::
 
     [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
 
-The router runs in ``FusedMoE``; this module owns the other three stages. Prepare and finalize live
-in ONE class (``FusedMoEPrepareAndFinalize``) because they are two halves of one communication
-pattern: finalize must undo exactly what prepare did (send tokens out, bring results back in the
-caller's order), using the metadata prepare returned — nothing is stashed on ``self`` in between.
-(Layout after vLLM's ``FusedMoEModularKernel``.)
+The router runs in ``FusedMoE``; this module owns the other three stages. The kernel checks once,
+when built, that the experts take the activation format the prepare/finalize delivers.
 
-Prepare/finalize declare the activation format they deliver (``FusedMoEActivationFormat``:
-``Standard`` rows with their top-k ids and weights, or DeepEP low-latency's ``BatchedExperts``
-layout) and the experts the formats they take (``activation_formats``); the kernel checks the pair
-once, when it is built, and binds the experts' entry point for that format then.
-
-DBO protocol (vLLM ``FusedMoEModularKernel.forward`` + the seed schedule): when a ubatch context is
-current, prepare/finalize are issued asynchronously, their ``wait`` is handed as a receive hook to
-the ubatch that runs last before this one gets the baton back (with two ubatches the other one;
-with N, the previous one in the ring, so the transfer hides behind N-1 ubatches' compute), and
-this ubatch yields; whoever runs the hook first completes the transfer, and the second ``wait()``
-is an idempotent no-op. Whether a ubatch runs its pending hooks before or after issuing its own
+DBO (vLLM's ``forward`` and the seed schedule): with a ubatch context current, dispatch and
+combine are issued asynchronously, their ``wait`` goes as a receive hook to the ubatch that runs
+last before this one gets the baton back (with N ubatches the previous one in the ring, so the
+transfer hides behind N-1 ubatches' compute), and this ubatch yields; whoever runs the hook first
+completes the transfer. Whether a ubatch runs its pending hook before or after issuing its own
 transfer is ``issue_before_recv_hook`` (after, on the CPU).
 """
 
@@ -58,13 +50,10 @@ T = TypeVar("T")
 
 
 def _recv_hook(handle: CommHandle, op: str) -> Callable[[], None]:
-    """``handle.wait`` as a recv hook that completes under the grad mode the transfer was issued in.
-
-    The other ubatch may run the hook at its ``__exit__``, i.e. outside the ``torch.inference_mode``
-    a caller wrapped the model in; finalizing (in-place ops on buffers made at issue time) outside
-    it would raise "Inplace update to inference tensor outside InferenceMode". The time the running
-    ubatch blocks in it is recorded as a ``wait`` span.
-    """
+    """``handle.wait`` as a recv hook, recorded as a ``wait`` span, under the grad mode of the
+    issue: the other ubatch may run it at its ``__exit__``, outside the caller's
+    ``torch.inference_mode``, where finalizing in place would raise "Inplace update to inference
+    tensor outside InferenceMode"."""
     is_inference = torch.is_inference_mode_enabled()
 
     def hook() -> None:
@@ -84,30 +73,28 @@ def _wait(handle: CommHandle[T], op: str) -> T:
 
 
 def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
-    """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), the
-    blocking count exchange if the backend made one (``{op}_notify``, comm)."""
+    """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), split
+    by the blocking count exchange if the backend made one (``{op}_notify``, comm)."""
     timing = handle.timing
     issued_at_ns = max(timing.issued_at_ns, start_ns)
-    if timing.notify_ns is None:
+    prep_end_ns = issued_at_ns if timing.notify_ns is None else timing.notify_ns[0]
+    record_span(
+        f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=prep_end_ns, kind="compute"
+    )
+    if timing.notify_ns is not None:
+        notify_start, notify_end = timing.notify_ns
         record_span(
-            f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=issued_at_ns, kind="compute"
+            f"{op}_notify", cat=CAT_COMM, start_ns=notify_start, end_ns=notify_end, kind="comm"
         )
-        return
-    notify_start, notify_end = timing.notify_ns
-    record_span(
-        f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=notify_start, kind="compute"
-    )
-    record_span(f"{op}_notify", cat=CAT_COMM, start_ns=notify_start, end_ns=notify_end, kind="comm")
-    record_span(
-        f"{op}_prep", cat=CAT_COMPUTE, start_ns=notify_end, end_ns=issued_at_ns, kind="compute"
-    )
+        record_span(
+            f"{op}_prep", cat=CAT_COMPUTE, start_ns=notify_end, end_ns=issued_at_ns, kind="compute"
+        )
 
 
 def _record_comm(op: str, handle: CommHandle) -> None:
     """Spans of one completed transfer: ``{op}`` from issue to data arrival (comm; behind an
-    emulated link its ``payload_ms`` arg is when the bytes themselves were there) and the
-    receive-side unpacking ``{op}_finish`` (compute: CPU work no overlap can hide, which the
-    overlap metrics must count in C; it runs in whichever ubatch completed the handle)."""
+    emulated link ``payload_ms`` is when the bytes were there) and the receive-side unpacking
+    ``{op}_finish`` (compute no overlap hides, counted in C; in whichever ubatch completed it)."""
     timing = handle.timing
     args = {"num_bytes": timing.num_bytes}
     if timing.payload_at_ns is not None:  # behind an emulated link: when the bytes were there
@@ -128,10 +115,9 @@ def _record_comm(op: str, handle: CommHandle) -> None:
 
 
 def _record_combine_window(combine: CommHandle) -> None:
-    """The combine as this ubatch sees it, from issue to taking the result: the window the shared
-    experts overlap (the ``combine`` span ends at data arrival, which on one host can come before
-    the shared experts finish). Category "window": neither compute nor communication in the
-    overlap metrics, only drawn on the comm track."""
+    """The combine from issue to taking the result, the window the shared experts overlap (the
+    ``combine`` span ends at data arrival); category "window": drawn on the comm track, neither
+    compute nor communication in the overlap metrics."""
     record_span(
         "combine_window",
         cat="window",
@@ -153,17 +139,13 @@ def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
 
 
 class FusedMoEModularKernel:
-    """Prepare → experts → finalize for routed tokens, with the DBO yield/recv-hook protocol.
+    """Dispatch → experts → combine for routed tokens, with the DBO yield/recv-hook protocol.
 
-    ``issue_before_recv_hook``: at each transfer, this ubatch either completes the in-flight
-    transfer handed to it (runs the recv hook of the ubatch that runs next) and then issues its
-    own (vLLM's order, ``False``), or issues its own first (``True``). On CUDA a recv hook only enqueues the receive on the comm
-    stream, so vLLM's order costs nothing; on the CPU the hook blocks until the data have arrived,
-    so in vLLM's order the own transfer waits for the other's to land and the link idles between
-    the two (measured in docs/dbo.md). Default (``None``):
-    the platform's answer (``Platform.issue_before_recv_hook``: ``True`` on the CPU, ``False`` on
-    CUDA). Either order completes every transfer before
-    its data are read, so results are the same.
+    ``issue_before_recv_hook``: at each transfer this ubatch either completes the transfer handed
+    to it and then issues its own (vLLM's order, ``False``: on CUDA a hook only enqueues the
+    receive), or issues its own first (``True``: on the CPU a hook blocks until the data arrive,
+    and the link would idle meanwhile; docs/dbo.md). Default: ``Platform.issue_before_recv_hook``.
+    Either order completes every transfer before its data are read: the results are the same.
 
     Raises:
         ValueError: the experts do not take the activation format prepare_finalize delivers (the
@@ -203,20 +185,18 @@ class FusedMoEModularKernel:
         self.issue_before_recv_hook = issue_before_recv_hook
 
     def _apply_standard(self, result: DispatchResult) -> Tensor:
-        """``Standard``: weighted sums per received row, ``[num_recv_tokens, hidden_size]``."""
+        """``Standard``: weighted sums per received row."""
         return self.experts.apply_standard(
             result.hidden_states, result.topk_ids, result.topk_weights
         )
 
     def _apply_batched(self, result: BatchedDispatchResult) -> Tensor:
-        """``BatchedExperts``: UNWEIGHTED per-expert outputs (finalize applies the weights)."""
+        """``BatchedExperts``: UNWEIGHTED per-expert outputs (combine applies the weights)."""
         return self.experts.apply_batched(result.hidden_states, result.expert_num_tokens)
 
     def _issue(self, op: str, issue: Callable[[], CommHandle]) -> CommHandle:
-        """Issue one transfer (``issue()``) on this ubatch's comm stream (CUDA under DBO; else no
-        stream switch) and record it; the in-flight transfer handed to this ubatch is completed (its
-        recv hook run) before ours in vLLM's order, after it in the CPU order
-        (``issue_before_recv_hook``)."""
+        """Issue one transfer on this ubatch's comm stream (CUDA under DBO) and record it; the
+        transfer handed to this ubatch completes before ours in vLLM's order, after in the CPU's."""
         if not self.issue_before_recv_hook:
             dbo_maybe_run_recv_hook()
         issue_ns = time.perf_counter_ns()
@@ -250,7 +230,7 @@ class FusedMoEModularKernel:
         is_async = dbo_enabled()
         dispatch = self._issue(
             "dispatch",
-            lambda: self.prepare_finalize.prepare(
+            lambda: self.prepare_finalize.dispatch(
                 hidden_states,
                 topk_ids,
                 topk_weights,
@@ -264,7 +244,7 @@ class FusedMoEModularKernel:
             expert_output = self._apply_experts(result)
         combine = self._issue(
             "combine",
-            lambda: self.prepare_finalize.finalize(
+            lambda: self.prepare_finalize.combine(
                 expert_output, result.metadata, async_op=is_async
             ),
         )

@@ -94,7 +94,8 @@ class RoutingConfig:
                 )
             if not 1 <= self.topk_group <= self.num_expert_group:
                 raise ValueError(
-                    f"topk_group must be in [1, n_group={self.num_expert_group}], got {self.topk_group}"
+                    f"topk_group must be in [1, n_group={self.num_expert_group}], "
+                    f"got {self.topk_group}"
                 )
         if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
             raise ValueError("topk_method 'noaux_tc' needs scoring_func 'sigmoid'")
@@ -111,6 +112,24 @@ def _group_mask(choice: Tensor, config: RoutingConfig, group_score: str) -> Tens
     group_idx = torch.topk(group_scores, k=config.topk_group, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     return group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+
+
+def _top_k(
+    scores: Tensor, config: RoutingConfig, e_score_correction_bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(topk_weights, topk_ids)`` of ``scores [num_tokens, num_experts]`` float32 by
+    ``config.topk_method`` (see the module docstring)."""
+    if config.topk_method == "greedy":
+        return torch.topk(scores, config.top_k, dim=-1)
+    if config.topk_method == "group_limited_greedy":
+        masked = scores.masked_fill(~_group_mask(scores, config, "max"), 0.0)
+        return torch.topk(masked, config.top_k, dim=-1)
+    if e_score_correction_bias is None:  # noaux_tc
+        raise ValueError("topk_method 'noaux_tc' needs e_score_correction_bias")
+    choice = scores + e_score_correction_bias.float()[None, :]
+    choice = choice.masked_fill(~_group_mask(choice, config, "top2_sum"), float("-inf"))
+    topk_ids = torch.topk(choice, config.top_k, dim=-1).indices
+    return scores.gather(1, topk_ids), topk_ids
 
 
 def select_experts(
@@ -152,18 +171,7 @@ def select_experts(
         )
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if config.scoring_func == "softmax" else logits.sigmoid()
-    if config.topk_method == "greedy":
-        topk_weights, topk_ids = torch.topk(scores, config.top_k, dim=-1)
-    elif config.topk_method == "group_limited_greedy":
-        masked = scores.masked_fill(~_group_mask(scores, config, "max"), 0.0)
-        topk_weights, topk_ids = torch.topk(masked, config.top_k, dim=-1)
-    else:  # noaux_tc
-        if e_score_correction_bias is None:
-            raise ValueError("topk_method 'noaux_tc' needs e_score_correction_bias")
-        choice = scores + e_score_correction_bias.float()[None, :]
-        choice = choice.masked_fill(~_group_mask(choice, config, "top2_sum"), float("-inf"))
-        topk_ids = torch.topk(choice, config.top_k, dim=-1).indices
-        topk_weights = scores.gather(1, topk_ids)
+    topk_weights, topk_ids = _top_k(scores, config, e_score_correction_bias)
     if config.renormalize:
         denominator = topk_weights.sum(dim=-1, keepdim=True)
         if config.scoring_func == "sigmoid":

@@ -37,7 +37,7 @@ class MoEForCausalLM(nn.Module):
     Args:
         config: model shape (any supported architecture).
         prepare_finalize: dispatch/combine strategy shared by all MoE layers
-            (``NoEPPrepareAndFinalize`` when ep_size == 1, ``All2AllPrepareAndFinalize`` otherwise).
+            (``NoEPPrepareAndFinalize`` when ep_size == 1, the all-to-all backend otherwise).
         ep_rank, ep_size: this rank's place in the EP group; it holds global experts
             ``[ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size)``.
         dtype: parameter / activation dtype (float32 or bfloat16); device: where parameters live.
@@ -166,8 +166,8 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
     routed_experts: ``TorchExperts`` (this rank's share only); shared_experts: the shared MLP and
     its gate; router: the MoE gates; dense: dense-layer MLPs; attention: everything under
-    ``self_attn`` (its q/k/latent norms included); norm: the other RMSNorms; embedding: embeddings and
-    lm_head.
+    ``self_attn`` (its q/k/latent norms included); norm: the other RMSNorms; embedding: embeddings
+    and lm_head.
     """
     owner: dict[int, str] = {}
     # named_modules visits parents first, so the first claim (setdefault) is the outermost one

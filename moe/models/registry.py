@@ -5,31 +5,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from moe.fused_moe.prepare_finalize import (
-    All2AllPrepareAndFinalize,
-    FusedMoEPrepareAndFinalize,
-    NoEPPrepareAndFinalize,
-)
+from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.layers.linear import Linear
 from moe.models.causal_lm import MoEForCausalLM
 from moe.models.config import MoEModelConfig
 
-if TYPE_CHECKING:
-    from distributed import All2AllBackend
-
 
 def make_prepare_finalize(
-    config: MoEModelConfig, all2all_backend: All2AllBackend | None
+    config: MoEModelConfig, all2all_backend: FusedMoEPrepareAndFinalize | None
 ) -> FusedMoEPrepareAndFinalize:
-    """``NoEPPrepareAndFinalize`` without a backend, else ``All2AllPrepareAndFinalize(backend)``."""
+    """The backend itself (a prepare/finalize), or ``NoEPPrepareAndFinalize`` without one."""
     if all2all_backend is None:
         return NoEPPrepareAndFinalize(num_experts=config.num_experts)
-    return All2AllPrepareAndFinalize(all2all_backend)
+    return all2all_backend
 
 
 @contextlib.contextmanager
@@ -62,15 +54,16 @@ def build_model(
     ep_rank: int = 0,
     ep_size: int = 1,
     prepare_finalize: FusedMoEPrepareAndFinalize | None = None,
-    all2all_backend: All2AllBackend | None = None,
+    all2all_backend: FusedMoEPrepareAndFinalize | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Build the model for EP rank ``ep_rank`` of ``ep_size`` (weights uninitialised: ``torch.empty``,
-    no default random init; load a checkpoint or call ``init_random_weights`` next).
+    """Build the model for EP rank ``ep_rank`` of ``ep_size`` (weights uninitialised:
+    ``torch.empty``, no default random init; load a checkpoint or call ``init_random_weights``
+    next).
 
-    Give either ``prepare_finalize`` or ``all2all_backend`` (wrapped in
-    ``All2AllPrepareAndFinalize``); with neither, ep_size must be 1 and ``NoEPPrepareAndFinalize``
+    Give either ``prepare_finalize`` or ``all2all_backend`` (the same kind of object, the
+    name the engine uses); with neither, ep_size must be 1 and ``NoEPPrepareAndFinalize``
     is used. One prepare/finalize object serves all MoE layers.
 
     Raises:

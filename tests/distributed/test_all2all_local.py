@@ -141,7 +141,8 @@ def _local_buffer(capacity: int):
 
 
 def test_low_latency_hook_completes_the_receive():
-    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after hook()."""
+    """DeepEP's return_recv_hook=True: the call only issues; recv_x / recv_count hold after
+    hook()."""
     buffer = _local_buffer(4)
     x = torch.arange(12.0).view(3, 4)
     ids = torch.tensor([[1, 0], [1, -1], [0, 1]])
@@ -211,7 +212,7 @@ def test_make_all2all_backend_routes_options_by_the_class_attribute(monkeypatch)
 
 def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():
     from distributed import DeepEPLowLatencyBackend
-    from distributed.all2all.deepep_kernels import DEEPEP_KERNELS
+    from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
     from launch.engine.llm_engine import check_num_ubatches
 
     class KernelBuffer:  # stands in for deep_ep.Buffer: only its name is read at construction

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from distributed import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
-from distributed.all2all.deepep_events import EmulatedTransfer
+from distributed.all2all.deepep_emulation import EmulatedTransfer
 from distributed.comm_handle import wait_blocking_exchange, wrap_blocking_exchanges
 
 TIMEOUT = datetime.timedelta(seconds=5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.all2all.deepep_low_latency_layout import (
+from distributed.all2all.deepep_low_latency_protocol import (
     BlockLayout,
     expert_positions,
     peer_splits,

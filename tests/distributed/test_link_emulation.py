@@ -1,4 +1,4 @@
-"""The emulated link: parsing, the deadline arithmetic, and ``EmulatedLinkBackend`` around every
+"""The emulated link: parsing, the deadline arithmetic, and ``with_link`` on every
 registered backend (its transfers and its blocking count exchange delayed as specified)."""
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from distributed import (
     CollectiveHandle,
     CommTiming,
     EmulatedLink,
-    EmulatedLinkBackend,
     LinkDelayedHandle,
     LinkSpec,
     init_distributed,
     make_all2all_backend,
 )
-from distributed.all2all.deepep_kernels import DEEPEP_KERNELS
+from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
 from tests.helpers.distributed import run_distributed
 
 
@@ -98,8 +97,8 @@ def _local_backend(name: str):
     )
 
 
-def _wrapped(name: str, link: EmulatedLink) -> EmulatedLinkBackend:
-    return EmulatedLinkBackend(_local_backend(name), link)
+def _wrapped(name: str, link: EmulatedLink):
+    return _local_backend(name).with_link(link)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -141,14 +140,13 @@ def test_wrapper_delays_every_registered_backend(name):
 
 def test_wrapper_bills_the_larger_direction():
     link = RecordingLink(LinkSpec(latency_us=0.0, gbps=8.0))  # 1 ns per byte
-    backend = _wrapped("all_to_all", link)
     timing = CommTiming(issued_at_ns=time.perf_counter_ns(), num_bytes=100, num_recv_bytes=300)
 
     class _Issued:
         def __init__(self):
             self.timing = timing
 
-    delayed = backend.delayed(_Issued())
+    delayed = link.delayed(_Issued())
     assert link.bookings == [(timing.issued_at_ns, 300, timing.issued_at_ns + 300)]
     assert delayed.deadline_ns == timing.issued_at_ns + 300
 
@@ -157,7 +155,7 @@ def test_wrapper_refuses_deepep_kernels():
     inner = _local_backend("all_to_all")
     inner.implementation = DEEPEP_KERNELS
     with pytest.raises(ValueError, match="--emulate-link applies to the torch.distributed"):
-        EmulatedLinkBackend(inner, EmulatedLink(SLOW))
+        inner.with_link(EmulatedLink(SLOW))
 
 
 LATENCY_US, GBPS = 3_000.0, 0.08  # 3 ms, 10 MB/s: ~0.4 ms per 4 KiB
@@ -177,7 +175,7 @@ def _delayed_rank(rank: int, world_size: int) -> list[dict]:
             timeout=groups.timeout,
         )
         link = RecordingLink(spec)
-        backend = EmulatedLinkBackend(inner, link)
+        backend = inner.with_link(link)
         x = torch.randn(64, 32)
         ids = torch.tensor([[0, 3]] * 64)  # every token goes to both ranks
         dispatch = backend.dispatch(x, ids, torch.ones(64, 2), async_op=True)

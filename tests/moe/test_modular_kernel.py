@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
 from distributed import CommTiming, FusedMoEActivationFormat, make_all2all_backend
 from moe import (
-    All2AllPrepareAndFinalize,
     FusedMoEModularKernel,
-    FusedMoEPrepareAndFinalize,
     MoEModelConfig,
     NoEPPrepareAndFinalize,
     TorchExperts,
@@ -96,7 +94,8 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
 @torch.no_grad()
 def test_batched_experts_equal_the_experts_on_the_same_tokens():
     """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
-    applied afterwards) gives the same result as ``apply_standard`` on the routed tokens (float64)."""
+    applied afterwards) gives the same result as ``apply_standard`` on the routed tokens
+    (float64)."""
     experts = make_experts().double()
     x, ids, w = routed(11)
     x, w = x.double(), w.double()
@@ -142,7 +141,7 @@ def _local_low_latency():
         timeout=datetime.timedelta(seconds=5),
         num_max_dispatch_tokens_per_rank=16,
     )
-    return All2AllPrepareAndFinalize(backend)
+    return backend
 
 
 class _StandardOnlyExperts(TorchExperts):
@@ -158,7 +157,7 @@ def test_kernel_refuses_experts_that_do_not_take_the_backends_format():
     with pytest.raises(
         ValueError,
         match=r"^_StandardOnlyExperts takes activation formats \['standard'\] but "
-        r"All2AllPrepareAndFinalize\(DeepEPLowLatencyBackend\) delivers 'batched_experts'$",
+        r"DeepEPLowLatencyBackend delivers 'batched_experts'$",
     ):
         FusedMoEModularKernel(_local_low_latency(), _StandardOnlyExperts(**kw))
     with pytest.raises(
@@ -204,27 +203,20 @@ class _LazyHandle:
         return self.value
 
 
-class _RecordingPrepareFinalize(FusedMoEPrepareAndFinalize):
+class _RecordingPrepareFinalize(NoEPPrepareAndFinalize):
     def __init__(self, log):
-        self.log, self.inner = log, NoEPPrepareAndFinalize(num_experts=E)
+        super().__init__(num_experts=E)
+        self.log = log
 
-    @property
-    def activation_format(self):
-        return FusedMoEActivationFormat.Standard
-
-    @property
-    def num_local_experts(self):
-        return E
-
-    def prepare(
+    def dispatch(
         self, hidden_states, topk_ids, topk_weights, *, async_op, num_tokens_across_ep=None
     ):
         ub = dbo_current_ubatch_id()
         self.log.append(("issue", f"D{ub}", ub, async_op))
-        result = self.inner.prepare(hidden_states, topk_ids, topk_weights, async_op=async_op)
+        result = super().dispatch(hidden_states, topk_ids, topk_weights, async_op=async_op)
         return _LazyHandle(self.log, f"D{ub}", result.wait())
 
-    def finalize(self, expert_output, metadata, *, async_op):
+    def combine(self, expert_output, metadata, *, async_op):
         ub = dbo_current_ubatch_id()
         self.log.append(("issue", f"C{ub}", ub, async_op))
         return _LazyHandle(self.log, f"C{ub}", expert_output)
