@@ -1,7 +1,8 @@
 """Dual Batch Overlap: ubatch slicing (token and request bounds), the DP-wide microbatching decision
 (static thresholds or the adaptive policy), the ping-pong protocol between ubatch threads, the
 wrapper that runs a model on ubatches, and a timeline recorder. The overlap machinery only: the
-model's per-(u)batch inputs (attention metadata, DP token counts) live in ``moe.forward_context``."""
+model's per-(u)batch inputs (attention metadata, DP token counts) live in
+``moe.forward_context``."""
 
 from dbo.adaptive_policy import (
     AdaptiveDBOPolicy,

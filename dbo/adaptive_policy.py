@@ -1,4 +1,5 @@
-"""Adaptive DBO: learn, per batch shape, whether microbatching pays (``--dbo-*-token-threshold auto``).
+"""Adaptive DBO (``--dbo-*-token-threshold auto``): learn, per batch shape, whether microbatching
+pays.
 
 Fixed thresholds (vLLM: 32 decode / 512 prefill tokens) guess where overlap starts to pay; the
 crossover moves by orders of magnitude with the link and the model. This policy measures it instead.
@@ -105,7 +106,7 @@ class Bucket:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyChoice:
-    """The policy's answer for one step: microbatch or not, and whether it is an exploration step."""
+    """The policy's answer for one step: microbatch or not, and whether this step explores."""
 
     bucket: Bucket
     use_ubatch: bool
@@ -264,7 +265,7 @@ class AdaptiveDBOPolicy:
         return crossover
 
     def summary(self) -> dict[str, dict]:
-        """Per bucket label: the decision (``on``/``off``/``exploring``) and each arm's median ms."""
+        """Per bucket label: the decision (``on``/``off``/``exploring``), each arm's median ms."""
         out = {}
         for bucket in sorted(self._buckets, key=lambda b: (b.kind, b.log2_tokens)):
             s = self._buckets[bucket]

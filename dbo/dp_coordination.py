@@ -199,11 +199,12 @@ def coordinate_batch_across_dp(
 
     One all-gather of every rank's row into a ``[dp_size, 7]`` int64 table over ``dp_group``, done
     as an ``all_to_all_single`` (each rank sends its row to every rank): on gloo, faster for a
-    table this small than the ``all_reduce`` of a zero-filled table it replaces. On an NCCL group the table lives on the current CUDA device. ``dp_size == 1`` skips
-    communication. Every rank gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``)
-    says whether this rank could microbatch at all, for the adaptive policy; ``prev_step_us`` is
-    this rank's measured time of its previous step (0: none); ``num_ubatches`` the ubatches this
-    rank asks for when it microbatches (``--ubatch-size``; the ranks use the smallest asked for).
+    table this small than the ``all_reduce`` of a zero-filled table it replaces. On an NCCL group
+    the table lives on the current CUDA device. ``dp_size == 1`` skips communication. Every rank
+    gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``) says whether this rank could
+    microbatch at all, for the adaptive policy; ``prev_step_us`` is this rank's measured time of its
+    previous step (0: none); ``num_ubatches`` the ubatches this rank asks for when it microbatches
+    (``--ubatch-size``; the ranks use the smallest asked for).
 
     Raises:
         ValueError: on an out-of-range ``dp_rank``, a negative count, ``num_ubatches < 2``, a

@@ -1,4 +1,4 @@
-"""The baton shared by the ubatch threads of one step (``UBatchContext``'s state, ``dbo.ubatch_context``).
+"""The baton shared by one step's ubatch threads (``dbo.ubatch_context.UBatchContext``'s state).
 
 A ring of binary semaphores: exactly one ubatch holds the baton; handing it on releases the next
 unfinished ubatch's permit. Every wait has a timeout; an abort releases every permit so that all

@@ -1,4 +1,4 @@
-"""Which peer rank stopped answering: heartbeats in the rendezvous store, read when a collective fails.
+"""Which peer rank stopped answering: rendezvous-store heartbeats, read when a collective fails.
 
 A collective that times out says only that *some* peer did not take part (gloo: "Timed out waiting
 N ms for recv"). To name the rank, every rank runs a ``Heartbeat``: a daemon thread that adds 1 to

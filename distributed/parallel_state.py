@@ -59,7 +59,7 @@ class TorchrunEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
-        """Parse ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and check ``MASTER_ADDR``/``MASTER_PORT``).
+        """Parse ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; check ``MASTER_ADDR``/``MASTER_PORT``.
 
         Args:
             environ: the variables to read; ``os.environ`` (read now, at call time) when None.

@@ -9,10 +9,10 @@ engine's ``dbo.AdaptiveDBOPolicy``, which learns from adaptive steps only). ``--
 (a list) splits the on arm into one arm per ubatch count, all interleaved, and reports each count
 against the same DBO-off steps (the adaptive arm runs with the first count). After the warm-up the
 adaptive arm runs consecutive steps until the policy has decided the shape's bucket; those and any
-later re-exploration steps are reported apart from its measured steps. A step's time is the slowest rank's (ranks run in lockstep). Rank 0 prints
-a table (medians, with min-max) and writes ``--output`` (JSON list of records). Metrics follow
-``launch.timeline_metrics``: C and M from DBO-off steps, exposed communication from both, the
-overlap ratio from DBO-on steps.
+later re-exploration steps are reported apart from its measured steps. A step's time is the slowest
+rank's (ranks run in lockstep). Rank 0 prints a table (medians, with min-max) and writes
+``--output`` (JSON list of records). Metrics follow ``launch.timeline_metrics``: C and M from
+DBO-off steps, exposed communication from both, the overlap ratio from DBO-on steps.
 
 Links: ``--network loopback`` (default: gloo over whatever the ranks share), ``--emulate-link
 latency_us=…,gbps=…`` (a software link model on each collective's completion, see

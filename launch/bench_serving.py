@@ -1,10 +1,11 @@
-"""Load generator for ``launch.serve``: ``python -m launch.bench_serving``, with ``vllm bench serve``'s flags.
+"""Load generator for ``launch.serve`` with ``vllm bench serve``'s flags:
+``python -m launch.bench_serving``.
 
 Sends ``--num-prompts`` streaming completion requests from vLLM's random dataset (random token-id
 prompts of ``--random-input-len`` tokens, ``--random-output-len`` generated tokens each via
 ``ignore_eos``, lengths spread by ``--random-range-ratio``, a shared ``--random-prefix-len``) at
-``--request-rate`` requests/s (gamma arrivals of shape ``--burstiness``, 1 = Poisson; ``inf``: all at
-once) with at most ``--max-concurrency`` in flight, and prints vLLM's "Serving Benchmark Result"
+``--request-rate`` requests/s (gamma arrivals of shape ``--burstiness``, 1 = Poisson; ``inf``: all
+at once) with at most ``--max-concurrency`` in flight, and prints vLLM's "Serving Benchmark Result"
 block (``--percentile-metrics``, ``--metric-percentiles``) so both tools can be read side by side.
 
 Without ``--base-url`` (or ``--host``/``--port``) it launches the server twice with torchrun

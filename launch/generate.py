@@ -201,7 +201,8 @@ def report(
     num_failed = sum("error" in line for line in results)
     print(
         f"{PROG}: {len(results)} prompts, {num_generated} tokens generated in {elapsed:.2f} s "
-        f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) over {engine.groups.dp_size} DP rank(s); "
+        f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) "
+        f"over {engine.groups.dp_size} DP rank(s); "
         f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
         f"all2all {engine.all2all_summary()}; "
         f"start-up {startup_s:.2f} s (process start to first step, rank 0)"

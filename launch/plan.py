@@ -258,7 +258,10 @@ def _print_recommendation(ns, model, link) -> None:
     flags = []
     for kind, r in rec.items():
         if r["threshold"]:
-            where = f">= {r['threshold']} tokens per device, best N at {highs[kind]}: {r['num_ubatches']}"
+            where = (
+                f">= {r['threshold']} tokens per device, "
+                f"best N at {highs[kind]}: {r['num_ubatches']}"
+            )
         else:
             where = f"never up to {highs[kind]} tokens per device"
         print(f"crossover {kind}: DBO pays {where}")

@@ -199,7 +199,7 @@ def tiny_arch_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> str:
-    """A sharded float32 Mixtral checkpoint written by transformers' ``save_pretrained`` (offline)."""
+    """A sharded float32 Mixtral checkpoint from transformers' ``save_pretrained`` (offline)."""
     path = tmp_path_factory.mktemp("tiny_mixtral")
     make_tiny_mixtral(seed=1234).save_pretrained(path, max_shard_size="40KB")
     return str(path)
@@ -229,7 +229,7 @@ def tiny_prompts_file(tmp_path_factory, tiny_prompts) -> str:
 
 
 def hf_greedy(model, prompts, *, max_new_tokens: int = 8, **generate_kwargs) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one by one (no padding), stopping at eos."""
+    """transformers' greedy continuation of each prompt, one at a time (no padding), up to eos."""
     import torch
 
     outputs = []

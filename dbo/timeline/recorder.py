@@ -1,9 +1,10 @@
 """A per-rank timeline of compute and communication spans, written as a Chrome trace.
 
 Open the file in ``chrome://tracing`` or https://ui.perfetto.dev: one process per rank, one track
-(a numbered ``tid`` with a ``thread_name``) per ubatch and kind, e.g. ``ubatch0 compute`` / ``ubatch0 comm``, so the overlap of one
-ubatch's communication with the other's compute is visible. Times come from
-``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux, so ranks on one host share the origin).
+(a numbered ``tid`` with a ``thread_name``) per ubatch and kind, e.g. ``ubatch0 compute`` /
+``ubatch0 comm``, so the overlap of one ubatch's communication with the other's compute is visible.
+Times come from ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux, so ranks on one host share the
+origin).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class TimelineRecorder:
         track: str,
         args: dict | None = None,
     ) -> None:
-        """Record ``[start_ns, end_ns]`` on ``track``. Raises ValueError if ``end_ns < start_ns``."""
+        """Record ``[start_ns, end_ns]`` on ``track``; ValueError if ``end_ns < start_ns``."""
         if end_ns < start_ns:
             raise ValueError(f"span {name!r}: end_ns={end_ns} is before start_ns={start_ns}")
         self._raw.append((name, cat, start_ns, end_ns, track, args))

@@ -1,5 +1,5 @@
-"""Merge per-rank timeline spans into one Chrome trace (a process per rank, a track per ubatch and kind,
-time 0 = the earliest event), with each track free of overlapping events."""
+"""Merge per-rank timeline spans into one Chrome trace (a process per rank, a track per ubatch and
+kind, time 0 = the earliest event), with each track free of overlapping events."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def merge(spans: Sequence[Span]) -> dict:
                 }
             )
     for i, s in enumerate(spans):
-        # integer nanoseconds -> microseconds with 3 decimals: exact, so touching spans stay touching
+        # integer ns -> µs with 3 decimals: exact, so touching spans stay touching
         events.append(
             {
                 "name": s.name,

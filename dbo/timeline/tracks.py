@@ -1,10 +1,11 @@
-"""Timeline track names: the recorder writes them, the Chrome-trace merger and the plot sort by them.
+"""Timeline track names: written by the recorder, sorted by the Chrome-trace merger and the plot.
 
 A track is ``engine step`` (one span per engine step), ``dbo policy`` (adaptive DBO's exploration
 steps), ``main {kind}`` (DBO off) or
 ``ubatch{i} {kind}`` (DBO on, ubatch ``i``), with ``kind`` ``compute`` or ``comm``. When spans
 of one track overlap, the merger moves the later ones to extra lanes ``<track> #k`` (k >= 2).
-Display order: engine step, dbo policy, main compute/comm, ubatch0 compute/comm, ubatch1 ..., anything else.
+Display order: engine step, dbo policy, main compute/comm, ubatch0 compute/comm, ubatch1 ...,
+anything else.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def track_name(kind: str, ubatch_id: int | None) -> str:
 
 
 def lane_name(track: str, lane: int) -> str:
-    """Lane ``lane`` (0-based) of ``track``: the track itself for lane 0, else ``<track> #{lane+1}``."""
+    """Lane ``lane`` (0-based) of ``track``: the track for lane 0, else ``<track> #{lane+1}``."""
     return track if lane == 0 else f"{track}{_LANE_SEP}{lane + 1}"
 
 

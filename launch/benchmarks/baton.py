@@ -1,7 +1,7 @@
 """Measure the cost of one baton pass between two ubatch threads.
 
-Run ``python -m launch.benchmarks.baton [num_yields]`` (pin to one core with ``taskset -c 0`` to see the
-same-core cost). Prints microseconds per pass (one ``dbo_yield`` hands the baton over once).
+Run ``python -m launch.benchmarks.baton [num_yields]`` (pin to one core with ``taskset -c 0`` to see
+the same-core cost). Prints microseconds per pass (one ``dbo_yield`` hands the baton over once).
 """
 
 from __future__ import annotations

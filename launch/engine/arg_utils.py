@@ -1,7 +1,8 @@
 """Command-line flags of the engine, with vLLM's names, and their validation.
 
 Validation happens before any process group exists, on every rank alike, so a bad flag ends every
-rank within seconds with the same one-line message instead of leaving a peer waiting in a collective.
+rank within seconds with the same one-line message instead of leaving a peer waiting in a
+collective.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded default: a small Mixtral-like model with seeded random weights, and synthetic prompts.
+"""The embedded default: a small Mixtral-like model with seeded random weights; synthetic prompts.
 
 It lets the main command run with no checkpoint download, and it is sized so that with 2 DP ranks
 both the prefill step (~1300 tokens per rank, above the 512-token prefill threshold) and the decode

@@ -2,9 +2,10 @@
 
 After vLLM's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``: each request the model runner
 sees gets a row of preallocated numpy arrays (token ids, token count, block table, sampling
-parameters: temperature, top-p, seed, logprobs) that steps update in place. A step does O(1) Python bookkeeping per scheduled request
-(its row, the tokens and blocks added since the last step) and builds every per-token input with
-array arithmetic: positions by ``arange`` offsets, input ids by a gather from the token rows, and
+parameters: temperature, top-p, seed, logprobs) that steps update in place. A step does O(1) Python
+bookkeeping per scheduled request (its row, the tokens and blocks added since the last step) and
+builds every per-token input with array arithmetic: positions by ``arange`` offsets, input ids by a
+gather from the token rows, and
 ``slot_mapping = block_table[req, pos // block_size] * block_size + pos % block_size``.
 """
 

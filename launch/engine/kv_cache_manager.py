@@ -34,7 +34,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, request_id: int, num_tokens: int) -> bool:
-        """Grow ``request_id``'s blocks to hold ``num_tokens`` tokens; False (nothing taken) if short."""
+        """Grow ``request_id``'s blocks to ``num_tokens`` tokens; False (nothing taken) if short."""
         owned = self._block_ids.setdefault(request_id, [])
         missing = self.num_blocks_for(num_tokens) - len(owned)
         if missing > len(self._free_blocks):

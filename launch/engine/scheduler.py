@@ -154,7 +154,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def abort_request(self, request_id: int) -> Request | None:
-        """Drop a waiting or running request and free its blocks; the request, or None if unknown."""
+        """Drop a waiting/running request and free its blocks; returns it, or None if unknown."""
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:

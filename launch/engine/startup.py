@@ -39,7 +39,8 @@ def freeze_gc_heap() -> None:
     start-up are never scanned again, so the full collections that serving's allocations trigger
     stay short. Without it a full collection over the start-up heap landed in a short timed run
     of ``launch.bench_throughput`` on the tiny checkpoint and cost a visible share of its
-    throughput (docs/benchmarks.md, "Offline throughput"). Objects frozen here are still freed by reference counting; only cyclic garbage
-    among them is kept (an engine is built once per process)."""
+    throughput (docs/benchmarks.md, "Offline throughput"). Objects frozen here are still freed by
+    reference counting; only cyclic garbage among them is kept (an engine is built once per
+    process)."""
     gc.collect()  # a full collection (generation 2 includes the younger ones)
     gc.freeze()

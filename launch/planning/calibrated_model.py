@@ -66,7 +66,7 @@ class CalibratedCostModel:
         return {name: fit(kind, num_tokens) for name, fit in self.parts.items()}
 
     def layer_costs(self, kind: str, num_tokens: float, *, num_ubatches: int = 1) -> LayerCosts:
-        """One ubatch of ``num_tokens`` tokens in one MoE layer of a step cut in ``num_ubatches``."""
+        """One ``num_tokens``-token ubatch in one MoE layer of a step cut in ``num_ubatches``."""
 
         def p(*names):
             return sum(self._part(n, kind, num_tokens, num_ubatches) for n in names)

@@ -18,9 +18,9 @@ Fits (least squares): each part ``a + b * tokens`` on the DBO-off steps (attenti
 time with a slope per kind; ``a`` is what every call costs, so a split pays it per ubatch), and per
 part the median ratio of its DBO-step times to that fit at the ubatch's tokens (on a CPU the ubatch
 threads and the transfers in flight compete for the cores); the turn overhead per ubatch token
-count, DBO-off and DBO steps apart (a curve through the median of the steps' means); the link ``latency + bytes /
-bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers; the transfers'
-``payload_ms`` kept as samples per step token count.
+count, DBO-off and DBO steps apart (a curve through the median of the steps' means); the link
+``latency + bytes / bandwidth``; the bytes per token; a fixed extra per DBO step outside the layers;
+the transfers' ``payload_ms`` kept as samples per step token count.
 
 Steps are told apart by their token count, so a run must not hold two shapes of one count: a
 ``decode:T`` shape first prefills its T prompts of 8 tokens in steps of up to

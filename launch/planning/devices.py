@@ -80,7 +80,9 @@ _HOPPER_SOURCES = {
     "gemm_efficiency": "DeepGEMM README 2025-02: contiguous grouped 1093-1297 TFLOPS -> 0.6",
     "gemm_efficiency_small": "DeepGEMM README 2025-02: masked grouped, 256 rows: 815-932 -> 0.45",
     "mem_efficiency": "DeepGEMM README 2025-02: 64-128-row GEMMs 1.5-2.7 TB/s -> 0.7",
-    "kernel_us": "assumption: ~4 µs launch gap and ramp of a small kernel in a CUDA graph (not published)",
+    "kernel_us": (
+        "assumption: ~4 µs launch gap and ramp of a small kernel in a CUDA graph (not published)"
+    ),
 }
 
 

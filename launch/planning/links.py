@@ -177,7 +177,9 @@ def deepep_link(kind: str, ep_size: int) -> LinkModel:
             dispatch_gbytes=d_gb,
             combine_gbytes=c_gb,
             sm_fraction=DEEPEP_LL_SM_FRACTION,
-            source=f"DeepEP docs/legacy.md low-latency table split at the {NIC_GBYTES:g} GB/s NIC rate",
+            source=(
+                f"DeepEP docs/legacy.md low-latency table split at the {NIC_GBYTES:g} GB/s NIC rate"
+            ),
         )
     if kind != "deepep-ht":
         raise ValueError(f"--link {kind!r}: unknown; accepted: deepep-ll, deepep-ht, custom")

@@ -146,7 +146,8 @@ def recommend(
     schedule: str = "ring",
 ) -> dict:
     """Per kind: the threshold to pass to the engine (the crossover on a sweep of token counts up
-    to ``max_tokens[kind]``; None: DBO does not pay there) and the best N at ``max_tokens[kind]``."""
+    to ``max_tokens[kind]``; None: DBO does not pay there) and the best N at ``max_tokens[kind]``.
+    """
     out = {}
     for kind, high in max_tokens.items():
         sweep = token_sweep(2, high)

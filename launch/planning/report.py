@@ -101,7 +101,8 @@ def format_sensitivity(kind, num_tokens, num_ubatches, result, factor: float = 1
     base, out, most = result
     parts = [f"{k} {lo:.2f}..{hi:.2f}" for k, (lo, hi) in out.items()]
     return (
-        f"sensitivity ({kind}:{num_tokens}, N={num_ubatches}, speedup {base:.2f}; each input /{factor} "
+        f"sensitivity ({kind}:{num_tokens}, N={num_ubatches}, speedup {base:.2f}; "
+        f"each input /{factor} "
         f"and x{factor}): " + ", ".join(parts) + f"; matters most: {most}"
     )
 

@@ -47,7 +47,8 @@ class Workload:
     def __post_init__(self) -> None:
         if self.context_len < 1 or self.prompt_len < 1:
             raise ValueError(
-                f"context and prompt lengths must be >= 1, got {self.context_len}, {self.prompt_len}"
+                "context and prompt lengths must be >= 1, "
+                f"got {self.context_len}, {self.prompt_len}"
             )
 
 

@@ -20,7 +20,7 @@ MAX_STOP_STRINGS = 4
 
 
 class ProtocolError(ValueError):
-    """A request the server rejects; ``status`` is the HTTP status, ``param`` the offending field."""
+    """A request the server rejects: ``status`` the HTTP status, ``param`` the offending field."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)

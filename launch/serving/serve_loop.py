@@ -2,10 +2,10 @@
 
 Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
 group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
-expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to a DP rank by the DP load balancer,
-aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its last step, its
-queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of them decide
-alike whether to run an engine step (some rank has work) or to idle, and when to stop.
+expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to a DP rank by the DP
+load balancer, aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its
+last step, its queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of
+them decide alike whether to run an engine step (some rank has work) or to idle, and when to stop.
 
 When every rank is idle, rank 0 blocks on its request queue for up to ``heartbeat_s`` before the
 exchange, and the other ranks block inside the exchange: no core spins, and the exchange recurs at
@@ -70,8 +70,9 @@ class ServeLoop:
 
     ``bridge`` and ``metrics`` exist on rank 0 only. ``stop_requested`` says whether this process
     got SIGTERM (or SIGINT, or lost its launcher); ``stop_reason`` names which, for the error
-    that fails what is left. After SIGTERM the server stops accepting, lets in-flight requests finish for up to
-    ``shutdown_timeout_s`` seconds, then fails the rest with an explicit error, and every rank exits.
+    that fails what is left. After SIGTERM the server stops accepting, lets in-flight requests
+    finish for up to ``shutdown_timeout_s`` seconds, then fails the rest with an explicit error, and
+    every rank exits.
     """
 
     def __init__(

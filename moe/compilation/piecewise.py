@@ -156,7 +156,8 @@ class GraphModeModel(nn.Module):
     # outside the caller's inference mode)
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, attn_metadata) -> Tensor:
-        """input_ids, positions: [n] int64 -> hidden_states [n, hidden_size] (as the wrapped model)."""
+        """input_ids, positions: [n] int64 -> hidden_states [n, hidden_size] (as the wrapped
+        model does)."""
         n = input_ids.shape[0]
         bucket = bucket_for(n, self.capture_sizes) if self.is_captured else None
         if bucket is None:

@@ -188,11 +188,13 @@ class TorchExperts(CustomOp):
     def _check(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(
-                f"hidden_states must be [num_tokens, {self.hidden_size}], got {tuple(hidden_states.shape)}"
+                f"hidden_states must be [num_tokens, {self.hidden_size}], "
+                f"got {tuple(hidden_states.shape)}"
             )
         if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != hidden_states.shape[:1]:
             raise ValueError(
-                f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
+                f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                "must be "
                 f"[{hidden_states.shape[0]}, num_topk]"
             )
 
@@ -235,15 +237,15 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection over
-        the per-expert row groups (same math as ``forward_native``)."""
+        """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection
+        over the per-expert row groups (same math as ``forward_native``)."""
         packs = self.packed_weights()
         if hidden_states.dtype == self.w1.dtype and (packs or self._upcast):
             return self._forward_packed(hidden_states, topk_ids, topk_weights, packs)
         return self.forward_grouped(hidden_states, topk_ids, topk_weights)
 
     def _upcast_wins(self, rows: Tensor, index: int) -> bool:
-        """Whether ``rows`` times float32 copy ``index`` beats the bfloat16 GEMM (``upcast_wins``)."""
+        """Whether ``rows`` @ float32 copy ``index`` beats the bfloat16 GEMM (``upcast_wins``)."""
         return bool(self._upcast) and upcast_wins(rows, self._upcast[index].numel())
 
     def forward_grouped(
@@ -406,7 +408,8 @@ class TorchExperts(CustomOp):
         counts = expert_num_tokens.tolist()
         if not all(0 <= n <= max_tokens for n in counts):
             raise ValueError(
-                f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], got {counts}"
+                f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], "
+                f"got {counts}"
             )
         return self._apply_batched_per_expert(hidden_states, counts)
 

@@ -142,7 +142,8 @@ def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
 
 
 def dense_fits(num_tokens: int, weights: ExpertWeights) -> bool:
-    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits ``DENSE_MAX_ELEMENTS``."""
+    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits
+    ``DENSE_MAX_ELEMENTS``."""
     num_experts, inter, hidden = weights.w1.shape
     return num_experts * num_tokens * max(2 * inter, hidden) <= DENSE_MAX_ELEMENTS
 

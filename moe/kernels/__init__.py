@@ -17,9 +17,9 @@ this CPU, capped by ``MOE_DBO_CPU_ISA``; ``moe.platforms.cpu_capability``).
 The build lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), in a directory named by a hash of the sources, their directory, the
 flags (the ISA's included) and torch's and Python's versions (two checkouts never overwrite each
-other's build), so only the first start on a machine pays for it (seconds; docs/hardware.md, "Paged attention
-kernel"); later starts load it in well under a second. ``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path
-runs).
+other's build), so only the first start on a machine pays for it (seconds; docs/hardware.md,
+"Paged attention kernel"); later starts load it in well under a second.
+``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path runs).
 
 Kernels (the module's functions):
     paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, req_ids, scale)
@@ -134,7 +134,8 @@ def cpu_kernels(isa: str | None) -> ModuleType | None:
 
 def prepare_cpu_kernels(isa: str | None) -> str:
     """Build or load the kernels for ``isa`` now (the engine calls this at start-up, so no step pays
-    for the build) and say what runs, for the start-up log: e.g. ``"ready (AVX2) in <seconds> s"``, ``"off (MOE_DBO_CPU_KERNELS=0): plain torch paths"``,
+    for the build) and say what runs, for the start-up log: e.g. ``"ready (AVX2) in <seconds> s"``,
+    ``"off (MOE_DBO_CPU_KERNELS=0): plain torch paths"``,
     ``"not built (no AVX2 or AVX-512 to build for): plain torch paths"`` (no time spent).
 
     Raises:

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at ``slot_mapping`` [num_tokens]
-    (int64, -1 = padding, skipped) into ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    (int64, -1 = padding, skipped) into ``kv_cache``
+    [2, num_blocks, block_size, num_kv_heads, head_dim]."""
     # slot = block_id * block_size + offset is exactly the row index of the flattened cache
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, hd]
     valid = slot_mapping >= 0
@@ -203,14 +204,15 @@ class PagedAttention(CustomOp):
         return 2 * self.num_kv_heads * self.head_dim
 
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
-        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError on other shapes."""
+        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError otherwise."""
         if (
             kv_cache.dim() != 5
             or kv_cache.shape[0] != 2
             or tuple(kv_cache.shape[3:]) != (self.num_kv_heads, self.head_dim)
         ):
             raise ValueError(
-                f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
+                "kv_cache must be "
+                f"[2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache

@@ -5,13 +5,13 @@ The requests with query rows are put in two groups by query length — short que
 does not pad every decode row to its length. Each group is sorted by ``seq_len``, split where the
 ``seq_len`` crosses a quarter-octave bucket (``_chunk_bounds``: no request padded by more than
 2^(1/4) in length) and cut into chunks whose gathered context fits ``CHUNK_CONTEXT_BYTES`` (one
-chunk for small batches; a loop over chunks, never over requests). A chunk is padded to ``[num_chunk_reqs, max_query_len, ...]``
-queries and ``[num_chunk_reqs, max_seq_len, ...]`` keys gathered through the block table, and
-attends in one ``scaled_dot_product_attention`` call under a mask that is both causal and a length
-mask: query ``i`` of request ``r`` sits at position ``seq_lens[r] - query_lens[r] + i`` and sees
-key positions ``<=`` its own (so never past ``seq_lens[r]``). The outputs are scattered back to the
-flat query rows; rows of no request (padding past ``num_actual_tokens``) stay zero, as in the
-per-request reference.
+chunk for small batches; a loop over chunks, never over requests). A chunk is padded to
+``[num_chunk_reqs, max_query_len, ...]`` queries and ``[num_chunk_reqs, max_seq_len, ...]`` keys
+gathered through the block table, and attends in one ``scaled_dot_product_attention`` call under a
+mask that is both causal and a length mask: query ``i`` of request ``r`` sits at position
+``seq_lens[r] - query_lens[r] + i`` and sees key positions ``<=`` its own (so never past
+``seq_lens[r]``). The outputs are scattered back to the flat query rows; rows of no request (padding
+past ``num_actual_tokens``) stay zero, as in the per-request reference.
 
 Padded query rows (``i >= query_lens[r]``) always see key 0, so no softmax row is empty; their
 results are dropped. Masked key slots get weight exactly 0, which relies on every cache slot being
@@ -338,7 +338,8 @@ def batched_paged_attention(
     Args:
         query: [num_tokens, num_heads, head_dim] (rotated).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; num_heads must be a
-            multiple of num_kv_heads (query head h reads KV head ``h // (num_heads // num_kv_heads)``).
+            multiple of num_kv_heads (query head h reads KV head
+            ``h // (num_heads // num_kv_heads)``).
         attn_metadata: this (u)batch's metadata; its padding plan and masks are built by the
             first layer that attends and reused by the others (``attn_metadata.derived``).
         scale: softmax scale.

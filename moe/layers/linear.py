@@ -15,8 +15,9 @@ generic code path, much slower than the pack, so float32 batches of any size run
 there (measurements: docs/hardware.md, "Linear layers", and docs/benchmarks.md,
 "Micro-benchmarks"). The rows are zero-padded up to a bucket (``padded_num_rows``) so a stream of
 ever-changing batch sizes reuses a bounded set of oneDNN primitives instead of JIT-compiling new
-ones (which took a large share of a bfloat16 run before). MKL's own packed sgemm (``torch.ops.mkl._mkl_linear``) is not used: it serves only the
-one batch size it was packed for. float64 has no oneDNN kernel and stays on ``F.linear``.
+ones (which took a large share of a bfloat16 run before). MKL's own packed sgemm
+(``torch.ops.mkl._mkl_linear``) is not used: it serves only the one batch size it was packed for.
+float64 has no oneDNN kernel and stays on ``F.linear``.
 
 The pack is made by ``process_weights_after_loading`` (vLLM's name; the loader calls it after the
 checkpoint is copied in) and re-made on the next CPU call whenever the weight changed since
@@ -131,8 +132,8 @@ def upcast_linear(x: Tensor, weight32: Tensor, bias: Tensor | None = None) -> Te
 
 
 def onednn_pack(weight: Tensor) -> Tensor | None:
-    """``weight`` [out_features, in_features] bfloat16 or float32 (CPU) reordered for oneDNN, or None (with
-    a warning logged once per reason) where this torch or CPU cannot."""
+    """``weight`` [out_features, in_features] bfloat16 or float32 (CPU) reordered for oneDNN, or
+    None (with a warning logged once per reason) where this torch or CPU cannot."""
     reason = packing_unavailable_reason(weight.dtype)
     if reason is None:
         try:
@@ -241,11 +242,14 @@ class Linear(CustomOp):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s default init (looked up at call time, so ``skip_default_init`` skips it)."""
+        """``nn.Linear``'s default init, looked up per call so ``skip_default_init`` skips it."""
         nn.Linear.reset_parameters(self)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight now (bfloat16 on CPU with oneDNN; otherwise drop any pack)."""

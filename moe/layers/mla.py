@@ -10,8 +10,9 @@ Layout of one layer's cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_h
 
 Attention per request (``kv_b_proj`` = [W_UK; W_UV] per head, [H*(nope+v), r]):
 
-- prefill-like (more than ``ABSORB_MAX_QUERY_LEN`` query rows): expand the cached latents to per-head
-  keys ``[k_nope = W_UK kv_c, k_pe]`` and values ``W_UV kv_c``, then causal SDPA (as transformers);
+- prefill-like (more than ``ABSORB_MAX_QUERY_LEN`` query rows): expand the cached latents to
+  per-head keys ``[k_nope = W_UK kv_c, k_pe]`` and values ``W_UV kv_c``, then causal SDPA (as
+  transformers);
 - decode-like: the "absorbed" form — fold W_UK into the query (q_lat = q_nope W_UK) and attend
   directly over the cached rows [kv_c, k_pe] with values kv_c, then apply W_UV to the result. Same
   math, without re-expanding the whole context at every decode step.

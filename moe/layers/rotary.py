@@ -1,4 +1,5 @@
-"""Rotary position embedding (Su et al. 2021, RoFormer) with default, linear and yarn scaling (Peng et al. 2023), as a custom op."""
+"""Rotary position embedding (Su et al. 2021, RoFormer) as a custom op, with default, linear and
+yarn scaling (Peng et al. 2023)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Checkpoint loading (safetensors) and deterministic random initialisation.
 
 Both walk the same list of (checkpoint tensor name, destination tensor) pairs, so a model built for
-any (ep_rank, ep_size) receives, for every global expert it holds, the very tensor the checkpoint (or
-the seeded generator) gives that expert's name. Each rank reads only the expert tensors it owns.
+any (ep_rank, ep_size) receives, for every global expert it holds, the very tensor the checkpoint
+(or the seeded generator) gives that expert's name. Each rank reads only the expert tensors it owns.
 """
 
 from __future__ import annotations

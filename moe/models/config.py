@@ -31,16 +31,16 @@ class MoEModelConfig:
 
     Sizes: ``intermediate_size`` is the DENSE MLP's (dense layers); ``moe_intermediate_size`` one
     routed expert's (Mixtral: both equal ``intermediate_size``); ``shared_intermediate_size`` the
-    shared expert MLP's (0: none). ``num_experts`` counts routed experts per layer in the whole model,
-    not per EP rank. ``moe_layers[i]`` says whether layer i is sparse (else dense MLP).
+    shared expert MLP's (0: none). ``num_experts`` counts routed experts per layer in the whole
+    model, not per EP rank. ``moe_layers[i]`` says whether layer i is sparse (else dense MLP).
 
     Attention: ``attention_type`` (the architecture spec's) "gqa" (q/k/v projections,
     ``head_dim``; ``qkv_bias``, ``o_bias``, ``qk_norm`` (over the whole q / k projection, or with
     ``qk_norm_per_head`` over each head's ``head_dim``), ``clip_qkv`` options) or "mla" (DeepSeek
     multi-head latent attention: ``q_lora_rank`` (None: plain q_proj), ``kv_lora_rank``,
-    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). RoPE: ``rope_theta``, ``rope_scaling`` (yarn parameters
-    as sorted (key, value) pairs, or None), ``rope_interleave`` (rotate adjacent pairs).
-    Routing fields mirror ``moe.router.RoutingConfig``.
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). RoPE: ``rope_theta``,
+    ``rope_scaling`` (yarn parameters as sorted (key, value) pairs, or None), ``rope_interleave``
+    (rotate adjacent pairs). Routing fields mirror ``moe.router.RoutingConfig``.
     """
 
     architecture: str = "MixtralForCausalLM"
@@ -169,8 +169,8 @@ class MoEModelConfig:
         """Build from a HF ``config.json`` dict.
 
         Raises:
-            ValueError: unsupported ``model_type``/``architectures`` (the message names the supported
-                ones), or a missing / invalid field.
+            ValueError: unsupported ``model_type``/``architectures`` (the message names the
+                supported ones), or a missing / invalid field.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"config.json must be a JSON object, got {type(d).__name__}")

@@ -6,7 +6,8 @@ MLA) and an MLP (dense, or ``FusedMoE`` with optional shared experts). Module an
 follow each architecture's HF checkpoint as its spec declares them
 (``model.layers.{i}.self_attn.q_proj``, ``...mlp.gate`` / ``...block_sparse_moe.gate`` …) so the
 loader maps names one to one, except the routed experts, which are stacked per rank
-(``...experts.w1`` [num_local_experts, F, H] <- ``...experts.{e}.gate_proj.weight`` or ``.w1.weight``).
+(``...experts.w1`` [num_local_experts, F, H] <- ``...experts.{e}.gate_proj.weight`` or
+``.w1.weight``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class ArchitectureSpec:
 
     Attributes:
         model_type: ``config.json``'s ``model_type`` (``"mixtral"``).
-        architecture: the class name in ``config.json``'s ``architectures`` (``"MixtralForCausalLM"``).
+        architecture: the class name in ``config.json``'s ``architectures``
+            (``"MixtralForCausalLM"``).
         parse_config: ``config.json`` dict -> ``MoEModelConfig`` keyword arguments (shapes, routing,
             RoPE, attention options; not ``architecture`` / ``moe_layers``, which come from here).
             Raises ``KeyError`` for a missing field, ``ValueError`` for a bad one

@@ -9,9 +9,9 @@ optionally ``forward_cpu`` / ``forward_cuda`` / ``forward_oot``; a missing one f
 - ``forward_<current_platform().dispatch_key>``.
 
 The custom-ops setting (``--custom-ops``, vLLM's ``compilation_config.custom_ops`` syntax) is a
-comma-separated list: ``all`` (default) or ``none`` sets the default, ``+name`` enables and ``-name``
-disables one op; e.g. ``none,+experts`` or ``all,-rms_norm``. It is read when an op is BUILT, so set
-it (``set_custom_ops``) before building the model.
+comma-separated list: ``all`` (default) or ``none`` sets the default, ``+name`` enables and
+``-name`` disables one op; e.g. ``none,+experts`` or ``all,-rms_norm``. It is read when an op is
+BUILT, so set it (``set_custom_ops``) before building the model.
 
 Out-of-tree replacement: ``@CustomOp.register_oot("RMSNorm")`` (the class name or the op name)
 registers a subclass that is instantiated wherever the original class is (through ``__new__``), so a
@@ -41,7 +41,7 @@ _custom_ops: tuple[str, ...] = DEFAULT_CUSTOM_OPS
 
 
 def parse_custom_ops(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Split and check a custom-ops setting (syntax only; op names are checked by ``set_custom_ops``).
+    """Split and check a custom-ops setting (syntax only; ``set_custom_ops`` checks op names).
 
     Raises:
         ValueError: an empty entry, an entry that is not ``all``/``none``/``+name``/``-name``,
@@ -76,7 +76,8 @@ def set_custom_ops(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     unknown = sorted({e[1:] for e in entries if e[0] in "+-"} - set(CustomOp.op_registry))
     if unknown:
         raise ValueError(
-            f"--custom-ops names unknown op(s) {unknown}; registered ops: {sorted(CustomOp.op_registry)}"
+            f"--custom-ops names unknown op(s) {unknown}; "
+            f"registered ops: {sorted(CustomOp.op_registry)}"
         )
     _custom_ops = entries
     return entries

@@ -7,9 +7,10 @@ package adds a platform by declaring, in its ``pyproject.toml``,
     my_npu = "my_pkg:register"          # register() -> "my_pkg.platform.NPUPlatform" or None
 
 and registers other things (out-of-tree ops, ...) through ``moe_dbo.general_plugins``, whose
-functions are simply called once. ``current_platform()`` resolves lazily, on first use: ``MOE_DBO_PLATFORM`` (``cpu``, ``cuda`` or a
-platform plugin's entry-point name) when set, else an activated (non-None) plugin platform (at
-most one may activate), else CUDA when available, else CPU. Nothing happens at import time.
+functions are simply called once. ``current_platform()`` resolves lazily, on first use:
+``MOE_DBO_PLATFORM`` (``cpu``, ``cuda`` or a platform plugin's entry-point name) when set, else an
+activated (non-None) plugin platform (at most one may activate), else CUDA when available, else CPU.
+Nothing happens at import time.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _general_plugins_loaded = False
 
 
 def load_general_plugins() -> None:
-    """Call every ``moe_dbo.general_plugins`` function once per process (e.g. to register OOT ops)."""
+    """Call each ``moe_dbo.general_plugins`` function once per process (e.g. to add OOT ops)."""
     global _general_plugins_loaded
     if _general_plugins_loaded:
         return

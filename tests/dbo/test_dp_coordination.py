@@ -132,7 +132,8 @@ def test_single_rank_needs_no_group():
 
 def _coordinate_scenarios(rank, world_size, scenarios):
     """Rank function: run one coordination per scenario ((num_tokens, vote, has_work[,
-    num_ubatches]) per rank); per scenario (should_ubatch, counts, padded, has_work, num_ubatches)."""
+    num_ubatches]) per rank); per scenario
+    (should_ubatch, counts, padded, has_work, num_ubatches)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

@@ -1,5 +1,5 @@
-"""The ping-pong protocol between ubatch threads (two, and N in a ring): order, recv hooks, failures,
-timeouts."""
+"""The ping-pong protocol between ubatch threads (two, and N in a ring): order, recv hooks,
+failures, timeouts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""distributed all-to-all backends: dispatch → reference experts → combine vs a single-process reference.
+"""``distributed``'s all-to-all backends: dispatch → reference experts → combine, checked against
+a single-process reference.
 
 Every rank regenerates ALL ranks' inputs from seeds, so each rank can compute the exact rows it
 must receive and the combined output each of its tokens must get.

@@ -1,5 +1,5 @@
-"""DeepEP's own kernels behind our adapters: the same dispatch / combine round trip as the emulation.
-Needs ``deep_ep``, two CUDA devices and NCCL; skipped elsewhere (it has not run yet)."""
+"""DeepEP's own kernels behind our adapters: the same dispatch / combine round trip as the
+emulation. Needs ``deep_ep``, two CUDA devices and NCCL; skipped elsewhere (it has not run yet)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def expert_scales(seed: int, num_experts: int) -> torch.Tensor:
 
 
 def apply_experts(x, topk_ids, topk_weights, scales, first_expert: int) -> torch.Tensor:
-    """Σ_k topk_weights[:, k] · x · scales[first_expert + topk_ids[:, k]] over slots with id >= 0."""
+    """Σ_k topk_weights[:, k] · x · scales[first_expert + topk_ids[:, k]], slots with id >= 0."""
     out = torch.zeros(x.shape[0], HIDDEN_SIZE, dtype=torch.float32)
     for k in range(topk_ids.shape[1]):
         valid = topk_ids[:, k] >= 0

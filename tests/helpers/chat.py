@@ -12,7 +12,8 @@ CHAT_TEMPLATE = """{{ bos_token }}
     {% if message['role'] == 'tool' %}
         {{ raise_exception('tool messages are not supported by this template') }}
     {% endif %}
-    {% if message['role'] == 'system' %}<3> {% elif message['role'] == 'user' %}<4> {% else %}<5> {% endif %}
+    {% if message['role'] == 'system' %}<3> {% elif message['role'] == 'user' %}<4> \
+{% else %}<5> {% endif %}
 {{ message['content'] | trim }} {{ eos_token }}
 {% endfor %}
 {% if add_generation_prompt %}

@@ -24,7 +24,7 @@ TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node nproc -m module args…`` as this interpreter runs it."""
+    """``torchrun --standalone --nproc-per-node nproc -m module args…``, run by this interpreter."""
     return [
         sys.executable,
         "-m",

@@ -40,7 +40,7 @@ def run_engine_steps(engine, prompts, dp_rank, dp_size):
             sampled[item.request.request_id] = int(request_logits[-1].argmax())
         engine.scheduler.update_from_output(scheduler_output, sampled)
     tokens = {r.request_id: r.output_token_ids[:NUM_DECODE_STEPS] for r in engine.running_requests}
-    # numpy, not tensors: tensors cross the result queue through shared memory that dies with the rank
+    # numpy, not tensors: tensors cross the result queue in shared memory that dies with the rank
     return {i: torch.cat(v).cpu().numpy() for i, v in logits.items()}, tokens, ubatched
 
 

@@ -39,7 +39,10 @@ def _where() -> str:
     """``file:line`` of the first frame outside this module and torch."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if frame.filename != __file__ and "/torch/" not in frame.filename:
-            return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+            return (
+                f"{frame.filename.rsplit('/', 2)[-2]}/"
+                f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+            )
     return "?"
 
 

@@ -1,4 +1,4 @@
-"""Start ``torchrun -m launch.serve`` on loopback for tests, and talk to it with the standard library."""
+"""Start ``torchrun -m launch.serve`` on loopback for tests, and talk to it with the stdlib."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from launch.benchmarks.throughput import sample_requests
 from launch.generate import load_prompts
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 
-# vLLM's benchmarks/throughput.py: f"Throughput: {r:.2f} requests/s, {t:.2f} total tokens/s, {o:.2f} output tokens/s"
+# vLLM's benchmarks/throughput.py prints
+# f"Throughput: {r:.2f} requests/s, {t:.2f} total tokens/s, {o:.2f} output tokens/s"
 VLLM_LINE = re.compile(
     r"^Throughput: (\d+\.\d\d) requests/s, (\d+\.\d\d) total tokens/s, "
     r"(\d+\.\d\d) output tokens/s$",

@@ -5,7 +5,7 @@ all with expert parallelism), runs the prefill of its prompts and two greedy dec
 returns the logits of every computed row. The thresholds are lowered so that the DBO engines
 microbatch every step (prefill requests are cut across ubatches, some across three). A decode step
 too small for N ubatches on some rank runs with fewer (4 ranks: 2 or 3 decodes per rank).
-transformers' MixtralForCausalLM, fed the same prompt + generated tokens, gives the reference logits.
+transformers' MixtralForCausalLM, fed the same prompt + generated tokens, gives reference logits.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ def _bad_input_cases(tmp_path: Path, model_dir: str, prompts_file: str):
             2,
             (*dp2, f"--model={unsupported}"),
             r"supported architectures: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
-            r"'MixtralForCausalLM', 'OlmoeForCausalLM', 'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM'\]",
+            r"'MixtralForCausalLM', 'OlmoeForCausalLM', "
+            r"'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM'\]",
         ),
         "prompt_too_long": (
             2,

@@ -175,7 +175,8 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, tiny_mixtral_dir):
         os.kill(rank1, signal.SIGCONT)  # lets torchrun's SIGTERM end it
         server.stop()
     print(
-        f"frozen rank 1: stream ended {answered_after:.1f} s, rank 0 reported {reported_after:.1f} s"
+        f"frozen rank 1: stream ended {answered_after:.1f} s, "
+        f"rank 0 reported {reported_after:.1f} s"
     )
     assert events[-1] == "data: [DONE]", events[-3:]
     error = json.loads(events[-2][len("data: ") :])["error"]

@@ -1,4 +1,4 @@
-"""The engine freezes its start-up heap (vLLM's freeze_gc_heap) so later full collections skip it."""
+"""The engine freezes its start-up heap (vLLM's freeze_gc_heap) so later full GCs skip it."""
 
 from __future__ import annotations
 

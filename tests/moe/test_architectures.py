@@ -6,7 +6,8 @@ prompts, then four decode steps (these exercise MLA's absorbed decode path; the 
 expanded path). float64 logits must match transformers' float64 ones within 1e-9 of the largest
 |logit| (DeepSeek-V2: 2**-17, transformers rotates its q/k in complex64), with ``--custom-ops
 none`` (every op on forward_native) and ``all`` (CPU paths, cached RoPE table) alike; float32 with
-``all`` (the grouped-GEMM experts, which take no float64) within 2**-14 (``tests.helpers.precision``).
+``all`` (the grouped-GEMM experts, which take no float64) within 2**-14
+(``tests.helpers.precision``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (11, 2), (8, 4), (4, 0), (2, 6
 
 @pytest.fixture(autouse=True)
 def torch_path_only(monkeypatch):
-    """The padded SDPA chunks, which run wherever the compiled kernel does not (GPU, no compiler)."""
+    """The padded SDPA chunks, run wherever the compiled kernel is not (GPU, no compiler)."""
     monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
 
 
@@ -172,7 +172,7 @@ def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests, gqa_pa
 
 
 def test_gqa_request_cut_across_ubatches(chunk_bytes):
-    """ubatch 0 holds the first part of a prefill chunk, ubatch 1 its continuation (full seq_len)."""
+    """ubatch 0 holds a prefill chunk's first part, ubatch 1 its continuation (full seq_len)."""
     native, batched = make_gqa(8, 4), make_gqa(8, 4)
     md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)

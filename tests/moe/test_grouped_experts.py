@@ -49,7 +49,7 @@ def _routing(num_tokens, num_topk, low, high, *, hidden=32, dtype, seed=1, devic
 
 
 def _assert_matches_reference(fast, native, exact, dtype):
-    """``fast`` and ``native`` (both in ``dtype``) against the float64 ``exact`` (module docstring)."""
+    """``fast`` and ``native`` (both in ``dtype``) vs the float64 ``exact`` (module docstring)."""
     exact = exact.double()
     scale = float(exact.abs().max()) if exact.numel() else 0.0
     if dtype == torch.float64:

@@ -190,7 +190,10 @@ def test_shape_mismatch(tmp_path, single):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(
         ValueError,
-        match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' .* has shape \[8, 32\], expected \[16, 32\]",
+        match=(
+            r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' .* "
+            r"has shape \[8, 32\], expected \[16, 32\]"
+        ),
     ):
         load_checkpoint(_build(load_config(path)), path)
 

@@ -36,7 +36,11 @@ from moe.platforms.cpu_capability import (
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "tests" / "plugins" / "moe_dbo_test_platform"
-CPUINFO = "vendor_id\t: GenuineIntel\nmodel name\t: Test Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
+CPUINFO = (
+    "vendor_id\t: GenuineIntel\n"
+    "model name\t: Test Xeon\n"
+    "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n"
+)
 
 
 @pytest.fixture(autouse=True)
