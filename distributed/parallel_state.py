@@ -274,21 +274,11 @@ def _check_backend(backend: str) -> None:
 
 
 def destroy_distributed() -> None:
-    """Destroy every process group of this process (no-op when none exists), and let their C++
-    objects go while the interpreter is still alive.
-
-    ``dist.destroy_process_group`` only unregisters the groups: a ``ProcessGroupGloo`` lives, with
-    its worker threads, until its last reference goes. If that happens during interpreter
-    finalization, a worker still releasing a finished collective (its tensors hold Python
-    objects) must take the GIL, which a finalizing interpreter refuses by ``pthread_exit``, and the
-    forced unwind through a ``noexcept`` destructor ends the process in ``std::terminate``
-    ("terminate called without an active exception", SIGABRT; a core dump of our 2-rank graph-mode
-    runs showed ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref`` ->
-    ``take_gil`` -> ``pthread_exit``, the main thread in ``Py_FinalizeEx``). So the engine's
-    reference cycles, frozen by ``freeze_gc_heap`` and otherwise kept until finalization, are
-    collected here; a group then ends (its destructor joins its workers) when the caller's own
-    ``ParallelGroups`` goes, which entry points drop before returning (the ``finally`` of their
-    ``main``)."""
+    """Destroy every process group of this process (no-op when none exists), then unfreeze and
+    collect the GC heap, so that each group's C++ object (gloo's worker threads) ends while the
+    interpreter is alive, when the caller drops its ``ParallelGroups`` (entry points do in the
+    ``finally`` of ``main``). A gloo worker left to finalization aborts the process: see
+    docs/development.md, "Known issues"."""
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.unfreeze()  # frozen objects are never collected (launch.engine.startup.freeze_gc_heap)

@@ -1,28 +1,13 @@
-"""Graph mode: the model's own forward, traced per padding bucket, cut at its splitting ops, and
-its pieces compiled (CPU) or captured (CUDA) (after vLLM's piecewise backend,
-``vllm/compilation/backends.py``: ``split_graph`` at ``splitting_ops``, a compiled piece per shape).
+"""Graph mode: the model's own forward, traced per padding bucket with ``make_fx``, cut at its
+splitting ops (``moe.compilation.splitting``: attention cores, MoE kernels) and its pieces compiled
+(CPU, inductor) or captured (CUDA); after vLLM's piecewise backend
+(``vllm/compilation/backends.py``: ``split_graph`` at ``splitting_ops``).
 
-``GraphModeModel`` wraps a built and loaded causal LM and offers the same
-``forward(input_ids, positions, attn_metadata)`` / ``compute_logits``. ``capture`` does, per
-bucket ``b``, at start-up only:
-
-1. ``make_fx`` traces ``causal_lm(input_ids, positions, attn_metadata)`` on ``b`` rows as a
-   function of (its parameters and buffers, input_ids, positions): weights are graph inputs. Each
-   ``splitting_op`` call (``moe.compilation.splitting``: the attention cores, the MoE kernels)
-   becomes one opaque node. The trace reads nothing of ``attn_metadata`` but ``num_tokens``
-   (anything else raises: the metadata belongs inside a splitting op).
-2. ``split_module`` cuts the graph at those nodes: pieces of pure compute between them.
-3. Each piece is compiled; pieces of equal structure (the same code over other layers' weights,
-   with equal constants) share one compiled graph (inductor), so a model needs (distinct pieces) x
-   (buckets) graphs whatever its depth. The splitting-op nodes call ``run_splitting_op``.
-
-A forward of ``n`` rows (one ubatch under DBO: each ubatch picks its own bucket) with ``n`` <= the
-largest bucket pads ``input_ids`` / ``positions`` with zeros to the bucket and runs the split
-graph; every splitting op sees only the first ``n`` rows, so padding never reaches attention, the
-KV cache or the all-to-all, and no DBO yield is inside a graph. Above the largest bucket (or
-before ``capture``) the wrapped model runs eagerly. The split graph is plain Python calling
-compiled code, nothing Dynamo: both ubatch threads run the same code, each with its own
-``splitting_context``.
+``GraphModeModel`` wraps a built, loaded causal LM with the same ``forward`` / ``compute_logits``.
+A forward of ``n`` rows (one ubatch under DBO) up to the largest bucket pads ``input_ids`` /
+``positions`` with zeros to its bucket; splitting ops see only the first ``n`` rows. Larger
+batches, and any before ``capture``, run eagerly. The trace may read ``attn_metadata.num_tokens``
+only (anything else raises). How and why: docs/hardware.md, "Graph mode".
 """
 
 from __future__ import annotations
