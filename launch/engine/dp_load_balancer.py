@@ -10,8 +10,7 @@ The methods are SGLang's ``--load-balance-method`` values:
 - ``minimum_tokens``: the rank with the fewest open tokens (prompt + max new tokens of its open
   requests). DP ranks run in lockstep (each MoE layer's all-to-all waits for every rank), so a
   step lasts as long as the busiest rank's; balancing tokens rather than requests evens out
-  prompts of different lengths (on the medium benchmark prompts, round robin gives one rank 19 %
-  more prompt tokens than the other).
+  prompts of different lengths (docs/benchmarks.md, "DP load balancing").
 
 Ties go to the lowest rank, so every rank that runs the same assignments gets the same answer.
 """

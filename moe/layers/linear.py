@@ -1,30 +1,18 @@
 """Linear layers whose CPU path runs on a weight prepacked once by oneDNN (bfloat16, float32).
 
 ``Linear`` is ``nn.Linear`` as a ``CustomOp`` (same ``weight`` [out_features, in_features] and
-``bias`` [out_features] parameters, same names, so checkpoints, ``state_dict`` and graph mode see
-no difference). ``forward_native`` is ``F.linear``. ``forward_cpu`` runs
-``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered into oneDNN's blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernels inductor's weight freezing uses;
-AMX / avx512_bf16 where the CPU has them, oneDNN's own fallback elsewhere), where ``F.linear``
-(MKL sgemm in float32, oneDNN in bfloat16) re-packs the weight on every call. The pack is faster
-in bfloat16 at every batch size and in float32 up to a few hundred rows; on Intel CPUs MKL's
-sgemm catches up on large float32 batches, so there float32 batches above
-``FLOAT32_MAX_PACKED_ROWS`` rows and float32 weights below ``FLOAT32_MIN_PACKED_ELEMENTS`` (where
-oneDNN's per-call cost dominates) keep ``F.linear``. On other vendors' CPUs MKL's sgemm takes a
-generic code path, much slower than the pack, so float32 batches of any size run on the pack
-there (measurements: docs/hardware.md, "Linear layers", and docs/benchmarks.md,
-"Micro-benchmarks"). The rows are zero-padded up to a bucket (``padded_num_rows``) so a stream of
-ever-changing batch sizes reuses a bounded set of oneDNN primitives instead of JIT-compiling new
-ones (which took a large share of a bfloat16 run before). MKL's own packed sgemm
-(``torch.ops.mkl._mkl_linear``) is not used: it serves only the one batch size it was packed for.
-float64 has no oneDNN kernel and stays on ``F.linear``.
+``bias`` [out_features] parameters and names). ``forward_native`` is ``F.linear``; ``forward_cpu``
+runs ``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered for oneDNN
+(``torch.ops.mkldnn._reorder_linear_weight``), rows zero-padded to a bucket (``padded_num_rows``).
+float32 batches above ``float32_max_packed_rows()`` rows and weights below
+``float32_min_packed_elements()`` elements (per CPU vendor) keep ``F.linear``, small bfloat16 GEMMs
+run on a float32 copy (``upcast_wins``) and float64 on ``F.linear``. Why, and the timings:
+docs/hardware.md, "Linear layers".
 
-The pack is made by ``process_weights_after_loading`` (vLLM's name; the loader calls it after the
-checkpoint is copied in) and re-made on the next CPU call whenever the weight changed since
-(``Tensor._version`` / storage / dtype), so a weight written later is never served stale. While a
-trace runs (``make_fx`` of graph mode, ``torch.compile``) the plain ``F.linear`` is used, so a
-graph never bakes one layer's pack in as a constant. Memory: the pack is a second copy of the
-weight (the original stays for ``forward_native``, graph mode and code that reads ``.weight``).
+``process_weights_after_loading`` makes the pack; the next CPU call re-makes it if the weight
+changed (``Tensor._version`` / storage / dtype). While a trace runs (graph mode's ``make_fx``,
+``torch.compile``) ``F.linear`` runs, so no graph bakes a pack in. The pack is a second copy of
+the weight.
 """
 
 from __future__ import annotations
@@ -91,11 +79,8 @@ def packing_unavailable_reason(dtype: torch.dtype) -> str | None:
 def padded_num_rows(num_rows: int) -> int:
     """Rows a batch of ``num_rows`` is padded to: itself up to 16, then steps of 1/8 of a power of
     two below ``_FINE_PADDING_ROWS`` (17 -> 20, 100 -> 112), of 1/64 from there (at least 16:
-    577 -> 592, 2000 -> 2016, 2049 -> 2112). Padding wastes at most 12.5 % of the rows of a small
-    batch and 3.1 % of a large one, where the GEMM is long and a new oneDNN primitive (costly to
-    create, once) is cheap beside the rows saved: an expert's 500-600-row prefill chunk wasted ~6 %
-    of its float32 GEMM on average with the 1/8 steps. A run meets at most 16 + 8 per doubling
-    distinct sizes below 256 rows and 32-64 per doubling above."""
+    577 -> 592, 2000 -> 2016, 2049 -> 2112): at most 12.5 % of a small batch's rows are padding
+    and 3.1 % of a large one's."""
     if num_rows <= _MIN_PADDED_ROWS:
         return num_rows
     octave = (num_rows - 1).bit_length()  # >= 5 here

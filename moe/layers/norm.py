@@ -26,17 +26,13 @@ class RMSNorm(CustomOp):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32.
 
     x: [..., hidden_size], any float dtype; the result has x's dtype (times weight's dtype).
-    ``forward_cpu`` runs torch's fused ``F.rms_norm`` where it computes what the reference does:
-    float32 input and weight (one op instead of six; bit-identical on 100 M random elements of
-    hidden sizes 64-7168 here). bfloat16 input: ``F.rms_norm``
-    without weight (statistics and the scaling in float32, one rounding to bfloat16, as the
-    reference's ``(x32 * rsqrt(...)).to(bfloat16)``), then the weight in a separate multiply (as the
-    reference; torch's fused weighted bf16 kernel rounds once after the weight and differs by one
-    bf16 ulp on ~25 % of outputs): two ops instead of six, bit-identical where measured, at most
-    one bf16 rounding of the normalised value apart otherwise (a different float32 summation
-    order). float64 (whose reference takes the statistics in float32, as transformers) takes the
-    reference. A batch of more than ``rows_per_cache_block(hidden_size)`` rows runs in blocks of
-    that many rows (each row's result unchanged; faster because every block stays in cache).
+    ``forward_cpu``: float32 runs torch's fused ``F.rms_norm``; bfloat16 runs ``F.rms_norm``
+    without weight (float32 statistics and scaling, one rounding, as the reference's
+    ``(x32 * rsqrt(...)).to(bfloat16)``), then the weight's multiply (at most one bf16 rounding of
+    the normalised value from the reference: float32 summation order); float64 (statistics in
+    float32, as transformers) the reference. More than ``rows_per_cache_block(hidden_size)`` rows
+    run in blocks of that many (results unchanged). Why, and the timings: docs/hardware.md,
+    "Other ops".
     """
 
     def __init__(
