@@ -28,6 +28,26 @@ def cuda_platform() -> Iterator[None]:
         set_current_platform(None)
 
 
+def placed_groups(platform, rank: int, world_size: int, *, timeout_s: float):
+    """This rank's groups (DP = EP = ``world_size``) where ``platform``, made current, places it;
+    ranks share devices where there are fewer than ranks (one GPU: gloo through the host)."""
+    from distributed import init_distributed
+    from moe.platforms import set_current_platform
+
+    set_current_platform(platform)
+    placement = platform.place_rank(
+        local_rank=rank, local_world_size=world_size, share_devices=True
+    )
+    groups = init_distributed(
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=timeout_s,
+        backend=placement.dist_backend,
+        device=placement.device,
+    )
+    return placement, groups
+
+
 class _HostMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -117,23 +117,12 @@ def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
 
 
 def _shared_gpu_rank(rank, world_size, model_dir):
-    from distributed import init_distributed
     from launch.engine.llm_engine import LLMEngine, resolve_model
-    from moe.platforms import CudaPlatform, set_current_platform
+    from moe.platforms import CudaPlatform
     from tests.helpers.engine import dbo_test_engine_args
+    from tests.helpers.gpu import placed_groups
 
-    platform = CudaPlatform()
-    set_current_platform(platform)
-    placement = platform.place_rank(
-        local_rank=rank, local_world_size=world_size, share_devices=True
-    )
-    groups = init_distributed(
-        data_parallel_size=world_size,
-        enable_expert_parallel=True,
-        timeout_s=60,
-        backend=placement.dist_backend,
-        device=placement.device,
-    )
+    placement, groups = placed_groups(CudaPlatform(), rank, world_size, timeout_s=60)
     results = {}
     for enable_dbo in (True, False):
         args = dbo_test_engine_args(model_dir, world_size, enable_dbo, dtype="float64")

@@ -458,21 +458,12 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
 def _hook_failure_rank(rank, world_size, device_type="cpu"):
     """Rank 0's DeepEP low-latency receive hook of ubatch 1 of 3 (run by ubatch 0) raises inside a
     DBO step; report each rank's error. ``device_type="cuda"``: both ranks share one GPU."""
-    from distributed import init_distributed, make_all2all_backend
-    from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
+    from distributed import make_all2all_backend
+    from moe.platforms import CpuPlatform, CudaPlatform
+    from tests.helpers.gpu import placed_groups
 
     platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
-    set_current_platform(platform)
-    placement = platform.place_rank(
-        local_rank=rank, local_world_size=world_size, share_devices=True
-    )
-    groups = init_distributed(
-        data_parallel_size=world_size,
-        enable_expert_parallel=True,
-        timeout_s=3,
-        backend=placement.dist_backend,
-        device=placement.device,
-    )
+    _, groups = placed_groups(platform, rank, world_size, timeout_s=3)
     backend = make_all2all_backend(
         "deepep_low_latency",
         ep_group=groups.ep_group,
