@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -106,22 +107,30 @@ def measure(num_prompts: int, prompt_bytes: int, *, is_token_ids: bool = False) 
         engine = threading.Thread(target=_engine, args=(http, stop), daemon=True)
         engine.start()
         try:
-            idle = [_health_s(address) for _ in range(20)]
+            # the clients run in a process of their own, as real clients do: their threads must
+            # not contend for the server process's GIL
             body = _body(prompt_bytes, is_token_ids=is_token_ids)
-            statuses: list = []
-            workers = [
-                threading.Thread(target=_post, args=(address, body, statuses))
-                for _ in range(num_prompts)
-            ]
-            for w in workers:
-                w.start()
-            loaded = _probe_while(address, workers)
-            for w in workers:
-                w.join(timeout=120)
+            spawn = multiprocessing.get_context("spawn")
+            with spawn.Pool(1) as pool:
+                return pool.apply(_clients, (address, body, num_prompts))
         finally:
             stop.set()
             engine.join(timeout=5)
             http.stop(timeout_s=5)
+
+
+def _clients(address: tuple[str, int], body: bytes, num_prompts: int) -> dict:
+    """Idle probes, then ``num_prompts`` concurrent posts of ``body`` with probes until they end."""
+    idle = [_health_s(address) for _ in range(20)]
+    statuses: list = []
+    workers = [
+        threading.Thread(target=_post, args=(address, body, statuses)) for _ in range(num_prompts)
+    ]
+    for w in workers:
+        w.start()
+    loaded = _probe_while(address, workers)
+    for w in workers:
+        w.join(timeout=120)
     return {"idle": idle, "loaded": loaded, "statuses": statuses}
 
 
