@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from launch.serving.engine_bridge import EngineBridge
 from launch.serving.http_errors import (
+    JSON_DECODER,
     LARGE_BODY_LOCK,
     MAX_LINE_BYTES,
     openai_error_middleware,
@@ -31,6 +32,7 @@ from launch.serving.http_guard import (
     OneLineServerLogger,
     api_key_middleware,
 )
+from launch.serving.json_decoding import JsonDecoder
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import error_body
 from launch.serving.serving_chat import OpenAIServingChat
@@ -99,6 +101,12 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
     app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
+    app[JSON_DECODER] = decoder = JsonDecoder()  # and decoded in a worker process
+
+    async def close_decoder(_app: web.Application) -> None:
+        decoder.close()
+
+    app.on_cleanup.append(close_decoder)
     app.router.add_post("/v1/completions", OpenAIServingCompletion(config, bridge).__call__)
     app.router.add_post("/v1/chat/completions", OpenAIServingChat(config, bridge).__call__)
     app.router.add_get("/v1/models", models)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 
 from aiohttp import web
 
+from launch.serving.json_decoding import JsonDecoder, decode
 from launch.serving.openai_protocol import ProtocolError, error_body
 
 logger = logging.getLogger("launch.serving")
@@ -30,12 +30,14 @@ logger = logging.getLogger("launch.serving")
 # the router (and gets a JSON 404) instead of the parser's plain-text 400.
 MAX_LINE_BYTES = 65536
 
-# A body of at least this many bytes is decoded and checked (``read_json_body``'s ``parse``) on an
-# executor thread: json.loads and the checks cost time in proportion to the body and hold the GIL,
-# so eight 1 MiB token-id bodies checked on the event loop stalled /health for seconds. One such
-# body at a time (``LARGE_BODY_LOCK``), so the event loop contends for the GIL with one thread.
+# A body of at least this many bytes is decoded in the application's JSON worker process
+# (``JSON_DECODER``: json.loads holds the GIL for its whole call) and checked (``read_json_body``'s
+# ``parse``) on an executor thread: on the event loop, eight 1 MiB token-id bodies stalled /health
+# for seconds. One such body at a time (``LARGE_BODY_LOCK``), so the event loop contends for the
+# GIL with one thread.
 LARGE_BODY_BYTES = 64 * 1024
 LARGE_BODY_LOCK = web.AppKey("large_body_lock", asyncio.Lock)
+JSON_DECODER = web.AppKey("json_decoder", JsonDecoder)
 
 
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
@@ -103,27 +105,21 @@ async def read_json_body(
         ) from None
     charset = request.charset or "utf-8"
     if len(raw) < LARGE_BODY_BYTES:
-        return parse(decode_json(raw, charset))
+        return parse(_value(decode(raw, charset)))
     lock = request.app.get(LARGE_BODY_LOCK) or contextlib.nullcontext()
     async with lock:  # waits for the large body before it to be checked
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: parse(decode_json(raw, charset)))
+        decoder = request.app.get(JSON_DECODER)
+        if decoder is None:
+            decoded = await loop.run_in_executor(None, decode, raw, charset)
+        else:
+            decoded = await decoder.decode(raw, charset)  # in the worker process
+        return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
 
 
-def decode_json(raw: bytes, charset: str):
-    """``raw`` decoded from ``charset`` and parsed as JSON. Raises ProtocolError (400) as
-    ``read_json_body`` says."""
-    try:
-        text = raw.decode(charset)
-    except LookupError:
-        raise ProtocolError(
-            f"unknown charset {charset[:40]!r} in the Content-Type header; send UTF-8"
-        ) from None
-    except UnicodeDecodeError as e:
-        raise ProtocolError(f"the request body is not valid {charset} ({e.reason})") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ProtocolError("the request body is JSON nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, or an int past Python's digit limit
-        raise ProtocolError(f"the request body is not valid JSON ({str(e)[:200]})") from None
+def _value(decoded: tuple[bool, object]):
+    """The value of ``json_decoding.decode``'s result; ProtocolError (400) with its message."""
+    is_ok, value = decoded
+    if not is_ok:
+        raise ProtocolError(value)
+    return value
