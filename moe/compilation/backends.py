@@ -1,6 +1,8 @@
 """Graph backends for one piece at one bucket size: inductor on CPU, CUDA graphs on CUDA. The
 platform hands out the class (``Platform.graph_backend()``); each offers ``name``,
 ``shares_graphs`` (one graph may serve pieces of equal structure: their weights are inputs),
+``captures_capturable`` (``capturable`` splitting ops, the MoE kernels without communication,
+are traced into its graphs: their device path must read nothing to the host),
 ``unavailable_reason()`` and ``for_piece(module, example_inputs, is_weight)``.
 
 A piece is an FX ``GraphModule`` cut out of the traced model forward
@@ -44,6 +46,7 @@ class InductorGraph:
 
     name = "inductor"
     shares_graphs = True
+    captures_capturable = False  # the CPU experts read their group sizes on the host
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -85,6 +88,7 @@ class CUDAGraphPiece:
 
     name = "cuda_graph"
     shares_graphs = False
+    captures_capturable = True  # forward_cuda of the experts reads nothing to the host
     _pool = None  # one memory pool for every captured piece (torch.cuda.graph_pool_handle)
 
     @staticmethod

@@ -45,13 +45,17 @@ class TracedForward:
     ops: tuple[SplittingOp, ...]  # by the index in each splitting-op node
 
 
-def trace_forward(model: nn.Module, num_rows: int, *, real: bool = False) -> TracedForward:
+def trace_forward(
+    model: nn.Module, num_rows: int, *, real: bool = False, capture_capturable: bool = False
+) -> TracedForward:
     """Trace ``model(input_ids [num_rows], positions [num_rows], attn_metadata)`` with
     ``make_fx`` as a function of (its parameters and buffers, input_ids, positions).
 
     On fake tensors (``real`` False: one fake mode for the whole trace, several times faster), or
     running the real ops (``real`` True: state the model builds lazily on its first call, like
-    RoPE tables, is then built from real values; do this once before fake traces)."""
+    RoPE tables, is then built from real values; do this once before fake traces).
+    ``capture_capturable``: trace ``capturable`` splitting ops into the graph (see
+    ``moe.compilation.splitting``)."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names = list(state)
     meta = TracingMetadata(num_rows)
@@ -62,7 +66,7 @@ def trace_forward(model: nn.Module, num_rows: int, *, real: bool = False) -> Tra
 
     device = next(iter(state.values())).device
     ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    with recording_splitting_ops() as ops:
+    with recording_splitting_ops(capture_capturable=capture_capturable) as ops:
         mode = "real" if real else "fake"
         graph = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not real)(
             *state.values(), ids, ids.clone()

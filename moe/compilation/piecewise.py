@@ -93,8 +93,13 @@ class GraphModeModel(nn.Module):
             return self._stats
         start = time.perf_counter()
         with torch.inference_mode():
-            trace_forward(self.lm, self.capture_sizes[0], real=True)  # builds lazy tables (RoPE)
-            splits = {b: split_forward(trace_forward(self.lm, b)) for b in self.capture_sizes}
+            capture = self.backend.captures_capturable
+            # builds the lazy tables (RoPE) from real values
+            trace_forward(self.lm, self.capture_sizes[0], real=True, capture_capturable=capture)
+            splits = {
+                b: split_forward(trace_forward(self.lm, b, capture_capturable=capture))
+                for b in self.capture_sizes
+            }
             groups = self._group_pieces(splits)
             bar = tqdm(
                 groups, desc=f"graph mode ({self.backend.name})", unit="graph", disable=not progress

@@ -8,6 +8,11 @@ experts, combine, shared experts: every DBO yield is there). Eagerly it is a pla
 node instead, registered with ``torch.library`` with a fake implementation giving its output
 shape; the graph is then cut at those nodes (``moe.compilation.piecewise``).
 
+A call marked ``capturable`` (the MoE kernel of a layer whose dispatch and combine move nothing:
+no expert parallelism, no yield) is traced INTO the graph instead where the graph backend says it
+captures such calls (CUDA graphs, whose experts path reads nothing to the host), so a bucket
+needs one graph per layer instead of two.
+
 At run time graph mode calls the recorded ``fn`` through ``run_splitting_op``: on the first
 ``num_rows`` rows of its (bucket-padded) inputs, with this thread's attention metadata
 (``splitting_context``), its output zero-padded back to the bucket. So padding rows never reach
@@ -57,6 +62,7 @@ class SplittingOp:
 
 
 _recorded: list[SplittingOp] | None = None  # set only while graph mode traces, at start-up
+_captures_capturable = False  # while tracing: whether ``capturable`` calls go into the graph
 _context = threading.local()  # .num_rows, .attn_metadata of this thread's graph-mode forward
 
 
@@ -66,6 +72,7 @@ def splitting_op(
     out_shape: Sequence[int],
     attn_metadata: Any = None,
     span: str | None = None,
+    capturable: bool = False,
 ) -> Tensor:
     """``fn(*tensors)``, or ``fn(*tensors, attn_metadata)`` when ``attn_metadata`` is given; a
     point where graph mode splits the forward.
@@ -78,25 +85,28 @@ def splitting_op(
         attn_metadata: this (u)batch's attention metadata, for an attention core.
         span: the timeline span graph mode records the call as (eagerly the caller's spans
             cover it).
+        capturable: ``fn`` communicates nothing, yields nowhere and needs no attention metadata:
+            a graph backend that captures such calls traces it into the graph.
     """
-    if _recorded is None:  # eager: one global read
+    if _recorded is None or (capturable and _captures_capturable):  # eager, or traced inline
         return fn(*tensors) if attn_metadata is None else fn(*tensors, attn_metadata)
     _recorded.append(SplittingOp(fn, attn_metadata is not None, timeline_layer(), span))
     return torch.ops.moe_dbo.splitting_op(list(tensors), len(_recorded) - 1, list(out_shape))
 
 
 @contextmanager
-def recording_splitting_ops() -> Iterator[list[SplittingOp]]:
+def recording_splitting_ops(*, capture_capturable: bool = False) -> Iterator[list[SplittingOp]]:
     """Within: ``splitting_op`` records its calls (yielded list; node ``index`` = list index)
-    instead of running them. Not thread-safe: for graph-mode start-up only."""
-    global _recorded
+    instead of running them, except ``capturable`` ones when ``capture_capturable`` (traced
+    inline). Not thread-safe: for graph-mode start-up only."""
+    global _recorded, _captures_capturable
     if _recorded is not None:
         raise RuntimeError("graph mode is already tracing a forward")
-    _recorded = []
+    _recorded, _captures_capturable = [], capture_capturable
     try:
         yield _recorded
     finally:
-        _recorded = None
+        _recorded, _captures_capturable = None, False
 
 
 @contextmanager

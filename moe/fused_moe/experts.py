@@ -117,11 +117,11 @@ class TorchExperts(CustomOp):
         float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and
         keep float32 copies of small bfloat16 experts (``upcast_linear``: plain torch, so they
         are kept where oneDNN cannot pack too). First puts w1 and w3 back into one allocation
-        if something (``module.to``, ``.double()``) split them; on a GPU, probes
-        ``torch._grouped_mm`` for ``forward_cuda``."""
+        if something (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm``
+        for ``forward_cuda`` on the weights' device (never inside a trace or a capture)."""
         self._packs, self._upcast = None, ()
         self._join_gate_up()
-        if self.w1.device.type not in ("cpu", "meta"):  # probe now, not in a captured forward
+        if not self.w1.is_meta:  # probe now, not in a traced or captured forward
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
         sources = (self.w1, self.w2, self.w3)
         per_expert = self.hidden_size * self.intermediate_size

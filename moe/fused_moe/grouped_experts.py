@@ -62,13 +62,17 @@ class ExpertWeights:
     @property
     def gate_up(self) -> Tensor | None:
         """``[w1; w3]`` as one ``[E, 2F, H]`` view where w3 follows w1 in each expert's rows of
-        one storage (``TorchExperts`` allocates them so), else None (e.g. after ``module.to``)."""
+        one storage (``TorchExperts`` allocates them so), else None (e.g. after ``module.to``, or
+        while graph mode traces them as two inputs)."""
         w1, w3 = self.w1, self.w3
         num_experts, inter, hidden = w1.shape
         strides = (2 * inter * hidden, hidden, 1)
         if w1.is_meta or w3.shape != w1.shape or not w1.stride() == w3.stride() == strides:
             return None
-        same_storage = w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
+        try:
+            same_storage = w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
+        except RuntimeError:  # traced (graph mode): w1 and w3 are two inputs of the graph
+            return None
         if not same_storage or w3.storage_offset() != w1.storage_offset() + inter * hidden:
             return None
         return w1.as_strided((num_experts, 2 * inter, hidden), strides)

@@ -105,6 +105,8 @@ class FusedMoE(nn.Module):
             routing.topk_ids,
             routing.topk_weights,
             out_shape=(hidden_states.shape[1],),
+            # without expert parallelism nothing moves and nothing yields: a graph may hold it
+            capturable=not self.kernel.prepare_finalize.moves_tokens,
         )
 
     def _experts(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:

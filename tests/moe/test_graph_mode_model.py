@@ -161,3 +161,63 @@ def test_compilation_holds_no_model_code():
         text = path.read_text()
         for name in ("self_attn", "_shared_experts", "kernel.forward", "moe.models", "moe.layers"):
             assert name not in text, (path.name, name)
+
+
+class _EagerPieces:
+    """A graph backend that runs each piece's FX module as it is and captures ``capturable``
+    calls, as CUDA graphs do: the split a CUDA-graph capture gets, checked on the CPU."""
+
+    name = "eager_pieces"
+    shares_graphs = False
+    captures_capturable = True
+
+    @staticmethod
+    def unavailable_reason():
+        return None
+
+    @classmethod
+    def for_piece(cls, piece, example_inputs, is_weight):
+        return lambda *inputs: tuple(piece(*inputs))
+
+
+def test_a_backend_that_captures_communication_free_moe_splits_only_at_attention(
+    tiny_mixtral_dir, monkeypatch
+):
+    """Without expert parallelism the MoE kernel moves nothing: a backend that captures such
+    calls (CUDA graphs) gets it inside its pieces, on the experts' device path (``forward_cuda``,
+    run here on CPU tensors), one piece per layer instead of two, equal to eager."""
+    from moe.platforms import CudaPlatform, set_current_platform
+
+    set_current_platform(CudaPlatform())  # the ops bind their CUDA paths (pure torch)
+    try:
+        # bfloat16: torch's fake _grouped_mm (the trace) takes bfloat16 only, as CUDA's does
+        model = build_model(load_config(tiny_mixtral_dir), dtype=torch.bfloat16)
+    finally:
+        set_current_platform(None)
+    load_checkpoint(model, tiny_mixtral_dir)
+    assert model.model.layers[0].block_sparse_moe.experts.forward_path == "forward_cuda"
+    model.allocate_kv_caches(32, BLOCK_SIZE, dtype=torch.bfloat16)
+    graph = GraphModeModel(model, (8,), backend=_EagerPieces)
+    calls = []
+    original = FusedMoEModularKernel.forward
+    monkeypatch.setattr(
+        FusedMoEModularKernel,
+        "forward",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    stats = graph.capture(progress=False)
+    # the traces ran the kernel (inlined); layer 0's input piece, the piece between the two
+    # attention cores (attention-out, MoE, attention-in) and the last (attention-out, MoE, norm)
+    assert calls and stats.num_graphs == 3
+    split_ops = graph._forwards[8]
+    assert len([n for n in split_ops.graph.graph.nodes if n.op == "call_module"]) == 5
+    calls.clear()
+    ids, pos = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 1, 2, 0, 1])
+    meta = _metadata([3, 2], [3, 2], 0)
+    out = graph(ids, pos, meta)
+    assert calls == []  # the kernel runs as the traced ops of the pieces, not as a call
+    model.allocate_kv_caches(32, BLOCK_SIZE, dtype=torch.bfloat16)  # fresh caches for eager
+    want = model(ids, pos, _metadata([3, 2], [3, 2], 0))
+    # the traced experts run gate and up as two GEMMs (one eagerly): a few bfloat16 roundings
+    bound = 2**-5 * float(want.abs().max())
+    torch.testing.assert_close(out, want, rtol=0, atol=bound)
