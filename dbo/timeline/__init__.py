@@ -1,7 +1,9 @@
-"""Overlap timeline: the recorder the engine writes spans to (``recorder``), the track names it
-writes and the readers sort by (``tracks``), merging the ranks' spans into one Chrome trace
-(``trace``), overlap metrics (``metrics``) and a PNG (``plot``)."""
+"""Overlap timeline: the recorder the engine writes spans to (``recorder``), the clock that times
+its compute spans on a device (``device_clock``), the track names it writes and the readers sort
+by (``tracks``), merging the ranks' spans into one Chrome trace (``trace``), overlap metrics
+(``metrics``) and a PNG (``plot``)."""
 
+from dbo.timeline.device_clock import CudaDeviceClock, DeviceClock
 from dbo.timeline.recorder import (
     TimelineRecorder,
     TimelineSpan,
@@ -12,6 +14,8 @@ from dbo.timeline.recorder import (
 )
 
 __all__ = [
+    "CudaDeviceClock",
+    "DeviceClock",
     "TimelineRecorder",
     "TimelineSpan",
     "get_timeline_recorder",

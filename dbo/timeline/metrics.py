@@ -4,7 +4,9 @@ Definitions (per rank, inside one ``step`` span; times are unions of intervals, 
 transfers in flight together count once):
 - ``C`` (compute): time covered by ``compute`` spans (attention, router, experts, shared experts,
   the CPU work of issuing a transfer and of unpacking a received one (``*_finish``: DeepEP's
-  receive kernels' work), sampling).
+  receive kernels' work), sampling). In a step with ``gpu`` spans (recorded with a device clock,
+  e.g. on CUDA, where a host compute span only measures the launch) C is their union instead:
+  the time the device ran compute spans' work; ``compute_clock`` says which.
 - ``M`` (communication): time covered by ``comm`` spans (each dispatch / combine from issue to
   completion, the blocking count exchange, the DP vote).
 - exposed communication: time with communication in flight and no compute on that rank;
@@ -23,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_STEP, CAT_WAIT
+from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_GPU, CAT_STEP, CAT_WAIT
 
 Interval = tuple[int, int]  # [start_ns, end_ns)
 
@@ -56,6 +58,7 @@ class StepMetrics:
     num_tokens: int
     step_ms: float
     compute_ms: float
+    compute_clock: str  # "device": C from the step's gpu spans; "host": from its compute spans
     comm_ms: float
     exposed_comm_ms: float
     hidden_comm_ms: float
@@ -138,7 +141,8 @@ def step_metrics(spans: Sequence[Span]) -> list[StepMetrics]:
 
 def _one_step(rank: int, step: Span, spans: Sequence[Span]) -> StepMetrics:
     window = (step.start_ns, step.end_ns)
-    compute = union(_clip(spans, CAT_COMPUTE, window))
+    device_compute = union(_clip(spans, CAT_GPU, window))
+    compute = device_compute or union(_clip(spans, CAT_COMPUTE, window))
     comm = union(_clip(spans, CAT_COMM, window))
     c_ns, m_ns, step_ns = total(compute), total(comm), step.end_ns - step.start_ns
     hidden_ns = total(intersection(comm, compute))
@@ -155,6 +159,7 @@ def _one_step(rank: int, step: Span, spans: Sequence[Span]) -> StepMetrics:
         num_tokens=int(step.args.get("num_tokens", 0)),
         step_ms=step_ns / 1e6,
         compute_ms=c_ns / 1e6,
+        compute_clock="device" if device_compute else "host",
         comm_ms=m_ns / 1e6,
         exposed_comm_ms=(m_ns - hidden_ns) / 1e6,
         hidden_comm_ms=hidden_ns / 1e6,

@@ -1,5 +1,5 @@
 """Draw chosen engine steps of a timeline as a PNG: a lane per rank and track (ubatch x kind),
-compute and communication in different colours (matplotlib, no display needed)."""
+compute (host and device) and communication in different colours (matplotlib, no display needed)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dbo.timeline.metrics import Span
-from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_STEP, CAT_WAIT
+from dbo.timeline.recorder import CAT_BATON, CAT_COMM, CAT_COMPUTE, CAT_GPU, CAT_STEP, CAT_WAIT
 
 COLOURS = {
     CAT_COMPUTE: "#1f77b4",  # blue
+    CAT_GPU: "#9467bd",  # purple: compute as the device ran it, on its own gpu lanes
     CAT_COMM: "#ff7f0e",  # orange
     CAT_WAIT: "#d62728",  # red
     CAT_BATON: "#2ca02c",  # green
@@ -52,6 +53,7 @@ def plot_steps(spans: Sequence[Span], steps: Sequence[int], path: str | Path) ->
     chosen = [s for s in spans if in_window(s)]
     lanes = sorted({(s.rank, s.track) for s in chosen}, key=lambda k: (k[0], track_order(k[1])))
     row = {lane: i for i, lane in enumerate(lanes)}
+    drawn = {s.cat for s in chosen}
     fig, ax = plt.subplots(figsize=(14, 0.45 * len(lanes) + 1.5))
     for s in chosen:
         y = row[(s.rank, s.track)]
@@ -67,7 +69,7 @@ def plot_steps(spans: Sequence[Span], steps: Sequence[int], path: str | Path) ->
     ax.set_xlabel("ms")
     ax.set_title(f"steps {sorted(wanted)}")
     ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items() if k in drawn],
         loc="upper right",
         fontsize="small",
     )

@@ -4,7 +4,8 @@ Open the file in ``chrome://tracing`` or https://ui.perfetto.dev: one process pe
 (a numbered ``tid`` with a ``thread_name``) per ubatch and kind, e.g. ``ubatch0 compute`` /
 ``ubatch0 comm``, so the overlap of one ubatch's communication with the other's compute is visible.
 Times come from ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux, so ranks on one host share the
-origin).
+origin). With a device clock (``dbo.timeline.device_clock``), each compute span is also timed on
+the device and lands, at the end of the engine step, on a ``gpu`` track (``ubatch0 gpu``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dbo.timeline.tracks import POLICY_TRACK, STEP_TRACK, track_name
+from dbo.timeline.device_clock import DeviceClock
+from dbo.timeline.tracks import POLICY_TRACK, STEP_TRACK, track_name, track_order
 from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled, set_baton_observer
 
 
@@ -51,13 +53,18 @@ class TimelineRecorder:
 
     Recording is cheap: a span is one tuple appended to a list (``list.append`` is atomic under
     the GIL, so no lock is taken); ``TimelineSpan`` objects are built only when read.
+
+    With a ``device_clock``, compute spans also leave device marks, which
+    ``resolve_device_spans`` turns into ``gpu`` spans (the engine calls it once per step).
     """
 
-    def __init__(self, *, rank: int) -> None:
+    def __init__(self, *, rank: int, device_clock: DeviceClock | None = None) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
+        self.device_clock = device_clock
         self._raw: list[tuple] = []
+        self._device_marks: list[tuple] = []  # (name, track, start mark, end mark, host start)
 
     def add_span(
         self,
@@ -73,6 +80,38 @@ class TimelineRecorder:
         if end_ns < start_ns:
             raise ValueError(f"span {name!r}: end_ns={end_ns} is before start_ns={start_ns}")
         self._raw.append((name, cat, start_ns, end_ns, track, args))
+
+    def add_device_marks(
+        self, name: str, *, track: str, start_mark: object, end_mark: object, host_start_ns: int
+    ) -> None:
+        """Keep the device marks of a span launched at ``host_start_ns`` until the next
+        ``resolve_device_spans``, which puts it on ``track``."""
+        self._device_marks.append((name, track, start_mark, end_mark, host_start_ns))
+
+    def resolve_device_spans(self) -> int:
+        """Add the pending device marks as ``gpu`` spans, with ``args["queued_ms"]`` the time from
+        the host's launch to the device's start; one ``DeviceClock.resolve`` (a host-device
+        synchronisation). Call with no span open, as the end of an engine step is. Returns the
+        number of spans added."""
+        pending, self._device_marks = self._device_marks, []
+        if not pending or self.device_clock is None:
+            return 0
+        times = self.device_clock.resolve([mark for p in pending for mark in p[2:4]])
+        num_added = 0
+        for i, (name, track, _, _, host_start_ns) in enumerate(pending):
+            start_ns, end_ns = times[2 * i], times[2 * i + 1]
+            if end_ns < start_ns:  # the block ended on another stream, which ran ahead: no span
+                continue
+            self.add_span(
+                name,
+                cat=CAT_GPU,
+                start_ns=start_ns,
+                end_ns=end_ns,
+                track=track,
+                args={"queued_ms": (start_ns - host_start_ns) / 1e6},
+            )
+            num_added += 1
+        return num_added
 
     def spans(self, start: int = 0) -> list[TimelineSpan]:
         """A snapshot of the recorded spans from the ``start``-th on (see ``len``), in recording
@@ -105,7 +144,8 @@ class TimelineRecorder:
                 "args": {"name": f"rank {self.rank}"},
             }
         ]
-        tids = {track: i for i, track in enumerate(sorted({span.track for span in spans}), 1)}
+        tracks = sorted({span.track for span in spans}, key=track_order)
+        tids = {track: i for i, track in enumerate(tracks, 1)}
         for track, tid in tids.items():
             events.append(
                 {
@@ -132,7 +172,9 @@ class TimelineRecorder:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write_chrome_trace(self, path: str | os.PathLike) -> None:
-        """Write ``chrome_trace()`` as JSON to ``path`` (the parent folder must exist)."""
+        """Write ``chrome_trace()`` as JSON to ``path`` (the parent folder must exist), after
+        resolving any pending device marks."""
+        self.resolve_device_spans()
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.chrome_trace(), f)
 
@@ -146,6 +188,9 @@ CAT_WAIT = "wait"
 CAT_BATON = "baton"
 CAT_STEP = "step"
 CAT_POLICY = "policy"  # an adaptive-DBO exploration step (neither compute nor communication)
+# A compute span as the device ran it (``gpu`` tracks); the metrics read these instead of the host
+# ``compute`` spans in steps that have them.
+CAT_GPU = "gpu"
 
 _recorder: TimelineRecorder | None = None
 _local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
@@ -207,6 +252,10 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
     The span's ``args["cpu_ms"]`` is the CPU time this thread spent in the block
     (``time.thread_time_ns``): wall time above it is time the thread was not running (preempted,
     blocked, or waiting for the GIL); CPU time itself growing means the same work ran slower.
+
+    A compute span (``cat`` and ``kind`` compute) on a recorder with a device clock also marks the
+    device's current stream before and after the block: the span as the device ran it, added on
+    this thread's ``gpu`` track at the end of the step (``TimelineRecorder.resolve_device_spans``).
     """
     rec = _recorder
     if rec is None and not _profiler_on():
@@ -216,11 +265,14 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
     track = _track(kind)
     profiled = torch.profiler.record_function(full_name) if _profiler_on() else nullcontext()
     start_ns, cpu_start_ns = time.perf_counter_ns(), time.thread_time_ns()
+    device_start = _device_start(rec, cat, kind)
     try:
         with profiled:
             yield
     finally:
         if rec is not None:
+            if device_start is not None:
+                _device_end(rec, full_name, device_start, start_ns)
             cpu_ms = (time.thread_time_ns() - cpu_start_ns) / 1e6
             rec.add_span(
                 full_name,
@@ -230,6 +282,25 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
                 track=track,
                 args={"cpu_ms": cpu_ms},
             )
+
+
+def _device_start(rec: TimelineRecorder | None, cat: str, kind: str) -> tuple | None:
+    """(this thread's ``gpu`` track, a device mark) at the start of a compute span on a recorder
+    with a device clock; None otherwise or when the clock cannot mark now."""
+    clock = rec.device_clock if rec is not None else None
+    if clock is None or cat != CAT_COMPUTE or kind != "compute":
+        return None
+    mark = clock.mark()
+    return None if mark is None else (_track("gpu"), mark)
+
+
+def _device_end(rec: TimelineRecorder, name: str, device_start: tuple, host_start_ns: int) -> None:
+    track, start_mark = device_start
+    end_mark = rec.device_clock.mark()
+    if end_mark is not None:
+        rec.add_device_marks(
+            name, track=track, start_mark=start_mark, end_mark=end_mark, host_start_ns=host_start_ns
+        )
 
 
 def blocking_comm_span(name: str) -> AbstractContextManager[None]:
@@ -297,7 +368,10 @@ def _record_baton_pass(ubatch_id: int, handed_at_ns: int, woke_at_ns: int) -> No
 def timeline_step(step_index: int, **args: Any) -> Iterator[dict[str, Any]]:
     """Record one engine step on the ``engine step`` track (the window of per-step metrics) and as
     a ``torch.profiler.record_function`` range ``step``. Yields the span's args dict (holding
-    ``step`` and ``args``), which the caller may fill in (e.g. ``num_tokens``) before leaving."""
+    ``step`` and ``args``), which the caller may fill in (e.g. ``num_tokens``) before leaving.
+
+    On leaving, with every span of the step enqueued, the step's device marks are resolved (one
+    host-device synchronisation, after the step's end time is taken)."""
     step_args = {"step": step_index, **args}
     rec = _recorder
     if rec is None and not _profiler_on():
@@ -318,3 +392,5 @@ def timeline_step(step_index: int, **args: Any) -> Iterator[dict[str, Any]]:
                 track=STEP_TRACK,
                 args=step_args,
             )
+    if rec is not None:  # not after a raise: a failed device would mask the error
+        rec.resolve_device_spans()

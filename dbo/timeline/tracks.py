@@ -2,17 +2,18 @@
 
 A track is ``engine step`` (one span per engine step), ``dbo policy`` (adaptive DBO's exploration
 steps), ``main {kind}`` (DBO off) or
-``ubatch{i} {kind}`` (DBO on, ubatch ``i``), with ``kind`` ``compute`` or ``comm``. When spans
-of one track overlap, the merger moves the later ones to extra lanes ``<track> #k`` (k >= 2).
-Display order: engine step, dbo policy, main compute/comm, ubatch0 compute/comm, ubatch1 ...,
-anything else.
+``ubatch{i} {kind}`` (DBO on, ubatch ``i``), with ``kind`` ``compute``, ``gpu`` (the compute
+spans as the device ran them, with a device clock) or ``comm``. When spans of one track overlap,
+the merger moves the later ones to extra lanes ``<track> #k`` (k >= 2).
+Display order: engine step, dbo policy, main compute/gpu/comm, ubatch0 compute/gpu/comm,
+ubatch1 ..., anything else.
 """
 
 from __future__ import annotations
 
 STEP_TRACK = "engine step"
 POLICY_TRACK = "dbo policy"
-_KIND_ORDER = {"compute": "0", "comm": "1"}
+_KIND_ORDER = {"compute": "0", "gpu": "1", "comm": "2"}
 _LANE_SEP = " #"
 
 

@@ -430,7 +430,10 @@ class LLMEngine:
         """Record a timeline from now on (spans of every step, for ``write_timeline`` or for
         in-process metrics); idempotent. Entry points other than generate (serve, bench) use it."""
         if self.timeline is None:
-            self.timeline = TimelineRecorder(rank=self.groups.rank)
+            self.timeline = TimelineRecorder(
+                rank=self.groups.rank,
+                device_clock=current_platform().device_clock(self.groups.device),
+            )
             set_timeline_recorder(self.timeline)
         return self.timeline
 

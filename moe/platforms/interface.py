@@ -13,6 +13,8 @@ questions:
   (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
   the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
   then runs the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order is kept.
+- ``device_clock(device)``: the clock that times the timeline's compute spans on the device
+  (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
 - ``graph_backend()``: the class that compiles or captures one graph-mode piece
   (``moe.compilation.backends``), or None (graph mode runs eagerly).
 - ``prepare_kernels()``: build or load the platform's own kernels before the first step; the
@@ -31,7 +33,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +43,9 @@ from moe.platforms.cpu_capability import (
     onednn_linear_unavailable_reason,
 )
 from moe.platforms.placement import RankPlacement, accelerator_index, host_placement
+
+if TYPE_CHECKING:
+    from dbo.timeline.device_clock import DeviceClock
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +111,11 @@ class Platform:
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         """Per-ubatch streams and events on ``device`` (``dbo.cuda_streams.UBatchStreams``), or
         None where ops run in issue order."""
+        return None
+
+    def device_clock(self, device: torch.device) -> DeviceClock | None:
+        """The clock that times the timeline's compute spans on ``device`` (``DeviceClock``), or
+        None where ops run synchronously and the host spans already time them."""
         return None
 
     def graph_backend(self) -> type | None:
@@ -248,6 +258,12 @@ class CudaPlatform(Platform):
         from dbo.cuda_streams import make_ubatch_streams
 
         return make_ubatch_streams(num_ubatches, device)
+
+    def device_clock(self, device: torch.device) -> DeviceClock | None:
+        from dbo.timeline.device_clock import CudaDeviceClock
+
+        # kernels run asynchronously: a host span times their launch, CUDA events their run
+        return CudaDeviceClock(device) if device.type == "cuda" else None
 
     def graph_backend(self) -> type | None:
         from moe.compilation.backends import CUDAGraphPiece

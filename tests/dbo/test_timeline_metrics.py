@@ -70,6 +70,25 @@ def test_step_metrics_of_a_hand_made_step():
     assert m.wait_ms == pytest.approx(1)
     assert m.num_baton_passes == 2 and m.baton_pass_us_median == pytest.approx(20)
     assert m.is_ubatched and m.step == 0
+    assert m.compute_clock == "host"
+
+
+def test_a_step_with_gpu_spans_counts_those_as_compute():
+    # the host compute spans (0-10, 20-30) only launched the work; the device ran it 2-14, 22-34
+    spans = dbo_step() + [
+        span("layer0.attention", "gpu", 2, 14, "ubatch0 gpu"),
+        span("layer0.experts", "gpu", 22, 34, "ubatch1 gpu"),
+    ]
+    (m,) = step_metrics(spans)
+    # C = 12 + 12; M = 5-35 = 30; hidden = 5-14 and 22-34 = 21
+    assert m.compute_clock == "device"
+    assert m.compute_ms == pytest.approx(24)
+    assert m.comm_ms == pytest.approx(30)
+    assert m.hidden_comm_ms == pytest.approx(21)
+    assert m.ideal_speedup == pytest.approx(54 / 30)
+    # per step: a later step without gpu spans (one that only captured graphs) reads the host's
+    (_, host) = step_metrics(spans + dbo_step(offset=100, step=1))
+    assert host.compute_clock == "host" and host.compute_ms == pytest.approx(20)
 
 
 def test_steps_with_several_ubatch_counts_get_a_summary_row_each():
