@@ -241,7 +241,10 @@ class LLMEngine:
         )
         self._log(self.kv_cache_sizing.summary())
         if model.checkpoint_dir is None or engine_args.load_format == "dummy":
-            init_random_weights(self.model, seed=engine_args.seed)
+            # dummy weights (real shapes, e.g. 30B parameters) are drawn on the device; the
+            # embedded default's on the host, alike on every device
+            is_dummy = engine_args.load_format == "dummy"
+            init_random_weights(self.model, seed=engine_args.seed, on_device=is_dummy)
         else:
             load_checkpoint(self.model, model.checkpoint_dir)
         self._allocate_kv_cache(dtype)

@@ -223,20 +223,23 @@ def _seed_for(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int) -> None:
+def init_random_weights(model: nn.Module, seed: int, *, on_device: bool = False) -> None:
     """Fill every parameter deterministically from (seed, checkpoint tensor name).
 
     1-D tensors (norm weights) are ones; matrices are N(0, 1/fan_in) with fan_in = shape[-1], drawn
     in float32 on the CPU and cast, so results do not depend on dtype rounding order, device, or
-    the EP layout (experts are named by global id). Ends with ``process_weights_after_loading``.
+    the EP layout (experts are named by global id). ``on_device``: drawn by a generator on the
+    weights' device instead, in place (seconds instead of minutes for 30B parameters on a GPU;
+    values then depend on the device). Ends with ``process_weights_after_loading``.
     """
     for name, target in checkpoint_targets(model):
         if target.dim() == 1:
             target.fill_(1.0)
             continue
-        gen = torch.Generator(device="cpu").manual_seed(_seed_for(seed, name))
+        device = target.device if on_device else torch.device("cpu")
+        gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
         scale = target.shape[-1] ** -0.5
-        if target.dtype == torch.float32 and target.is_cpu:
+        if on_device or (target.dtype == torch.float32 and target.is_cpu):
             # straight into place: normal_ draws what randn draws (randn is empty + normal_), and
             # the float32 product is the same; no temporary (tested against the randn formula)
             target.normal_(generator=gen).mul_(scale)

@@ -272,3 +272,22 @@ def test_build_skips_default_init_and_restores_it(single):
     gen_state = torch.random.get_rng_state()
     build_model(load_config(single))
     assert torch.equal(torch.random.get_rng_state(), gen_state)  # no default init drew numbers
+
+
+def test_random_init_on_the_device_is_seeded_per_tensor(single):
+    """``on_device`` (``--load-format dummy``) draws in place with a generator on the weights'
+    device: on the CPU in float32 that is the host formula itself; in bfloat16 its own values,
+    the same for the same seed, with the formula's scale."""
+    config = load_config(single)
+    host, device = _build(config), _build(config)
+    init_random_weights(host, seed=5)
+    init_random_weights(device, seed=5, on_device=True)
+    for (name, a), (_, b) in zip(host.named_parameters(), device.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    bf16 = [build_model(config, dtype=torch.bfloat16) for _ in range(2)]
+    for model in bf16:
+        init_random_weights(model, seed=5, on_device=True)
+    w0, w1 = (m.lm_head.weight for m in bf16)
+    assert torch.equal(w0, w1)
+    std = float(w0.detach().float().std()) * w0.shape[-1] ** 0.5
+    assert 0.8 < std < 1.2  # N(0, 1/fan_in)
