@@ -47,6 +47,18 @@ def _metadata(query_lens, seq_lens, num_padding):
     )
 
 
+def _count_kernel_calls(monkeypatch) -> list:
+    """A list that gets one entry per ``FusedMoEModularKernel.forward`` call from now on."""
+    calls: list = []
+    original = FusedMoEModularKernel.forward
+    monkeypatch.setattr(
+        FusedMoEModularKernel,
+        "forward",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    return calls
+
+
 def _model(path):
     set_custom_ops("all,-experts")  # torch._grouped_mm has no float64: the experts' reference loop
     try:
@@ -63,13 +75,7 @@ def test_graph_mode_equals_eager_in_float64(tiny_mixtral_dir, monkeypatch):
     eager, eager_caches = _model(tiny_mixtral_dir)
     graph_lm, graph_caches = _model(tiny_mixtral_dir)
     graph = GraphModeModel(graph_lm, (16,))
-    calls = []
-    original = FusedMoEModularKernel.forward
-    monkeypatch.setattr(
-        FusedMoEModularKernel,
-        "forward",
-        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
-    )
+    calls = _count_kernel_calls(monkeypatch)
     stats = graph.capture(progress=False)
     # layer 0's input piece (embedding), attention-out (both layers), attention-in (layer 1), final
     assert calls == [] and stats.num_graphs == 4
@@ -198,13 +204,7 @@ def test_a_backend_that_captures_communication_free_moe_splits_only_at_attention
     assert model.model.layers[0].block_sparse_moe.experts.forward_path == "forward_cuda"
     model.allocate_kv_caches(32, BLOCK_SIZE, dtype=torch.bfloat16)
     graph = GraphModeModel(model, (8,), backend=_EagerPieces)
-    calls = []
-    original = FusedMoEModularKernel.forward
-    monkeypatch.setattr(
-        FusedMoEModularKernel,
-        "forward",
-        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
-    )
+    calls = _count_kernel_calls(monkeypatch)
     stats = graph.capture(progress=False)
     # the traces ran the kernel (inlined); layer 0's input piece, the piece between the two
     # attention cores (attention-out, MoE, attention-in) and the last (attention-out, MoE, norm)
