@@ -1,0 +1,92 @@
+"""The engine on the CUDA platform's code paths, run on CPU tensors: every op bound to its
+``forward_cuda`` (the grouped-GEMM experts, batched attention), vLLM's transfer order under DBO,
+two DP ranks with expert parallelism, DBO on and off, against transformers. What a GPU run
+executes, minus the device: CI proves the paths' maths and the engine's wiring of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.engine import (
+    assert_dbo_on_equals_off_equals_reference,
+    dbo_test_engine_args,
+    run_engine_steps,
+)
+
+ARCHS = ("mixtral", "deepseek_v3", "qwen3_moe")
+
+
+def _cuda_ops_on_cpu():
+    """``CudaPlatform`` placing ranks on the host: its op dispatch and transfer order, no device
+    (no streams, no CUDA graphs, nothing to synchronise)."""
+    from moe.platforms import CudaPlatform
+    from moe.platforms.placement import host_placement
+
+    class CudaOpsOnCpu(CudaPlatform):
+        def place_rank(self, **kwargs):
+            return host_placement()
+
+        def synchronize(self, device):
+            pass
+
+        def describe_device(self, device):
+            return str(device)
+
+        def make_ubatch_streams(self, num_ubatches, device):
+            return None
+
+        def device_clock(self, device):
+            return None
+
+        def graph_backend(self):
+            return None
+
+    return CudaOpsOnCpu()
+
+
+def _rank_fn(rank, world_size, model_dirs, prompts):
+    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from tests.helpers.gpu import placed_groups
+
+    platform = _cuda_ops_on_cpu()
+    _, groups = placed_groups(platform, rank, world_size, timeout_s=60)
+    results = {}
+    for model_type in ARCHS:
+        for enable_dbo in (True, False):
+            args = dbo_test_engine_args(model_dirs[model_type], world_size, enable_dbo)
+            engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+            experts = [m for m in engine.model.modules() if type(m).__name__ == "TorchExperts"]
+            assert {e.forward_path for e in experts} == {"forward_cuda"}
+            assert engine.model_runner.platform.issue_before_recv_hook is False
+            results[model_type, enable_dbo] = run_engine_steps(
+                engine, prompts, groups.dp_rank, groups.dp_size
+            )
+    return results
+
+
+@pytest.mark.slow
+def test_cuda_op_paths_with_dp2_ep_dbo_equal_transformers(
+    tiny_arch_dirs, tiny_mixtral_dir, tiny_prompts
+):
+    import transformers
+
+    dirs = {**tiny_arch_dirs, "mixtral": tiny_mixtral_dir}
+    per_rank = run_distributed(_rank_fn, 2, dirs, tiny_prompts, timeout_s=280)
+    for model_type in ARCHS:
+        path = dirs[model_type]
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()
+        exact = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, experts_implementation="eager"
+        ).eval()
+        assert_dbo_on_equals_off_equals_reference(
+            [r[model_type, True] for r in per_rank],
+            [r[model_type, False] for r in per_rank],
+            reference,
+            tiny_prompts,
+            label=f"{model_type} on the CUDA op paths",
+            exact_reference=exact,
+        )
