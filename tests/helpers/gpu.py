@@ -1,5 +1,6 @@
-"""What the GPU tests share: the CUDA platform for one test, and the matrix products a callable
-runs on the host."""
+"""What the GPU tests share: the CUDA platform for one test (a real one, or one with a fake device
+count), a rank's groups where a platform places it, and the matrix products a callable runs on
+the host."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _MATMULS = frozenset(
-    name
-    for op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm")
-    for name in (f"aten::{op}",)
+    f"aten::{op}" for op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm")
 )
+
+
+def fake_cuda_platform(device_count: int):
+    """``CudaPlatform`` seeing ``device_count`` devices, for its device-selection logic alone
+    (callers stub ``torch.cuda.set_device``)."""
+    from moe.platforms import CudaPlatform
+
+    class FakeCudaPlatform(CudaPlatform):
+        def device_count(self) -> int:
+            return device_count
+
+    return FakeCudaPlatform()
 
 
 @contextlib.contextmanager
@@ -56,7 +67,7 @@ class _HostMatmuls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if name in _MATMULS or "mkldnn" in name or "onednn" in name:
-            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))]
+            tensors = torch.utils._pytree.tree_leaves((args, kwargs or {}))
             if any(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors):
                 self.calls.append(name)
         return func(*args, **(kwargs or {}))

@@ -14,6 +14,7 @@ from tests.helpers.engine import (
     dbo_test_engine_args,
     run_engine_steps,
 )
+from tests.helpers.precision import reference_model
 
 ARCHS = ("mixtral", "deepseek_v3", "qwen3_moe")
 
@@ -70,23 +71,15 @@ def _rank_fn(rank, world_size, model_dirs, prompts):
 def test_cuda_op_paths_with_dp2_ep_dbo_equal_transformers(
     tiny_arch_dirs, tiny_mixtral_dir, tiny_prompts
 ):
-    import transformers
-
     dirs = {**tiny_arch_dirs, "mixtral": tiny_mixtral_dir}
     per_rank = run_distributed(_rank_fn, 2, dirs, tiny_prompts, timeout_s=280)
     for model_type in ARCHS:
         path = dirs[model_type]
-        reference = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()
-        exact = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float64, experts_implementation="eager"
-        ).eval()
         assert_dbo_on_equals_off_equals_reference(
             [r[model_type, True] for r in per_rank],
             [r[model_type, False] for r in per_rank],
-            reference,
+            reference_model(path, torch.float32),
             tiny_prompts,
             label=f"{model_type} on the CUDA op paths",
-            exact_reference=exact,
+            exact_reference=reference_model(path),
         )

@@ -12,18 +12,14 @@ import torch
 import torch.distributed as dist
 
 from launch.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from_namespace
-from moe.platforms import CudaPlatform, set_current_platform
-
-
-class _OneFakeGpu(CudaPlatform):
-    def device_count(self) -> int:
-        return 1
+from moe.platforms import set_current_platform
+from tests.helpers.gpu import fake_cuda_platform
 
 
 @pytest.fixture
 def one_fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    set_current_platform(_OneFakeGpu())
+    set_current_platform(fake_cuda_platform(1))
     yield
     set_current_platform(None)
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.platforms import CpuPlatform, CudaPlatform
+from moe.platforms import CpuPlatform
 from moe.platforms.placement import SHARE_FLAG, accelerator_index
 from moe.platforms.plugins import resolve_platform
+from tests.helpers.gpu import fake_cuda_platform
 
 
 @pytest.mark.parametrize(
@@ -58,23 +59,13 @@ def test_no_device_or_a_bad_local_rank_is_refused(kwargs, match):
         accelerator_index(share_devices=True, **kwargs)
 
 
-class _FakeCuda(CudaPlatform):
-    """CudaPlatform with a fake device count and no CUDA calls: the selection logic alone."""
-
-    def __init__(self, count: int):
-        self.count = count
-
-    def device_count(self) -> int:
-        return self.count
-
-
 @pytest.mark.parametrize(
     ("count", "share", "backends"),
     [(2, False, ["nccl", "nccl"]), (1, True, ["gloo", "gloo"]), (4, False, ["nccl", "nccl"])],
 )
 def test_cuda_ranks_use_nccl_unless_they_share_a_device(monkeypatch, count, share, backends):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    platform = _FakeCuda(count)
+    platform = fake_cuda_platform(count)
     placements = [
         platform.place_rank(local_rank=r, local_world_size=2, share_devices=share) for r in (0, 1)
     ]
@@ -87,7 +78,7 @@ def test_cuda_ranks_use_nccl_unless_they_share_a_device(monkeypatch, count, shar
 def test_cuda_refuses_two_ranks_on_one_device_without_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("must not be set"))
     with pytest.raises(ValueError, match="2 ranks on this node but 1 CUDA device"):
-        _FakeCuda(1).place_rank(local_rank=0, local_world_size=2)
+        fake_cuda_platform(1).place_rank(local_rank=0, local_world_size=2)
 
 
 def test_the_cpu_platform_places_every_rank_on_the_host():
