@@ -1,8 +1,7 @@
 """Dual Batch Overlap: ubatch slicing (token and request bounds), the DP-wide microbatching decision
 (static thresholds or the adaptive policy), the ping-pong protocol between ubatch threads, the
-wrapper that runs a model on ubatches, and a timeline recorder. The overlap machinery only: the
-model's per-(u)batch inputs (attention metadata, DP token counts) live in
-``moe.forward_context``."""
+wrapper that runs a model on ubatches, the forward context (one (u)batch's per-thread state) and a
+timeline recorder. The overlap machinery only: the attention metadata is opaque here."""
 
 from dbo.adaptive_policy import (
     AdaptiveDBOPolicy,
@@ -17,6 +16,12 @@ from dbo.dp_coordination import (
     coordinate_batch_across_dp,
     decide_from_gathered,
     should_ubatch_locally,
+)
+from dbo.forward_context import (
+    DPMetadata,
+    ForwardContext,
+    get_forward_context,
+    set_forward_context,
 )
 from dbo.timeline.recorder import (
     TimelineRecorder,
@@ -48,7 +53,9 @@ __all__ = [
     "PolicyChoice",
     "format_crossover",
     "prior_from_table",
+    "DPMetadata",
     "DPMicrobatchDecision",
+    "ForwardContext",
     "TimelineRecorder",
     "TimelineSpan",
     "UBatchAborted",
@@ -58,6 +65,8 @@ __all__ = [
     "coordinate_batch_across_dp",
     "dbo_current_ubatch_id",
     "dbo_enabled",
+    "get_forward_context",
+    "set_forward_context",
     "dbo_maybe_run_recv_hook",
     "dbo_register_recv_hook",
     "dbo_switch_to_comm",

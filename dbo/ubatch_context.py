@@ -10,10 +10,11 @@ with more, vLLM hands the hook to the next one, which on the CPU (where a hook b
 data land) would leave each transfer one compute segment to hide behind. Handed to the previous
 one, a transfer stays in flight behind the compute of all N-1 other ubatches.
 
-The current context is thread-local. Every blocking wait has a timeout (``TimeoutError`` naming
-the wait). A failure in one ubatch marks the group aborted and wakes the others, which raise
-``UBatchAborted`` at their next wait; ``UBatchWrapper`` re-raises the original error once.
-All ``dbo_*`` functions are no-ops (or 0/False) when no context is current (DBO off).
+The current context is the one the thread's forward context names (``dbo.forward_context``). Every
+blocking wait has a timeout (``TimeoutError`` naming the wait). A failure in one ubatch marks the
+group aborted and wakes the others, which raise ``UBatchAborted`` at their next wait;
+``UBatchWrapper`` re-raises the original error once. All ``dbo_*`` functions are no-ops (or
+0/False) when no context is current (DBO off).
 
 On CUDA (contexts made with a CUDA ``device``) each context also carries ``UBatchStreams``
 (``dbo.cuda_streams``): an event is recorded on the current stream before every hand-over and the
@@ -22,10 +23,10 @@ next owner's stream waits on it, so the GPU runs the kernels in the order the ba
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from dbo.forward_context import current_forward_context, enter_ubatch, restore_forward_context
 from dbo.ubatch_group import UBatchAborted, UBatchGroup, set_baton_observer
 
 if TYPE_CHECKING:
@@ -49,13 +50,13 @@ __all__ = [
 class UBatchContext:
     """One ubatch's handle on the shared protocol state; make them with ``make_ubatch_contexts``.
 
-    As a context manager: ``__enter__`` makes it the thread-local current context and waits for
-    the baton (ubatch 0 holds it first); ``__exit__`` runs this ubatch's pending recv hooks, marks
-    it finished and hands the baton on (a finished ubatch is skipped by later passes, so the last
-    one's yields return at once). Leaving with an exception aborts the group instead.
+    As a context manager: ``__enter__`` makes it the thread's ubatch (``enter_ubatch``) and waits
+    for the baton (ubatch 0 holds it first); ``__exit__`` runs this ubatch's pending recv hooks,
+    marks it finished and hands the baton on (a finished ubatch is skipped by later passes, so the
+    last one's yields return at once). Leaving with an exception aborts the group instead.
     """
 
-    __slots__ = ("id", "_group", "streams")
+    __slots__ = ("id", "_group", "streams", "_outer")
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class UBatchContext:
         self.id = ubatch_id
         self._group = group
         self.streams = streams  # CUDA streams and events; None on CPU
+        self._outer = None  # the thread's forward context before __enter__
 
     def __repr__(self) -> str:
         return f"UBatchContext(id={self.id}, num_ubatches={self._group.num_ubatches})"
@@ -80,18 +82,18 @@ class UBatchContext:
         return self._group.last_progress_ns
 
     def __enter__(self) -> UBatchContext:
-        if getattr(_local, "context", None) is not None:
-            error = RuntimeError(f"{self!r} entered in a thread already in a ubatch context")
+        try:
+            self._outer = enter_ubatch(self)
+        except RuntimeError as error:
             self._finish_after_error(error)
-            raise error
-        _local.context = self
+            raise
         try:
             self._group.wait_for_baton(self.id, "to start")
             if self.streams is not None:
                 self.streams.enter()
                 self.streams.wait_after_yield(self._group.handed_event)
         except BaseException as error:
-            _local.context = None
+            restore_forward_context(self._outer)
             self._finish_after_error(error)
             raise
         return self
@@ -109,7 +111,7 @@ class UBatchContext:
             exc = error
             raise
         finally:
-            _local.context = None
+            restore_forward_context(self._outer)
             if exc is None:
                 with self._group.lock:
                     self._group.finished[self.id] = True
@@ -194,11 +196,9 @@ def make_ubatch_contexts(
     return [UBatchContext(i, group, per_ubatch[i]) for i in range(num_ubatches)]
 
 
-_local = threading.local()
-
-
 def _current() -> UBatchContext | None:
-    return getattr(_local, "context", None)
+    context = current_forward_context()
+    return None if context is None else context.ubatch
 
 
 def dbo_enabled() -> bool:

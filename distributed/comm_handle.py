@@ -7,22 +7,15 @@ turns the received buffer into the caller's value (unpacking rows, scattering ba
 order); ``CompletedHandle`` holds a value that needed no communication. The handle, not the
 backend, owns everything that changes after issue, so a backend object holds no per-call state
 and two ubatch threads can share it.
-
-A backend that must complete a small exchange before it can issue its payload (a count exchange:
-DeepEP's notify) waits on it with ``wait_blocking_exchange``; the emulated link
-(``distributed.link_emulation``) substitutes that handle for the length of one call with
-``wrap_blocking_exchanges``, so the exchange code knows nothing of links.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -119,35 +112,6 @@ class CompletedHandle(Generic[T]):
 
     def is_completed(self) -> bool:
         return True
-
-
-_blocking_exchange_wrapper: contextvars.ContextVar[Callable[[Any], Any] | None] = (
-    contextvars.ContextVar("blocking_exchange_wrapper", default=None)
-)
-
-
-def wait_blocking_exchange(handle: CommHandle[T]) -> T:
-    """Complete ``handle``, an exchange the calling dispatch or combine needs before it can go on
-    (a count exchange: DeepEP's notify), and return its value.
-
-    Blocking wait (bounded by the handle's timeout). Inside ``wrap_blocking_exchanges`` the
-    handle is first replaced by the wrapper's (the emulated link delays its completion).
-    """
-    wrap = _blocking_exchange_wrapper.get()
-    if wrap is not None:
-        handle = wrap(handle)
-    return handle.wait()
-
-
-@contextmanager
-def wrap_blocking_exchanges(wrap: Callable[[CommHandle], CommHandle]) -> Iterator[None]:
-    """Route this thread's ``wait_blocking_exchange`` calls through ``wrap`` while the block runs
-    (a context variable: another ubatch thread's calls are not affected)."""
-    token = _blocking_exchange_wrapper.set(wrap)
-    try:
-        yield
-    finally:
-        _blocking_exchange_wrapper.reset(token)
 
 
 def comm_error(op: str, rank: int, timeout: datetime.timedelta, exc: BaseException) -> Exception:

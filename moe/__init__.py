@@ -1,12 +1,6 @@
-"""moe: model side — config, router, modular fused-MoE kernel, experts, attention, models, loading,
-the forward context."""
+"""moe: model side — config, router, modular fused-MoE kernel, experts, attention, models,
+loading."""
 
-from moe.forward_context import (
-    DPMetadata,
-    ForwardContext,
-    get_forward_context,
-    set_forward_context,
-)
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
@@ -44,11 +38,9 @@ __all__ = [
     "CpuPlatform",
     "CudaPlatform",
     "CustomOp",
-    "DPMetadata",
     "DenseMLP",
     "FusedMoE",
     "FusedMoEModularKernel",
-    "ForwardContext",
     "FusedMoEPrepareAndFinalize",
     "LoadStats",
     "MLAAttention",
@@ -70,7 +62,6 @@ __all__ = [
     "checkpoint_targets",
     "current_platform",
     "get_custom_ops",
-    "get_forward_context",
     "init_random_weights",
     "load_checkpoint",
     "load_config",
@@ -80,7 +71,6 @@ __all__ = [
     "parse_custom_ops",
     "rotate_half",
     "select_experts",
-    "set_forward_context",
     "split_attn_metadata",
     "supported_architectures",
     "set_custom_ops",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dbo.forward_context import current_forward_context
 from dbo.timeline.device_clock import DeviceClock
 from dbo.timeline.tracks import POLICY_TRACK, STEP_TRACK, track_name, track_order
 from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled, set_baton_observer
@@ -193,7 +193,6 @@ CAT_POLICY = "policy"  # an adaptive-DBO exploration step (neither compute nor c
 CAT_GPU = "gpu"
 
 _recorder: TimelineRecorder | None = None
-_local = threading.local()  # .layer: the decoder layer this thread is in (None outside one)
 
 
 def set_timeline_recorder(rec: TimelineRecorder | None) -> None:
@@ -227,18 +226,22 @@ def is_timeline_active() -> bool:
 
 def set_timeline_layer(layer_idx: int | None) -> None:
     """Name this thread's following spans after decoder layer ``layer_idx`` (``layer3.experts``);
-    ``None`` ends the layer. Thread-local, so each ubatch thread tracks its own layer."""
-    _local.layer = layer_idx
+    ``None`` ends the layer. The layer is the current forward context's (each ubatch thread has
+    its own); outside a forward this does nothing."""
+    context = current_forward_context()
+    if context is not None:
+        context.layer = layer_idx
 
 
 def timeline_layer() -> int | None:
     """This thread's current decoder layer (``set_timeline_layer``), None outside one."""
-    return getattr(_local, "layer", None)
+    context = current_forward_context()
+    return None if context is None else context.layer
 
 
 def span_name(name: str) -> str:
     """``name`` prefixed with this thread's current layer, e.g. ``layer3.attention``."""
-    layer = getattr(_local, "layer", None)
+    layer = timeline_layer()
     return name if layer is None else f"layer{layer}.{name}"
 
 

@@ -36,6 +36,7 @@ from distributed.all2all.token_packing import (
 )
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CommHandle, CommTiming
+from distributed.link_emulation import EmulatedLink
 
 PADDED_DISPATCH_MAX_BYTES = 256 << 10
 _HEADER_INTS = 4  # a padded block's header row: (row count, hidden_size, num_topk, dtype code)
@@ -79,10 +80,11 @@ def exchange_counts(
     group: ProcessGroup | None,
     rank: int,
     timeout: datetime.timedelta,
+    link: EmulatedLink | None,
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
     """DeepEP's notify: a blocking ``all_to_all_single`` sending EP rank r ``counts[r]``
-    (``[ep_size, n]`` int) and the row format; ``(counts, received counts)`` on the host and the
-    exchange's ``(start, end)`` ns.
+    (``[ep_size, n]`` int) and the row format, behind ``link`` if any; ``(counts, received
+    counts)`` on the host and the exchange's ``(start, end)`` ns.
 
     Raises:
         ValueError: (on every rank) the ranks disagree on the row format.
@@ -103,6 +105,7 @@ def exchange_counts(
         timeout=timeout,
         num_bytes=(num_ranks - 1) * header.shape[1] * 8,
         start_ns=start_ns,
+        link=link,
     )
     recv_header = recv_header.cpu()
     layout.check_signatures(recv_header[:, -3:].tolist(), op, rank)
@@ -179,6 +182,7 @@ class AllToAllBackend(FusedMoEPrepareAndFinalize):
             group=self.ep_group,
             rank=self.ep_rank,
             timeout=self.timeout,
+            link=self.link,
         )
         packed, _, send_token_idx = self._pack(request, mask)
         send_counts, recv_counts = send_counts[:, 0].tolist(), recv_counts[:, 0].tolist()

@@ -113,6 +113,7 @@ class AllGatherReduceScatterBackend(FusedMoEPrepareAndFinalize):
             timeout=self.timeout,
             num_bytes=(self.ep_size - 1) * header.numel() * 8,
             start_ns=start_ns,
+            link=self.link,
         )
         headers = headers.cpu()
         layout.check_signatures(headers[:, 1:].tolist(), "allgather dispatch", self.ep_rank)

@@ -27,8 +27,6 @@ from distributed.comm_handle import (
     CollectiveHandle,
     CommHandle,
     CommTiming,
-    wait_blocking_exchange,
-    wrap_blocking_exchanges,
 )
 from distributed.link_emulation import EmulatedLink
 
@@ -166,12 +164,17 @@ def complete_exchange(
     timeout: datetime.timedelta,
     num_bytes: int,
     start_ns: int,
+    link: EmulatedLink | None,
 ) -> tuple[int, int]:
     """Wait for the small exchange ``pending`` issued at ``start_ns`` (a count exchange: DeepEP's
-    notify; behind an emulated link, delayed as a transfer); its ``(start, end)`` in ns."""
+    notify), behind ``link`` as a transfer when there is one; its ``(start, end)`` in ns."""
     timing = CommTiming(issued_at_ns=start_ns, num_bytes=num_bytes)
-    kwargs = {"op": op, "rank": rank, "timeout": timeout, "timing": timing}
-    wait_blocking_exchange(collective_handle(pending, lambda: None, **kwargs))  # blocking wait
+    handle = collective_handle(
+        pending, lambda: None, op=op, rank=rank, timeout=timeout, timing=timing
+    )
+    if link is not None:
+        handle = link.delayed(handle)
+    handle.wait()  # blocking wait (timeout: the handle's, after the link's deadline)
     return start_ns, time.perf_counter_ns()
 
 
@@ -315,12 +318,7 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     def _issue(self, issue: Callable[[], CommHandle[T]], async_op: bool) -> CommHandle[T]:
         """``issue()``'s handle, behind the link when there is one; complete unless ``async_op``."""
-        link = self.link
-        if link is None:
-            handle = issue()
-        else:
-            with wrap_blocking_exchanges(link.delayed):  # the count exchange waits for it too
-                handle = link.delayed(issue())
+        handle = issue() if self.link is None else self.link.delayed(issue())
         if not async_op:
             handle.wait()  # blocking wait (timeout: self.timeout, after the link's deadline)
         return handle

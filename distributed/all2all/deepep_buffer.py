@@ -152,6 +152,12 @@ class DeepEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         if self.implementation == DEEPEP_KERNELS:
             self.max_num_ubatches = self.kernels_max_num_ubatches
 
+    def with_link(self, link):
+        """As the base class's, and the Buffer's notify behind ``link`` too (its own copy)."""
+        linked = super().with_link(link)
+        linked.buffer = self.buffer.with_link(link)
+        return linked
+
     def previous_event(self):
         """DeepEP's ``previous_event`` for a call issued now: an event captured on the current
         CUDA stream (the kernels' inputs are ready when it fires); None on our emulation."""

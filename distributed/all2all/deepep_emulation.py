@@ -11,6 +11,7 @@ event or hook blocks the host (bounded by the timeout). Unlike DeepEP: any float
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from distributed.all2all.token_packing import (
 )
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CollectiveHandle, CommTiming
+from distributed.link_emulation import EmulatedLink
 
 IMPLEMENTATION = "torch.distributed emulation of DeepEP's protocol"
 
@@ -96,6 +98,7 @@ class TorchDistributedBuffer:
     low-latency capacity it was sized for (0: unchecked)."""
 
     implementation = IMPLEMENTATION
+    link: EmulatedLink | None = None  # the notify's link (``with_link``)
 
     def __init__(
         self,
@@ -111,6 +114,13 @@ class TorchDistributedBuffer:
         self.group_size = num_ranks
         self.timeout = timeout
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+
+    def with_link(self, link: EmulatedLink) -> TorchDistributedBuffer:
+        """A copy of this buffer (same group) whose notify completes no earlier than ``link``'s
+        deadline."""
+        linked = copy.copy(self)
+        linked.link = link
+        return linked
 
     def capture(self) -> EmulatedTransfer:
         """An event on the current stream: on CPU everything before it has run."""
@@ -196,6 +206,7 @@ class TorchDistributedBuffer:
             group=self.group,
             rank=self.rank,
             timeout=self.timeout,
+            link=self.link,
         )
         packed, _, send_token_idx = pack_sent_rows(
             x,

@@ -8,7 +8,7 @@ Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md`
    ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
 2. flat inputs and the common attention metadata are built from the persistent per-request rows
    of the ``InputBatch`` by array arithmetic (padding rows have slot -1);
-3. the model runs inside the batch's ``ForwardContext`` (``moe.forward_context``: its attention
+3. the model runs inside the batch's ``ForwardContext`` (``dbo.forward_context``: its attention
    metadata and every DP rank's row count). With microbatching the token range is cut into the
    agreed number of ``UBatchSlice`` s (``--ubatch-size``, default two), the attention metadata is
    sliced to them, and ``UBatchWrapper`` runs the model on one thread per ubatch, each inside its
@@ -39,6 +39,7 @@ from dbo import (
     make_ubatch_slices,
     should_ubatch_locally,
 )
+from dbo.forward_context import DPMetadata, ForwardContext, get_forward_context, set_forward_context
 from dbo.timeline.recorder import blocking_comm_span, record_policy_span, timeline_span
 from distributed.comm_handle import comm_error
 from launch.engine.arg_utils import AUTO, MIN_DBO_THRESHOLD, EngineArgs
@@ -46,7 +47,6 @@ from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.sampler import Sampler, SamplingMetadata, TokenLogprobs, compute_logprobs
 from launch.engine.scheduler import SchedulerOutput
-from moe.forward_context import DPMetadata, ForwardContext, get_forward_context, set_forward_context
 from moe.layers.attention_metadata import split_attn_metadata
 from moe.platforms import current_platform
 

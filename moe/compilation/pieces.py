@@ -13,6 +13,7 @@ from torch import Tensor, fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
+from dbo.forward_context import ForwardContext, set_forward_context
 from moe.compilation.splitting import (
     SplittingOp,
     recording_splitting_ops,
@@ -66,7 +67,10 @@ def trace_forward(
 
     device = next(iter(state.values())).device
     ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    with recording_splitting_ops(capture_capturable=capture_capturable) as ops:
+    with (
+        recording_splitting_ops(capture_capturable=capture_capturable) as ops,
+        set_forward_context(ForwardContext(attn_metadata=meta)),  # the layers name their ops
+    ):
         mode = "real" if real else "fake"
         graph = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not real)(
             *state.values(), ids, ids.clone()

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dbo.timeline.recorder import is_timeline_active, set_timeline_layer, timeline_span
+from dbo.timeline.recorder import is_timeline_active, timeline_span
 from moe.compilation.backends import InductorGraph
 from moe.compilation.config import bucket_for
 from moe.compilation.pieces import Piece, SplitForward, split_forward, structure_key, trace_forward
-from moe.compilation.splitting import pad_rows, splitting_context
+from moe.compilation.splitting import graph_forward, pad_rows
 
 __all__ = ["CaptureStats", "GraphModeModel", "pad_rows"]
 
@@ -152,9 +152,8 @@ class GraphModeModel(nn.Module):
         bucket = bucket_for(n, self.capture_sizes) if self.is_captured else None
         if bucket is None:
             return self.lm(input_ids, positions, attn_metadata)
-        with splitting_context(n, attn_metadata):
+        with graph_forward(n, attn_metadata):
             hidden_states = self._forwards[bucket](
                 pad_rows(input_ids, bucket), pad_rows(positions, bucket)
             )
-        set_timeline_layer(None)
         return hidden_states[:n]

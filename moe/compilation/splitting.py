@@ -14,14 +14,13 @@ captures such calls (CUDA graphs, whose experts path reads nothing to the host),
 needs one graph per layer instead of two.
 
 At run time graph mode calls the recorded ``fn`` through ``run_splitting_op``: on the first
-``num_rows`` rows of its (bucket-padded) inputs, with this thread's attention metadata
-(``splitting_context``), its output zero-padded back to the bucket. So padding rows never reach
-attention or the all-to-all, and each DBO ubatch thread runs the ops of its own forward.
+``num_rows`` rows of its (bucket-padded) inputs, with the attention metadata of this thread's
+forward context (``graph_forward``), its output zero-padded back to the bucket. So padding rows
+never reach attention or the all-to-all, and each DBO ubatch thread runs the ops of its own forward.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dbo.forward_context import (
+    ForwardContext,
+    current_forward_context,
+    get_forward_context,
+    set_forward_context,
+)
 from dbo.timeline.recorder import set_timeline_layer, timeline_layer, timeline_span
 
 OP_NAME = "moe_dbo::splitting_op"
@@ -63,7 +68,6 @@ class SplittingOp:
 
 _recorded: list[SplittingOp] | None = None  # set only while graph mode traces, at start-up
 _captures_capturable = False  # while tracing: whether ``capturable`` calls go into the graph
-_context = threading.local()  # .num_rows, .attn_metadata of this thread's graph-mode forward
 
 
 def splitting_op(
@@ -110,14 +114,27 @@ def recording_splitting_ops(*, capture_capturable: bool = False) -> Iterator[lis
 
 
 @contextmanager
-def splitting_context(num_rows: int, attn_metadata: Any) -> Iterator[None]:
-    """Within: this thread's splitting ops run on the first ``num_rows`` rows with
-    ``attn_metadata`` (graph mode sets it around one compiled forward)."""
-    _context.num_rows, _context.attn_metadata = num_rows, attn_metadata
+def graph_forward(num_rows: int, attn_metadata: Any) -> Iterator[None]:
+    """Within: this thread's splitting ops run on the first ``num_rows`` rows of the bucket, with
+    the attention metadata of the current forward context (one of ``attn_metadata`` is entered
+    where none is current: a model called outside the runner); the layer ends with the block.
+
+    Raises:
+        ValueError: if the current forward context holds other attention metadata.
+    """
+    context = current_forward_context()
+    if context is None:
+        with set_forward_context(ForwardContext(attn_metadata=attn_metadata)) as context:
+            context.graph_rows = num_rows
+            yield
+        return
+    if context.attn_metadata is not attn_metadata:
+        raise ValueError("graph mode runs on the attention metadata of its forward context")
+    context.graph_rows = num_rows
     try:
         yield
     finally:
-        _context.num_rows = _context.attn_metadata = None
+        context.graph_rows = context.layer = None
 
 
 def pad_rows(x: Tensor, num_rows: int) -> Tensor:
@@ -132,13 +149,15 @@ def pad_rows(x: Tensor, num_rows: int) -> Tensor:
 
 def run_splitting_op(op: SplittingOp, *tensors: Tensor) -> Tensor:
     """Run a recorded op inside a compiled forward: tensors [bucket, ...] -> [bucket, *out_shape],
-    ``op.fn`` seeing only the first ``num_rows`` rows (``splitting_context``)."""
-    num_rows = _context.num_rows
-    rows = [t[:num_rows] for t in tensors]
+    ``op.fn`` seeing only the first ``graph_rows`` rows (``graph_forward``)."""
+    context = get_forward_context()
+    rows = [t[: context.graph_rows] for t in tensors]
+    if op.takes_attn_metadata:
+        rows.append(context.attn_metadata)
     set_timeline_layer(op.timeline_layer)
     if op.span is None:
-        out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+        out = op.fn(*rows)
     else:
         with timeline_span(op.span):
-            out = op.fn(*rows, _context.attn_metadata) if op.takes_attn_metadata else op.fn(*rows)
+            out = op.fn(*rows)
     return pad_rows(out, tensors[0].shape[0])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor
 
+from dbo.forward_context import current_num_tokens_across_ep
 from dbo.timeline.recorder import CAT_COMM, CAT_COMPUTE, CAT_WAIT, record_span, timeline_span
 from dbo.ubatch_context import (
     dbo_enabled,
@@ -38,7 +39,6 @@ from distributed import (
     DispatchResult,
     FusedMoEActivationFormat,
 )
-from moe.forward_context import current_num_tokens_across_ep
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@
 The ubatch bounds (``UBatchSlice``) are DBO's (``dbo.ubatch_slicing``); what a bound means for the
 attention inputs (rebased ``query_start_loc``, a cut request's ``seq_len``) is the metadata's, so it
 lives here, on the model side. The model runner slices and hands each ubatch its slice through the
-forward context (``moe.forward_context``).
+forward context (``dbo.forward_context``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dbo import (
     dbo_yield,
     make_ubatch_slices,
 )
-from moe.forward_context import ForwardContext, get_forward_context, set_forward_context
+from dbo.forward_context import ForwardContext, get_forward_context, set_forward_context
 from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 
 BLOCK_SIZE = 4

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import threading
 import time
 
 import pytest
 
 from distributed import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
 from distributed.all2all.deepep_emulation import EmulatedTransfer
-from distributed.comm_handle import wait_blocking_exchange, wrap_blocking_exchanges
 
 TIMEOUT = datetime.timedelta(seconds=5)
 
@@ -97,30 +95,3 @@ def test_finish_ns_spans_the_receive_side_work_of_nested_handles():
     assert end - start >= 10_000_000
     # the data had arrived before the inner unpacking began
     assert outer.timing.completed_at_ns is not None and outer.timing.completed_at_ns <= start
-
-
-def test_blocking_exchanges_go_through_the_wrapper_of_this_thread_only():
-    def exchange() -> int:
-        handle = CollectiveHandle(
-            op="count exchange",
-            rank=0,
-            timeout=TIMEOUT,
-            work=None,
-            finalize=lambda: 1,
-            timing=CommTiming(issued_at_ns=time.perf_counter_ns(), num_bytes=8),
-        )
-        return wait_blocking_exchange(handle)
-
-    seen: list[int] = []
-
-    def wrap(handle):
-        seen.append(handle.timing.num_bytes)
-        return CompletedHandle(2)
-
-    other: list[int] = []
-    with wrap_blocking_exchanges(wrap):
-        assert exchange() == 2
-        thread = threading.Thread(target=lambda: other.append(exchange()))
-        thread.start()
-        thread.join()
-    assert exchange() == 1 and other == [1] and seen == [8]

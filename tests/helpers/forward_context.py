@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager
 from torch import Tensor
 
 from dbo import UBatchSlice
-from moe.forward_context import DPMetadata, ForwardContext, get_forward_context, set_forward_context
+from dbo.forward_context import DPMetadata, ForwardContext, get_forward_context, set_forward_context
 from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 
 

@@ -12,10 +12,10 @@ import random
 import pytest
 
 from dbo import UBatchWrapper, make_ubatch_slices
+from dbo.forward_context import ForwardContext, set_forward_context
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.request import Request, SamplingParams
 from launch.engine.scheduler import Scheduler
-from moe.forward_context import ForwardContext, set_forward_context
 from moe.layers.attention_metadata import split_attn_metadata
 from tests.helpers.precision import FLOAT64_REL, assert_logits_close
 from tests.helpers.single_rank import single_rank_engine

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
+from dbo.forward_context import DPMetadata
 from distributed import CommTiming, FusedMoEActivationFormat, make_all2all_backend
 from moe import (
     FusedMoEModularKernel,
@@ -23,7 +24,6 @@ from moe import (
     init_random_weights,
     select_experts,
 )
-from moe.forward_context import DPMetadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.forward_context import context_forward, ubatch_scopes
 

@@ -1,21 +1,16 @@
-"""What one (u)batch's forward needs beyond its inputs (vLLM's ``vllm/forward_context.py``).
+"""One (u)batch's forward state, the only per-thread state of a forward (vLLM's
+``vllm/forward_context.py``).
 
-The model runner sets a ``ForwardContext`` around a whole batch's forward
-(``set_forward_context``); under DBO each ubatch thread runs inside its own, built by the runner
-and entered by ``dbo.UBatchWrapper`` in that thread. Layers read it with ``get_forward_context()``
-(the MoE layer's EP token counts through ``current_num_tokens_across_ep()``).
+A ``ForwardContext`` holds what the model runner hands a (u)batch (its attention metadata and DP
+token counts) and what the forward fills in as it runs: the ubatch it belongs to, the decoder
+layer the timeline names spans after, and in graph mode the rows of the padded bucket that are
+real. One thread-local points at the current one; ``set_forward_context`` makes a context current
+and restores the previous one on exit, so nothing outlives the block and nothing is reset by hand.
 
-The model's forward keeps its explicit ``attn_metadata`` argument, which the runner's model
-function takes from the context: the model stays a plain function of its inputs, called directly
-by the transformers-equality tests and traced by graph mode (``moe.compilation``, whose splitting
-ops take the metadata as an argument). The context carries what the runner hands a (u)batch and
-what a layer needs beyond its arguments (the MoE layer's EP token counts).
-
-The context is thread-local: each ubatch runs in its own thread and sees only its own context;
-nesting restores the outer one on exit. The current decoder layer, which names the timeline's
-spans, stays the timeline's (``dbo.timeline.recorder.set_timeline_layer``: the timeline, in
-``dbo``, is its only reader); ``set_forward_context`` scopes it, so a forward starts outside any
-layer and leaves none behind.
+Under DBO each ubatch thread enters its ``UBatchContext`` (``dbo.ubatch_context``), which makes a
+context that only names the ubatch, then the runner's context of that ubatch, which takes the
+ubatch over from it. It lives in ``dbo`` because the ubatch threads are what make it per-thread;
+the attention metadata is opaque here (``moe.layers.attention_metadata``).
 """
 
 from __future__ import annotations
@@ -24,14 +19,15 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from dbo.timeline.recorder import set_timeline_layer, timeline_layer
-from dbo.ubatch_context import dbo_current_ubatch_id, dbo_enabled
-from moe.layers.attention_metadata import CommonAttentionMetadata
+if TYPE_CHECKING:
+    from dbo.ubatch_context import UBatchContext
 
 __all__ = [
     "DPMetadata",
     "ForwardContext",
+    "current_forward_context",
     "current_num_tokens_across_ep",
     "get_forward_context",
     "is_forward_context_available",
@@ -79,24 +75,34 @@ class DPMetadata:
         object.__setattr__(self, "num_tokens_across_ep", tuple(counts[r] for r in ranks))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False)
 class ForwardContext:
     """One (u)batch's forward state.
 
-    Fields:
-        attn_metadata: this (u)batch's attention metadata (a ubatch's slice under DBO).
+    Set by the caller:
+        attn_metadata: this (u)batch's attention metadata (a ubatch's slice under DBO); None in
+            the context a ``UBatchContext`` makes.
         dp_metadata: its token counts across DP (and EP); None when the DP ranks did not agree on
             them (the all-to-all then exchanges the counts itself).
         ubatch_id: the ubatch this context describes; None for a whole batch. Must match the
-            thread's DBO ubatch when set (``set_forward_context`` checks it).
+            thread's ubatch (``set_forward_context`` checks it).
+
+    Filled in while it is current:
+        ubatch: the thread's ``UBatchContext`` (taken over from the context it entered in).
+        layer: the decoder layer this thread is in (``dbo.timeline.recorder.set_timeline_layer``),
+            None outside one.
+        graph_rows: graph mode: the real rows of the padded bucket running now, else None.
 
     Raises:
         ValueError: if ``ubatch_id`` is negative.
     """
 
-    attn_metadata: CommonAttentionMetadata
+    attn_metadata: Any = None
     dp_metadata: DPMetadata | None = None
     ubatch_id: int | None = None
+    ubatch: UBatchContext | None = field(default=None, init=False)
+    layer: int | None = field(default=None, init=False)
+    graph_rows: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.ubatch_id is not None and self.ubatch_id < 0:
@@ -106,34 +112,61 @@ class ForwardContext:
 _local = threading.local()  # .context: this thread's current ForwardContext
 
 
+def current_forward_context() -> ForwardContext | None:
+    """This thread's current forward context, or None outside any (one attribute read)."""
+    return getattr(_local, "context", None)
+
+
 @contextmanager
 def set_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
-    """Within the block, ``get_forward_context()`` in this thread returns ``context``; on exit
-    the previous context (or none) and the previous timeline layer come back.
+    """Within the block, ``get_forward_context()`` in this thread returns ``context``, which
+    takes over the thread's ubatch and starts outside any layer; on exit the previous context
+    (or none) is current again.
 
     Raises:
-        ValueError: if ``context.ubatch_id`` is not this thread's DBO ubatch (None outside a
-            ubatch thread).
+        ValueError: if ``context.ubatch_id`` is not this thread's ubatch (None outside a ubatch
+            thread).
     """
-    ubatch_id = dbo_current_ubatch_id() if dbo_enabled() else None
-    if context.ubatch_id != ubatch_id:
+    previous = current_forward_context()
+    ubatch = None if previous is None else previous.ubatch
+    running = None if ubatch is None else ubatch.id
+    if context.ubatch_id != running:
         raise ValueError(
             f"a ForwardContext of ubatch {context.ubatch_id} set in a thread running "
-            f"{'no ubatch' if ubatch_id is None else f'ubatch {ubatch_id}'}"
+            f"{'no ubatch' if running is None else f'ubatch {running}'}"
         )
-    previous, previous_layer = getattr(_local, "context", None), timeline_layer()
+    context.ubatch, context.layer, context.graph_rows = ubatch, None, None
     _local.context = context
-    set_timeline_layer(None)
     try:
         yield context
     finally:
         _local.context = previous
-        set_timeline_layer(previous_layer)
+
+
+def enter_ubatch(ubatch: UBatchContext) -> ForwardContext | None:
+    """Make a context naming only ``ubatch`` current in this thread (``UBatchContext.__enter__``);
+    returns the previous one, for ``restore_forward_context``.
+
+    Raises:
+        RuntimeError: if this thread already runs a ubatch.
+    """
+    previous = current_forward_context()
+    if previous is not None and previous.ubatch is not None:
+        raise RuntimeError(f"{ubatch!r} entered in a thread already in a ubatch context")
+    context = ForwardContext(ubatch_id=ubatch.id)
+    context.ubatch = ubatch
+    _local.context = context
+    return previous
+
+
+def restore_forward_context(previous: ForwardContext | None) -> None:
+    """Make ``previous`` (``enter_ubatch``'s result) current again in this thread."""
+    _local.context = previous
 
 
 def is_forward_context_available() -> bool:
     """Whether a forward context is set in this thread."""
-    return getattr(_local, "context", None) is not None
+    return current_forward_context() is not None
 
 
 def get_forward_context() -> ForwardContext:
@@ -142,7 +175,7 @@ def get_forward_context() -> ForwardContext:
     Raises:
         RuntimeError: outside ``set_forward_context`` (not inside a forward).
     """
-    context = getattr(_local, "context", None)
+    context = current_forward_context()
     if context is None:
         raise RuntimeError("no forward context is set: call inside set_forward_context(...)")
     return context
@@ -152,7 +185,7 @@ def current_num_tokens_across_ep() -> tuple[int, ...] | None:
     """``[ep_size]`` every EP rank's row count of the current (u)batch, or None when unknown (no
     forward context, no DP agreement, or no DP-to-EP mapping): the all-to-all then exchanges the
     counts itself, or assumes its capacity."""
-    context = getattr(_local, "context", None)
+    context = current_forward_context()
     if context is None or context.dp_metadata is None:
         return None
     return context.dp_metadata.num_tokens_across_ep

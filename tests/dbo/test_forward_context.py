@@ -10,8 +10,7 @@ import pytest
 
 import dbo
 from dbo import UBatchWrapper, dbo_yield, make_ubatch_slices
-from dbo.timeline.recorder import set_timeline_layer, timeline_layer
-from moe.forward_context import (
+from dbo.forward_context import (
     DPMetadata,
     ForwardContext,
     current_num_tokens_across_ep,
@@ -19,6 +18,7 @@ from moe.forward_context import (
     is_forward_context_available,
     set_forward_context,
 )
+from dbo.timeline.recorder import set_timeline_layer, timeline_layer
 from moe.layers.attention_metadata import split_attn_metadata
 from tests.helpers.attention_metadata import make_slicing_metadata
 
@@ -34,27 +34,26 @@ def test_read_outside_a_forward_raises():
         get_forward_context()
 
 
-def test_nesting_restores_the_outer_context_and_the_timeline_layer():
+def test_nesting_restores_the_outer_context_and_its_timeline_layer():
     outer = _context(dp_metadata=DPMetadata(num_tokens_across_dp=(5, 7), dp_rank_of_ep_rank=(0, 1)))
     inner = _context()
-    set_timeline_layer(3)
-    try:
-        with set_forward_context(outer) as entered:
-            assert entered is outer and get_forward_context() is outer
-            assert timeline_layer() is None  # a forward starts outside any layer
-            set_timeline_layer(1)
-            with set_forward_context(inner):
-                assert get_forward_context() is inner
-                assert current_num_tokens_across_ep() is None  # inner has no DP metadata
-                set_timeline_layer(0)
-            assert get_forward_context() is outer and timeline_layer() == 1
-            assert current_num_tokens_across_ep() == (5, 7)
-        assert not is_forward_context_available() and timeline_layer() == 3
-        with pytest.raises(KeyError), set_forward_context(outer):
-            raise KeyError("restored on an error too")
-        assert not is_forward_context_available()
-    finally:
-        set_timeline_layer(None)
+    set_timeline_layer(3)  # outside a forward there is no layer to name spans after
+    assert timeline_layer() is None
+    with set_forward_context(outer) as entered:
+        assert entered is outer and get_forward_context() is outer
+        assert timeline_layer() is None  # a forward starts outside any layer
+        set_timeline_layer(1)
+        with set_forward_context(inner):
+            assert get_forward_context() is inner
+            assert current_num_tokens_across_ep() is None  # inner has no DP metadata
+            assert timeline_layer() is None
+            set_timeline_layer(0)
+        assert get_forward_context() is outer and timeline_layer() == 1
+        assert current_num_tokens_across_ep() == (5, 7)
+    assert not is_forward_context_available() and timeline_layer() is None
+    with pytest.raises(KeyError), set_forward_context(outer):
+        raise KeyError("restored on an error too")
+    assert not is_forward_context_available()
 
 
 def test_each_ubatch_thread_sees_only_its_own_context():
