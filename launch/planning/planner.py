@@ -30,7 +30,7 @@ from launch.planning.schedule import serial_layer_ms, simulate_layers, simulate_
 TIE_TOLERANCE = 0.01  # dbo.AdaptivePolicyConfig.tie_tolerance: on must beat off by this
 # The error bar of a predicted speedup where nothing measured it on the predicted link: 10 points
 # (0.10 in speedup), the bound the comparisons in docs/planner.md hold on this machine (largest
-# difference 9 points).
+# difference 9 points) and the bound the planner's sweep (launch.plan_sweep) checks.
 DEFAULT_ERROR = 0.10
 SCHEDULES = ("ring", "sglang")
 

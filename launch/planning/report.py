@@ -196,7 +196,10 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
     """Predicted vs measured DBO speedup (N = 2) per (link, batch shape) over one or more
     ``launch.bench --output`` files: the measured value is the median over the files of each
     run's ratio of median step times (``fastest``: of fastest step times, what a loaded machine
-    least distorts); a record whose DBO arm did not microbatch is left out.
+    least distorts); a record whose DBO arm did not microbatch is left out. One dict per (link,
+    batch): ``link`` (its name), ``link_model`` (the ``LinkModel`` predicted), ``batch``, ``kind``,
+    ``num_tokens``, ``measured``, ``runs`` (each run's speedup, sorted), ``predicted``, ``fastest``,
+    ``unmeasured_drift`` (``drift_unmeasured``).
 
     Raises:
         ValueError: an unreadable file or a record without the expected fields.
@@ -224,7 +227,10 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
             {
                 "unmeasured_drift": drift_unmeasured(model, run_link, kind, tokens),
                 "link": key[0],
+                "link_model": run_link,
                 "batch": key[1],
+                "kind": kind,
+                "num_tokens": tokens,
                 "measured": statistics.median(values),
                 "runs": sorted(values),
                 "predicted": p.speedup.get(2, float("nan")),
