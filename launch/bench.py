@@ -226,12 +226,20 @@ def measure_step(engine, workload: Workload, label: str, args) -> dict:
     }
 
 
+def num_workload_steps(arms: tuple[str, ...], ns) -> int:
+    """Steps a batch shape's workload provides: warm-up and measured steps of every arm, and
+    the adaptive arm's exploration if it runs (decode requests generate exactly that many tokens,
+    so none is left to drain after the measured steps)."""
+    exploration = MAX_EXPLORATION_STEPS if "adaptive" in arms else 0
+    return len(arms) * (ns.warmup + ns.reps) + exploration
+
+
 def run_batch(engine, spec: BatchSpec, ns, args, vocab_size: int, progress) -> list[dict]:
     """Warm-up, the adaptive arm's exploration, interleaved measured steps of one batch shape;
     this rank's step dicts of the exploration and measured steps (the same sequence on every
     rank: the policy's state is identical on every rank)."""
     arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
-    num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
+    num_steps = num_workload_steps(arms, ns)
     workload = Workload(engine, spec, num_steps=num_steps, vocab_size=vocab_size, seed=ns.seed)
     workload.prepare()
     kept = []
@@ -265,8 +273,7 @@ def resolve_run(ns, rank: int, world_size: int):
         arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
         if ns.warmup < 0 or ns.reps < 1:
             raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
-        num_steps = len(arms) * (ns.warmup + ns.reps) + MAX_EXPLORATION_STEPS
-        limits = Workload.limits(specs, num_steps)
+        limits = Workload.limits(specs, num_workload_steps(arms, ns))
         ns.enable_dbo = True  # the benchmark switches DBO per step
         ns.ubatch_size = ns.ubatch_sizes[0]  # the engine's count; the on arms set theirs
         ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])

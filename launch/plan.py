@@ -117,6 +117,14 @@ def _add_calibration_args(add) -> None:
         help="predicted vs measured for a launch.bench --output file (repeatable: the median "
         "over the files)",
     )
+    add(
+        "--error-points",
+        type=float,
+        default=None,
+        help="the predictions' error bar in points of speedup (default 10, or the largest "
+        "--compare difference if larger): shapes predicted within it of 1.0x stay below the "
+        "recommended thresholds (DBO off; the adaptive policy decides)",
+    )
     add("--png", default=None, help="draw predicted speedup against tokens per device")
     add("--write-prior", default=None, help="write the adaptive policy's prior (JSON)")
 
@@ -143,6 +151,8 @@ def check_args(ns) -> None:
         )
     if ns.context_len < 1 or ns.prompt_len < 1:
         raise ValueError("--context-len and --prompt-len must be >= 1")
+    if ns.error_points is not None and not 0 <= ns.error_points < 100:
+        raise ValueError(f"--error-points must be in [0, 100), got {ns.error_points}")
 
 
 def resolve(ns):
@@ -212,11 +222,16 @@ def run(ns, model, link, lines: list[str]) -> None:
     from launch.planning import planner, report
 
     ns_list = ns.num_ubatches
+    compared = report.compare(model, link, ns.compare) if ns.compare else []
+    error = error_bar(ns, compared)
     print(*lines, _link_line(link), sep="\n")
     print(SCHEDULE_LINES[ns.schedule])
     shapes = [("decode", t) for t in ns.decode_tokens] + [("prefill", t) for t in ns.prefill_tokens]
     preds = [planner.predict(model, link, k, t, ns_list, schedule=ns.schedule) for k, t in shapes]
-    print(report.format_table(preds, ns_list))
+    print(report.format_table(preds, ns_list, error))
+    caution = report.caution_note(preds, error)
+    if caution:
+        print(caution)
     flagged = [
         (f"{k}:{t}", found)
         for k, t in shapes
@@ -231,7 +246,7 @@ def run(ns, model, link, lines: list[str]) -> None:
     for kind, t in largest.items():
         parts = model.parts_ms(kind, t)
         print(f"C of {kind}:{t} per layer: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
-    _print_recommendation(ns, model, link)
+    _print_recommendation(ns, model, link, error)
     kind, tokens = (
         ("decode", max(ns.decode_tokens))
         if ns.decode_tokens
@@ -241,12 +256,23 @@ def run(ns, model, link, lines: list[str]) -> None:
     print(report.format_sensitivity(kind, tokens, 2, sens))
     if ns.compare:
         print(f"predicted vs measured (N=2; median over {len(ns.compare)} run(s)):")
-        print(report.format_compare(report.compare(model, link, ns.compare)))
-    _write_files(ns, model, link, ns_list)
+        print(report.format_compare(compared))
+    _write_files(ns, model, link, ns_list, error)
 
 
-def _print_recommendation(ns, model, link) -> None:
-    """The crossover per kind and the thresholds (and N) to pass to the engine."""
+def error_bar(ns, compared: list[dict]) -> float:
+    """The predictions' error bar in speedup: ``--error-points`` / 100 where given; otherwise
+    ``planner.DEFAULT_ERROR``, or the largest difference ``--compare`` measured if larger."""
+    from launch.planning import planner, report
+
+    if ns.error_points is not None:
+        return ns.error_points / 100
+    return report.measured_error(compared, floor=planner.DEFAULT_ERROR)
+
+
+def _print_recommendation(ns, model, link, error: float) -> None:
+    """The crossover per kind and the thresholds (and N) to pass to the engine: a threshold sits
+    where the predicted gain clears the error bar ``error`` (in speedup)."""
     from launch.planning import planner
 
     highs = {}
@@ -254,30 +280,35 @@ def _print_recommendation(ns, model, link) -> None:
         highs["decode"] = max(ns.decode_tokens)
     if ns.prefill_tokens:
         highs["prefill"] = max(ns.prefill_tokens)
-    rec = planner.recommend(model, link, ns.num_ubatches, highs, schedule=ns.schedule)
+    rec = planner.recommend(model, link, ns.num_ubatches, highs, schedule=ns.schedule, error=error)
     flags = []
     for kind, r in rec.items():
-        if r["threshold"]:
-            where = (
-                f">= {r['threshold']} tokens per device, "
-                f"best N at {highs[kind]}: {r['num_ubatches']}"
-            )
+        found, threshold = r["crossover"], r["threshold"]
+        if found:
+            where = f">= {found} tokens per device, best N at {highs[kind]}: {r['num_ubatches']}"
         else:
             where = f"never up to {highs[kind]} tokens per device"
         print(f"crossover {kind}: DBO pays {where}")
-        flags.append(f"--dbo-{kind}-token-threshold {r['threshold'] or 'never'}")
+        if found and threshold != found:
+            span = f"{found} to <{threshold}" if threshold else f">= {found} (up to {highs[kind]})"
+            print(
+                f"caution {kind}: at {span} tokens per device the predicted gain is within the "
+                f"error (±{100 * error:.0f} points) of 1.0x: the recommended threshold leaves DBO "
+                "off there (auto: the adaptive policy decides)"
+            )
+        flags.append(f"--dbo-{kind}-token-threshold {threshold or 'never'}")
     if ns.schedule != "ring":
         print("(SGLang's schedule: this engine's thresholds come from --schedule ring)")
         return
     print("recommended: " + " ".join(flags) + " ('never': keep DBO off for that kind)")
 
 
-def _write_files(ns, model, link, ns_list) -> None:
+def _write_files(ns, model, link, ns_list, error: float) -> None:
     from launch.planning import planner, report
 
     if ns.write_prior:
         with open(ns.write_prior, "w", encoding="utf-8") as f:
-            json.dump(report.prior_table(model, link), f, indent=1)
+            json.dump(report.prior_table(model, link, error=error), f, indent=1)
         print(f"{PROG}: wrote {ns.write_prior}")
     if ns.png:
         tokens = planner.token_sweep(2, 16384)

@@ -9,6 +9,11 @@ into step times. A step with N ubatches of a batch of T tokens costs::
 and DBO off is N = 1. The speedup is off / on; a crossover is the smallest token count from which
 the best N beats off by more than the adaptive policy's tie tolerance (1 %).
 
+Asymmetric caution: a prediction carries an error bar (``DEFAULT_ERROR`` where nothing measured
+it). Where the predicted speedup is within that error of 1.0x the planner cannot tell whether DBO
+pays, and turning it on could lose up to the error bar, so the recommended threshold (``recommend``)
+leaves DBO off there and the adaptive policy (threshold ``auto``) decides from measured steps.
+
 ``schedule`` names the overlap schedule: ``"ring"``, this engine's DBO (``simulate_layers``), or
 ``"sglang"``, SGLang's two-batch overlap (N = 2 only): its decode strategy
 (``simulate_sglang_decode``); its prefill strategy yields after issuing the dispatch and the
@@ -23,6 +28,10 @@ from dataclasses import dataclass
 from launch.planning.schedule import serial_layer_ms, simulate_layers, simulate_sglang_decode
 
 TIE_TOLERANCE = 0.01  # dbo.AdaptivePolicyConfig.tie_tolerance: on must beat off by this
+# The error bar of a predicted speedup where nothing measured it on the predicted link: 10 points
+# (0.10 in speedup), the bound the comparisons in docs/planner.md hold on this machine (largest
+# difference 9 points) and the bound the planner's sweep (launch.plan_sweep) checks.
+DEFAULT_ERROR = 0.10
 SCHEDULES = ("ring", "sglang")
 
 
@@ -117,6 +126,31 @@ def token_sweep(low: int = 1, high: int = 16384) -> list[int]:
     return sorted(set(out))
 
 
+def within_error(speedup: float, error: float) -> bool:
+    """Whether a predicted ``speedup`` (off / on) is within ``error`` (in speedup, 0.10 = 10
+    points) of 1.0x: the prediction cannot tell whether DBO pays."""
+    return abs(speedup - 1.0) <= error
+
+
+def _best_speedups(model, link, kind, ubatch_counts, tokens, schedule) -> dict[int, float]:
+    """Token count -> the predicted speedup of its best N (0 where no N fits)."""
+    out = {}
+    for t in tokens:
+        p = predict(model, link, kind, t, ubatch_counts, schedule=schedule)
+        out[t] = p.speedup[p.best_n] if p.step_ms_on else 0.0
+    return out
+
+
+def _lowest_from_which(speedups: dict[int, float], margin: float) -> int | None:
+    """The smallest token count from which every speedup beats 1 by more than ``margin``."""
+    threshold = None
+    for t in sorted(speedups, reverse=True):
+        if speedups[t] <= 1 + margin:
+            break
+        threshold = t
+    return threshold
+
+
 def crossover(
     model,
     link,
@@ -125,16 +159,13 @@ def crossover(
     tokens: Sequence[int],
     *,
     schedule: str = "ring",
+    margin: float = TIE_TOLERANCE,
 ):
-    """The smallest of ``tokens`` from which DBO with its best N beats off by more than the tie
-    tolerance at every larger one; None if it does not at the largest."""
-    threshold = None
-    for t in sorted(tokens, reverse=True):
-        p = predict(model, link, kind, t, ubatch_counts, schedule=schedule)
-        if not p.step_ms_on or p.speedup[p.best_n] <= 1 + TIE_TOLERANCE:
-            break
-        threshold = t
-    return threshold
+    """The smallest of ``tokens`` from which DBO with its best N beats off by more than
+    ``margin`` (in speedup; default the tie tolerance) at every larger one; None if it does not at
+    the largest."""
+    speedups = _best_speedups(model, link, kind, ubatch_counts, tokens, schedule)
+    return _lowest_from_which(speedups, margin)
 
 
 def recommend(
@@ -144,17 +175,29 @@ def recommend(
     max_tokens: dict[str, int],
     *,
     schedule: str = "ring",
+    error: float = DEFAULT_ERROR,
 ) -> dict:
-    """Per kind: the threshold to pass to the engine (the crossover on a sweep of token counts up
-    to ``max_tokens[kind]``; None: DBO does not pay there) and the best N at ``max_tokens[kind]``.
+    """Per kind, on a sweep of token counts up to ``max_tokens[kind]``: ``crossover``, where the
+    predicted speedup passes the tie tolerance (None: never up to there); ``threshold``, the one
+    to pass to the engine, where it clears ``error`` (in speedup, >= 0) as well, so that shapes
+    predicted within the error of 1.0x stay below it (None: DBO stays off for that kind); and
+    ``num_ubatches``, the best N at ``max_tokens[kind]`` (None where DBO never pays).
+
+    Raises:
+        ValueError: ``error < 0``.
     """
+    if not error >= 0:
+        raise ValueError(f"the error bar must be >= 0, got {error}")
     out = {}
     for kind, high in max_tokens.items():
-        sweep = token_sweep(2, high)
-        threshold = crossover(model, link, kind, ubatch_counts, sweep, schedule=schedule)
+        speedups = _best_speedups(model, link, kind, ubatch_counts, token_sweep(2, high), schedule)
+        found = _lowest_from_which(speedups, TIE_TOLERANCE)
         best = predict(model, link, kind, high, ubatch_counts, schedule=schedule)
-        n = best.best_n if threshold is not None and best.step_ms_on else None
-        out[kind] = {"threshold": threshold, "num_ubatches": n}
+        out[kind] = {
+            "crossover": found,
+            "threshold": _lowest_from_which(speedups, max(TIE_TOLERANCE, error)),
+            "num_ubatches": best.best_n if found is not None and best.step_ms_on else None,
+        }
     return out
 
 

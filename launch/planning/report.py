@@ -10,14 +10,53 @@ from dataclasses import replace
 from distributed.link_emulation import LinkSpec
 from launch.planning.calibration import read_records
 from launch.planning.links import LinkModel, from_gbps
-from launch.planning.planner import Prediction, bucket_prior, predict
+from launch.planning.planner import (
+    DEFAULT_ERROR,
+    TIE_TOLERANCE,
+    Prediction,
+    bucket_prior,
+    predict,
+    within_error,
+)
 
 PRIOR_FORMAT = "moe-dbo adaptive prior v1"
 MAX_PRIOR_LOG2 = 16  # buckets 2**0 .. 2**16 tokens
 
 
-def format_table(predictions: Sequence[Prediction], ubatch_counts: Sequence[int]) -> str:
-    """One row per shape: C and M per layer (DBO off), ideal, step ms off and per N, speedups."""
+def advice(prediction: Prediction, error: float = DEFAULT_ERROR) -> str:
+    """What to do at one shape: ``N=<best>`` where the best N's predicted speedup beats 1.0x by
+    more than ``error`` (and the tie tolerance), ``~1: off`` where it is within ``error`` of 1.0x
+    (leave DBO off; the adaptive policy decides), ``off`` where DBO is predicted to lose."""
+    if not prediction.step_ms_on:
+        return "off"
+    speedup = prediction.speedup[prediction.best_n]
+    if speedup > 1 + max(error, TIE_TOLERANCE):
+        return f"N={prediction.best_n}"
+    return "~1: off" if within_error(speedup, error) else "off"
+
+
+def caution_note(predictions: Sequence[Prediction], error: float = DEFAULT_ERROR) -> str | None:
+    """The line that names the shapes predicted within ``error`` of 1.0x; None if none."""
+    near = [
+        f"{p.kind}:{p.num_tokens} ({p.speedup[p.best_n]:.2f}x)"
+        for p in predictions
+        if advice(p, error) == "~1: off"
+    ]
+    if not near:
+        return None
+    return (
+        f"within the error (±{100 * error:.0f} points) of 1.0x: {', '.join(near)}: leave DBO off "
+        "(the adaptive policy decides: thresholds auto)"
+    )
+
+
+def format_table(
+    predictions: Sequence[Prediction],
+    ubatch_counts: Sequence[int],
+    error: float = DEFAULT_ERROR,
+) -> str:
+    """One row per shape: C and M per layer (DBO off), ideal, step ms off and per N, speedups,
+    and ``advice`` under the error bar ``error`` (in speedup)."""
     ns = list(ubatch_counts)
     head = ["batch", "C ms/layer", "M ms/layer", "ideal", "off ms"]
     head += [f"N={n} ms" for n in ns] + [f"N={n} x" for n in ns] + ["best"]
@@ -27,8 +66,7 @@ def format_table(predictions: Sequence[Prediction], ubatch_counts: Sequence[int]
         row += [f"{p.ideal_speedup:.2f}", f"{p.step_ms_off:.2f}"]
         row += [f"{p.step_ms_on[n]:.2f}" if n in p.step_ms_on else "-" for n in ns]
         row += [f"{p.speedup[n]:.3f}" if n in p.speedup else "-" for n in ns]
-        best = p.best_n if p.step_ms_on else None
-        row.append(f"N={best}" if best and p.speedup[best] > 1.01 else "off")
+        row.append(advice(p, error))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
@@ -158,7 +196,10 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
     """Predicted vs measured DBO speedup (N = 2) per (link, batch shape) over one or more
     ``launch.bench --output`` files: the measured value is the median over the files of each
     run's ratio of median step times (``fastest``: of fastest step times, what a loaded machine
-    least distorts); a record whose DBO arm did not microbatch is left out.
+    least distorts); a record whose DBO arm did not microbatch is left out. One dict per (link,
+    batch): ``link`` (its name), ``link_model`` (the ``LinkModel`` predicted), ``batch``, ``kind``,
+    ``num_tokens``, ``measured``, ``runs`` (each run's speedup, sorted), ``predicted``, ``fastest``,
+    ``unmeasured_drift`` (``drift_unmeasured``).
 
     Raises:
         ValueError: an unreadable file or a record without the expected fields.
@@ -186,7 +227,10 @@ def compare(model, link, results_paths: Sequence[str]) -> list[dict]:
             {
                 "unmeasured_drift": drift_unmeasured(model, run_link, kind, tokens),
                 "link": key[0],
+                "link_model": run_link,
                 "batch": key[1],
+                "kind": kind,
+                "num_tokens": tokens,
                 "measured": statistics.median(values),
                 "runs": sorted(values),
                 "predicted": p.speedup.get(2, float("nan")),
@@ -221,19 +265,25 @@ def format_compare(rows: list[dict]) -> str:
     return text + (f"\n{note}" if note else "")
 
 
-def prior_table(model, link, num_ubatches: int = 2) -> dict:
-    """The adaptive policy's prior: predicted speedup per (kind, log2 bucket) for N = 2."""
-    return {
-        "format": PRIOR_FORMAT,
-        "num_ubatches": num_ubatches,
-        **{
-            kind: {
-                str(b): round(bucket_prior(model, link, kind, b, num_ubatches), 4)
-                for b in range(MAX_PRIOR_LOG2 + 1)
-            }
-            for kind in ("decode", "prefill")
-        },
-    }
+def measured_error(rows: Sequence[dict], floor: float = DEFAULT_ERROR) -> float:
+    """The error bar (in speedup) of the predictions: the largest difference ``compare`` measured
+    in ``rows``, and never below ``floor`` (what nothing measured is assumed to be)."""
+    return max([floor, *(abs(r["predicted"] - r["measured"]) for r in rows)])
+
+
+def prior_table(model, link, num_ubatches: int = 2, error: float = DEFAULT_ERROR) -> dict:
+    """The adaptive policy's prior: predicted speedup per (kind, log2 bucket) for N = 2. Buckets
+    whose prediction is within ``error`` (in speedup) of 1.0x are left out: no prediction there,
+    so the policy explores them fully, as the recommended thresholds leave DBO off there."""
+    table: dict = {"format": PRIOR_FORMAT, "num_ubatches": num_ubatches, "error": error}
+    for kind in ("decode", "prefill"):
+        speedups = {
+            b: bucket_prior(model, link, kind, b, num_ubatches) for b in range(MAX_PRIOR_LOG2 + 1)
+        }
+        table[kind] = {
+            str(b): round(v, 4) for b, v in speedups.items() if not within_error(v, error)
+        }
+    return table
 
 
 def draw_png(path: str, curves: dict[str, list[tuple[int, float]]], title: str) -> None:

@@ -9,9 +9,11 @@ import subprocess
 import pytest
 
 from launch.bench import (
+    MAX_EXPLORATION_STEPS,
     balanced_order,
     build_parser,
     expand_arms,
+    num_workload_steps,
     parse_arms,
     split_arm,
     steps_of_count,
@@ -72,6 +74,13 @@ def test_a_list_of_ubatch_counts_splits_the_on_arm():
     # each count's record: the shared off steps, its own on steps, adaptive with the first count
     assert steps_of_count(steps, 2, first=2) == [steps[0], steps[1], steps[3]]
     assert steps_of_count(steps, 4, first=2) == [steps[0], steps[2]]
+
+
+def test_workload_steps_leave_nothing_to_drain_without_the_adaptive_arm():
+    ns = build_parser().parse_args(["--warmup", "1", "--reps", "7"])
+    assert num_workload_steps(("off", "on:2"), ns) == 16
+    # the adaptive arm's exploration runs before the measured steps: its steps on top
+    assert num_workload_steps(("off", "on:2", "adaptive"), ns) == 24 + MAX_EXPLORATION_STEPS
 
 
 def _step(arm, step_ms, *, is_ubatched=False, exploring=False):

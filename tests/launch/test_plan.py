@@ -266,6 +266,7 @@ def test_cli_sglang_schedule(capsys):
         (["--link-latency-us", "-1", "--link-gbps", "1"], "link latency must be >= 0"),
         (["--schedule", "sglang", "--num-ubatches", "2,3"], "--num-ubatches must be 2"),
         (["--schedule", "sglang", "--calibrate", "x"], "--schedule sglang needs a preset model"),
+        (["--error-points", "100"], "--error-points must be in [0, 100), got 100.0"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
