@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import timeline_span
+from distributed import FusedMoEPrepareAndFinalize
 from moe.compilation.splitting import splitting_op
 from moe.fused_moe.experts import MIXTRAL_EXPERT_NAMES, TorchExperts
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig
 from moe.layers.mlp import DenseMLP
 

@@ -37,13 +37,13 @@ from distributed import (
     CommHandle,
     DispatchResult,
     FusedMoEActivationFormat,
+    FusedMoEPrepareAndFinalize,
 )
 from moe.forward_context import current_num_tokens_across_ep
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
-    from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 
 
 T = TypeVar("T")
