@@ -1,30 +1,17 @@
 """The experts on the device without reading anything to the host (``TorchExperts.forward_cuda``
 and the device path of ``apply_batched``): static shapes and device-side offsets, so a CUDA graph
-can capture them.
+can capture them (docs/hardware.md#experts-on-the-cuda-path).
 
 Legend: N = rows, K = num_topk, E = num_local_experts, H = hidden_size, F = intermediate_size,
 P = N * K (row, slot) pairs, M = max_tokens_per_expert.
 
-Standard format (permute -> grouped GEMMs -> unpermute, as torchtitan's MoE and vLLM's fused MoE):
-
-1. ``group_by_expert``: the P pairs sorted by local expert id (slots of other ranks, -1, last);
-   ``offsets`` ``[E]`` int32, the end of each expert's group (``torch._grouped_mm``'s ``offs``),
-   from ``searchsorted`` on the sorted ids: no count is read to the host.
-2. The rows gathered in that order, ``[P, H]``; ONE grouped GEMM for gate and up on
-   ``[w1; w3]`` ``[E, 2F, H]`` (``ExpertWeights.gate_up``; two where the halves are not one
-   tensor), SwiGLU, one for down. ``_grouped_mm`` leaves rows past ``offsets[-1]`` (the other
-   ranks' slots) unspecified, so they are masked to zero.
-3. The rows put back in (row, slot) order (a permutation, ``index_copy_``) and summed over the K
-   slots with their weights in one ``bmm`` ``[N, 1, K] x [N, K, H]``: no atomics, deterministic.
-
-Where ``_grouped_mm`` cannot run without a host read (float64 anywhere; on a GPU, dtypes or
-devices where torch takes its per-group fallback, which copies ``offs`` to the host), or the row
-strides are not multiples of 16 bytes (torch's requirement on CPU and CUDA), ``dense_experts``
-runs every row through every expert, one batched GEMM per projection (E / K times the GEMM work),
-while its ``[E, N, max(2F, H)]`` intermediate fits ``DENSE_MAX_ELEMENTS``.
-
-Batched format (``batched_experts``): one batched GEMM per projection over ``[E, M, H]``, the rows
-past each expert's count zeroed on the device.
+``grouped_experts``, the Standard format (permute -> grouped GEMMs -> unpermute, as torchtitan's
+MoE and vLLM's fused MoE): the pairs grouped by expert (``group_by_expert``), ONE
+``torch._grouped_mm`` for gate and up on ``[w1; w3]`` and one for down, the rows put back in
+(row, slot) order and summed over the K slots in one ``bmm`` (no atomics, deterministic).
+``dense_experts`` where ``_grouped_mm`` cannot run without a host read, or the row strides are not
+multiples of 16 bytes: every row through every expert. ``batched_experts``, the batched format:
+one batched GEMM per projection over ``[E, M, H]``, the rows past each expert's count zeroed.
 """
 
 from __future__ import annotations
@@ -146,8 +133,7 @@ def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
 
 
 def dense_fits(num_tokens: int, weights: ExpertWeights) -> bool:
-    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits
-    ``DENSE_MAX_ELEMENTS``."""
+    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits DENSE_MAX_ELEMENTS."""
     num_experts, inter, hidden = weights.w1.shape
     return num_experts * num_tokens * max(2 * inter, hidden) <= DENSE_MAX_ELEMENTS
 

@@ -3,15 +3,10 @@
 
     [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
 
-The router runs in ``FusedMoE``; this module owns the other three stages. The kernel checks once,
-when built, that the experts take the activation format the prepare/finalize delivers.
-
-DBO (vLLM's ``forward`` and the seed schedule): with a ubatch context current, dispatch and
-combine are issued asynchronously, their ``wait`` goes as a receive hook to the ubatch that runs
-last before this one gets the baton back (with N ubatches the previous one in the ring, so the
-transfer hides behind N-1 ubatches' compute), and this ubatch yields; whoever runs the hook first
-completes the transfer. Whether a ubatch runs its pending hook before or after issuing its own
-transfer is ``issue_before_recv_hook`` (after, on the CPU).
+The router runs in ``FusedMoE``; this module owns the other three stages. Under DBO (vLLM's
+``forward``) dispatch and combine are issued asynchronously, their ``wait`` goes as a receive hook
+to the ubatch that runs last before this one gets the baton back, and this ubatch yields; whoever
+runs the hook first completes the transfer (docs/dbo.md#the-ping-pong-protocol).
 """
 
 from __future__ import annotations
@@ -141,11 +136,10 @@ def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
 class FusedMoEModularKernel:
     """Dispatch → experts → combine for routed tokens, with the DBO yield/recv-hook protocol.
 
-    ``issue_before_recv_hook``: at each transfer this ubatch either completes the transfer handed
-    to it and then issues its own (vLLM's order, ``False``: on CUDA a hook only enqueues the
-    receive), or issues its own first (``True``: on the CPU a hook blocks until the data arrive,
-    and the link would idle meanwhile; docs/dbo.md). Default: ``Platform.issue_before_recv_hook``.
-    Either order completes every transfer before its data are read: the results are the same.
+    ``issue_before_recv_hook``: at each transfer this ubatch completes the transfer handed to it
+    and then issues its own (vLLM's order, ``False``), or issues its own first (``True``, the CPU's:
+    a hook blocks there until the data arrive; docs/dbo.md#transfer-order-on-cpu). Default:
+    ``Platform.issue_before_recv_hook``. Either order gives the same results.
 
     Raises:
         ValueError: the experts do not take the activation format prepare_finalize delivers (the
