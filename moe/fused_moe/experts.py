@@ -132,10 +132,8 @@ class TorchExperts(CustomOp):
         if self.w1.is_meta or self.expert_weights().gate_up is not None:
             return
         w13 = torch.cat([self.w1, self.w3], dim=1)  # once, at load
-        self.w1.data, self.w3.data = (
-            w13[:, : self.intermediate_size],
-            w13[:, self.intermediate_size :],
-        )
+        inter = self.intermediate_size
+        self.w1.data, self.w3.data = w13[:, :inter], w13[:, inter:]
 
     def expert_weights(self) -> ExpertWeights:
         """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
@@ -370,15 +368,12 @@ class TorchExperts(CustomOp):
         the reference's plain GEMMs."""
         fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
         packs = self.packed_weights() if fast else ()
-        fast = fast and bool(packs or self._upcast)
+        swiglu_rows = self._plain_swiglu_rows
+        if fast and (packs or self._upcast):
+            swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
         out = torch.empty_like(hidden_states)
         for expert, count in enumerate(counts):  # a loop over experts, not over tokens
             out[expert, count:].zero_()  # only the rows no expert output lands in
-            if count == 0:
-                continue
-            x = hidden_states[expert, :count]
-            if fast:
-                out[expert, :count] = self._swiglu_rows(x, expert, packs=packs)
-            else:
-                out[expert, :count] = self._plain_swiglu_rows(x, expert)
+            if count:
+                out[expert, :count] = swiglu_rows(hidden_states[expert, :count], expert)
         return out
