@@ -16,15 +16,16 @@ one batched GEMM per projection over ``[E, M, H]``, the rows past each expert's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from moe.layers.activation import swiglu
-from moe.platforms.cpu_capability import grouped_mm_unavailable_reason
+from moe.platforms.cpu_capability import grouped_mm_probe, grouped_mm_unavailable_reason
 
 # ``dense_experts`` holds [E, N, max(2F, H)] values at once: at most this many (256 MiB in
 # float32); above it the caller runs the reference (which reads the counts to the host)
@@ -79,9 +80,9 @@ class ExpertWeights:
 
 def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``torch._grouped_mm`` cannot run on ``device`` in ``dtype`` without reading to the
-    host, or None. CPU: the platform's probe (``grouped_mm_unavailable_reason``); CUDA: a tiny
-    grouped GEMM under ``torch.cuda.set_sync_debug_mode("error")`` (torch's per-group fallback
-    copies ``offs`` to the host, which then raises), compared with ``torch.mm``. Probed once per
+    host, or None. CPU: the platform's probe (``grouped_mm_unavailable_reason``); CUDA: the same
+    tiny grouped GEMM (``grouped_mm_probe``) under ``torch.cuda.set_sync_debug_mode("error")``
+    (torch's per-group fallback copies ``offs`` to the host, which then raises). Probed once per
     device and dtype, never during CUDA graph capture (not probed yet: a reason, not cached)."""
     if device.type == "cpu":
         return grouped_mm_unavailable_reason(dtype)
@@ -91,32 +92,20 @@ def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | No
             return f"torch._grouped_mm is not probed on {device.type}"
         if torch.cuda.is_current_stream_capturing():
             return "torch._grouped_mm was not probed before CUDA graph capture"
-        _probed[key] = _probe_cuda(device, dtype)
+        _probed[key] = grouped_mm_probe(dtype, device, functools.partial(_host_reads_raise, device))
     return _probed[key]
 
 
-def _probe_cuda(device: torch.device, dtype: torch.dtype) -> str | None:
-    if not hasattr(torch, "_grouped_mm"):
-        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
-    gen = torch.Generator().manual_seed(0)
-    a = (torch.rand(6, 16, generator=gen) * 2 - 1).to(device, dtype)
-    # [G, K, N] with the weights' layout (column-major, as w.transpose(1, 2))
-    b = (torch.rand(2, 8, 16, generator=gen) * 2 - 1).to(device, dtype).transpose(1, 2)
-    offs = torch.tensor([2, 6], dtype=torch.int32, device=device)
+@contextlib.contextmanager
+def _host_reads_raise(device: torch.device) -> Iterator[None]:
+    """Inside: a host read on ``device`` raises (``torch.cuda.set_sync_debug_mode("error")``)."""
     torch.cuda.synchronize(device)
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = torch._grouped_mm(a, b, offs=offs)
-    except RuntimeError as e:
-        return f"torch._grouped_mm on {device} in {dtype}: {str(e).strip().splitlines()[0]}"
+        yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-    ref = torch.cat([a[:2].double() @ b[0].double(), a[2:].double() @ b[1].double()])
-    error = (out.double() - ref).abs().max().item()  # host read: once, at the probe
-    if not error <= 4 * 16 * torch.finfo(dtype).eps:
-        return f"torch._grouped_mm on {device} in {dtype} differs from torch.mm by {error:.3g}"
-    return None
 
 
 def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
