@@ -84,7 +84,6 @@ class TorchExperts(CustomOp):
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.num_local_experts = num_local_experts
-        # global id of local expert 0 (ep_rank * num_local_experts); used by the loader
         self.global_expert_offset = global_expert_offset
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -182,19 +181,6 @@ class TorchExperts(CustomOp):
                 f"must be [{hidden_states.shape[0]}, num_topk]"
             )
 
-    def _sorted_pairs(self, topk_ids: Tensor) -> tuple[Tensor, list[int]]:
-        """(pair indices sorted by local expert, counts [-1 first, then expert 0..E-1])."""
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
-        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
-        if len(counts) > self.num_local_experts + 1:
-            raise ValueError(
-                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
-                f"num_local_experts={self.num_local_experts}"
-            )
-        return order, counts
-
     def forward_native(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
@@ -250,12 +236,21 @@ class TorchExperts(CustomOp):
     def _routed_rows(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         """Checks, then the zero output ``[N, H]`` and, if any slot is local, (pairs sorted by
         expert, counts [-1 first, then per expert], token row of each pair, the gathered rows
-        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here."""
+        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here.
+        ValueError for a local id >= E."""
         self._check(hidden_states, topk_ids, topk_weights)
         out = torch.zeros_like(hidden_states)
         if topk_ids.numel() == 0:
             return out, None
-        order, counts = self._sorted_pairs(topk_ids)
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
+        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
+        if len(counts) > self.num_local_experts + 1:
+            raise ValueError(
+                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
+                f"num_local_experts={self.num_local_experts}"
+            )
         pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
         if pairs.numel() == 0:
             return out, None
