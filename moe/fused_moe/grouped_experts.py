@@ -129,17 +129,12 @@ def dense_fits(num_tokens: int, weights: ExpertWeights) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpertGroups:
-    """The (row, slot) pairs of a ``Standard`` batch grouped by local expert, on the device.
+    """The (row, slot) pairs of a ``Standard`` batch grouped by local expert, on the device."""
 
-    order: ``[P]`` int64 flat pair index (``row * K + slot``) at each grouped position.
-    token_idx: ``[P]`` int64 row of each grouped position.
-    offsets: ``[E]`` int32 end of each expert's group (cumulative counts; ``_grouped_mm``'s offs).
-    is_local: ``[P]`` bool, False for slots of no local expert (grouped last, past offsets[-1]).
-    """
-
-    order: Tensor
-    token_idx: Tensor
-    offsets: Tensor
+    order: Tensor  # [P] int64 flat pair index (row * K + slot) at each grouped position
+    token_idx: Tensor  # [P] int64 row of each grouped position
+    offsets: Tensor  # [E] int32 end of each expert's group (cumulative counts; _grouped_mm's offs)
+    # [P] bool, False for slots of no local expert (grouped last, past offsets[-1])
     is_local: Tensor
 
 
