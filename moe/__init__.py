@@ -1,10 +1,10 @@
 """moe: model side — config, router, modular fused-MoE kernel, experts, attention, models,
 loading."""
 
+from distributed import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
 from moe.layers.activation import SiluAndMul, swiglu
 from moe.layers.attention import PagedAttention, paged_attention, write_kv_cache

@@ -81,7 +81,8 @@ class DeviceCompletion:
     """``Work``-shaped wrapper of DeepEP's completion (an ``EventOverlap`` or a recv hook):
     ``wait()`` makes the current CUDA stream wait for the event, or runs the hook (which launches
     the receive kernel on the current stream); the host does not block, as with NCCL's
-    ``Work.wait``. DeepEP's kernels bound their own waits (they trap on a timeout)."""
+    ``Work.wait``. DeepEP's kernels bound their own waits (they trap on a timeout). No
+    ``get_future``: the handle stamps the completion at ``wait()``."""
 
     def __init__(self, complete: Callable[[], None]) -> None:
         self._complete: Callable[[], None] | None = complete
@@ -94,9 +95,6 @@ class DeviceCompletion:
 
     def is_completed(self) -> bool:
         return self._complete is None
-
-    def get_future(self):
-        raise NotImplementedError("DeepEP events have no future")
 
 
 def completion_work(event_or_hook) -> EmulatedTransfer | DeviceCompletion | None:

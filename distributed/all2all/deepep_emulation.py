@@ -6,7 +6,8 @@ High throughput is the ``all_to_all`` backend's exchange (its notify, with per-e
 its packed rows. Low latency sends fixed blocks (``deepep_low_latency_protocol``); with
 ``return_recv_hook=True`` the hook completes the receive. On CPU, without streams, waiting on an
 event or hook blocks the host (bounded by the timeout). Unlike DeepEP: any floating dtype travels
-(``use_fp8`` must be False); HT takes no ``config``, ``expert_alignment`` or cached ``handle``.
+(``use_fp8`` must be False); HT takes no ``config``, ``expert_alignment`` or cached ``handle``; LL
+fills no wait-cost stats and takes no ``use_logfmt`` or ``zero_copy``.
 """
 
 from __future__ import annotations
@@ -69,11 +70,10 @@ class EmulatedTransfer(CollectiveHandle[bool]):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return super().wait()  # blocking wait (the buffer's timeout, not ``timeout``)
 
-    def __call__(self) -> None:
-        self.wait()  # blocking wait (the buffer's timeout)
-
     def current_stream_wait(self) -> None:
         self.wait()  # blocking wait (the buffer's timeout)
+
+    __call__ = current_stream_wait  # as DeepEP's recv hook
 
     def get_future(self):
         if self._work is None:
@@ -165,7 +165,6 @@ class TorchDistributedBuffer:
         topk_weights: Tensor | None = None,
         expert_alignment: int = 1,
         num_worst_tokens: int = 0,
-        config=None,
         previous_event: EmulatedTransfer | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
@@ -242,7 +241,6 @@ class TorchDistributedBuffer:
         handle: HighThroughputHandle,
         topk_weights: Tensor | None = None,
         bias=None,
-        config=None,
         previous_event: EmulatedTransfer | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
@@ -283,7 +281,6 @@ class TorchDistributedBuffer:
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
         cumulative_local_expert_recv_stats: Tensor | None = None,
-        dispatch_wait_recv_cost_stats: Tensor | None = None,
         use_fp8: bool = True,
         round_scale: bool = False,
         use_ue8m0: bool = False,
@@ -334,12 +331,9 @@ class TorchDistributedBuffer:
         topk_idx: Tensor,
         topk_weights: Tensor,
         handle: ll.LowLatencyHandle,
-        use_logfmt: bool = False,
-        zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: Tensor | None = None,
-        combine_wait_recv_cost_stats: Tensor | None = None,
     ) -> tuple[Tensor, EmulatedTransfer, EmulatedTransfer | None]:
         """DeepEP's LL combine of the UNWEIGHTED expert outputs ``x [L, R * C, H]`` (rows as the
         dispatch delivered them): ``(combined_x [T, H] x's dtype, event, hook)``, each token's

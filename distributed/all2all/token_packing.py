@@ -137,9 +137,7 @@ def localize_topk(
     if isinstance(ep_rank, Tensor):
         ep_rank = ep_rank.unsqueeze(1)
     first_expert = ep_rank * num_local_experts
-    is_local = (
-        (topk_ids >= 0) & (topk_ids >= first_expert) & (topk_ids < first_expert + num_local_experts)
-    )
+    is_local = (topk_ids >= first_expert) & (topk_ids < first_expert + num_local_experts)
     local_ids = torch.where(is_local, topk_ids - first_expert, -1)
     local_weights = torch.where(is_local, topk_weights, 0.0)
     return local_ids, local_weights

@@ -16,7 +16,7 @@ import types
 from dataclasses import MISSING, dataclass, field, fields
 from typing import NoReturn
 
-from distributed.all2all.registry import BACKENDS
+from distributed.all2all import BACKENDS
 from launch.engine.dp_load_balancer import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 
 # --all2all-backend choices: the registry's names (one list of backends)

@@ -8,14 +8,11 @@ with the DBO yield points over a ``FusedMoEPrepareAndFinalize`` (``distributed.a
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig, RoutingResult, select_experts
 
 __all__ = [
     "FusedMoE",
     "FusedMoEModularKernel",
-    "FusedMoEPrepareAndFinalize",
-    "NoEPPrepareAndFinalize",
     "Router",
     "RoutingConfig",
     "RoutingResult",

@@ -3,32 +3,20 @@
 Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_experts,
 H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
 
-Two entry points, one per activation format (``FusedMoEActivationFormat``; both are in
-``TorchExperts.activation_formats``): ``apply_standard`` takes received rows with their LOCAL
-top-k ids and weights and returns weighted sums, through the ``CustomOp`` implementation bound to
-``forward``; ``forward_native`` loops over the local experts (one gather + three GEMMs each);
-``apply_batched`` computes on the batched layout of DeepEP's low-latency dispatch (vLLM's
-batched / masked experts): ``[E, M, H]`` rows grouped per expert with per-expert valid counts,
-returning UNWEIGHTED outputs (that combine weights), on the same per-expert GEMMs as
-``forward_cpu`` where that path runs (the reference's plain GEMMs otherwise);
-``forward_cpu`` sorts the pairs by expert once; in bfloat16 and float32 it then runs, per local
-expert, gate and up as ONE GEMM on a prepacked oneDNN weight ``[w1_e; w3_e]`` ``[2F, H]`` and
-down on a prepacked ``w2_e`` (``moe.layers.linear``: packed by ``process_weights_after_loading``,
-re-packed if a weight changes, rows padded to buckets so oneDNN reuses its primitives); where
-oneDNN cannot pack, gate and up are ONE grouped GEMM over the per-expert row groups
-(``torch._grouped_mm``) and down another; otherwise (float64, row strides that are not multiples
-of 16 bytes, a torch without it) the reference loop.
-``forward_cuda`` (and ``apply_batched`` on that path) read nothing to the host, so a CUDA graph can
-capture them: the grouping, the grouped GEMMs and the combine all stay on the device
-(``moe.fused_moe.grouped_experts``).
-``python -m launch.benchmarks.experts`` measures them. The packs are a second copy of the expert
-weights (the originals stay for ``forward_native``, the grouped GEMM and graph mode). ``w1`` and
-``w3`` are the two halves of one ``[E, 2F, H]`` tensor, so ``[w1; w3]`` is a view, not a copy.
+One entry point per activation format (``TorchExperts.activation_formats``): ``apply_standard``
+takes received rows with their LOCAL top-k ids and weights and returns weighted sums, through the
+``CustomOp`` implementation bound to ``forward``; ``apply_batched`` takes the ``[E, M, H]`` layout
+of DeepEP's low-latency dispatch (vLLM's batched experts) and returns UNWEIGHTED outputs.
+Implementations: ``forward_native``, the reference loop over the local experts; ``forward_cpu``,
+per expert prepacked oneDNN GEMMs (``moe.layers.linear``; gate and up as one on ``[w1_e; w3_e]``),
+else grouped GEMMs (``torch._grouped_mm``), else the reference; ``forward_cuda``, nothing read to
+the host (``moe.fused_moe.grouped_experts``). Choices and measurements: docs/hardware.md#experts.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -46,7 +34,6 @@ from moe.fused_moe.grouped_experts import (
     grouped_mm_unavailable,
 )
 from moe.layers import linear
-from moe.layers.activation import swiglu
 from moe.layers.linear import (
     PackedWeights,
     can_pack,
@@ -97,7 +84,6 @@ class TorchExperts(CustomOp):
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.num_local_experts = num_local_experts
-        # global id of local expert 0 (ep_rank * num_local_experts); used by the loader
         self.global_expert_offset = global_expert_offset
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -145,10 +131,8 @@ class TorchExperts(CustomOp):
         if self.w1.is_meta or self.expert_weights().gate_up is not None:
             return
         w13 = torch.cat([self.w1, self.w3], dim=1)  # once, at load
-        self.w1.data, self.w3.data = (
-            w13[:, : self.intermediate_size],
-            w13[:, self.intermediate_size :],
-        )
+        inter = self.intermediate_size
+        self.w1.data, self.w3.data = w13[:, :inter], w13[:, inter:]
 
     def expert_weights(self) -> ExpertWeights:
         """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
@@ -194,59 +178,23 @@ class TorchExperts(CustomOp):
         if topk_ids.shape != topk_weights.shape or topk_ids.shape[:1] != hidden_states.shape[:1]:
             raise ValueError(
                 f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
-                "must be "
-                f"[{hidden_states.shape[0]}, num_topk]"
+                f"must be [{hidden_states.shape[0]}, num_topk]"
             )
-
-    def _sorted_pairs(self, topk_ids: Tensor) -> tuple[Tensor, list[int]]:
-        """(pair indices sorted by local expert, counts [-1 first, then expert 0..E-1])."""
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
-        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
-        if len(counts) > self.num_local_experts + 1:
-            raise ValueError(
-                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
-                f"num_local_experts={self.num_local_experts}"
-            )
-        return order, counts
 
     def forward_native(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
         """The reference: one gather and three GEMMs per local expert."""
-        self._check(hidden_states, topk_ids, topk_weights)
-        out = torch.zeros_like(hidden_states)
-        if topk_ids.numel() == 0:
-            return out
-        order, counts = self._sorted_pairs(topk_ids)
-        num_topk = topk_ids.shape[1]
-        flat_weights = topk_weights.reshape(-1)
-        start = counts[0]  # entries with id -1 come first after sorting; skip them
-        for expert, count in enumerate(counts[1:]):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            start += count
-            token_idx = pairs // num_topk
-            x = hidden_states[token_idx]
-            h = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t())
-            y = h @ self.w2[expert].t()
-            y = y * flat_weights[pairs, None].to(y.dtype)
-            out.index_add_(0, token_idx, y)
-        return out
+        return self._per_expert(hidden_states, topk_ids, topk_weights, self._plain_swiglu_rows)
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection
         over the per-expert row groups (same math as ``forward_native``)."""
         packs = self.packed_weights()
         if hidden_states.dtype == self.w1.dtype and (packs or self._upcast):
-            return self._forward_packed(hidden_states, topk_ids, topk_weights, packs)
+            swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
+            return self._per_expert(hidden_states, topk_ids, topk_weights, swiglu_rows)
         return self.forward_grouped(hidden_states, topk_ids, topk_weights)
-
-    def _upcast_wins(self, rows: Tensor, index: int) -> bool:
-        """Whether ``rows`` @ float32 copy ``index`` beats the bfloat16 GEMM (``upcast_wins``)."""
-        return bool(self._upcast) and upcast_wins(rows, self._upcast[index].numel())
 
     def forward_grouped(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
@@ -263,7 +211,8 @@ class TorchExperts(CustomOp):
         pairs, counts, token_idx, x = routed
         offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         y = weights.swiglu(x, functools.partial(torch._grouped_mm, offs=offsets))
-        return self._scatter_weighted(out, y, topk_weights, pairs, token_idx)
+        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
+        return out.index_add_(0, token_idx, y)
 
     def forward_cuda(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """``forward_native``'s result with nothing read to the host (CUDA-graph capturable):
@@ -287,12 +236,21 @@ class TorchExperts(CustomOp):
     def _routed_rows(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         """Checks, then the zero output ``[N, H]`` and, if any slot is local, (pairs sorted by
         expert, counts [-1 first, then per expert], token row of each pair, the gathered rows
-        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here."""
+        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here.
+        ValueError for a local id >= E."""
         self._check(hidden_states, topk_ids, topk_weights)
         out = torch.zeros_like(hidden_states)
         if topk_ids.numel() == 0:
             return out, None
-        order, counts = self._sorted_pairs(topk_ids)
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
+        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
+        if len(counts) > self.num_local_experts + 1:
+            raise ValueError(
+                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
+                f"num_local_experts={self.num_local_experts}"
+            )
         pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
         if pairs.numel() == 0:
             return out, None
@@ -301,26 +259,18 @@ class TorchExperts(CustomOp):
         # generic indexing kernel (docs/hardware.md#experts)
         return out, (pairs, counts, token_idx, hidden_states.index_select(0, token_idx))
 
-    @staticmethod
-    def _scatter_weighted(out, y, topk_weights, pairs, token_idx) -> Tensor:
-        """``out[token_idx[p]] += topk_weights[pair p] * y[p]`` (one ``index_add_``); ``out``."""
-        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
-        out.index_add_(0, token_idx, y)
-        return out
-
-    def _forward_packed(
+    def _per_expert(
         self,
         hidden_states: Tensor,
         topk_ids: Tensor,
         topk_weights: Tensor,
-        packs: tuple[Tensor, ...],
+        swiglu_rows: Callable[[Tensor, int], Tensor],
     ) -> Tensor:
-        """Per local expert: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM for
-        down, its top-k weights in place and a scatter-add (``index_add_``) into the token rows.
-        The same arithmetic as one weighting and one scatter-add over all experts' rows after a
+        """Per local expert: ``swiglu_rows(rows [n, H], expert)`` (unweighted ``[n, H]``), its
+        top-k weights in place and a scatter-add (``index_add_``) into the token rows. The same
+        arithmetic as one weighting and one scatter-add over all experts' rows after a
         ``torch.cat`` (pairs are added in the same order), without the cat's copy and the
-        temporaries (bit-identical). A float32 expert with more than ``FLOAT32_MAX_PACKED_ROWS``
-        rows runs the reference's plain GEMMs instead (faster there, as for ``Linear``)."""
+        temporaries (bit-identical)."""
         out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
         if routed is None:
             return out
@@ -331,18 +281,17 @@ class TorchExperts(CustomOp):
             if count == 0:
                 continue
             end = start + count
-            y = self._swiglu_rows(x[start:end], expert, packs).mul_(weights[start:end])
+            y = swiglu_rows(x[start:end], expert).mul_(weights[start:end])
             out.index_add_(0, token_idx[start:end], y)
             start = end
         return out
 
-    def _swiglu_rows(self, rows: Tensor, expert: int, packs: tuple[Tensor, ...]) -> Tensor:
+    def _swiglu_rows(self, rows: Tensor, expert: int, *, packs: tuple[Tensor, ...]) -> Tensor:
         """``W2_e (silu(W1_e x) * W3_e x)`` of ``rows`` ``[n, H]`` -> ``[n, H]`` (unweighted) for
         local expert ``expert``: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM
-        for down; a float32 expert with more than ``FLOAT32_MAX_PACKED_ROWS`` rows runs the
-        reference's plain GEMMs instead (faster there, as for ``Linear``)."""
+        for down; a float32 expert with more than ``float32_max_packed_rows()`` rows runs the
+        reference's plain GEMMs instead (MKL's sgemm is faster there, as for ``Linear``)."""
         if rows.dtype == torch.float32 and rows.shape[0] > linear.float32_max_packed_rows():
-            # MKL's sgemm on the plain weights is faster here (the reference's own GEMMs)
             return self._plain_swiglu_rows(rows, expert)
         gate_up = self._packed_gemm(rows, packs, 2 * expert)  # [n, 2F]
         h = F.silu(gate_up[:, : self.intermediate_size])  # swiglu, with the product in place
@@ -359,7 +308,7 @@ class TorchExperts(CustomOp):
         """``x @ W.T`` for pack ``index`` (``[w1_e; w3_e]`` or ``w2_e``): in float32 on the
         weight's float32 copy where that is faster (``upcast_wins``), else the oneDNN pack, else
         (no pack: a CPU oneDNN cannot pack bfloat16 for) the plain weights."""
-        if self._upcast_wins(x, index):
+        if self._upcast and upcast_wins(x, self._upcast[index].numel()):
             return upcast_linear(x, self._upcast[index])
         if packs:
             return onednn_linear(x, packs[index])
@@ -371,13 +320,9 @@ class TorchExperts(CustomOp):
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """The experts on the ``BatchedExperts`` activation format (``BatchedDispatchResult``):
         SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, UNWEIGHTED (the
-        combine applies the top-k weights).
-
-        On the CPU path (``forward_cpu``) each expert runs the same GEMMs as ``apply_standard``'s
-        (``_swiglu_rows``: prepacked oneDNN weights in bfloat16 / float32); on the CUDA path
-        (``forward_cuda``) one batched GEMM per projection over all M rows and nothing read to the
-        host (``batched_experts``: the counts are not checked there); otherwise, and for float64,
-        the reference's plain GEMMs per expert.
+        combine applies the top-k weights): per expert ``forward_cpu``'s GEMMs on the CPU path,
+        ``batched_experts`` on the CUDA path (nothing read to the host, counts not checked), else
+        (and for float64) the reference's plain GEMMs.
 
         Args:
             hidden_states: ``[E, M, H]`` (M = max_tokens_per_expert), dtype of the weights; rows
@@ -418,15 +363,12 @@ class TorchExperts(CustomOp):
         the reference's plain GEMMs."""
         fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
         packs = self.packed_weights() if fast else ()
-        fast = fast and bool(packs or self._upcast)
+        swiglu_rows = self._plain_swiglu_rows
+        if fast and (packs or self._upcast):
+            swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
         out = torch.empty_like(hidden_states)
         for expert, count in enumerate(counts):  # a loop over experts, not over tokens
             out[expert, count:].zero_()  # only the rows no expert output lands in
-            if count == 0:
-                continue
-            x = hidden_states[expert, :count]
-            if fast:
-                out[expert, :count] = self._swiglu_rows(x, expert, packs)
-            else:
-                out[expert, :count] = self._plain_swiglu_rows(x, expert)
+            if count:
+                out[expert, :count] = swiglu_rows(hidden_states[expert, :count], expert)
         return out

@@ -1,43 +1,31 @@
 """The experts on the device without reading anything to the host (``TorchExperts.forward_cuda``
 and the device path of ``apply_batched``): static shapes and device-side offsets, so a CUDA graph
-can capture them.
+can capture them (docs/hardware.md#experts-on-the-cuda-path).
 
 Legend: N = rows, K = num_topk, E = num_local_experts, H = hidden_size, F = intermediate_size,
 P = N * K (row, slot) pairs, M = max_tokens_per_expert.
 
-Standard format (permute -> grouped GEMMs -> unpermute, as torchtitan's MoE and vLLM's fused MoE):
-
-1. ``group_by_expert``: the P pairs sorted by local expert id (slots of other ranks, -1, last);
-   ``offsets`` ``[E]`` int32, the end of each expert's group (``torch._grouped_mm``'s ``offs``),
-   from ``searchsorted`` on the sorted ids: no count is read to the host.
-2. The rows gathered in that order, ``[P, H]``; ONE grouped GEMM for gate and up on
-   ``[w1; w3]`` ``[E, 2F, H]`` (``ExpertWeights.gate_up``; two where the halves are not one
-   tensor), SwiGLU, one for down. ``_grouped_mm`` leaves rows past ``offsets[-1]`` (the other
-   ranks' slots) unspecified, so they are masked to zero.
-3. The rows put back in (row, slot) order (a permutation, ``index_copy_``) and summed over the K
-   slots with their weights in one ``bmm`` ``[N, 1, K] x [N, K, H]``: no atomics, deterministic.
-
-Where ``_grouped_mm`` cannot run without a host read (float64 anywhere; on a GPU, dtypes or
-devices where torch takes its per-group fallback, which copies ``offs`` to the host), or the row
-strides are not multiples of 16 bytes (torch's requirement on CPU and CUDA), ``dense_experts``
-runs every row through every expert, one batched GEMM per projection (E / K times the GEMM work),
-while its ``[E, N, max(2F, H)]`` intermediate fits ``DENSE_MAX_ELEMENTS``.
-
-Batched format (``batched_experts``): one batched GEMM per projection over ``[E, M, H]``, the rows
-past each expert's count zeroed on the device.
+``grouped_experts``, the Standard format (permute -> grouped GEMMs -> unpermute, as torchtitan's
+MoE and vLLM's fused MoE): the pairs grouped by expert (``group_by_expert``), ONE
+``torch._grouped_mm`` for gate and up on ``[w1; w3]`` and one for down, the rows put back in
+(row, slot) order and summed over the K slots in one ``bmm`` (no atomics, deterministic).
+``dense_experts`` where ``_grouped_mm`` cannot run without a host read, or the row strides are not
+multiples of 16 bytes: every row through every expert. ``batched_experts``, the batched format:
+one batched GEMM per projection over ``[E, M, H]``, the rows past each expert's count zeroed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from moe.layers.activation import swiglu
-from moe.platforms.cpu_capability import grouped_mm_unavailable_reason
+from moe.platforms.cpu_capability import grouped_mm_probe, grouped_mm_unavailable_reason
 
 # ``dense_experts`` holds [E, N, max(2F, H)] values at once: at most this many (256 MiB in
 # float32); above it the caller runs the reference (which reads the counts to the host)
@@ -92,9 +80,9 @@ class ExpertWeights:
 
 def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``torch._grouped_mm`` cannot run on ``device`` in ``dtype`` without reading to the
-    host, or None. CPU: the platform's probe (``grouped_mm_unavailable_reason``); CUDA: a tiny
-    grouped GEMM under ``torch.cuda.set_sync_debug_mode("error")`` (torch's per-group fallback
-    copies ``offs`` to the host, which then raises), compared with ``torch.mm``. Probed once per
+    host, or None. CPU: the platform's probe (``grouped_mm_unavailable_reason``); CUDA: the same
+    tiny grouped GEMM (``grouped_mm_probe``) under ``torch.cuda.set_sync_debug_mode("error")``
+    (torch's per-group fallback copies ``offs`` to the host, which then raises). Probed once per
     device and dtype, never during CUDA graph capture (not probed yet: a reason, not cached)."""
     if device.type == "cpu":
         return grouped_mm_unavailable_reason(dtype)
@@ -104,32 +92,20 @@ def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | No
             return f"torch._grouped_mm is not probed on {device.type}"
         if torch.cuda.is_current_stream_capturing():
             return "torch._grouped_mm was not probed before CUDA graph capture"
-        _probed[key] = _probe_cuda(device, dtype)
+        _probed[key] = grouped_mm_probe(dtype, device, functools.partial(_host_reads_raise, device))
     return _probed[key]
 
 
-def _probe_cuda(device: torch.device, dtype: torch.dtype) -> str | None:
-    if not hasattr(torch, "_grouped_mm"):
-        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
-    gen = torch.Generator().manual_seed(0)
-    a = (torch.rand(6, 16, generator=gen) * 2 - 1).to(device, dtype)
-    # [G, K, N] with the weights' layout (column-major, as w.transpose(1, 2))
-    b = (torch.rand(2, 8, 16, generator=gen) * 2 - 1).to(device, dtype).transpose(1, 2)
-    offs = torch.tensor([2, 6], dtype=torch.int32, device=device)
+@contextlib.contextmanager
+def _host_reads_raise(device: torch.device) -> Iterator[None]:
+    """Inside: a host read on ``device`` raises (``torch.cuda.set_sync_debug_mode("error")``)."""
     torch.cuda.synchronize(device)
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = torch._grouped_mm(a, b, offs=offs)
-    except RuntimeError as e:
-        return f"torch._grouped_mm on {device} in {dtype}: {str(e).strip().splitlines()[0]}"
+        yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-    ref = torch.cat([a[:2].double() @ b[0].double(), a[2:].double() @ b[1].double()])
-    error = (out.double() - ref).abs().max().item()  # host read: once, at the probe
-    if not error <= 4 * 16 * torch.finfo(dtype).eps:
-        return f"torch._grouped_mm on {device} in {dtype} differs from torch.mm by {error:.3g}"
-    return None
 
 
 def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
@@ -146,25 +122,19 @@ def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
 
 
 def dense_fits(num_tokens: int, weights: ExpertWeights) -> bool:
-    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits
-    ``DENSE_MAX_ELEMENTS``."""
+    """Whether ``dense_experts``' ``[E, N, max(2F, H)]`` intermediate fits DENSE_MAX_ELEMENTS."""
     num_experts, inter, hidden = weights.w1.shape
     return num_experts * num_tokens * max(2 * inter, hidden) <= DENSE_MAX_ELEMENTS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpertGroups:
-    """The (row, slot) pairs of a ``Standard`` batch grouped by local expert, on the device.
+    """The (row, slot) pairs of a ``Standard`` batch grouped by local expert, on the device."""
 
-    order: ``[P]`` int64 flat pair index (``row * K + slot``) at each grouped position.
-    token_idx: ``[P]`` int64 row of each grouped position.
-    offsets: ``[E]`` int32 end of each expert's group (cumulative counts; ``_grouped_mm``'s offs).
-    is_local: ``[P]`` bool, False for slots of no local expert (grouped last, past offsets[-1]).
-    """
-
-    order: Tensor
-    token_idx: Tensor
-    offsets: Tensor
+    order: Tensor  # [P] int64 flat pair index (row * K + slot) at each grouped position
+    token_idx: Tensor  # [P] int64 row of each grouped position
+    offsets: Tensor  # [E] int32 end of each expert's group (cumulative counts; _grouped_mm's offs)
+    # [P] bool, False for slots of no local expert (grouped last, past offsets[-1])
     is_local: Tensor
 
 

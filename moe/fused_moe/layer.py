@@ -8,28 +8,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import timeline_span
+from distributed import FusedMoEPrepareAndFinalize
 from moe.compilation.splitting import splitting_op
 from moe.fused_moe.experts import MIXTRAL_EXPERT_NAMES, TorchExperts
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import Router, RoutingConfig
 from moe.layers.mlp import DenseMLP
 
 
 class FusedMoE(nn.Module):
     """Sparse MoE block (Mixtral ``block_sparse_moe``, DeepSeek/Qwen/OLMoE ``mlp``) holding only
-    this rank's routed experts.
-
-    EP rank r holds global experts ``[r * num_local_experts, (r + 1) * num_local_experts)``,
+    this rank's routed experts: EP rank r holds global experts ``[r * E, (r + 1) * E)``, E =
     ``num_local_experts = num_experts // ep_size``.
 
-    Parameters: ``gate.weight`` [num_experts, hidden_size] (every rank routes over all experts; plus
-    ``gate.e_score_correction_bias`` [num_experts] for DeepSeek-V3), ``experts.w1``/``experts.w3``
-    [num_local_experts, intermediate_size, hidden_size], ``experts.w2``
-    [num_local_experts, hidden_size, intermediate_size]; with ``shared_intermediate_size`` > 0 a
-    dense SwiGLU MLP named ``shared_expert_name`` (replicated on every rank), and with
-    ``has_shared_expert_gate`` Qwen2-MoE's ``shared_expert_gate`` [1, hidden_size] (the shared
-    output is scaled by sigmoid(gate · x)).
+    Parameters: ``gate`` (``Router``, over all experts), ``experts`` (``TorchExperts``: w1/w3
+    ``[E, intermediate_size, hidden_size]``, w2 ``[E, hidden_size, intermediate_size]``); with
+    ``shared_intermediate_size`` > 0 a dense SwiGLU MLP named ``shared_expert_name`` (replicated on
+    every rank), and with ``has_shared_expert_gate`` Qwen2-MoE's ``shared_expert_gate`` [1,
+    hidden_size] (the shared output is scaled by sigmoid(gate · x)).
 
     Raises:
         ValueError: num_experts not divisible by ep_size, ep_rank outside [0, ep_size), a routing

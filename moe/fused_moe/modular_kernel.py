@@ -3,15 +3,10 @@
 
     [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
 
-The router runs in ``FusedMoE``; this module owns the other three stages. The kernel checks once,
-when built, that the experts take the activation format the prepare/finalize delivers.
-
-DBO (vLLM's ``forward`` and the seed schedule): with a ubatch context current, dispatch and
-combine are issued asynchronously, their ``wait`` goes as a receive hook to the ubatch that runs
-last before this one gets the baton back (with N ubatches the previous one in the ring, so the
-transfer hides behind N-1 ubatches' compute), and this ubatch yields; whoever runs the hook first
-completes the transfer. Whether a ubatch runs its pending hook before or after issuing its own
-transfer is ``issue_before_recv_hook`` (after, on the CPU).
+The router runs in ``FusedMoE``; this module owns the other three stages. Under DBO (vLLM's
+``forward``) dispatch and combine are issued asynchronously, their ``wait`` goes as a receive hook
+to the ubatch that runs last before this one gets the baton back, and this ubatch yields; whoever
+runs the hook first completes the transfer (docs/dbo.md#the-ping-pong-protocol).
 """
 
 from __future__ import annotations
@@ -38,12 +33,12 @@ from distributed import (
     CommHandle,
     DispatchResult,
     FusedMoEActivationFormat,
+    FusedMoEPrepareAndFinalize,
 )
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
-    from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 
 
 T = TypeVar("T")
@@ -72,23 +67,23 @@ def _wait(handle: CommHandle[T], op: str) -> T:
         return handle.wait()  # blocking wait (group timeout) inside CommHandle.wait
 
 
+def _span(name: str, cat: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+    """``record_span`` on this thread's compute track for compute spans, else its comm track."""
+    kind = "compute" if cat == CAT_COMPUTE else "comm"
+    record_span(name, cat=cat, start_ns=start_ns, end_ns=end_ns, kind=kind, args=args)
+
+
 def _record_issue(op: str, start_ns: int, handle: CommHandle) -> None:
     """Spans of one issue: the CPU work before the payload leaves (``{op}_prep``, compute), split
     by the blocking count exchange if the backend made one (``{op}_notify``, comm)."""
     timing = handle.timing
     issued_at_ns = max(timing.issued_at_ns, start_ns)
     prep_end_ns = issued_at_ns if timing.notify_ns is None else timing.notify_ns[0]
-    record_span(
-        f"{op}_prep", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=prep_end_ns, kind="compute"
-    )
+    _span(f"{op}_prep", CAT_COMPUTE, start_ns, prep_end_ns)
     if timing.notify_ns is not None:
         notify_start, notify_end = timing.notify_ns
-        record_span(
-            f"{op}_notify", cat=CAT_COMM, start_ns=notify_start, end_ns=notify_end, kind="comm"
-        )
-        record_span(
-            f"{op}_prep", cat=CAT_COMPUTE, start_ns=notify_end, end_ns=issued_at_ns, kind="compute"
-        )
+        _span(f"{op}_notify", CAT_COMM, notify_start, notify_end)
+        _span(f"{op}_prep", CAT_COMPUTE, notify_end, issued_at_ns)
 
 
 def _record_comm(op: str, handle: CommHandle) -> None:
@@ -99,32 +94,17 @@ def _record_comm(op: str, handle: CommHandle) -> None:
     args = {"num_bytes": timing.num_bytes}
     if timing.payload_at_ns is not None:  # behind an emulated link: when the bytes were there
         args["payload_ms"] = (timing.payload_at_ns - timing.issued_at_ns) / 1e6
-    record_span(
-        op,
-        cat=CAT_COMM,
-        start_ns=timing.issued_at_ns,
-        end_ns=timing.completed_at_ns or time.perf_counter_ns(),
-        kind="comm",
-        args=args,
-    )
+    end_ns = timing.completed_at_ns or time.perf_counter_ns()
+    _span(op, CAT_COMM, timing.issued_at_ns, end_ns, args)
     if timing.finish_ns is not None:
-        start_ns, end_ns = timing.finish_ns
-        record_span(
-            f"{op}_finish", cat=CAT_COMPUTE, start_ns=start_ns, end_ns=end_ns, kind="compute"
-        )
+        _span(f"{op}_finish", CAT_COMPUTE, *timing.finish_ns)
 
 
 def _record_combine_window(combine: CommHandle) -> None:
     """The combine from issue to taking the result, the window the shared experts overlap (the
     ``combine`` span ends at data arrival); category "window": drawn on the comm track, neither
     compute nor communication in the overlap metrics."""
-    record_span(
-        "combine_window",
-        cat="window",
-        start_ns=combine.timing.issued_at_ns,
-        end_ns=time.perf_counter_ns(),
-        kind="comm",
-    )
+    _span("combine_window", "window", combine.timing.issued_at_ns, time.perf_counter_ns())
 
 
 def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
@@ -141,11 +121,10 @@ def _complete(handle: CommHandle[T], op: str, is_async: bool) -> T:
 class FusedMoEModularKernel:
     """Dispatch → experts → combine for routed tokens, with the DBO yield/recv-hook protocol.
 
-    ``issue_before_recv_hook``: at each transfer this ubatch either completes the transfer handed
-    to it and then issues its own (vLLM's order, ``False``: on CUDA a hook only enqueues the
-    receive), or issues its own first (``True``: on the CPU a hook blocks until the data arrive,
-    and the link would idle meanwhile; docs/dbo.md). Default: ``Platform.issue_before_recv_hook``.
-    Either order completes every transfer before its data are read: the results are the same.
+    ``issue_before_recv_hook``: at each transfer this ubatch completes the transfer handed to it
+    and then issues its own (vLLM's order, ``False``), or issues its own first (``True``, the CPU's:
+    a hook blocks there until the data arrive; docs/dbo.md#transfer-order-on-cpu). Default:
+    ``Platform.issue_before_recv_hook``. Either order gives the same results.
 
     Raises:
         ValueError: the experts do not take the activation format prepare_finalize delivers (the

@@ -33,14 +33,10 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingResult:
-    """Experts chosen for each token.
+    """Experts chosen for each token."""
 
-    topk_ids:     [num_tokens, num_topk] int64, GLOBAL expert ids in [0, num_experts)
-    topk_weights: [num_tokens, num_topk] float32
-    """
-
-    topk_ids: Tensor
-    topk_weights: Tensor
+    topk_ids: Tensor  # [num_tokens, num_topk] int64, GLOBAL expert ids in [0, num_experts)
+    topk_weights: Tensor  # [num_tokens, num_topk] float32
 
     def __post_init__(self) -> None:
         if self.topk_weights.shape != self.topk_ids.shape or self.topk_ids.dim() != 2:

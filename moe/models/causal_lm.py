@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from distributed import FusedMoEPrepareAndFinalize
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.layer import FusedMoE
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import Router
 from moe.layers.linear import Linear
 from moe.layers.mlp import DenseMLP

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from dbo.timeline.recorder import set_timeline_layer, timeline_span
+from distributed import FusedMoEPrepareAndFinalize
 from moe.fused_moe.layer import FusedMoE
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize
 from moe.fused_moe.router import RoutingConfig
 from moe.layers.attention import GQAAttention
 from moe.layers.mla import MLAAttention

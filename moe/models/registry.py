@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from moe.fused_moe.prepare_finalize import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
+from distributed import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.layers.linear import Linear
 from moe.models.causal_lm import MoEForCausalLM
 from moe.models.config import MoEModelConfig

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -164,22 +166,34 @@ def onednn_linear_unavailable_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
-@functools.cache
-def grouped_mm_unavailable_reason(dtype: torch.dtype) -> str | None:
-    """Why ``torch._grouped_mm`` cannot run in ``dtype`` here, or None if a tiny one ran and
-    matched per-group ``torch.mm``. Probed once per dtype and process."""
+def grouped_mm_probe(
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    guard: Callable[[], AbstractContextManager] = nullcontext,
+) -> str | None:
+    """Why a tiny ``torch._grouped_mm`` in ``dtype`` on ``device``, run inside ``guard()``, raised
+    or differs from per-group ``torch.mm``, or None. Its ``b`` has the experts' weights' layout
+    (column-major, as ``w.transpose(1, 2)``)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
     generator = torch.Generator().manual_seed(0)
-    a = (torch.rand(6, 16, generator=generator) * 2 - 1).to(dtype)
-    b = (torch.rand(2, 16, 8, generator=generator) * 2 - 1).to(dtype)
-    offs = torch.tensor([2, 6], dtype=torch.int32)
+    a = (torch.rand(6, 16, generator=generator) * 2 - 1).to(device, dtype)
+    b = (torch.rand(2, 8, 16, generator=generator) * 2 - 1).to(device, dtype).transpose(1, 2)
+    offs = torch.tensor([2, 6], dtype=torch.int32, device=device)
     try:
-        out = torch._grouped_mm(a, b, offs=offs)
+        with guard():
+            out = torch._grouped_mm(a, b, offs=offs)
     except (RuntimeError, NotImplementedError) as e:
-        return f"torch._grouped_mm refused {dtype}: {str(e).strip().splitlines()[0]}"
+        return f"torch._grouped_mm on {device} refused {dtype}: {str(e).strip().splitlines()[0]}"
     ref = torch.cat([a[:2].double() @ b[0].double(), a[2:].double() @ b[1].double()])
-    error = (out.double() - ref).abs().max().item()
+    error = (out.double() - ref).abs().max().item()  # host read: once, at the probe
     if not error <= _probe_bound(dtype, 16):
-        return f"torch._grouped_mm in {dtype} differs from torch.mm by {error:.3g}"
+        return f"torch._grouped_mm on {device} in {dtype} differs from torch.mm by {error:.3g}"
     return None
+
+
+@functools.cache
+def grouped_mm_unavailable_reason(dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run in ``dtype`` on this CPU (``grouped_mm_probe``), or
+    None. Probed once per dtype and process."""
+    return grouped_mm_probe(dtype)

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from distributed import NoEPPrepareAndFinalize  # noqa: E402
 from moe import (  # noqa: E402
     MoEModelConfig,
     build_model,
@@ -27,7 +28,6 @@ from moe import (  # noqa: E402
     parameter_bytes,
     set_custom_ops,
 )
-from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
 from tests.conftest import TINY_CONFIGS, make_tiny_model  # noqa: E402
 from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata  # noqa: E402
 from tests.helpers.precision import (  # noqa: E402

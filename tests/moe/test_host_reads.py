@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed import NoEPPrepareAndFinalize
 from moe import build_model, load_checkpoint, load_config, set_custom_ops
-from moe.fused_moe import FusedMoE, NoEPPrepareAndFinalize, RoutingConfig
+from moe.fused_moe import FusedMoE, RoutingConfig
 from moe.fused_moe.grouped_experts import grouped_mm_unavailable
 from moe.platforms import CudaPlatform, set_current_platform
 from tests.conftest import TINY_CONFIGS

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed import NoEPPrepareAndFinalize
 from launch.engine.arg_utils import EngineArgs
 from moe import TorchExperts
 from moe.compilation.backends import CUDAGraphPiece, InductorGraph
 from moe.fused_moe.modular_kernel import FusedMoEModularKernel
-from moe.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
 from moe.platforms import (
     ComputeDtype,
     ConfigUpdate,
