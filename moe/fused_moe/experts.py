@@ -34,6 +34,7 @@ from moe.fused_moe.grouped_experts import (
     grouped_mm_unavailable,
 )
 from moe.layers import linear
+from moe.layers.activation import swiglu
 from moe.layers.linear import (
     PackedWeights,
     can_pack,
@@ -184,8 +185,23 @@ class TorchExperts(CustomOp):
     def forward_native(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
-        """The reference: one gather and three GEMMs per local expert."""
-        return self._per_expert(hidden_states, topk_ids, topk_weights, self._plain_swiglu_rows)
+        """The reference: one gather and three GEMMs per local expert, written apart from the
+        fast paths so that it checks them."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+        if flat_ids.numel() and int(flat_ids.max()) >= self.num_local_experts:
+            raise ValueError(
+                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
+                f"num_local_experts={self.num_local_experts}"
+            )
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_local_experts):
+            pairs = (flat_ids == expert).nonzero().squeeze(1)  # ascending, as a stable sort's
+            token_idx = pairs // topk_ids.shape[1]
+            x = hidden_states[token_idx]
+            y = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ self.w2[expert].t()
+            out.index_add_(0, token_idx, y * flat_weights[pairs, None].to(y.dtype))
+        return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection
