@@ -132,7 +132,9 @@ def run_vllm(ns, model, prompts, dtype, *, threads, compile_, tag) -> dict:
     )
     match = VLLM_LINE.search(proc.stdout)
     if proc.returncode != 0 or not match:
-        return {"error": (proc.stderr or proc.stdout)[-500:]}
+        log = ns.out_dir / f"{tag}.failed.log"  # the whole output, for the post-mortem
+        log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        return {"error": (proc.stderr or proc.stdout)[-500:], "log": str(log)}
     return {"tokens_per_s": float(match.group(1)), "tokens": json.loads(out.read_text())}
 
 
@@ -140,13 +142,16 @@ def _pythonpath() -> dict:
     return {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
-def _fmt(result: dict) -> str:
+def format_rate(result: dict) -> str:
+    """A run's tokens/s for a table cell: "-" if skipped, "failed" if it has no rate."""
     if "skipped" in result:
         return "-"
     return f"{result['tokens_per_s']:,.1f}" if "tokens_per_s" in result else "failed"
 
 
-def _same(a: dict, b: dict) -> str:
+def same_tokens(a: dict, b: dict) -> str:
+    """ "k/n": of ``b``'s n prompts, how many got the same tokens in ``a``; "-" if either run has
+    no tokens."""
     if "tokens" not in a or "tokens" not in b:
         return "-"
     return (
@@ -212,7 +217,8 @@ def table_rows(ns) -> list[dict]:
     return rows
 
 
-def _ratio(ours: float, vllm: float) -> str:
+def format_ratio(ours: float, vllm: float) -> str:
+    """``ours / vllm`` as "1.23x"; "-" if either is 0 (missing)."""
     return f"{ours / vllm:.2f}x" if ours and vllm else "-"
 
 
@@ -223,12 +229,13 @@ def format_row(r: dict) -> str:
     v2 = r["vllm_2threads"].get("tokens_per_s", 0)
     # vLLM's tokens from whichever 1-core arm ran (eager fails with SIGILL in bf16 on some CPUs)
     vllm_tokens = next((r[k] for k in ("vllm_eager", "vllm_compiled") if "tokens" in r[k]), {})
+    cell = {k: format_rate(v) for k, v in r.items() if isinstance(v, dict)}
     return (
-        f"| {r['checkpoint']}, {r['dtype']} | {_fmt(r['vllm_eager'])} / {_fmt(r['vllm_compiled'])} "
-        f"| {_fmt(r['ours_eager'])} / {_fmt(r['ours_graph'])} | {_ratio(ours, best)} "
-        f"| {_fmt(r['vllm_2threads'])} | {_fmt(r['ours_2ranks_eager'])} / "
-        f"{_fmt(r['ours_2ranks_graph'])} | {_ratio(two, v2)} "
-        f"| {_same(r['ours_eager'], vllm_tokens)} |"
+        f"| {r['checkpoint']}, {r['dtype']} | {cell['vllm_eager']} / {cell['vllm_compiled']} "
+        f"| {cell['ours_eager']} / {cell['ours_graph']} | {format_ratio(ours, best)} "
+        f"| {cell['vllm_2threads']} | {cell['ours_2ranks_eager']} / "
+        f"{cell['ours_2ranks_graph']} | {format_ratio(two, v2)} "
+        f"| {same_tokens(r['ours_eager'], vllm_tokens)} |"
     )
 
 
