@@ -164,7 +164,7 @@ def _selected(parser, grid: str, only: str | None) -> tuple[Shape, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch.benchmarks.shape_sweep", description=__doc__.split("\n")[0]
+        prog="launch.benchmarks.shape_sweep", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (omit: ours only)")
