@@ -469,14 +469,19 @@ def _mla_absorbed(
     Returns:
         [R, H, Q, v].
     """
-    num_reqs, num_heads, _, _ = qn.shape
-    s_len, kv_lora_rank = rows.shape[1], w_uk.shape[-1]
-    q_lat = qn @ w_uk  # [R, H, Q, r]
-    k = rows[:, None].expand(num_reqs, num_heads, s_len, rows.shape[-1])
-    v = rows[..., :kv_lora_rank][:, None].expand(num_reqs, num_heads, s_len, kv_lora_rank)
+    num_reqs, num_heads, q_len, _ = qn.shape
+    kv_lora_rank = w_uk.shape[-1]
+    q = torch.cat((qn @ w_uk, qp), dim=-1)  # [R, H, Q, r + rope]
+    # Every head attends over the same latents (multi-query form, as FlashMLA): the heads become
+    # query rows of one head, [R, 1, Q*H, r + rope] in (query, head) order, so K and V are read
+    # once per request instead of once per head.
+    q = q.transpose(1, 2).reshape(num_reqs, 1, q_len * num_heads, q.shape[-1])
+    if q_len > 1:
+        mask = mask.repeat_interleave(num_heads, dim=2)  # [R, 1, Q*H, S]
     o_lat = F.scaled_dot_product_attention(
-        torch.cat((q_lat, qp), dim=-1), k, v, attn_mask=mask, scale=scale
+        q, rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale
     )
+    o_lat = o_lat.view(num_reqs, q_len, num_heads, kv_lora_rank).transpose(1, 2)
     return o_lat @ w_uv.transpose(1, 2)  # [R, H, Q, v]
 
 
