@@ -469,20 +469,25 @@ def _mla_absorbed(
     Returns:
         [R, H, Q, v].
     """
-    num_reqs, num_heads, q_len, _ = qn.shape
+    num_reqs, num_heads, q_len, nope = qn.shape
     kv_lora_rank = w_uk.shape[-1]
-    q = torch.cat((qn @ w_uk, qp), dim=-1)  # [R, H, Q, r + rope]
+    # one bmm per head over all requests' rows ([H, R*Q, nope] @ [H, nope, r]): a broadcast
+    # matmul against [H, nope, r] would copy the weights once per request
+    q_lat = torch.bmm(qn.transpose(0, 1).reshape(num_heads, -1, nope), w_uk)
+    q_lat = q_lat.view(num_heads, num_reqs, q_len, kv_lora_rank).permute(1, 2, 0, 3)
     # Every head attends over the same latents (multi-query form, as FlashMLA): the heads become
     # query rows of one head, [R, 1, Q*H, r + rope] in (query, head) order, so K and V are read
     # once per request instead of once per head.
-    q = q.transpose(1, 2).reshape(num_reqs, 1, q_len * num_heads, q.shape[-1])
+    q = torch.cat((q_lat, qp.transpose(1, 2)), dim=-1)  # [R, Q, H, r + rope]
+    q = q.reshape(num_reqs, 1, q_len * num_heads, q.shape[-1])
     if q_len > 1:
         mask = mask.repeat_interleave(num_heads, dim=2)  # [R, 1, Q*H, S]
     o_lat = F.scaled_dot_product_attention(
         q, rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale
-    )
-    o_lat = o_lat.view(num_reqs, q_len, num_heads, kv_lora_rank).transpose(1, 2)
-    return o_lat @ w_uv.transpose(1, 2)  # [R, H, Q, v]
+    )  # [R, 1, Q*H, r]
+    o_lat = o_lat.view(num_reqs, q_len, num_heads, kv_lora_rank).permute(2, 0, 1, 3)
+    out = torch.bmm(o_lat.reshape(num_heads, -1, kv_lora_rank), w_uv.transpose(1, 2))
+    return out.view(num_heads, num_reqs, q_len, -1).transpose(0, 1)  # [R, H, Q, v]
 
 
 def _mla_expanded(
