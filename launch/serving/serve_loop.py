@@ -183,12 +183,12 @@ class ServeLoop:
             for output in report.outputs:
                 if output.is_last:
                     self.load_balancer.close(output.request_id)
-                self.bridge.deliver(output)
-                if self.metrics is not None:
+                if self.metrics is not None:  # counted before the client can see the output
                     self.metrics.generation_tokens.inc(len(output.new_token_ids))
                     if output.is_last:
                         reason = "error" if output.error else output.finish_reason
                         self.metrics.requests_finished.labels(finish_reason=reason).inc()
+                self.bridge.deliver(output)
             if self.metrics is not None:
                 self.metrics.update_rank(
                     dp_rank,
