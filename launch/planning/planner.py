@@ -159,13 +159,11 @@ def crossover(
     tokens: Sequence[int],
     *,
     schedule: str = "ring",
-    margin: float = TIE_TOLERANCE,
 ):
-    """The smallest of ``tokens`` from which DBO with its best N beats off by more than
-    ``margin`` (in speedup; default the tie tolerance) at every larger one; None if it does not at
-    the largest."""
+    """The smallest of ``tokens`` from which DBO with its best N beats off by more than the tie
+    tolerance at every larger one; None if it does not at the largest."""
     speedups = _best_speedups(model, link, kind, ubatch_counts, tokens, schedule)
-    return _lowest_from_which(speedups, margin)
+    return _lowest_from_which(speedups, TIE_TOLERANCE)
 
 
 def recommend(
