@@ -22,17 +22,21 @@ other's build), so only the first start on a machine pays for it (seconds; docs/
 ``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path runs).
 
 Kernels (the module's functions):
-    paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, req_ids, scale)
+    paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                    req_ids, scale)
         Attention that reads K/V in place in the paged cache (``csrc/paged_attention_cpu.cpp``;
-        used by ``moe.layers.batched_attention.batched_paged_attention``). ``query`` and ``out``
-        ``[num_tokens, num_heads, head_dim]`` and ``kv_cache`` ``[2, num_blocks, block_size,
-        num_kv_heads, head_dim]``, contiguous, one dtype (float32, float64 or bfloat16);
-        ``block_table`` ``[num_reqs, max_blocks]``, ``seq_lens`` ``[num_reqs]`` and
-        ``query_start_loc`` ``[num_reqs + 1]`` int32; ``req_ids`` ``[n]`` int64, the requests to
-        compute; ``scale`` the softmax scale. Writes the query rows of those requests into
-        ``out`` (other rows untouched); query row i of request r sits at position
-        ``seq_lens[r] - q_len + i`` and attends causally. Raises ``RuntimeError`` on other
-        shapes, dtypes or layouts. Releases the GIL while it runs.
+        used by ``moe.layers.batched_attention``: GQA with ``k_cache, v_cache = kv_cache``, MLA's
+        absorbed attention with both views of the latent rows). ``query`` ``[num_tokens,
+        num_heads, head_dim]`` and ``out`` ``[num_tokens, num_heads, v_head_dim]``, contiguous;
+        ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` and ``v_cache``
+        ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, any strides but a contiguous
+        last dim; one dtype (float32, float64 or bfloat16). ``block_table``
+        ``[num_reqs, max_blocks]``, ``seq_lens`` ``[num_reqs]`` and ``query_start_loc``
+        ``[num_reqs + 1]`` int32; ``req_ids`` ``[n]`` int64, the requests to compute; ``scale``
+        the softmax scale. Writes the query rows of those requests into ``out`` (other rows
+        untouched); query row i of request r sits at position ``seq_lens[r] - q_len + i`` and
+        attends causally. Raises ``RuntimeError`` on other shapes, dtypes or layouts. Releases
+        the GIL while it runs.
     isa() -> str
         The ISA the build's vectors use: ``"avx2"`` or ``"avx512"``.
 """

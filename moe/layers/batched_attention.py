@@ -356,7 +356,8 @@ def batched_paged_attention(
             kernel(
                 out,
                 query.contiguous(),
-                kv_cache,
+                kv_cache[0],
+                kv_cache[1],
                 block_table,
                 seq_lens,
                 query_start_loc,
@@ -421,7 +422,10 @@ def batched_mla_attention(
 ) -> Tensor:
     """MLA of every query row over its request's cached latents, absorbed for requests with at
     most ``absorb_max_query_len`` query rows and expanded for the others (as the per-request
-    reference decides; see ``moe.layers.mla``).
+    reference decides; see ``moe.layers.mla``). On the CPU the absorbed requests attend in our
+    compiled kernel over the latents in place (``_mla_absorbed_kernel``), where it applies
+    (``_paged_attention_kernel``); elsewhere, and for the expanded requests, padded chunks attend
+    through ``scaled_dot_product_attention``.
 
     Args:
         q_nope: [num_tokens, num_heads, nope]; q_pe: [num_tokens, num_heads, rope] (rotated).
@@ -443,6 +447,19 @@ def batched_mla_attention(
         context_bytes_per_token=kv_cache.shape[2] * kv_cache.element_size(),
         data_device=q_nope.device,
     )
+    kernel = _paged_attention_kernel(q_nope, kv_cache)
+    if kernel is not None:
+        _mla_absorbed_kernel(
+            kernel,
+            out,
+            (q_nope, q_pe),
+            (w_uk, w_uv),
+            kv_cache,
+            attn_metadata,
+            absorb_max_query_len=absorb_max_query_len,
+            scale=scale,
+        )
+        chunks = [c for c in chunks if c.max_query_len > absorb_max_query_len]
     for chunk in chunks:
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
         qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
@@ -454,6 +471,88 @@ def batched_mla_attention(
             o = _mla_expanded(qn, qp, rows, mask, w_kv, v_dim=v_dim, scale=scale)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out[:num_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class _ShortRequests:
+    """The requests with 1 to ``short_query_len`` query rows, as a compact batch of their own.
+
+    Fields: ``rows`` [n] int64, their flat query rows in order; ``block_table`` [R, max_blocks],
+    ``seq_lens`` [R] and ``query_start_loc`` [R + 1] int32 over the compact rows; ``req_ids`` [R]
+    int64 (0 .. R - 1).
+    """
+
+    rows: Tensor
+    block_table: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    req_ids: Tensor
+
+
+def _short_requests(attn_metadata: CommonAttentionMetadata, short_query_len: int) -> _ShortRequests:
+    """``_ShortRequests`` of this (u)batch, built once and shared by its layers."""
+
+    def build() -> _ShortRequests:
+        qsl = attn_metadata.query_start_loc.long()
+        query_lens = qsl[1:] - qsl[:-1]
+        req_ids = ((query_lens > 0) & (query_lens <= short_query_len)).nonzero().flatten()
+        lens = query_lens[req_ids]
+        compact_qsl = torch.zeros(len(req_ids) + 1, dtype=torch.long, device=qsl.device)
+        torch.cumsum(lens, 0, out=compact_qsl[1:])
+        first_rows = (qsl[req_ids] - compact_qsl[:-1]).repeat_interleave(lens)
+        return _ShortRequests(
+            rows=first_rows + torch.arange(len(first_rows), device=qsl.device),
+            block_table=attn_metadata.block_table[req_ids].contiguous(),
+            seq_lens=attn_metadata.seq_lens[req_ids].contiguous(),
+            query_start_loc=compact_qsl.int(),
+            req_ids=torch.arange(len(req_ids), device=qsl.device),
+        )
+
+    return attn_metadata.derived(("short_requests", short_query_len), build)
+
+
+def _mla_absorbed_kernel(
+    kernel: Callable[..., None],
+    out: Tensor,
+    query: tuple[Tensor, Tensor],
+    weights: tuple[Tensor, Tensor],
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    absorb_max_query_len: int,
+    scale: float,
+) -> None:
+    """``_mla_absorbed`` of every request with at most ``absorb_max_query_len`` query rows in one
+    call of our compiled paged kernel, which reads the latents in place: one KV head whose keys
+    are the cache rows ``[kv_c, k_pe]`` and whose values are their first ``kv_lora_rank``
+    elements (the multi-query form). Writes those requests' rows of ``out`` [T + 1, H, v].
+
+    Args: query (q_nope [T, H, nope], q_pe [T, H, rope]), weights (w_uk [H, nope, r], w_uv
+    [H, v, r]), kv_cache [num_blocks, block_size, r + rope] (contiguous, q_nope's dtype).
+    """
+    (q_nope, q_pe), (w_uk, w_uv) = query, weights
+    short = _short_requests(attn_metadata, absorb_max_query_len)
+    if not short.rows.numel():
+        return
+    kv_lora_rank = w_uk.shape[-1]
+    # W_UK folded into the query: one bmm per head over the rows, [H, n, nope] @ [H, nope, r]
+    q_lat = torch.bmm(q_nope.index_select(0, short.rows).transpose(0, 1), w_uk)
+    q = torch.cat((q_lat.transpose(0, 1), q_pe.index_select(0, short.rows)), dim=-1)
+    o_lat = q.new_empty(*q.shape[:2], kv_lora_rank)  # [n, H, r]
+    latents = kv_cache[:, :, None]  # [num_blocks, block_size, 1, r + rope]
+    kernel(
+        o_lat,
+        q,
+        latents,
+        latents[..., :kv_lora_rank],
+        short.block_table,
+        short.seq_lens,
+        short.query_start_loc,
+        short.req_ids,
+        scale,
+    )
+    o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, n, v]
+    out.index_copy_(0, short.rows, o.transpose(0, 1))
 
 
 def _mla_absorbed(

@@ -1,6 +1,6 @@
 """Batched paged attention (forward_cpu) equals the per-request reference (forward_native), float64,
 on its plain torch path (the padded SDPA chunks, the compiled kernel off) and, where a test takes
-``gqa_path``, also on our compiled kernel built for each ISA this CPU runs (AVX2, AVX-512; the
+``attention_path``, also on our compiled kernel built for each ISA this CPU runs (AVX2, AVX-512; the
 others skip, saying why). test_cpu_kernels.py tests the kernel in float32 and bfloat16 too.
 
 Batches mix decode rows and prefill chunks with contexts that start and end on and off block
@@ -38,7 +38,7 @@ def torch_path_only(monkeypatch):
 
 
 @pytest.fixture(params=["sdpa", *ISAS])
-def gqa_path(request, monkeypatch):
+def attention_path(request, monkeypatch):
     """The padded SDPA chunks, or our compiled kernel built for each ISA this CPU runs."""
     if request.param != "sdpa":
         monkeypatch.delenv("MOE_DBO_CPU_KERNELS")
@@ -162,7 +162,7 @@ def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding, chunk_byte
 
 
 @pytest.mark.parametrize("requests", [[(0, 1)] * 5, [(3, 1), (4, 1), (7, 1), (8, 1)], [(0, 13)]])
-def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests, gqa_path):
+def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests, attention_path):
     native, batched = make_gqa(8, 2), make_gqa(8, 2)
     md = make_metadata(requests, num_padding=1)
     q, k, v = gqa_inputs(native, md.num_tokens)
@@ -187,7 +187,7 @@ def test_gqa_request_cut_across_ubatches(chunk_bytes):
 
 
 @pytest.mark.parametrize("num_padding", [0, 2])
-def test_gqa_empty_ubatch(num_padding, gqa_path):
+def test_gqa_empty_ubatch(num_padding, attention_path):
     op = make_gqa(4, 2)
     md = make_metadata([], num_padding=num_padding)
     q, k, v = gqa_inputs(op, num_padding)
@@ -227,7 +227,7 @@ def mla_step(op: PagedMLACache, md: CommonAttentionMetadata, method: str, x=None
     return getattr(op, method)(x["q_nope"][rows], x["q_pe"][rows], x["w"], md, scale=0.3)
 
 
-def test_mla_request_cut_across_ubatches(chunk_bytes):
+def test_mla_request_cut_across_ubatches(chunk_bytes, attention_path):
     md = make_metadata([(3, 1), (0, 9), (5, 2), (1, 6)], num_padding=1)
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
     assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut
@@ -242,7 +242,7 @@ def test_mla_request_cut_across_ubatches(chunk_bytes):
 
 
 @pytest.mark.parametrize("num_padding", [0, 3])
-def test_mla_batched_equals_native_absorbed_and_expanded(num_padding, chunk_bytes):
+def test_mla_batched_equals_native_absorbed_and_expanded(num_padding, chunk_bytes, attention_path):
     md = make_metadata(MIXED, num_padding=num_padding)
     query_lens = [q for _, q in MIXED]
     assert min(q for q in query_lens if q) <= ABSORB_MAX_QUERY_LEN < max(query_lens)
@@ -254,7 +254,7 @@ def test_mla_batched_equals_native_absorbed_and_expanded(num_padding, chunk_byte
     assert not got[md.num_actual_tokens :].any()
 
 
-def test_mla_empty_batch():
+def test_mla_empty_batch(attention_path):
     md = make_metadata([], num_padding=1)
     out = mla_step(make_mla(), md, "forward_cpu")
     assert out.shape == (1, 4, 5) and not out.any()
@@ -312,7 +312,7 @@ def test_padding_plan_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
     assert len(calls) == 1 + len(slices)
 
 
-def test_kv_write_skips_real_rows_without_slot(gqa_path):
+def test_kv_write_skips_real_rows_without_slot(attention_path):
     """A real row whose slot is -1 is not written, as in the reference ``write_kv_cache``."""
     native, batched = make_gqa(4, 2), make_gqa(4, 2)
     md = make_metadata([(3, 4), (0, 2)])
@@ -344,7 +344,7 @@ def test_additive_mask_equals_bool_mask_bitwise(dtype):
     )
 
 
-def test_layers_with_different_plans_share_metadata(monkeypatch, gqa_path):
+def test_layers_with_different_plans_share_metadata(monkeypatch, attention_path):
     """Layers whose K/V rows differ in size (so their chunks differ) on one (u)batch's metadata:
     each uses its own plan's gather rows and equals its reference."""
     # float64, head_dim 8: 128 context bytes per token and KV head -> up to 3 requests of 16

@@ -21,6 +21,7 @@ import torch
 from moe import kernels
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
+from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
 from moe.platforms import current_platform
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for, needs_compiler
 from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metadata
@@ -49,7 +50,7 @@ def kernel_calls(monkeypatch, isa):
             return getattr(module, name)
 
         def paged_attention(self, *args):
-            calls.append(args[6].numel())  # requests with query rows
+            calls.append(args[7].numel())  # requests with query rows
             return module.paged_attention(*args)
 
     monkeypatch.setattr(batched_attention, "cpu_kernels", lambda _isa: Counting())
@@ -293,3 +294,52 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     kernels._remove_stale_lock(fresh)
     kernels._remove_stale_lock(tmp_path / "absent")
     assert not stale.exists() and fresh.exists()
+
+
+def _mla_ops(dtype, kv_lora_rank, rope, **blocks):
+    """Two MLA caches holding the same random latents in ``dtype`` (the op's and the reference's,
+    the latter in float64)."""
+    num_blocks, block_size = blocks.get("num_blocks", NUM_BLOCKS), blocks.get("block_size", 4)
+    op = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(op.kv_cache_shape(num_blocks, block_size), generator=gen).to(dtype)
+    op.bind_kv_cache(cache)
+    ref = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    ref.bind_kv_cache(cache.double().clone())
+    return op, ref
+
+
+def _mla_inputs(op, num_tokens, dtype, num_heads=4, nope=8, v_dim=16):
+    gen = torch.Generator().manual_seed(4)
+    shapes = {
+        "q_nope": (num_tokens, num_heads, nope),
+        "q_pe": (num_tokens, num_heads, op.qk_rope_head_dim),
+        "w": (num_heads * (nope + v_dim), op.kv_lora_rank),
+    }
+    return {k: torch.randn(s, generator=gen).div(4).to(dtype) for k, s in shapes.items()}
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("requests", "blocks"), [(MIXED, {}), (LONG, LONG_BLOCKS)])
+def test_kernel_mla_absorbed_equals_native(kernel_calls, dtype, requests, blocks):
+    """MLA's absorbed requests (1-4 query rows) in one kernel call over the latents in place
+    (keys the [kv_c, k_pe] rows, values their first kv_lora_rank elements), the others expanded:
+    float64 exact up to summation order; float32 and bfloat16 within 4x the error of the
+    per-request reference run in that dtype itself (the same roundings: q_lat, the attention, the
+    W_UV product), at least 1e-6 in float32 and 2^-8 in bfloat16."""
+    op, ref = _mla_ops(dtype, kv_lora_rank=64, rope=16, **blocks)  # keys 80 wide, values 64
+    md = make_metadata(requests, num_padding=1, **blocks)
+    x = _mla_inputs(op, md.num_tokens, dtype)
+    args = (x["q_nope"], x["q_pe"], x["w"], md)
+    got = op.forward_cpu(*args, scale=0.3).double()
+    exact = ref.forward_native(*(t.double() for t in args[:3]), md, scale=0.3)
+    assert kernel_calls == [sum(1 for _, n in requests if 1 <= n <= ABSORB_MAX_QUERY_LEN)]
+    assert not got[md.num_actual_tokens :].any()
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12)
+        return
+    ref_dtype = op.forward_native(*args, scale=0.3).double()
+    floor = 1e-6 if dtype == torch.float32 else 2**-8
+    bound = max(floor, 4 * (ref_dtype - exact).abs().max().item())
+    torch.testing.assert_close(got, exact, rtol=0, atol=bound)

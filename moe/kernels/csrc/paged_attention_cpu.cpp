@@ -9,15 +9,21 @@
 // block's [block_size, num_kv_heads, head_dim] rows are adjacent), keeps the scores in a
 // per-thread buffer, takes the softmax, then streams the values once.
 //
-// Layout (the engine's, moe/layers/attention.py):
-//   query, out    [num_tokens, num_heads, head_dim]            (contiguous, same dtype as the cache)
-//   kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]   (contiguous)
+// Layout (the engine's, moe/layers/attention.py and moe/layers/mla.py):
+//   query         [num_tokens, num_heads, head_dim]       (contiguous, same dtype as the caches)
+//   out           [num_tokens, num_heads, v_head_dim]     (contiguous)
+//   k_cache       [num_blocks, block_size, num_kv_heads, head_dim]     (any strides but the last)
+//   v_cache       [num_blocks, block_size, num_kv_heads, v_head_dim]   (any strides but the last)
 //   block_table   [num_reqs, max_blocks_per_req] int32
 //   seq_lens      [num_reqs] int32     context length including this step's query rows
 //   query_start_loc [num_reqs + 1] int32
 //   req_ids       [n] int64            the requests to compute (others are left untouched)
 // Query row i of request r sits at position seq_lens[r] - q_len + i and attends to key positions
 // 0 .. that position (causal). Query head h reads KV head h / (num_heads / num_kv_heads).
+// The caches are strided views, so one kernel serves two layouts: GQA's [2, num_blocks, ...]
+// cache (k_cache = kv_cache[0], v_cache = kv_cache[1]) and MLA's latent rows in the multi-query
+// form of its absorbed attention (FlashMLA's): one KV head whose keys are the whole
+// [kv_c, k_pe] row and whose values are the same row's first kv_lora_rank elements.
 //
 // Vectors: one source over ATen's at::vec::Vectorized<float> (torch's own CPU kernels' idiom),
 // compiled once per ISA by moe/kernels/__init__.py with torch's defines (CPU_CAPABILITY=AVX2 and
@@ -218,19 +224,22 @@ inline acc_t exp_shifted_sum(acc_t* x, acc_t m, int64_t n) {
   return sum;
 }
 
-// Keys of positions [0, seq_len) transposed to kt[e * seq_pad + t] (float; e = kv_head * head_dim +
-// d indexes a slot's [num_kv_heads, head_dim] row), positions seq_len .. seq_pad - 1 zero: then
-// kLanes consecutive positions' scores are one vector FMA per head_dim element, with no horizontal
-// sums.
+// Keys of positions [0, seq_len) transposed to kt[(g * head_dim + d) * seq_pad + t] (float; KV
+// head g's element d sits at slots[t][g * head_stride + d]), positions seq_len .. seq_pad - 1
+// zero: then kLanes consecutive positions' scores are one vector FMA per head_dim element, with no
+// horizontal sums.
 template <typename scalar_t>
 void transpose_keys(float* kt, const scalar_t* const* slots, int64_t seq_len, int64_t seq_pad,
-                    int64_t width) {
+                    int64_t num_kv_heads, int64_t head_dim, int64_t head_stride) {
   for (int64_t t0 = 0; t0 < seq_pad; t0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, seq_len - t0);
-    for (int64_t e = 0; e < width; ++e) {
-      float* dst = kt + e * seq_pad + t0;
-      for (int64_t j = 0; j < m; ++j) dst[j] = to_float(slots[t0 + j][e]);
-      for (int64_t j = m; j < kLanes; ++j) dst[j] = 0.0f;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const int64_t e = g * head_stride + d;
+        float* dst = kt + (g * head_dim + d) * seq_pad + t0;
+        for (int64_t j = 0; j < m; ++j) dst[j] = to_float(slots[t0 + j][e]);
+        for (int64_t j = m; j < kLanes; ++j) dst[j] = 0.0f;
+      }
     }
   }
 }
@@ -317,11 +326,14 @@ struct PagedAttentionArgs {
   const scalar_t* q_base;
   scalar_t* out_base;
   const scalar_t* k_base;
-  int64_t v_offset;  // V's slot of position t = K's slot + v_offset
+  const scalar_t* v_base;
+  // element strides of the caches' first three dims (block, slot in block, KV head)
+  int64_t k_block_stride, k_slot_stride, k_head_stride;
+  int64_t v_block_stride, v_slot_stride, v_head_stride;
   const int32_t* block_table;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
-  int64_t num_heads, head_dim, block_size, num_kv_heads, group_size, max_blocks;
+  int64_t num_heads, head_dim, v_head_dim, block_size, num_kv_heads, group_size, max_blocks;
   acc_type_t<scalar_t> scale;
 };
 
@@ -330,7 +342,8 @@ template <typename scalar_t>
 struct Workspace {
   using acc_t = acc_type_t<scalar_t>;
   std::vector<acc_t> q, acc, scores, row_max, row_sum;
-  std::vector<const scalar_t*> slots;  // the K slot ([num_kv_heads, head_dim]) of each position
+  std::vector<const scalar_t*> slots;   // the K slot ([num_kv_heads, head_dim]) of each position
+  std::vector<const scalar_t*> vslots;  // the V slot ([num_kv_heads, v_head_dim]) of each position
   std::vector<float> kt;               // transposed keys (prefill chunks)
   int64_t seq_pad = 0;                 // the scores' row stride: seq_len rounded up to kLanes
   bool transposed = false;
@@ -355,8 +368,8 @@ void row_scores(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, i
   for (int64_t t = 0; t < n; ++t) {
     const scalar_t* k_token = w.slots[t];
     for (int64_t h = 0; h < a.num_heads; ++h) {
-      const acc_t s = dot(w.q.data() + h * a.head_dim, k_token + (h / a.group_size) * a.head_dim,
-                          a.head_dim);
+      const acc_t s = dot(w.q.data() + h * a.head_dim,
+                          k_token + (h / a.group_size) * a.k_head_stride, a.head_dim);
       w.scores[h * w.seq_pad + t] = s;
       w.row_max[h] = s > w.row_max[h] ? s : w.row_max[h];
     }
@@ -369,6 +382,7 @@ void attend_row(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, i
                 int64_t n) {
   using acc_t = acc_type_t<scalar_t>;
   const int64_t width = a.num_heads * a.head_dim;
+  const int64_t v_width = a.num_heads * a.v_head_dim;
   const scalar_t* q_row = a.q_base + token * width;
   acc_t* q_scaled = w.q.data();
 #pragma omp simd
@@ -380,14 +394,14 @@ void attend_row(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, i
   // pass 3: acc_h = sum_t p[h][t] v_t, one head at a time (its sums stay in registers; the
   // request's values are read from the cache once per head, from L2 after the first)
   for (int64_t h = 0; h < a.num_heads; ++h) {
-    weighted_rows(w.acc.data() + h * a.head_dim, w.scores.data() + h * w.seq_pad, w.slots.data(),
-                  a.v_offset + (h / a.group_size) * a.head_dim, n, a.head_dim);
+    weighted_rows(w.acc.data() + h * a.v_head_dim, w.scores.data() + h * w.seq_pad,
+                  w.vslots.data(), (h / a.group_size) * a.v_head_stride, n, a.v_head_dim);
   }
-  scalar_t* o_row = a.out_base + token * width;
+  scalar_t* o_row = a.out_base + token * v_width;
   for (int64_t h = 0; h < a.num_heads; ++h) {
     const acc_t inv = acc_t(1) / w.row_sum[h];
-    for (int64_t d = 0; d < a.head_dim; ++d)
-      o_row[h * a.head_dim + d] = static_cast<scalar_t>(w.acc[h * a.head_dim + d] * inv);
+    for (int64_t d = 0; d < a.v_head_dim; ++d)
+      o_row[h * a.v_head_dim + d] = static_cast<scalar_t>(w.acc[h * a.v_head_dim + d] * inv);
   }
 }
 
@@ -398,19 +412,22 @@ void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& 
   const int64_t q_start = a.query_start_loc[r];
   const int64_t q_len = a.query_start_loc[r + 1] - q_start;
   if (q_len <= 0) return;
-  const int64_t token_stride = a.num_kv_heads * a.head_dim;  // one cache slot
   w.slots.resize(seq_len);
+  w.vslots.resize(seq_len);
   for (int64_t t = 0; t < seq_len; ++t) {
     const int64_t block = a.block_table[r * a.max_blocks + t / a.block_size];
-    w.slots[t] = a.k_base + (block * a.block_size + t % a.block_size) * token_stride;
+    const int64_t slot = t % a.block_size;
+    w.slots[t] = a.k_base + block * a.k_block_stride + slot * a.k_slot_stride;
+    w.vslots[t] = a.v_base + block * a.v_block_stride + slot * a.v_slot_stride;
   }
   w.seq_pad = (seq_len + kLanes - 1) / kLanes * kLanes;
   w.scores.resize(a.num_heads * w.seq_pad);
   w.transposed = false;
   if constexpr (std::is_same_v<acc_type_t<scalar_t>, float>) {
     if (q_len >= kTransposeMinQueryRows) {
-      w.kt.resize(token_stride * w.seq_pad);
-      transpose_keys(w.kt.data(), w.slots.data(), seq_len, w.seq_pad, token_stride);
+      w.kt.resize(a.num_kv_heads * a.head_dim * w.seq_pad);
+      transpose_keys(w.kt.data(), w.slots.data(), seq_len, w.seq_pad, a.num_kv_heads, a.head_dim,
+                     a.k_head_stride);
       w.transposed = true;
     }
   }
@@ -420,21 +437,28 @@ void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& 
 
 template <typename scalar_t>
 void paged_attention_impl(
-    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    const at::Tensor& req_ids, double scale) {
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, const at::Tensor& req_ids, double scale) {
   PagedAttentionArgs<scalar_t> a;
   a.num_heads = query.size(1);
   a.head_dim = query.size(2);
-  a.block_size = kv_cache.size(2);
-  a.num_kv_heads = kv_cache.size(3);
+  a.v_head_dim = v_cache.size(3);
+  a.block_size = k_cache.size(1);
+  a.num_kv_heads = k_cache.size(2);
   a.group_size = a.num_heads / a.num_kv_heads;
   a.max_blocks = block_table.size(1);
   a.scale = static_cast<acc_type_t<scalar_t>>(scale);
   a.q_base = query.data_ptr<scalar_t>();
   a.out_base = out.data_ptr<scalar_t>();
-  a.k_base = kv_cache.data_ptr<scalar_t>();
-  a.v_offset = kv_cache.size(1) * a.block_size * a.num_kv_heads * a.head_dim;
+  a.k_base = k_cache.data_ptr<scalar_t>();
+  a.v_base = v_cache.data_ptr<scalar_t>();
+  a.k_block_stride = k_cache.stride(0);
+  a.k_slot_stride = k_cache.stride(1);
+  a.k_head_stride = k_cache.stride(2);
+  a.v_block_stride = v_cache.stride(0);
+  a.v_slot_stride = v_cache.stride(1);
+  a.v_head_stride = v_cache.stride(2);
   a.block_table = block_table.data_ptr<int32_t>();
   a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
@@ -446,7 +470,7 @@ void paged_attention_impl(
   at::parallel_for(0, req_ids.size(0), 1, [&](int64_t begin, int64_t end) {
     Workspace<scalar_t> w;
     w.q.resize(a.num_heads * a.head_dim);
-    w.acc.resize(a.num_heads * a.head_dim);
+    w.acc.resize(a.num_heads * a.v_head_dim);
     w.row_max.resize(a.num_heads);
     w.row_sum.resize(a.num_heads);
     for (int64_t work = begin; work < end; ++work) attend_request(a, w, reqs[work]);
@@ -454,18 +478,25 @@ void paged_attention_impl(
 }
 
 void paged_attention(
-    at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+    at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     const at::Tensor& req_ids, double scale) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out: [T, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache: [2, NB, BS, KVH, D]");
-  TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_dim of query and kv_cache differ");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "num_heads % num_kv_heads != 0");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(),
-              "query, out and kv_cache must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+  TORCH_CHECK(query.dim() == 3, "query: [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache and v_cache: [NB, BS, KVH, D]");
+  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              "k_cache and v_cache differ in blocks, block size or KV heads");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and k_cache differ");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+                  out.size(2) == v_cache.size(3),
+              "out: [T, H, v_head_dim]");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads % num_kv_heads != 0");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache and v_cache: the last dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
-              "query, out and kv_cache must have one dtype");
+              "query, out, k_cache and v_cache must have one dtype");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "block_table, seq_lens and query_start_loc must be int32");
@@ -475,15 +506,15 @@ void paged_attention(
               "metadata tensors must be contiguous");
   switch (query.scalar_type()) {
     case at::kFloat:
-      paged_attention_impl<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                  req_ids, scale);
+      paged_attention_impl<float>(out, query, k_cache, v_cache, block_table, seq_lens,
+                                  query_start_loc, req_ids, scale);
       break;
     case at::kDouble:
-      paged_attention_impl<double>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                   req_ids, scale);
+      paged_attention_impl<double>(out, query, k_cache, v_cache, block_table, seq_lens,
+                                   query_start_loc, req_ids, scale);
       break;
     case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens,
+      paged_attention_impl<c10::BFloat16>(out, query, k_cache, v_cache, block_table, seq_lens,
                                           query_start_loc, req_ids, scale);
       break;
     default:
