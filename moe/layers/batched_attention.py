@@ -59,6 +59,7 @@ class PaddedRequests:
     """A chunk of requests padded to ``[num_chunk_reqs, max_query_len]`` query slots.
 
     Fields:
+        req_ids: ``[num_chunk_reqs]`` int64, the chunk's requests (the metadata's numbering).
         gather_rows: ``[num_chunk_reqs, max_query_len]`` int64 flat query row of each slot (0 for
             a padding slot, so gathers stay in range).
         scatter_rows: the same, but ``num_tokens`` (one past the last row) for a padding slot:
@@ -68,6 +69,7 @@ class PaddedRequests:
         max_query_len, max_seq_len: the padded lengths.
     """
 
+    req_ids: Tensor
     gather_rows: Tensor
     scatter_rows: Tensor
     attn_mask: Tensor
@@ -101,6 +103,7 @@ def _pad_chunk(
     key_pos = torch.arange(max_seq_len, device=device)
     num_blocks = -(-max_seq_len // block_size)
     return PaddedRequests(  # built where the metadata lives, used where the data lives
+        req_ids=req_ids.to(data_device),
         gather_rows=torch.where(is_query, rows, 0).to(data_device),
         scatter_rows=torch.where(is_query, rows, attn_metadata.num_tokens).to(data_device),
         attn_mask=(key_pos[None, None, :] <= q_pos[:, :, None]).to(data_device),
@@ -459,7 +462,13 @@ def batched_mla_attention(
             absorb_max_query_len=absorb_max_query_len,
             scale=scale,
         )
-        chunks = [c for c in chunks if c.max_query_len > absorb_max_query_len]
+        expanded = [c for c in chunks if c.max_query_len > absorb_max_query_len]
+        if expanded:
+            query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
+            for chunk in expanded:
+                kv = _mla_expand(gather_context(kv_cache, chunk).to(q_nope.dtype), w_kv, nope)
+                _expanded_kernel(kernel, out[:num_tokens], query, kv, chunk, attn_metadata, scale)
+        return out[:num_tokens]
     for chunk in chunks:
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
         qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
@@ -468,7 +477,7 @@ def batched_mla_attention(
         if chunk.max_query_len <= absorb_max_query_len:
             o = _mla_absorbed(qn, qp, rows, mask, w_uk, w_uv, scale=scale)
         else:
-            o = _mla_expanded(qn, qp, rows, mask, w_kv, v_dim=v_dim, scale=scale)
+            o = _mla_expanded(qn, qp, rows, mask, w_kv, scale=scale)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out[:num_tokens]
 
@@ -589,8 +598,43 @@ def _mla_absorbed(
     return out.view(num_heads, num_reqs, q_len, -1).transpose(0, 1)  # [R, H, Q, v]
 
 
+def _mla_expand(rows: Tensor, w_kv: Tensor, nope: int) -> tuple[Tensor, Tensor]:
+    """The latents ``rows`` [R, S, kv_lora_rank + rope] expanded through ``kv_b_proj``
+    (``w_kv`` [H, nope + v, kv_lora_rank]) to per-head keys ``[k_nope, k_pe]`` [R, S, H, nope +
+    rope] (contiguous) and values [R, S, H, v] (a view)."""
+    num_reqs, s_len = rows.shape[:2]
+    num_heads, kv_lora_rank = w_kv.shape[0], w_kv.shape[-1]
+    kv = (rows[..., :kv_lora_rank] @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
+    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
+    return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
+
+
+def _expanded_kernel(
+    kernel: Callable[..., None],
+    out: Tensor,
+    query: Tensor,
+    kv: tuple[Tensor, Tensor],
+    chunk: PaddedRequests,
+    attn_metadata: CommonAttentionMetadata,
+    scale: float,
+) -> None:
+    """Attention of the chunk's requests over their expanded keys and values in our compiled
+    kernel (each request's context one block of ``max_seq_len`` slots: no padding is computed).
+
+    Args: out [T, H, v] (the chunk's rows are written), query [T, H, nope + rope], kv (keys
+    [R, S, H, nope + rope], values [R, S, H, v]) from ``_mla_expand``.
+    """
+    _, seq_lens, query_start_loc, _ = _kernel_inputs(attn_metadata)
+    block_table = torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=seq_lens.device)
+    block_table[chunk.req_ids, 0] = torch.arange(
+        chunk.num_reqs, dtype=torch.int32, device=seq_lens.device
+    )
+    k, v = kv
+    kernel(out, query, k, v, block_table, seq_lens, query_start_loc, chunk.req_ids, scale)
+
+
 def _mla_expanded(
-    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_kv: Tensor, *, v_dim: int, scale: float
+    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_kv: Tensor, *, scale: float
 ) -> Tensor:
     """One chunk's MLA with the latents expanded to per-head K and V through ``kv_b_proj``, as
     the reference's prefill.
@@ -602,13 +646,7 @@ def _mla_expanded(
     Returns:
         [R, H, Q, v].
     """
-    num_reqs, num_heads, _, nope = qn.shape
-    s_len, kv_lora_rank = rows.shape[1], w_kv.shape[-1]
-    kv_c = rows[..., :kv_lora_rank]
-    kv = (kv_c @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
-    k_nope, v = kv.split([nope, v_dim], dim=-1)
-    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
-    k = torch.cat((k_nope, k_pe), dim=-1)
+    k, v = _mla_expand(rows, w_kv, qn.shape[-1])
     return F.scaled_dot_product_attention(
         torch.cat((qn, qp), dim=-1),
         k.transpose(1, 2),
