@@ -26,6 +26,7 @@ Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolis
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -422,6 +423,7 @@ def batched_mla_attention(
     kv_lora_rank: int,
     scale: float,
     absorb_max_query_len: int,
+    expand: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """MLA of every query row over its request's cached latents, absorbed for requests with at
     most ``absorb_max_query_len`` query rows and expanded for the others (as the per-request
@@ -434,6 +436,9 @@ def batched_mla_attention(
         q_nope: [num_tokens, num_heads, nope]; q_pe: [num_tokens, num_heads, rope] (rotated).
         kv_b_weight: [num_heads * (nope + v), kv_lora_rank] (``kv_b_proj.weight``).
         kv_cache: [num_blocks, block_size, kv_lora_rank + rope].
+        expand: ``kv_b_proj`` as a function of latents [..., kv_lora_rank] (the layer's
+            ``Linear``, which runs its packed weight on the CPU); default ``F.linear`` with
+            ``kv_b_weight``.
 
     Returns:
         [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
@@ -442,6 +447,8 @@ def batched_mla_attention(
     w_kv = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, r]
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     v_dim = w_uv.shape[1]
+    if expand is None:
+        expand = functools.partial(F.linear, weight=kv_b_weight)
     out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
     chunks = request_chunks(
         attn_metadata,
@@ -466,7 +473,8 @@ def batched_mla_attention(
         if expanded:
             query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
             for chunk in expanded:
-                kv = _mla_expand(gather_context(kv_cache, chunk).to(q_nope.dtype), w_kv, nope)
+                rows = gather_context(kv_cache, chunk).to(q_nope.dtype)
+                kv = _mla_expand(rows, expand, num_heads, nope=nope, kv_lora_rank=kv_lora_rank)
                 _expanded_kernel(kernel, out[:num_tokens], query, kv, chunk, attn_metadata, scale)
         return out[:num_tokens]
     for chunk in chunks:
@@ -477,7 +485,7 @@ def batched_mla_attention(
         if chunk.max_query_len <= absorb_max_query_len:
             o = _mla_absorbed(qn, qp, rows, mask, w_uk, w_uv, scale=scale)
         else:
-            o = _mla_expanded(qn, qp, rows, mask, w_kv, scale=scale)
+            o = _mla_expanded(qn, qp, rows, mask, expand, kv_lora_rank=kv_lora_rank, scale=scale)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out[:num_tokens]
 
@@ -598,14 +606,22 @@ def _mla_absorbed(
     return out.view(num_heads, num_reqs, q_len, -1).transpose(0, 1)  # [R, H, Q, v]
 
 
-def _mla_expand(rows: Tensor, w_kv: Tensor, nope: int) -> tuple[Tensor, Tensor]:
+def _mla_expand(
+    rows: Tensor,
+    expand: Callable[[Tensor], Tensor],
+    num_heads: int,
+    *,
+    nope: int,
+    kv_lora_rank: int,
+) -> tuple[Tensor, Tensor]:
     """The latents ``rows`` [R, S, kv_lora_rank + rope] expanded through ``kv_b_proj``
-    (``w_kv`` [H, nope + v, kv_lora_rank]) to per-head keys ``[k_nope, k_pe]`` [R, S, H, nope +
-    rope] (contiguous) and values [R, S, H, v] (a view)."""
-    num_reqs, s_len = rows.shape[:2]
-    num_heads, kv_lora_rank = w_kv.shape[0], w_kv.shape[-1]
-    kv = (rows[..., :kv_lora_rank] @ w_kv.flatten(0, 1).t()).view(num_reqs, s_len, num_heads, -1)
-    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, -1)
+    (``expand``: [N, kv_lora_rank] -> [N, H * (nope + v)]) to per-head keys ``[k_nope, k_pe]``
+    [R, S, H, nope + rope] (contiguous) and values [R, S, H, v] (a view)."""
+    num_reqs, s_len, width = rows.shape
+    rope = width - kv_lora_rank
+    kv = expand(rows[..., :kv_lora_rank].reshape(-1, kv_lora_rank))
+    kv = kv.view(num_reqs, s_len, num_heads, -1)
+    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, rope)
     return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
 
 
@@ -634,19 +650,26 @@ def _expanded_kernel(
 
 
 def _mla_expanded(
-    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_kv: Tensor, *, scale: float
+    qn: Tensor,
+    qp: Tensor,
+    rows: Tensor,
+    mask: Tensor,
+    expand: Callable[[Tensor], Tensor],
+    *,
+    kv_lora_rank: int,
+    scale: float,
 ) -> Tensor:
     """One chunk's MLA with the latents expanded to per-head K and V through ``kv_b_proj``, as
     the reference's prefill.
 
     Args:
         qn: [R, H, Q, nope]; qp: [R, H, Q, rope]; rows: [R, S, kv_lora_rank + rope] latents;
-        mask: [R, 1, Q, S]; w_kv: [H, nope + v, kv_lora_rank].
+        mask: [R, 1, Q, S]; expand: ``kv_b_proj``, [N, kv_lora_rank] -> [N, H * (nope + v)].
 
     Returns:
         [R, H, Q, v].
     """
-    k, v = _mla_expand(rows, w_kv, qn.shape[-1])
+    k, v = _mla_expand(rows, expand, qn.shape[1], nope=qn.shape[-1], kv_lora_rank=kv_lora_rank)
     return F.scaled_dot_product_attention(
         torch.cat((qn, qp), dim=-1),
         k.transpose(1, 2),

@@ -20,6 +20,7 @@ Attention per request (``kv_b_proj`` = [W_UK; W_UV] per head, [H*(nope+v), r]):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,9 +47,12 @@ class PagedMLACache(CustomOp):
     """One layer's latent cache (bound by the engine): writes it and attends over it.
 
     forward(q_nope [T, H, nope], q_pe [T, H, rope], kv_b_weight [H * (nope + v), r],
-    attn_metadata, *, scale) -> [T, H, v], padding rows zero. ``forward_native`` loops over the
-    requests (the reference); ``forward_cpu`` / ``forward_cuda`` run all requests at once
-    (``batched_mla_attention``, plain torch).
+    attn_metadata, *, scale, expand=None) -> [T, H, v], padding rows zero. ``expand`` is
+    ``kv_b_proj`` as a function ([N, r] -> [N, H * (nope + v)]: the layer's ``Linear``, packed
+    on the CPU), with which the batched paths expand prefill latents. ``forward_native`` loops
+    over the requests (the reference); ``forward_cpu`` / ``forward_cuda`` run all requests at
+    once (``batched_mla_attention``: our compiled kernel on the CPU where it applies, else
+    plain torch).
     """
 
     def __init__(self, *, kv_lora_rank: int, qk_rope_head_dim: int):
@@ -113,7 +117,9 @@ class PagedMLACache(CustomOp):
         attn_metadata: CommonAttentionMetadata,
         *,
         scale: float,
+        expand: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
+        del expand  # the reference expands with the weight itself
         num_tokens, num_heads, nope_dim = q_nope.shape
         w_kv = kv_b_weight.view(num_heads, -1, self.kv_lora_rank)  # [H, nope + v, r]
         w_uk, w_uv = w_kv[:, :nope_dim], w_kv[:, nope_dim:]  # [H, nope, r], [H, v, r]
@@ -153,6 +159,7 @@ class PagedMLACache(CustomOp):
         attn_metadata: CommonAttentionMetadata,
         *,
         scale: float,
+        expand: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         return batched_mla_attention(
             q_nope,
@@ -163,13 +170,18 @@ class PagedMLACache(CustomOp):
             kv_lora_rank=self.kv_lora_rank,
             scale=scale,
             absorb_max_query_len=ABSORB_MAX_QUERY_LEN,
+            expand=expand,
         )
 
-    def forward_cpu(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale: float) -> Tensor:
-        return self._forward_batched(q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale)
+    def forward_cpu(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):
+        return self._forward_batched(
+            q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale, expand=expand
+        )
 
-    def forward_cuda(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale: float) -> Tensor:
-        return self._forward_batched(q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale)
+    def forward_cuda(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):
+        return self._forward_batched(
+            q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale, expand=expand
+        )
 
 
 class MLAAttention(nn.Module):
@@ -253,4 +265,11 @@ class MLAAttention(nn.Module):
         """The core: write the real rows' latents (kv_c [T, r], k_pe [T, rope]) to the cache,
         then attend (q_nope [T, H, nope], q_pe [T, H, rope]) -> [T, H, v]."""
         self.attn.write_planned(kv_c, k_pe, attn_metadata)
-        return self.attn(q_nope, q_pe, self.kv_b_proj.weight, attn_metadata, scale=self.scale)
+        return self.attn(
+            q_nope,
+            q_pe,
+            self.kv_b_proj.weight,
+            attn_metadata,
+            scale=self.scale,
+            expand=self.kv_b_proj,
+        )
