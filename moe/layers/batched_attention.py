@@ -20,13 +20,16 @@ finite: the engine allocates caches zeroed and writes only finite K/V.
 The padding plan (chunks, index tensors, masks) depends only on the (u)batch's metadata, so the
 first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
 
+On the CPU our compiled kernel (``moe.kernels``: ``paged_attention``) replaces the padded SDPA
+chunks where it applies: GQA reads K/V in place; MLA's absorbed requests read the latent rows in
+place, its expanded chunks their expanded K/V.
+
 Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
 ``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -218,7 +221,7 @@ def request_chunks(
     )
 
 
-def _gather_rows(x: Tensor, chunk: PaddedRequests) -> Tensor:
+def gather_rows(x: Tensor, chunk: PaddedRequests) -> Tensor:
     """``x[chunk.gather_rows]``: ``[num_tokens, *E]`` -> ``[num_chunk_reqs, max_query_len, *E]``,
     by ``index_select`` (whole-row copies, faster than advanced indexing's generic kernel:
     docs/hardware.md, "Plain-torch attention")."""
@@ -272,7 +275,7 @@ def _kv_gather(
         ]
     num_cache_blocks = kv_cache.shape[1]
     rows = attn_metadata.derived(
-        ("kv_gather_rows", plan, num_cache_blocks, kv_cache.device),
+        ("kvgather_rows", plan, num_cache_blocks, kv_cache.device),
         lambda: [
             torch.cat((c.blocks.flatten(), c.blocks.flatten() + num_cache_blocks)) for c in chunks
         ],
@@ -291,7 +294,7 @@ def _kv_gather(
     ]
 
 
-def _kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(block_table, seq_lens, query_start_loc, req_ids) for ``cpu_kernels().paged_attention``:
     the metadata as contiguous int32 and the int64 ids of the requests with query rows. Built once
     per (u)batch and shared by every layer."""
@@ -306,10 +309,10 @@ def _kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tens
             req_ids,
         )
 
-    return attn_metadata.derived("paged_attention_kernel_inputs", build)
+    return attn_metadata.derived("paged_attentionkernel_inputs", build)
 
 
-def _paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
+def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
     """Our compiled CPU kernel that attends over the paged cache in place (``moe.kernels``),
     where it applies: CPU tensors of one dtype (float32, float64, bfloat16), a contiguous cache,
     no tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512,
@@ -336,7 +339,7 @@ def batched_paged_attention(
     On the CPU our compiled kernel computes every request reading K/V in place through the block
     table (``moe/kernels/csrc/paged_attention_cpu.cpp``; faster than the padded SDPA chunks on
     decode rows and prefills: docs/benchmarks.md, "Micro-benchmarks").
-    Elsewhere, or where it does not apply (``_paged_attention_kernel``), requests are padded in
+    Elsewhere, or where it does not apply (``paged_attention_kernel``), requests are padded in
     chunks and attend through ``scaled_dot_product_attention``.
 
     Args:
@@ -352,10 +355,10 @@ def batched_paged_attention(
         [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are zero.
     """
     num_tokens, num_heads, head_dim = query.shape
-    kernel = _paged_attention_kernel(query, kv_cache)
+    kernel = paged_attention_kernel(query, kv_cache)
     if kernel is not None:
         out = query.new_zeros(num_tokens, num_heads, head_dim)
-        block_table, seq_lens, query_start_loc, req_ids = _kernel_inputs(attn_metadata)
+        block_table, seq_lens, query_start_loc, req_ids = kernel_inputs(attn_metadata)
         if req_ids.numel():
             kernel(
                 out,
@@ -400,7 +403,7 @@ def _padded_sdpa_attention(
         num_reqs, q_len, s_len = chunk.num_reqs, chunk.max_query_len, chunk.max_seq_len
         # GQA without copying K/V per query head: the group_size query heads sharing a KV head
         # become extra query rows of that KV head ([R, KVH, G * Q, D]).
-        q = _gather_rows(query, chunk).view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
+        q = gather_rows(query, chunk).view(num_reqs, q_len, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group_size * q_len, head_dim)
         # K and V of every chunk request in one gather: [2, R, S, KVH, D]
         kv = kv().view(2, num_reqs, -1, num_kv_heads, head_dim)[:, :, :s_len].to(query.dtype)
@@ -411,269 +414,3 @@ def _padded_sdpa_attention(
         # padding slots all go to the scratch row (index_copy_ with repeats there: any one wins)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.reshape(-1, num_heads, head_dim))
     return out[:num_tokens]
-
-
-def batched_mla_attention(
-    q_nope: Tensor,
-    q_pe: Tensor,
-    kv_b_weight: Tensor,
-    kv_cache: Tensor,
-    attn_metadata: CommonAttentionMetadata,
-    *,
-    kv_lora_rank: int,
-    scale: float,
-    absorb_max_query_len: int,
-    expand: Callable[[Tensor], Tensor] | None = None,
-) -> Tensor:
-    """MLA of every query row over its request's cached latents, absorbed for requests with at
-    most ``absorb_max_query_len`` query rows and expanded for the others (as the per-request
-    reference decides; see ``moe.layers.mla``). On the CPU the absorbed requests attend in our
-    compiled kernel over the latents in place (``_mla_absorbed_kernel``), where it applies
-    (``_paged_attention_kernel``); elsewhere, and for the expanded requests, padded chunks attend
-    through ``scaled_dot_product_attention``.
-
-    Args:
-        q_nope: [num_tokens, num_heads, nope]; q_pe: [num_tokens, num_heads, rope] (rotated).
-        kv_b_weight: [num_heads * (nope + v), kv_lora_rank] (``kv_b_proj.weight``).
-        kv_cache: [num_blocks, block_size, kv_lora_rank + rope].
-        expand: ``kv_b_proj`` as a function of latents [..., kv_lora_rank] (the layer's
-            ``Linear``, which runs its packed weight on the CPU); default ``F.linear`` with
-            ``kv_b_weight``.
-
-    Returns:
-        [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
-    """
-    num_tokens, num_heads, nope = q_nope.shape
-    w_kv = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, r]
-    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
-    v_dim = w_uv.shape[1]
-    if expand is None:
-        expand = functools.partial(F.linear, weight=kv_b_weight)
-    out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
-    chunks = request_chunks(
-        attn_metadata,
-        kv_cache.shape[1],
-        short_query_len=absorb_max_query_len,
-        context_bytes_per_token=kv_cache.shape[2] * kv_cache.element_size(),
-        data_device=q_nope.device,
-    )
-    kernel = _paged_attention_kernel(q_nope, kv_cache)
-    if kernel is not None:
-        _mla_absorbed_kernel(
-            kernel,
-            out,
-            (q_nope, q_pe),
-            (w_uk, w_uv),
-            kv_cache,
-            attn_metadata,
-            absorb_max_query_len=absorb_max_query_len,
-            scale=scale,
-        )
-        expanded = [c for c in chunks if c.max_query_len > absorb_max_query_len]
-        if expanded:
-            query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
-            for chunk in expanded:
-                rows = gather_context(kv_cache, chunk).to(q_nope.dtype)
-                kv = _mla_expand(rows, expand, num_heads, nope=nope, kv_lora_rank=kv_lora_rank)
-                _expanded_kernel(kernel, out[:num_tokens], query, kv, chunk, attn_metadata, scale)
-        return out[:num_tokens]
-    for chunk in chunks:
-        rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
-        qn = _gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
-        qp = _gather_rows(q_pe, chunk).transpose(1, 2)  # [R, H, Q, rope]
-        mask = chunk.attn_mask[:, None]  # [R, 1, Q, S]
-        if chunk.max_query_len <= absorb_max_query_len:
-            o = _mla_absorbed(qn, qp, rows, mask, w_uk, w_uv, scale=scale)
-        else:
-            o = _mla_expanded(qn, qp, rows, mask, expand, kv_lora_rank=kv_lora_rank, scale=scale)
-        out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
-    return out[:num_tokens]
-
-
-@dataclass(frozen=True, slots=True)
-class _ShortRequests:
-    """The requests with 1 to ``short_query_len`` query rows, as a compact batch of their own.
-
-    Fields: ``rows`` [n] int64, their flat query rows in order; ``block_table`` [R, max_blocks],
-    ``seq_lens`` [R] and ``query_start_loc`` [R + 1] int32 over the compact rows; ``req_ids`` [R]
-    int64 (0 .. R - 1).
-    """
-
-    rows: Tensor
-    block_table: Tensor
-    seq_lens: Tensor
-    query_start_loc: Tensor
-    req_ids: Tensor
-
-
-def _short_requests(attn_metadata: CommonAttentionMetadata, short_query_len: int) -> _ShortRequests:
-    """``_ShortRequests`` of this (u)batch, built once and shared by its layers."""
-
-    def build() -> _ShortRequests:
-        qsl = attn_metadata.query_start_loc.long()
-        query_lens = qsl[1:] - qsl[:-1]
-        req_ids = ((query_lens > 0) & (query_lens <= short_query_len)).nonzero().flatten()
-        lens = query_lens[req_ids]
-        compact_qsl = torch.zeros(len(req_ids) + 1, dtype=torch.long, device=qsl.device)
-        torch.cumsum(lens, 0, out=compact_qsl[1:])
-        first_rows = (qsl[req_ids] - compact_qsl[:-1]).repeat_interleave(lens)
-        return _ShortRequests(
-            rows=first_rows + torch.arange(len(first_rows), device=qsl.device),
-            block_table=attn_metadata.block_table[req_ids].contiguous(),
-            seq_lens=attn_metadata.seq_lens[req_ids].contiguous(),
-            query_start_loc=compact_qsl.int(),
-            req_ids=torch.arange(len(req_ids), device=qsl.device),
-        )
-
-    return attn_metadata.derived(("short_requests", short_query_len), build)
-
-
-def _mla_absorbed_kernel(
-    kernel: Callable[..., None],
-    out: Tensor,
-    query: tuple[Tensor, Tensor],
-    weights: tuple[Tensor, Tensor],
-    kv_cache: Tensor,
-    attn_metadata: CommonAttentionMetadata,
-    *,
-    absorb_max_query_len: int,
-    scale: float,
-) -> None:
-    """``_mla_absorbed`` of every request with at most ``absorb_max_query_len`` query rows in one
-    call of our compiled paged kernel, which reads the latents in place: one KV head whose keys
-    are the cache rows ``[kv_c, k_pe]`` and whose values are their first ``kv_lora_rank``
-    elements (the multi-query form). Writes those requests' rows of ``out`` [T + 1, H, v].
-
-    Args: query (q_nope [T, H, nope], q_pe [T, H, rope]), weights (w_uk [H, nope, r], w_uv
-    [H, v, r]), kv_cache [num_blocks, block_size, r + rope] (contiguous, q_nope's dtype).
-    """
-    (q_nope, q_pe), (w_uk, w_uv) = query, weights
-    short = _short_requests(attn_metadata, absorb_max_query_len)
-    if not short.rows.numel():
-        return
-    kv_lora_rank = w_uk.shape[-1]
-    # W_UK folded into the query: one bmm per head over the rows, [H, n, nope] @ [H, nope, r]
-    q_lat = torch.bmm(q_nope.index_select(0, short.rows).transpose(0, 1), w_uk)
-    q = torch.cat((q_lat.transpose(0, 1), q_pe.index_select(0, short.rows)), dim=-1)
-    o_lat = q.new_empty(*q.shape[:2], kv_lora_rank)  # [n, H, r]
-    latents = kv_cache[:, :, None]  # [num_blocks, block_size, 1, r + rope]
-    kernel(
-        o_lat,
-        q,
-        latents,
-        latents[..., :kv_lora_rank],
-        short.block_table,
-        short.seq_lens,
-        short.query_start_loc,
-        short.req_ids,
-        scale,
-    )
-    o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, n, v]
-    out.index_copy_(0, short.rows, o.transpose(0, 1))
-
-
-def _mla_absorbed(
-    qn: Tensor, qp: Tensor, rows: Tensor, mask: Tensor, w_uk: Tensor, w_uv: Tensor, *, scale: float
-) -> Tensor:
-    """One chunk's MLA with ``W_UK`` absorbed into the query and ``W_UV`` applied after: attention
-    over the latents themselves (keys ``[c_kv, k_pe]``, values ``c_kv``), as the reference's decode.
-
-    Args:
-        qn: [R, H, Q, nope]; qp: [R, H, Q, rope]; rows: [R, S, kv_lora_rank + rope] latents;
-        mask: [R, 1, Q, S]; w_uk: [H, nope, kv_lora_rank]; w_uv: [H, v, kv_lora_rank].
-
-    Returns:
-        [R, H, Q, v].
-    """
-    num_reqs, num_heads, q_len, nope = qn.shape
-    kv_lora_rank = w_uk.shape[-1]
-    # one bmm per head over all requests' rows ([H, R*Q, nope] @ [H, nope, r]): a broadcast
-    # matmul against [H, nope, r] would copy the weights once per request
-    q_lat = torch.bmm(qn.transpose(0, 1).reshape(num_heads, -1, nope), w_uk)
-    q_lat = q_lat.view(num_heads, num_reqs, q_len, kv_lora_rank).permute(1, 2, 0, 3)
-    # Every head attends over the same latents (multi-query form, as FlashMLA): the heads become
-    # query rows of one head, [R, 1, Q*H, r + rope] in (query, head) order, so K and V are read
-    # once per request instead of once per head.
-    q = torch.cat((q_lat, qp.transpose(1, 2)), dim=-1)  # [R, Q, H, r + rope]
-    q = q.reshape(num_reqs, 1, q_len * num_heads, q.shape[-1])
-    if q_len > 1:
-        mask = mask.repeat_interleave(num_heads, dim=2)  # [R, 1, Q*H, S]
-    o_lat = F.scaled_dot_product_attention(
-        q, rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale
-    )  # [R, 1, Q*H, r]
-    o_lat = o_lat.view(num_reqs, q_len, num_heads, kv_lora_rank).permute(2, 0, 1, 3)
-    out = torch.bmm(o_lat.reshape(num_heads, -1, kv_lora_rank), w_uv.transpose(1, 2))
-    return out.view(num_heads, num_reqs, q_len, -1).transpose(0, 1)  # [R, H, Q, v]
-
-
-def _mla_expand(
-    rows: Tensor,
-    expand: Callable[[Tensor], Tensor],
-    num_heads: int,
-    *,
-    nope: int,
-    kv_lora_rank: int,
-) -> tuple[Tensor, Tensor]:
-    """The latents ``rows`` [R, S, kv_lora_rank + rope] expanded through ``kv_b_proj``
-    (``expand``: [N, kv_lora_rank] -> [N, H * (nope + v)]) to per-head keys ``[k_nope, k_pe]``
-    [R, S, H, nope + rope] (contiguous) and values [R, S, H, v] (a view)."""
-    num_reqs, s_len, width = rows.shape
-    rope = width - kv_lora_rank
-    kv = expand(rows[..., :kv_lora_rank].reshape(-1, kv_lora_rank))
-    kv = kv.view(num_reqs, s_len, num_heads, -1)
-    k_pe = rows[..., None, kv_lora_rank:].expand(num_reqs, s_len, num_heads, rope)
-    return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
-
-
-def _expanded_kernel(
-    kernel: Callable[..., None],
-    out: Tensor,
-    query: Tensor,
-    kv: tuple[Tensor, Tensor],
-    chunk: PaddedRequests,
-    attn_metadata: CommonAttentionMetadata,
-    scale: float,
-) -> None:
-    """Attention of the chunk's requests over their expanded keys and values in our compiled
-    kernel (each request's context one block of ``max_seq_len`` slots: no padding is computed).
-
-    Args: out [T, H, v] (the chunk's rows are written), query [T, H, nope + rope], kv (keys
-    [R, S, H, nope + rope], values [R, S, H, v]) from ``_mla_expand``.
-    """
-    _, seq_lens, query_start_loc, _ = _kernel_inputs(attn_metadata)
-    block_table = torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=seq_lens.device)
-    block_table[chunk.req_ids, 0] = torch.arange(
-        chunk.num_reqs, dtype=torch.int32, device=seq_lens.device
-    )
-    k, v = kv
-    kernel(out, query, k, v, block_table, seq_lens, query_start_loc, chunk.req_ids, scale)
-
-
-def _mla_expanded(
-    qn: Tensor,
-    qp: Tensor,
-    rows: Tensor,
-    mask: Tensor,
-    expand: Callable[[Tensor], Tensor],
-    *,
-    kv_lora_rank: int,
-    scale: float,
-) -> Tensor:
-    """One chunk's MLA with the latents expanded to per-head K and V through ``kv_b_proj``, as
-    the reference's prefill.
-
-    Args:
-        qn: [R, H, Q, nope]; qp: [R, H, Q, rope]; rows: [R, S, kv_lora_rank + rope] latents;
-        mask: [R, 1, Q, S]; expand: ``kv_b_proj``, [N, kv_lora_rank] -> [N, H * (nope + v)].
-
-    Returns:
-        [R, H, Q, v].
-    """
-    k, v = _mla_expand(rows, expand, qn.shape[1], nope=qn.shape[-1], kv_lora_rank=kv_lora_rank)
-    return F.scaled_dot_product_attention(
-        torch.cat((qn, qp), dim=-1),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-    )

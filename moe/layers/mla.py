@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
 from moe.layers.attention import iter_request_spans, kv_write_slots
-from moe.layers.batched_attention import batched_mla_attention
+from moe.layers.batched_mla import batched_mla_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale

@@ -118,7 +118,7 @@ def test_the_layer_runs_the_build_for_the_platforms_isa():
     module = kernel_module_for(isa)
     op = make_op(4, 2, 16, torch.float32)
     q = torch.zeros(1, 4, 16, dtype=torch.float32)
-    assert batched_attention._paged_attention_kernel(q, op.kv_cache) is module.paged_attention
+    assert batched_attention.paged_attention_kernel(q, op.kv_cache) is module.paged_attention
 
 
 def test_kernels_off_by_environment(monkeypatch):
@@ -253,8 +253,8 @@ def test_kernel_request_cut_across_ubatches(kernel_calls):
 def test_kernel_not_used_for_mixed_dtypes(kernel_calls):
     op = make_op(4, 2, 16, torch.float32)
     q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
-    assert batched_attention._paged_attention_kernel(q, op.kv_cache) is None
-    assert batched_attention._paged_attention_kernel(q.float(), op.kv_cache) is not None
+    assert batched_attention.paged_attention_kernel(q, op.kv_cache) is None
+    assert batched_attention.paged_attention_kernel(q.float(), op.kv_cache) is not None
 
 
 @needs_compiler
