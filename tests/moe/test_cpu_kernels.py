@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe import kernels
 from moe.layers import batched_attention
@@ -346,3 +347,37 @@ def test_kernel_mla_absorbed_equals_native(kernel_calls, dtype, requests, blocks
     floor = 1e-6 if dtype == torch.float32 else 2**-8
     bound = max(floor, 4 * (ref_dtype - exact).abs().max().item())
     torch.testing.assert_close(got, exact, rtol=0, atol=bound)
+
+
+@needs_compiler
+def test_kernel_refuses_mismatched_k_v_and_out(isa):
+    """K and V are views of their own widths; shapes that do not fit together raise before any
+    work (the output is left as it was)."""
+    module = kernel_module_for(isa)
+    cache = torch.randn(2, 8, 4, 2, 16)
+    query = torch.randn(3, 4, 16)
+    meta = (
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+        torch.tensor([0, 3], dtype=torch.int32),
+        torch.tensor([0]),
+    )
+    out = torch.zeros(3, 4, 8)  # values 16 wide: out must be [3, 4, 16]
+    with pytest.raises(RuntimeError, match=r"out: \[T, H, v_head_dim\]"):
+        module.paged_attention(out, query, cache[0], cache[1], *meta, 0.25)
+    assert not out.any()
+    with pytest.raises(RuntimeError, match="differ in blocks, block size or KV heads"):
+        module.paged_attention(query.clone(), query, cache[0], cache[1, :4], *meta, 0.25)
+    with pytest.raises(RuntimeError, match="the last dim must be contiguous"):
+        v = cache[1].transpose(2, 3).contiguous().transpose(2, 3)
+        module.paged_attention(query.clone(), query, cache[0], v, *meta, 0.25)
+    # a V narrower than K (as MLA's latent rows): out takes V's width; causal GQA (2 query heads
+    # per KV head) over the request's 3 positions, all in block 0
+    out = torch.zeros(3, 4, 8)
+    module.paged_attention(out, query, cache[0], cache[1, ..., :8], *meta, 0.25)
+    k = cache[0, 0, :3].repeat_interleave(2, dim=1).transpose(0, 1)  # [4, 3, 16]
+    v = cache[1, 0, :3, :, :8].repeat_interleave(2, dim=1).transpose(0, 1)  # [4, 3, 8]
+    expected = F.scaled_dot_product_attention(
+        query.transpose(0, 1), k, v, is_causal=True, scale=0.25
+    )
+    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
