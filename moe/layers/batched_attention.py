@@ -21,8 +21,9 @@ The padding plan (chunks, index tensors, masks) depends only on the (u)batch's m
 first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
 
 On the CPU our compiled kernel (``moe.kernels``: ``paged_attention``) replaces the padded SDPA
-chunks where it applies: GQA reads K/V in place; MLA's absorbed requests read the latent rows in
-place, its expanded chunks their expanded K/V.
+chunks where it applies: GQA reads K/V in place (but for query chunks over a longer cached
+context, ``chunks_over_context``, which SDPA runs faster); MLA's absorbed requests read the latent
+rows in place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
 
 Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
 ``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
