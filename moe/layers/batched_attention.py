@@ -238,9 +238,14 @@ def request_chunks(
     """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
     (cached in ``attn_metadata.derived`` under ``plan_key`` of the same arguments: every layer has
     the same requests and block table)."""
-    key = (block_size, short_query_len, context_bytes_per_token, data_device)
     return attn_metadata.derived(
-        plan_key(*key, only_chunks_over_context),
+        plan_key(
+            block_size,
+            short_query_len,
+            context_bytes_per_token,
+            data_device,
+            only_chunks_over_context,
+        ),
         lambda: pad_request_chunks(
             attn_metadata,
             block_size,
@@ -306,7 +311,7 @@ def _kv_gather(
         ]
     num_cache_blocks = kv_cache.shape[1]
     rows = attn_metadata.derived(
-        ("kvgather_rows", plan, num_cache_blocks, kv_cache.device),
+        ("kv_gather_rows", plan, num_cache_blocks, kv_cache.device),
         lambda: [
             torch.cat((c.blocks.flatten(), c.blocks.flatten() + num_cache_blocks)) for c in chunks
         ],
@@ -340,7 +345,7 @@ def kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tenso
             req_ids,
         )
 
-    return attn_metadata.derived("paged_attentionkernel_inputs", build)
+    return attn_metadata.derived("paged_attention_kernel_inputs", build)
 
 
 def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
