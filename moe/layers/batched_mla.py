@@ -26,6 +26,7 @@ from moe.layers.batched_attention import (
     gather_rows,
     kernel_inputs,
     paged_attention_kernel,
+    plan_key,
     request_chunks,
 )
 
@@ -65,18 +66,20 @@ def batched_mla_attention(
     if expand is None:
         expand = functools.partial(F.linear, weight=kv_b_weight)
     out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
+    block_size, context_bytes = kv_cache.shape[1], kv_cache.shape[2] * kv_cache.element_size()
     chunks = request_chunks(
         attn_metadata,
-        kv_cache.shape[1],
+        block_size,
         short_query_len=absorb_max_query_len,
-        context_bytes_per_token=kv_cache.shape[2] * kv_cache.element_size(),
+        context_bytes_per_token=context_bytes,
         data_device=q_nope.device,
     )
     kernel = paged_attention_kernel(q_nope, kv_cache)
     if kernel is not None:
         query, short = (q_nope, q_pe), _short_requests(attn_metadata, absorb_max_query_len)
         _mla_absorbed_kernel(kernel, out, query, w_kv, kv_cache, short, scale=scale)
-        expanded = [c for c in chunks if c.max_query_len > absorb_max_query_len]
+        plan = plan_key(block_size, absorb_max_query_len, context_bytes, q_nope.device)
+        expanded = ([c for c in chunks if c.max_query_len > absorb_max_query_len], plan)
         _mla_expanded_kernel(
             kernel, out[:num_tokens], query, kv_cache, expanded, attn_metadata, expand, scale=scale
         )
@@ -253,7 +256,7 @@ def _mla_expanded_kernel(
     out: Tensor,
     query: tuple[Tensor, Tensor],
     kv_cache: Tensor,
-    chunks: list[PaddedRequests],
+    chunks: tuple[list[PaddedRequests], tuple],
     attn_metadata: CommonAttentionMetadata,
     expand: Callable[[Tensor], Tensor],
     *,
@@ -265,8 +268,10 @@ def _mla_expanded_kernel(
 
     Args: out [T, H, v] (the chunks' rows are written), query (q_nope [T, H, nope], q_pe
     [T, H, rope]), kv_cache [num_blocks, block_size, kv_lora_rank + rope], chunks (the
-    expanded requests' padding plan), expand (``kv_b_proj``).
+    expanded requests' chunks of a padding plan, and that plan's ``plan_key``), expand
+    (``kv_b_proj``).
     """
+    chunks, plan = chunks
     if not chunks:
         return
     q_nope, q_pe = query
@@ -274,15 +279,24 @@ def _mla_expanded_kernel(
     num_heads, nope = q_nope.shape[1:]
     kv_lora_rank = kv_cache.shape[-1] - q_pe.shape[-1]
     _, seq_lens, query_start_loc, _ = kernel_inputs(attn_metadata)
-    for chunk in chunks:
+    block_tables = attn_metadata.derived(  # built by the first layer, as the plan is
+        ("mla_expanded_block_tables", plan),
+        lambda: [_one_block_per_request(chunk, len(seq_lens)) for chunk in chunks],
+    )
+    for chunk, block_table in zip(chunks, block_tables, strict=True):
         rows = gather_context(kv_cache, chunk).to(q_nope.dtype)
         k, v = _mla_expand(rows, expand, num_heads, nope=nope, kv_lora_rank=kv_lora_rank)
-        # request req_ids[i]'s context is block i of k and v
-        block_table = seq_lens.new_zeros(len(seq_lens), 1)
-        block_table[chunk.req_ids, 0] = torch.arange(
-            chunk.num_reqs, dtype=block_table.dtype, device=block_table.device
-        )
         kernel(out, q, k, v, block_table, seq_lens, query_start_loc, chunk.req_ids, scale)
+
+
+def _one_block_per_request(chunk: PaddedRequests, num_reqs: int) -> Tensor:
+    """int32 ``[num_reqs, 1]`` block table in which request ``chunk.req_ids[i]``'s context is
+    block ``i`` (of the chunk's expanded keys and values); other rows 0 (never read)."""
+    block_table = torch.zeros(num_reqs, 1, dtype=torch.int32, device=chunk.req_ids.device)
+    block_table[chunk.req_ids, 0] = torch.arange(
+        chunk.num_reqs, dtype=torch.int32, device=chunk.req_ids.device
+    )
+    return block_table
 
 
 def _mla_expanded(
