@@ -8,9 +8,11 @@ takes received rows with their LOCAL top-k ids and weights and returns weighted 
 ``CustomOp`` implementation bound to ``forward``; ``apply_batched`` takes the ``[E, M, H]`` layout
 of DeepEP's low-latency dispatch (vLLM's batched experts) and returns UNWEIGHTED outputs.
 Implementations: ``forward_native``, the reference loop over the local experts; ``forward_cpu``,
-per expert prepacked oneDNN GEMMs (``moe.layers.linear``; gate and up as one on ``[w1_e; w3_e]``),
-else grouped GEMMs (``torch._grouped_mm``), else the reference; ``forward_cuda``, nothing read to
-the host (``moe.fused_moe.grouped_experts``). Choices and measurements: docs/hardware.md#experts.
+our compiled kernel for all experts in one call where it serves (``moe.fused_moe.cpu_fused``),
+else per expert prepacked oneDNN GEMMs (``moe.layers.linear``; gate and up as one on
+``[w1_e; w3_e]``), else grouped GEMMs (``torch._grouped_mm``), else the reference;
+``forward_cuda``, nothing read to the host (``moe.fused_moe.grouped_experts``). Choices and
+measurements: docs/hardware.md#experts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
+from moe.fused_moe.cpu_fused import fused_moe_kernels, kernel_runs, pack_weights
 from moe.fused_moe.grouped_experts import (
     ExpertWeights,
     batched_experts,
@@ -96,21 +99,32 @@ class TorchExperts(CustomOp):
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
         self.w3 = nn.Parameter(w13[:, intermediate_size:])
         self._packs: PackedWeights | None = None
+        # [w1; w3] and w2 packed for the compiled kernel (moe.fused_moe.cpu_fused), if it serves
+        self._kernel_packs: PackedWeights | None = None
         # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
         self._upcast: tuple[Tensor, ...] = ()
 
     def process_weights_after_loading(self) -> None:
-        """Prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or
-        float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and
-        keep float32 copies of small bfloat16 experts (``upcast_linear``: plain torch, so they
-        are kept where oneDNN cannot pack too). First puts w1 and w3 back into one allocation
-        if something (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm``
-        for ``forward_cuda`` on the weights' device (never inside a trace or a capture)."""
-        self._packs, self._upcast = None, ()
+        """Pack the weights for the compiled kernel where it serves this shape
+        (``moe.fused_moe.cpu_fused``; float32 then needs nothing else), and prepack every local
+        expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or float32 on the CPU;
+        otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and keep float32 copies
+        of small bfloat16 experts (``upcast_linear``: plain torch, so they are kept where oneDNN
+        cannot pack too). First puts w1 and w3 back into one allocation if something
+        (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm`` for
+        ``forward_cuda`` on the weights' device (never inside a trace or a capture)."""
+        self._packs, self._upcast, self._kernel_packs = None, (), None
         self._join_gate_up()
         if not self.w1.is_meta:  # probe now, not in a traced or captured forward
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
         sources = (self.w1, self.w2, self.w3)
+        if not self.w1.is_meta and self._kernels() is not None:
+            w13 = torch.cat([self.w1, self.w3], dim=1)
+            self._kernel_packs = PackedWeights.of(
+                sources, (pack_weights(w13), pack_weights(self.w2))
+            )
+            if self.w1.dtype == torch.float32:
+                return  # the kernel serves every float32 call
         per_expert = self.hidden_size * self.intermediate_size
         if not all(can_pack(w, num_elements=per_expert) for w in sources):
             return
@@ -134,6 +148,28 @@ class TorchExperts(CustomOp):
         w13 = torch.cat([self.w1, self.w3], dim=1)  # once, at load
         inter = self.intermediate_size
         self.w1.data, self.w3.data = w13[:, :inter], w13[:, inter:]
+
+    def _kernels(self):
+        """The compiled kernel module if it serves these experts (``fused_moe_kernels``)."""
+        return fused_moe_kernels(self.hidden_size, self.intermediate_size, self.w1)
+
+    def kernel_packed_weights(self, x: Tensor, rows_per_expert: float) -> tuple[Tensor, ...]:
+        """``(w13, w2)`` packed for the compiled kernel (re-made if a weight changed) where it
+        serves rows ``x`` with ``rows_per_expert`` rows per active expert on average
+        (``kernel_runs``: the dtype, the shape, no autograd through it), else empty."""
+        sources = (self.w1, self.w2, self.w3)
+        if (
+            x.dtype != self.w1.dtype
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *sources)))
+            or self._kernels() is None
+            or not kernel_runs(
+                x.dtype, rows_per_expert, 3 * self.hidden_size * self.intermediate_size
+            )
+        ):
+            return ()
+        if self._kernel_packs is None or not self._kernel_packs.is_current(sources):
+            self.process_weights_after_loading()
+        return () if self._kernel_packs is None else self._kernel_packs.packed
 
     def expert_weights(self) -> ExpertWeights:
         """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
@@ -204,8 +240,24 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per projection
-        over the per-expert row groups (same math as ``forward_native``)."""
+        """Our compiled kernel for all experts at once where it serves (``kernel_packed_weights``),
+        else prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per
+        projection over the per-expert row groups (same math as ``forward_native``)."""
+        self._check(hidden_states, topk_ids, topk_weights)
+        num_pairs = topk_ids.numel()
+        kernel_packs = self.kernel_packed_weights(
+            hidden_states, num_pairs / max(1, min(num_pairs, self.num_local_experts))
+        )
+        if kernel_packs:
+            out = torch.empty_like(hidden_states)
+            self._kernels().fused_moe(
+                out,
+                hidden_states.contiguous(),
+                *kernel_packs,
+                topk_ids.to(torch.int64).contiguous(),
+                topk_weights.to(torch.float32).contiguous(),
+            )
+            return out
         packs = self.packed_weights()
         if hidden_states.dtype == self.w1.dtype and (packs or self._upcast):
             swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
@@ -378,6 +430,15 @@ class TorchExperts(CustomOp):
         """``apply_batched`` with host counts: per expert, the packed GEMMs on the CPU path, else
         the reference's plain GEMMs."""
         fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
+        if fast:
+            active = sum(1 for count in counts if count)
+            kernel_packs = self.kernel_packed_weights(hidden_states, sum(counts) / max(1, active))
+            if kernel_packs:
+                out = torch.empty_like(hidden_states)
+                self._kernels().fused_moe_batched(
+                    out, hidden_states.contiguous(), *kernel_packs, counts
+                )
+                return out
         packs = self.packed_weights() if fast else ()
         swiglu_rows = self._plain_swiglu_rows
         if fast and (packs or self._upcast):

@@ -180,7 +180,7 @@ def _build(isa: str) -> ModuleType | None:
         # the sources' directory too: torch's ninja file names the source paths, so two checkouts
         # sharing one directory would rebuild each time the other one built last
         digest = hashlib.sha256(repr((flags, torch.__version__, sys.version, str(CSRC))).encode())
-        for source in sources:
+        for source in [*sources, *sorted(CSRC.glob("*.h"))]:  # headers too: no dependency scan
             digest.update(source.read_bytes())
         build_directory = Path(get_default_build_root()) / f"{name}_{digest.hexdigest()[:16]}"
         build_directory.mkdir(parents=True, exist_ok=True)

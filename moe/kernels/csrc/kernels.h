@@ -1,0 +1,22 @@
+// The kernels this directory's extension module exports (module.cpp binds them for Python; their
+// contracts are in moe/kernels/__init__.py).
+
+#pragma once
+
+#include <torch/extension.h>
+
+namespace moe_dbo_cpu {
+
+// paged_attention_cpu.cpp
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const at::Tensor& req_ids, double scale);
+
+// fused_moe_cpu.cpp
+void fused_moe(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor& w13,
+               const at::Tensor& w2, const at::Tensor& topk_ids, const at::Tensor& topk_weights);
+void fused_moe_batched(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor& w13,
+                       const at::Tensor& w2, const std::vector<int64_t>& expert_num_tokens);
+
+}  // namespace moe_dbo_cpu
