@@ -1,8 +1,9 @@
 """Benchmark: the experts' paths: the per-expert loop (``forward_native``), one grouped GEMM per
 projection with host counts (``forward_grouped``), the host-sync-free device path
-(``forward_cuda``: grouping, grouped GEMMs and combine on the device) and, on CPU, prepacked
-oneDNN GEMMs per expert (``forward_cpu``). Prints times and ratios; speed claims live here, never
-in tests.
+(``forward_cuda``: grouping, grouped GEMMs and combine on the device) and, on CPU, ``forward_cpu``
+twice: with our compiled kernels off (prepacked oneDNN GEMMs per expert) and on (the experts
+kernel where it serves, ``moe.fused_moe.cpu_fused``). Prints times and ratios; speed claims live
+here, never in tests.
 
     python -m launch.benchmarks.experts [--threads 1] [--repeats 20] [--device cpu|cuda]
 """
@@ -10,6 +11,8 @@ in tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 import torch
 
@@ -25,7 +28,23 @@ SHAPES = (
     (32, 32, 512, 256, 6),
     (80, 8, 1024, 2048, 2),  # the medium checkpoint: a decode batch, a prefill chunk
     (2048, 8, 1024, 2048, 2),
+    (80, 60, 512, 352, 4),  # Qwen1.5-MoE-like experts (the shape sweep's worst float32 row)
+    (2048, 60, 512, 352, 4),
 )
+
+
+@contextlib.contextmanager
+def compiled_kernels(enabled: bool):
+    """Our compiled CPU kernels on or off (``MOE_DBO_CPU_KERNELS``) inside the block."""
+    old = os.environ.get("MOE_DBO_CPU_KERNELS")
+    os.environ["MOE_DBO_CPU_KERNELS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MOE_DBO_CPU_KERNELS"]
+        else:
+            os.environ["MOE_DBO_CPU_KERNELS"] = old
 
 
 def _timer(device: torch.device, repeats: int):
@@ -57,6 +76,23 @@ def _experts_and_batch(shape, dtype, device, gen):
     return experts, (x.to(device), ids.to(device), weights.to(device))
 
 
+def _time_paths(shape, dtype, device, timed, gen) -> dict[str, float]:
+    """Seconds per call of each path on one shape (NaN where a path is not a CPU path here)."""
+    with compiled_kernels(False):
+        experts, call = _experts_and_batch(shape, dtype, device, gen)
+    host_only = device.type == "cpu"  # the grouped, per-expert and kernel paths are CPU paths
+    nan = float("nan")
+    with torch.no_grad():
+        times = {"loop": timed(experts.forward_native, *call)}
+        times["device"] = timed(experts.forward_cuda, *call)
+        times["grouped"] = timed(experts.forward_grouped, *call) if host_only else nan
+        with compiled_kernels(False):
+            times["packed"] = timed(experts.forward_cpu, *call) if host_only else nan
+        experts.process_weights_after_loading()  # the kernel's packs, where it serves
+        times["kernel"] = timed(experts.forward_cpu, *call) if host_only else nan
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="launch.benchmarks.experts", description=__doc__.splitlines()[0]
@@ -71,21 +107,16 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     print(
         "dtype     tokens experts hidden inter topk   loop ms  grouped ms  device ms  packed ms"
-        "  loop/device  device/packed"
+        "  kernel ms  loop/device  packed/kernel"
     )
     for dtype in (torch.float32, torch.bfloat16):
         for shape in SHAPES:
-            experts, call = _experts_and_batch(shape, dtype, device, gen)
-            with torch.no_grad():
-                loop = timed(experts.forward_native, *call)
-                device_s = timed(experts.forward_cuda, *call)
-                host_only = device.type == "cpu"  # the grouped and packed paths are CPU paths
-                grouped = timed(experts.forward_grouped, *call) if host_only else float("nan")
-                packed = timed(experts.forward_cpu, *call) if host_only else float("nan")
+            t = {k: v * 1e3 for k, v in _time_paths(shape, dtype, device, timed, gen).items()}
             print(
                 f"{str(dtype)[6:]:9} {shape[0]:6} {shape[1]:7} {shape[2]:6} {shape[3]:5} "
-                f"{shape[4]:4} {loop * 1e3:9.2f} {grouped * 1e3:11.2f} {device_s * 1e3:10.2f} "
-                f"{packed * 1e3:10.2f} {loop / device_s:12.2f} {device_s / packed:14.2f}"
+                f"{shape[4]:4} {t['loop']:9.2f} {t['grouped']:11.2f} {t['device']:10.2f} "
+                f"{t['packed']:10.2f} {t['kernel']:10.2f} {t['loop'] / t['device']:12.2f} "
+                f"{t['packed'] / t['kernel']:14.2f}"
             )
 
 

@@ -1,12 +1,13 @@
 """Our C++ CPU kernels, compiled on first use for an instruction set the caller names.
 
-``cpu_kernels(isa)`` builds ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load`` (ninja + the
-system C++ compiler) for one ISA and returns the loaded module, or ``None`` when there is nothing
-worth building (``isa`` None: no vector ISA) or it cannot be built here (no compiler, no ninja, a
-compile error): the callers then keep their plain torch path, which computes the same result. The
-sources are written once over ATen's ``at::vec::Vectorized`` and compiled with torch's own per-ISA
-defines (``-DCPU_CAPABILITY=AVX2 -DCPU_CAPABILITY_AVX2``, or the AVX512 ones) and the matching
-``-m`` flags, never ``-march=native``: a build only holds the instructions its ISA names.
+``cpu_kernels(isa)`` builds ``csrc/*.cpp`` (with the ``*.h`` they share) with
+``torch.utils.cpp_extension.load`` (ninja + the system C++ compiler) for one ISA and returns the
+loaded module, or ``None`` when there is nothing worth building (``isa`` None: no vector ISA) or
+it cannot be built here (no compiler, no ninja, a compile error): the callers then keep their
+plain torch path, which computes the same result. The sources are written once over ATen's
+``at::vec::Vectorized`` and compiled with torch's own per-ISA defines (``-DCPU_CAPABILITY=AVX2
+-DCPU_CAPABILITY_AVX2``, or the AVX512 ones) and the matching ``-m`` flags, never
+``-march=native``: a build only holds the instructions its ISA names.
 
 ISAs (``ISA_FLAGS``): ``"avx2"`` (AVX2 + FMA, 8 float lanes: every x86 CPU since Haswell / Zen 1)
 and ``"avx512"`` (AVX-512 F/BW/VL/DQ, 16 lanes: torch's own AVX512 level). Each ISA's build is its
@@ -37,6 +38,19 @@ Kernels (the module's functions):
         untouched); query row i of request r sits at position ``seq_lens[r] - q_len + i`` and
         attends causally. Raises ``RuntimeError`` on other shapes, dtypes or layouts. Releases
         the GIL while it runs.
+    fused_moe(out, hidden_states, w13, w2, topk_ids, topk_weights)
+        All local SwiGLU experts of a layer in one call (``csrc/fused_moe_cpu.cpp``; used by
+        ``moe.fused_moe.experts`` through ``moe.fused_moe.cpu_fused``): ``out[n] = sum_k
+        topk_weights[n, k] W2_e (silu(W1_e x_n) * W3_e x_n)``, e = ``topk_ids[n, k]``, slots
+        with a negative id skipped. ``hidden_states`` and ``out`` ``[N, H]`` contiguous, float32
+        or bfloat16; ``w13`` ``[E, 2F / 16, H, 16]`` and ``w2`` ``[E, H / 16, F, 16]`` in that
+        dtype (``cpu_fused.pack_weights``); ``topk_ids`` ``[N, K]`` int64, ``topk_weights``
+        ``[N, K]`` float32. Raises ``ValueError`` for an id >= E, ``RuntimeError`` on other
+        shapes, dtypes or layouts. Releases the GIL while it runs.
+    fused_moe_batched(out, hidden_states, w13, w2, expert_num_tokens)
+        The same experts on the batched layout ``[E, M, H]`` (DeepEP low-latency's): expert e's
+        first ``expert_num_tokens[e]`` rows (a list of E ints in ``[0, M]``, else
+        ``ValueError``), UNWEIGHTED; the rows past each count are written as zeros.
     isa() -> str
         The ISA the build's vectors use: ``"avx2"`` or ``"avx512"``.
 """
