@@ -26,8 +26,9 @@
 // Sums are added into each token's output in ascending expert order (the reference's order), so
 // the result does not depend on the number of threads.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,9 +1,13 @@
 // The kernels this directory's extension module exports (module.cpp binds them for Python; their
-// contracts are in moe/kernels/__init__.py).
+// contracts are in moe/kernels/__init__.py). Only module.cpp includes torch/extension.h (pybind11
+// and all of torch's headers): the kernels compile against ATen alone, a shorter build.
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace moe_dbo_cpu {
 

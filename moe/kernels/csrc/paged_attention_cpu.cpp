@@ -25,19 +25,17 @@
 // form of its absorbed attention (FlashMLA's): one KV head whose keys are the whole
 // [kv_c, k_pe] row and whose values are the same row's first kv_lora_rank elements.
 //
-// Vectors: one source over ATen's at::vec::Vectorized<float> (torch's own CPU kernels' idiom),
-// compiled once per ISA by moe/kernels/__init__.py with torch's defines (CPU_CAPABILITY=AVX2 and
-// CPU_CAPABILITY_AVX2 with -mavx2 -mfma, or the AVX512 ones with -mavx512f/bw/vl/dq): a vector
-// holds kLanes = Vectorized<float>::size() floats, 8 with AVX2, 16 with AVX-512. Without those
-// defines at::vec falls back to plain loops over an 8-lane array: correct, not fast (the Python
-// side does not build that variant).
+// Vectors: vec_common.h (ATen's at::vec::Vectorized<float>, kLanes = 8 floats with AVX2, 16 with
+// AVX-512; one build per ISA). Without torch's ISA defines at::vec falls back to plain loops over
+// an 8-lane array: correct, not fast (the Python side does not build that variant).
 //
 // Precision: float32 and bfloat16 accumulate in float32 with exp from a degree-6 polynomial
 // (relative error below 2.4e-7 on [-87, 0], about two float32 ulps, mean 3e-8); float64
 // accumulates in double with std::exp in plain loops (the reference tests compare in float64).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
