@@ -251,6 +251,63 @@ inline float scores_transposed(float* scores, const float* q, const float* kt_g,
   return reduce_max(vmax);
 }
 
+// Query rows of a prefill chunk computed together: each key (pass 1) and value (pass 3) vector
+// loaded once serves kRowTile rows, so a load feeds kRowTile FMAs instead of one.
+constexpr int kRowTile = 4;
+
+// scores_r[t] = q_r . k_t for r < R and t in [t0, t0 + T kLanes), from one KV head's transposed
+// keys kt_g ([head_dim, seq_pad]): R x T sums in registers, each key vector loaded once.
+template <int R, int T>
+inline void score_rows_tile(float* const* scores, const float* const* q, const float* kt_g,
+                            int64_t seq_pad, int64_t t0, int64_t head_dim) {
+  Vec a[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < T; ++j) a[r][j] = Vec(0.0f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float* k = kt_g + d * seq_pad + t0;
+    Vec kv[T];
+    for (int j = 0; j < T; ++j) kv[j] = Vec::loadu(k + kLanes * j);
+    for (int r = 0; r < R; ++r) {
+      const Vec qd(q[r][d]);
+      for (int j = 0; j < T; ++j) a[r][j] = at::vec::fmadd(qd, kv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < T; ++j) a[r][j].store(scores[r] + t0 + kLanes * j);
+}
+
+// score_rows_tile over the key tiles [0, num_tiles), T at a time (then T / 2, ...)
+template <int R, int T>
+inline void score_rows(float* const* scores, const float* const* q, const float* kt_g,
+                       int64_t seq_pad, int64_t t0, int64_t num_tiles, int64_t head_dim) {
+  for (; num_tiles >= T; num_tiles -= T, t0 += T * kLanes)
+    score_rows_tile<R, T>(scores, q, kt_g, seq_pad, t0, head_dim);
+  if constexpr (T > 1) {
+    if (num_tiles > 0) score_rows<R, T / 2>(scores, q, kt_g, seq_pad, t0, num_tiles, head_dim);
+  }
+}
+
+// out_r[0 .. NV kLanes) = sum_{t < n} p_r[t] v_t (v_t = rows[t] + offset) for r < R: each value
+// vector loaded once for the R rows; rows whose context ends before n hold p_r[t] = 0 there.
+template <int R, int NV, typename scalar_t>
+inline void weighted_rows_tile(float* const* out, const float* const* p,
+                               const scalar_t* const* rows, int64_t offset, int64_t n) {
+  Vec a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = Vec(0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* v = rows[t] + offset;
+    Vec vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load_float(v + kLanes * j);
+    for (int r = 0; r < R; ++r) {
+      const Vec pr(p[r][t]);
+      for (int j = 0; j < NV; ++j) a[r][j] = at::vec::fmadd(pr, vv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j].store(out[r] + kLanes * j);
+}
+
 // Query rows per request from which the keys are transposed once for all rows (prefill chunks);
 // fewer rows (decode) take one dot product per key and head.
 constexpr int64_t kTransposeMinQueryRows = 4;
@@ -343,6 +400,71 @@ void attend_row(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, i
   }
 }
 
+// kRowTile consecutive query rows of a prefill chunk (keys transposed in w), the first at token
+// with n keys visible, the next with n + 1, ...: attend_row's three passes, kRowTile rows at once.
+// Pass 1 scores every row over the last row's n + kRowTile - 1 keys; the scores past a row's own
+// context are left out of its max and zeroed after its exp, so they weigh nothing in pass 3.
+template <typename scalar_t>
+void attend_rows(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, int64_t token,
+                 int64_t n) {
+  constexpr int R = kRowTile;
+  const int64_t width = a.num_heads * a.head_dim;
+  const int64_t v_width = a.num_heads * a.v_head_dim;
+  const int64_t n_last = n + R - 1;
+  const int64_t num_tiles = (n_last + kLanes - 1) / kLanes;
+  for (int64_t r = 0; r < R; ++r) {
+    const scalar_t* q_row = a.q_base + (token + r) * width;
+    for (int64_t e = 0; e < width; ++e) w.q[r * width + e] = to_float(q_row[e]) * a.scale;
+  }
+  constexpr int kTiles = std::max(1, kAccVectors / R);
+  constexpr int kValueVecs = std::max(1, kAccVectors / R);
+  const bool value_tiles = a.v_head_dim % kLanes == 0;
+  for (int64_t h = 0; h < a.num_heads; ++h) {
+    float* scores[R];
+    const float* q[R];
+    float* acc[R];
+    for (int r = 0; r < R; ++r) {
+      scores[r] = w.scores.data() + (r * a.num_heads + h) * w.seq_pad;
+      q[r] = w.q.data() + r * width + h * a.head_dim;
+      acc[r] = w.acc.data() + r * v_width + h * a.v_head_dim;
+    }
+    const float* kt_g = w.kt.data() + (h / a.group_size) * a.head_dim * w.seq_pad;
+    score_rows<R, kTiles>(scores, q, kt_g, w.seq_pad, 0, num_tiles, a.head_dim);
+    float row_sum[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t n_r = n + r;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < n_r; ++t) m = std::max(m, scores[r][t]);
+      row_sum[r] = exp_shifted_sum(scores[r], m, n_r);
+      std::fill(scores[r] + n_r, scores[r] + n_last, 0.0f);
+    }
+    const int64_t offset = (h / a.group_size) * a.v_head_stride;
+    if (value_tiles) {
+      const float* p[R];
+      float* out[R];
+      for (int r = 0; r < R; ++r) p[r] = scores[r];
+      for (int64_t d = 0; d < a.v_head_dim;) {
+        for (int r = 0; r < R; ++r) out[r] = acc[r] + d;
+        if (d + kValueVecs * kLanes <= a.v_head_dim) {
+          weighted_rows_tile<R, kValueVecs>(out, p, w.vslots.data(), offset + d, n_last);
+          d += kValueVecs * kLanes;
+        } else {
+          weighted_rows_tile<R, 1>(out, p, w.vslots.data(), offset + d, n_last);
+          d += kLanes;
+        }
+      }
+    } else {
+      for (int r = 0; r < R; ++r)
+        weighted_rows(acc[r], scores[r], w.vslots.data(), offset, n + r, a.v_head_dim);
+    }
+    for (int r = 0; r < R; ++r) {
+      scalar_t* o = a.out_base + (token + r) * v_width + h * a.v_head_dim;
+      const float inv = 1.0f / row_sum[r];
+      for (int64_t d = 0; d < a.v_head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r][d] * inv);
+    }
+  }
+}
+
 // All query rows of request r.
 template <typename scalar_t>
 void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& w, int64_t r) {
@@ -359,7 +481,7 @@ void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& 
     w.vslots[t] = a.v_base + block * a.v_block_stride + slot * a.v_slot_stride;
   }
   w.seq_pad = (seq_len + kLanes - 1) / kLanes * kLanes;
-  w.scores.resize(a.num_heads * w.seq_pad);
+  w.scores.resize(kRowTile * a.num_heads * w.seq_pad);  // attend_rows: kRowTile rows
   w.transposed = false;
   if constexpr (std::is_same_v<acc_type_t<scalar_t>, float>) {
     if (q_len >= kTransposeMinQueryRows) {
@@ -370,7 +492,14 @@ void attend_request(const PagedAttentionArgs<scalar_t>& a, Workspace<scalar_t>& 
     }
   }
   // row i sits at position seq_len - q_len + i: it sees that many keys plus one
-  for (int64_t i = 0; i < q_len; ++i) attend_row(a, w, q_start + i, seq_len - q_len + i + 1);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<acc_type_t<scalar_t>, float>) {
+    if (w.transposed) {
+      for (; i + kRowTile <= q_len; i += kRowTile)
+        attend_rows(a, w, q_start + i, seq_len - q_len + i + 1);
+    }
+  }
+  for (; i < q_len; ++i) attend_row(a, w, q_start + i, seq_len - q_len + i + 1);
 }
 
 template <typename scalar_t>
@@ -407,8 +536,8 @@ void paged_attention_impl(
   // once, in order, for all heads.
   at::parallel_for(0, req_ids.size(0), 1, [&](int64_t begin, int64_t end) {
     Workspace<scalar_t> w;
-    w.q.resize(a.num_heads * a.head_dim);
-    w.acc.resize(a.num_heads * a.v_head_dim);
+    w.q.resize(kRowTile * a.num_heads * a.head_dim);
+    w.acc.resize(kRowTile * a.num_heads * a.v_head_dim);
     w.row_max.resize(a.num_heads);
     w.row_sum.resize(a.num_heads);
     for (int64_t work = begin; work < end; ++work) attend_request(a, w, reqs[work]);
