@@ -9,11 +9,10 @@ through the padded SDPA chunks). Prints times and ratios; speed claims live here
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from launch.benchmarks.timing import mean_seconds
+from launch.benchmarks.timing import compiled_kernels, mean_seconds
 from moe.layers.attention import PagedAttention
 from moe.layers.attention_metadata import CommonAttentionMetadata
 
@@ -27,6 +26,10 @@ SHAPES = (
     ("mixed 255 decodes + chunk 512", [(100 + i, 1) for i in range(255)] + [(0, 512)], 8, 4, 32),
     # the medium checkpoint's decode steps: 80 requests, prompts of 71-249 tokens, 16/8 heads of 64
     ("decode 80 x ctx~190, 16/8 heads x 64", [(80 + i * 2, 1) for i in range(80)], 16, 8, 64),
+    # 4 requests, 8/2 heads x 64: chunks over a cached context (chunked prefill), fresh prefills
+    ("4 x 64 rows over 448, 8/2 heads x 64", [(448, 64)] * 4, 8, 2, 64),
+    ("4 x 256 rows over 1024, 8/2 heads x 64", [(1024, 256)] * 4, 8, 2, 64),
+    ("4 x 1024 rows over 0, 8/2 heads x 64", [(0, 1024)] * 4, 8, 2, 64),
 )
 
 
@@ -81,24 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             native = mean_seconds(op.forward_native, q, k, v, md, repeats=args.repeats)
             batched = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
-            torch_only = _without_kernels(op.forward_cpu, q, k, v, md, repeats=args.repeats)
+            with compiled_kernels(False):
+                torch_only = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
         print(
             f"{name:36s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {torch_only * 1e3:14.3f} "
             f"{native / batched:15.2f} {torch_only / batched:19.2f}"
         )
-
-
-def _without_kernels(fn, *args, repeats: int) -> float:
-    """``mean_seconds`` of ``fn`` with the compiled CPU kernels turned off."""
-    before = os.environ.get("MOE_DBO_CPU_KERNELS")
-    os.environ["MOE_DBO_CPU_KERNELS"] = "0"
-    try:
-        return mean_seconds(fn, *args, repeats=repeats)
-    finally:
-        if before is None:
-            del os.environ["MOE_DBO_CPU_KERNELS"]
-        else:
-            os.environ["MOE_DBO_CPU_KERNELS"] = before
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ here, never in tests.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 import torch
 
-from launch.benchmarks.timing import mean_seconds
+from launch.benchmarks.timing import compiled_kernels, mean_seconds
 from moe.fused_moe.experts import TorchExperts
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
@@ -31,20 +29,6 @@ SHAPES = (
     (80, 60, 512, 352, 4),  # Qwen1.5-MoE-like experts (the shape sweep's worst float32 row)
     (2048, 60, 512, 352, 4),
 )
-
-
-@contextlib.contextmanager
-def compiled_kernels(enabled: bool):
-    """Our compiled CPU kernels on or off (``MOE_DBO_CPU_KERNELS``) inside the block."""
-    old = os.environ.get("MOE_DBO_CPU_KERNELS")
-    os.environ["MOE_DBO_CPU_KERNELS"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["MOE_DBO_CPU_KERNELS"]
-        else:
-            os.environ["MOE_DBO_CPU_KERNELS"] = old
 
 
 def _timer(device: torch.device, repeats: int):

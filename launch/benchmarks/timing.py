@@ -1,9 +1,11 @@
-"""The timing loop the micro-benchmarks share."""
+"""The timing loop the micro-benchmarks share, and the switch for our compiled CPU kernels."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def mean_seconds(fn: Callable, *args, repeats: int) -> float:
@@ -14,3 +16,18 @@ def mean_seconds(fn: Callable, *args, repeats: int) -> float:
     for _ in range(repeats):
         fn(*args)
     return (time.perf_counter() - start) / repeats
+
+
+@contextlib.contextmanager
+def compiled_kernels(enabled: bool) -> Iterator[None]:
+    """Our compiled CPU kernels on or off (``MOE_DBO_CPU_KERNELS``, read at each call) inside the
+    block; the variable's previous value is restored after it."""
+    old = os.environ.get("MOE_DBO_CPU_KERNELS")
+    os.environ["MOE_DBO_CPU_KERNELS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MOE_DBO_CPU_KERNELS"]
+        else:
+            os.environ["MOE_DBO_CPU_KERNELS"] = old

@@ -21,9 +21,8 @@ The padding plan (chunks, index tensors, masks) depends only on the (u)batch's m
 first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
 
 On the CPU our compiled kernel (``moe.kernels``: ``paged_attention``) replaces the padded SDPA
-chunks where it applies: GQA reads K/V in place (but for query chunks over a longer cached
-context, ``chunks_over_context``, which SDPA runs faster); MLA's absorbed requests read the latent
-rows in place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
+chunks where it applies: GQA reads K/V in place; MLA's absorbed requests read the latent rows in
+place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
 
 Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
 ``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
@@ -57,12 +56,6 @@ CHUNK_CONTEXT_BYTES = 16 << 20
 # Requests go in chunks by seq_len bucket (quarter octaves from 64 tokens up; see _chunk_bounds).
 SEQ_LEN_BUCKETS_PER_OCTAVE = 4
 SEQ_LEN_BUCKET_MIN = 64
-# A query chunk of at least this many rows over a cached context at least as long as the chunk
-# attends faster in the padded SDPA chunks than in our compiled kernel, which goes a query row at a
-# time where SDPA's flash kernel multiplies blocks (fresh prefills, whose padded SDPA computes the
-# masked upper triangle too, and decode rows go the other way): ``batched_paged_attention`` sends
-# such requests to SDPA (measured: docs/hardware.md, "Paged attention kernel").
-SDPA_MIN_CHUNK_ROWS = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,13 +141,6 @@ def _chunk_bounds(
     return bounds
 
 
-def chunks_over_context(query_lens: Tensor, seq_lens: Tensor) -> Tensor:
-    """bool ``[num_reqs]``: the requests whose query chunk (``query_lens``, at least
-    ``SDPA_MIN_CHUNK_ROWS`` rows) follows a cached context at least as long as itself
-    (``seq_lens - query_lens >= query_lens``); int tensors ``[num_reqs]``."""
-    return (query_lens >= SDPA_MIN_CHUNK_ROWS) & (seq_lens - query_lens >= query_lens)
-
-
 def pad_request_chunks(
     attn_metadata: CommonAttentionMetadata,
     block_size: int,
@@ -162,10 +148,8 @@ def pad_request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device | None = None,
-    only_chunks_over_context: bool = False,
 ) -> list[PaddedRequests]:
-    """The requests with query rows (only those ``chunks_over_context`` selects if
-    ``only_chunks_over_context``), padded in chunks.
+    """The requests with query rows, padded in chunks.
 
     Requests go in two groups — ``query_len <= short_query_len`` (decode rows), then the longer
     ones — each sorted by ``seq_len`` and cut into chunks whose gathered context
@@ -179,10 +163,9 @@ def pad_request_chunks(
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = attn_metadata.seq_lens.long()
     is_short = query_lens <= short_query_len
-    chosen = chunks_over_context(query_lens, seq_lens) if only_chunks_over_context else True
     chunks = []
     for selected in (is_short & (query_lens > 0), ~is_short):
-        req_ids = (selected & chosen).nonzero().flatten()
+        req_ids = selected.nonzero().flatten()
         if not req_ids.numel():
             continue
         order = seq_lens[req_ids].argsort(stable=True)
@@ -208,22 +191,11 @@ def pad_request_chunks(
 
 
 def plan_key(
-    block_size: int,
-    short_query_len: int,
-    context_bytes_per_token: int,
-    data_device: torch.device,
-    only_chunks_over_context: bool = False,
+    block_size: int, short_query_len: int, context_bytes_per_token: int, data_device: torch.device
 ) -> tuple:
     """The ``attn_metadata.derived`` key of the padding plan ``request_chunks`` builds from these
     arguments; caches derived from that plan (masks, gather rows) extend it."""
-    return (
-        "pad_request_chunks",
-        block_size,
-        short_query_len,
-        context_bytes_per_token,
-        data_device,
-        only_chunks_over_context,
-    )
+    return ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
 
 
 def request_chunks(
@@ -233,26 +205,18 @@ def request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device,
-    only_chunks_over_context: bool = False,
 ) -> list[PaddedRequests]:
     """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
     (cached in ``attn_metadata.derived`` under ``plan_key`` of the same arguments: every layer has
     the same requests and block table)."""
     return attn_metadata.derived(
-        plan_key(
-            block_size,
-            short_query_len,
-            context_bytes_per_token,
-            data_device,
-            only_chunks_over_context,
-        ),
+        plan_key(block_size, short_query_len, context_bytes_per_token, data_device),
         lambda: pad_request_chunks(
             attn_metadata,
             block_size,
             short_query_len=short_query_len,
             context_bytes_per_token=context_bytes_per_token,
             data_device=data_device,
-            only_chunks_over_context=only_chunks_over_context,
         ),
     )
 
@@ -372,11 +336,10 @@ def batched_paged_attention(
 ) -> Tensor:
     """Attention of every query row over its request's cached context (K/V already written).
 
-    On the CPU our compiled kernel computes the requests reading K/V in place through the block
+    On the CPU our compiled kernel computes every request reading K/V in place through the block
     table (``moe/kernels/csrc/paged_attention_cpu.cpp``; faster than the padded SDPA chunks on
-    decode rows and fresh prefills: docs/benchmarks.md, "Micro-benchmarks"), but for query
-    chunks over a longer cached context (``chunks_over_context``), which the padded SDPA chunks
-    run faster. Elsewhere, or where the kernel does not apply (``paged_attention_kernel``), all
+    decode rows, fresh prefills and chunks over a cached context: docs/hardware.md, "Paged
+    attention kernel"). Elsewhere, or where it does not apply (``paged_attention_kernel``),
     requests are padded in chunks and attend through ``scaled_dot_product_attention``.
 
     Args:
@@ -392,62 +355,35 @@ def batched_paged_attention(
         [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are zero.
     """
     num_tokens, num_heads, head_dim = query.shape
-    out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
     kernel = paged_attention_kernel(query, kv_cache)
     if kernel is None:
-        _padded_sdpa_attention(out, query, kv_cache, attn_metadata, scale=scale)
-        return out[:num_tokens]
-    block_table, seq_lens, query_start_loc, _ = kernel_inputs(attn_metadata)
-    kernel_req_ids, num_sdpa = _kernel_requests(attn_metadata)
-    if kernel_req_ids.numel():
+        return _padded_sdpa_attention(query, kv_cache, attn_metadata, scale=scale)
+    out = query.new_zeros(num_tokens, num_heads, head_dim)
+    block_table, seq_lens, query_start_loc, req_ids = kernel_inputs(attn_metadata)
+    if req_ids.numel():
         kernel(
-            out[:num_tokens],
+            out,
             query.contiguous(),
             kv_cache[0],
             kv_cache[1],
             block_table,
             seq_lens,
             query_start_loc,
-            kernel_req_ids,
+            req_ids,
             scale,
         )
-    if num_sdpa:
-        _padded_sdpa_attention(
-            out, query, kv_cache, attn_metadata, scale=scale, only_chunks_over_context=True
-        )
-    return out[:num_tokens]
-
-
-def _kernel_requests(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, int]:
-    """(int64 ids of the requests with query rows that our kernel computes, how many others go
-    to the padded SDPA chunks: ``chunks_over_context``), built once per (u)batch."""
-
-    def build() -> tuple[Tensor, int]:
-        qsl = attn_metadata.query_start_loc.long()
-        query_lens = qsl[1:] - qsl[:-1]
-        to_sdpa = chunks_over_context(query_lens, attn_metadata.seq_lens.long())
-        req_ids = ((query_lens > 0) & ~to_sdpa).nonzero().flatten()
-        return req_ids, int(to_sdpa.sum())
-
-    return attn_metadata.derived("gqa_kernel_requests", build)
+    return out
 
 
 def _padded_sdpa_attention(
-    out: Tensor,
-    query: Tensor,
-    kv_cache: Tensor,
-    attn_metadata: CommonAttentionMetadata,
-    *,
-    scale: float,
-    only_chunks_over_context: bool = False,
-) -> None:
-    """``batched_paged_attention`` in plain torch: the requests (only ``chunks_over_context``'s if
-    ``only_chunks_over_context``) padded in chunks (the padding plan, masks and gather rows built
-    by the first layer and reused), one SDPA call per chunk; writes their rows of ``out``
-    ``[num_tokens + 1, num_heads, head_dim]`` (the last row takes the padding slots)."""
-    num_heads, head_dim = query.shape[1:]
+    query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
+) -> Tensor:
+    """``batched_paged_attention`` in plain torch: the requests padded in chunks (the padding plan,
+    masks and gather rows built by the first layer and reused), one SDPA call per chunk."""
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
+    out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # last row: scratch for padding
     block_size = kv_cache.shape[2]
     context_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
     chunks = request_chunks(
@@ -456,9 +392,8 @@ def _padded_sdpa_attention(
         short_query_len=1,
         context_bytes_per_token=context_bytes,
         data_device=query.device,
-        only_chunks_over_context=only_chunks_over_context,
     )
-    plan = plan_key(block_size, 1, context_bytes, query.device, only_chunks_over_context)
+    plan = plan_key(block_size, 1, context_bytes, query.device)
     masks = attn_metadata.derived(
         ("gqa_masks", plan, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),
@@ -478,3 +413,4 @@ def _padded_sdpa_attention(
         o = o.view(num_reqs, num_kv_heads, group_size, q_len, head_dim).permute(0, 3, 1, 2, 4)
         # padding slots all go to the scratch row (index_copy_ with repeats there: any one wins)
         out.index_copy_(0, chunk.scatter_rows.flatten(), o.reshape(-1, num_heads, head_dim))
+    return out[:num_tokens]

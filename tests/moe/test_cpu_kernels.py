@@ -3,8 +3,9 @@ per-request reference (``forward_native``), for every ISA build this CPU runs (A
 ``tests/helpers/cpu_kernels.py``): exactly up to summation order in float64 (the plain C++ loops),
 within float32's and bfloat16's precision on the vector paths (head_dim a multiple of the vector
 width or not), on batches mixing decode rows and prefill chunks (fresh and mid-sequence), contexts
-on and off block boundaries, contexts long enough for the key-transposed score tiles, GQA ratios,
-padding rows, requests cut across ubatches and empty ubatches.
+on and off block boundaries, contexts long enough for the key-transposed score tiles, prefill
+chunks long enough for the 4-row tiles and the rows after the last whole tile, GQA ratios, padding
+rows, requests cut across ubatches and empty ubatches.
 
 ``tests/moe/test_batched_attention.py`` runs the same kinds of batches on the padded SDPA chunks
 and on each ISA's kernel. Where no compiler is found the kernel tests skip; where one is found the
@@ -31,14 +32,6 @@ from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metada
 # with prefill chunks that start at 0 or mid-sequence and a request with no query row
 DECODES = [(7, 1), (15, 1), (0, 1), (3, 1), (22, 1), (11, 1), (1, 1), (8, 1)]
 MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1)]
-
-
-@pytest.fixture(autouse=True)
-def every_request_in_the_kernel(monkeypatch):
-    """The kernel's tests send every request to it, query chunks over a cached context too
-    (``batched_paged_attention`` sends those to SDPA by default: ``test_chunks_over_context_go_to_
-    sdpa`` checks that split)."""
-    monkeypatch.setattr(batched_attention, "SDPA_MIN_CHUNK_ROWS", 1 << 30)
 
 
 @pytest.fixture(params=ISAS)
@@ -389,25 +382,3 @@ def test_kernel_refuses_mismatched_k_v_and_out(isa):
         query.transpose(0, 1), k, v, is_causal=True, scale=0.25
     )
     torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
-
-
-@needs_compiler
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_chunks_over_context_go_to_sdpa(kernel_calls, monkeypatch, dtype):
-    """By default the kernel computes decode rows, short chunks and fresh prefills, and the padded
-    SDPA chunks the query chunks of >= SDPA_MIN_CHUNK_ROWS rows over a cached context at least as
-    long: one result, equal to the reference (float64 to 1e-12, float32 within 1e-5)."""
-    monkeypatch.setattr(batched_attention, "SDPA_MIN_CHUNK_ROWS", 4)
-    blocks = dict(num_blocks=256, block_size=16)
-    op, native = make_op(8, 4, 16, dtype, **blocks), make_op(8, 4, 16, torch.float64, **blocks)
-    native.bind_kv_cache(op.kv_cache.double().clone())
-    # (cached, query rows): (8, 4) and (130, 7), (300, 1)... ; (64, 64) is over context too
-    md = make_metadata(LONG + [(8, 4)], num_padding=1, **LONG_BLOCKS)
-    q, k, v = inputs(op, md.num_tokens, dtype)
-    got = op.forward_cpu(q, k, v, md)
-    expected = native.forward_native(q.double(), k.double(), v.double(), md)
-    over_context = [r for r in LONG + [(8, 4)] if r[1] >= 4 and r[0] >= r[1]]
-    assert len(over_context) == 3  # (130, 7), (64, 64), (8, 4)
-    assert kernel_calls == [sum(1 for _, n in LONG if n > 0) + 1 - len(over_context)]
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
