@@ -119,7 +119,7 @@ class TorchExperts(CustomOp):
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
         sources = (self.w1, self.w2, self.w3)
         if not self.w1.is_meta and self._kernels() is not None:
-            w13 = torch.cat([self.w1, self.w3], dim=1)
+            w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
             self._kernel_packs = PackedWeights.of(
                 sources, (pack_weights(w13), pack_weights(self.w2))
             )
@@ -157,19 +157,26 @@ class TorchExperts(CustomOp):
         """``(w13, w2)`` packed for the compiled kernel (re-made if a weight changed) where it
         serves rows ``x`` with ``rows_per_expert`` rows per active expert on average
         (``kernel_runs``: the dtype, the shape, no autograd through it), else empty."""
+        serving = self._serving_kernel(x, rows_per_expert)
+        return () if serving is None else serving[1]
+
+    def _serving_kernel(self, x: Tensor, rows_per_expert: float):
+        """(the compiled kernel module, its packs) where ``kernel_packed_weights`` has packs,
+        else None: one module lookup for the decision and the call."""
         sources = (self.w1, self.w2, self.w3)
-        if (
-            x.dtype != self.w1.dtype
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *sources)))
-            or self._kernels() is None
-            or not kernel_runs(
-                x.dtype, rows_per_expert, 3 * self.hidden_size * self.intermediate_size
-            )
+        if x.dtype != self.w1.dtype or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (x, *sources))
         ):
-            return ()
+            return None
+        kernels = self._kernels()
+        expert_elements = 3 * self.hidden_size * self.intermediate_size
+        if kernels is None or not kernel_runs(x.dtype, rows_per_expert, expert_elements):
+            return None
         if self._kernel_packs is None or not self._kernel_packs.is_current(sources):
             self.process_weights_after_loading()
-        return () if self._kernel_packs is None else self._kernel_packs.packed
+        if self._kernel_packs is None or not self._kernel_packs.packed:
+            return None
+        return kernels, self._kernel_packs.packed
 
     def expert_weights(self) -> ExpertWeights:
         """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
@@ -240,20 +247,21 @@ class TorchExperts(CustomOp):
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Our compiled kernel for all experts at once where it serves (``kernel_packed_weights``),
+        """Our compiled kernel for all experts at once where it serves (``_serving_kernel``),
         else prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per
         projection over the per-expert row groups (same math as ``forward_native``)."""
         self._check(hidden_states, topk_ids, topk_weights)
         num_pairs = topk_ids.numel()
-        kernel_packs = self.kernel_packed_weights(
+        serving = self._serving_kernel(
             hidden_states, num_pairs / max(1, min(num_pairs, self.num_local_experts))
         )
-        if kernel_packs:
+        if serving is not None:
+            kernels, packs = serving
             out = torch.empty_like(hidden_states)
-            self._kernels().fused_moe(
+            kernels.fused_moe(
                 out,
                 hidden_states.contiguous(),
-                *kernel_packs,
+                *packs,
                 topk_ids.to(torch.int64).contiguous(),
                 topk_weights.to(torch.float32).contiguous(),
             )
@@ -432,12 +440,11 @@ class TorchExperts(CustomOp):
         fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
         if fast:
             active = sum(1 for count in counts if count)
-            kernel_packs = self.kernel_packed_weights(hidden_states, sum(counts) / max(1, active))
-            if kernel_packs:
+            serving = self._serving_kernel(hidden_states, sum(counts) / max(1, active))
+            if serving is not None:
+                kernels, packs = serving
                 out = torch.empty_like(hidden_states)
-                self._kernels().fused_moe_batched(
-                    out, hidden_states.contiguous(), *kernel_packs, counts
-                )
+                kernels.fused_moe_batched(out, hidden_states.contiguous(), *packs, counts)
                 return out
         packs = self.packed_weights() if fast else ()
         swiglu_rows = self._plain_swiglu_rows
