@@ -12,7 +12,8 @@ threads. Greedy, ``--max-tokens`` per prompt, eos ignored. Ours: median output t
 ``--repeats`` processes (``launch.bench_throughput``, warm-up untimed); vLLM: its own median of
 ``--repeats`` warm runs in one process. Prints a markdown table (with ours / vLLM-best ratios and
 how many prompts got identical tokens from both engines) and writes ``OUT_DIR/table.json``.
-Runs one command at a time; on a shared machine the numbers are noisy.
+Runs one command at a time; on a shared machine the numbers are noisy. ``--cpu-isa avx2`` runs
+both engines as on an AVX2-only CPU (a Zen 3) on an AVX-512 machine (``cpu_isa_env``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,37 @@ import sys
 from pathlib import Path
 
 VLLM_LINE = re.compile(r"vllm-cpu: .* \(([\d.]+) tokens/s\)")
+CPU_ISAS = ("native", "avx2")
+# torch's dispatch and oneDNN capped at AVX2 for both engines; ours is capped by MOE_DBO_CPU_ISA
+# (docs/hardware.md), vLLM by the torch probes it reads, patched at start-up (avx2_peer/)
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_PEER_SITE = Path(__file__).resolve().parent / "avx2_peer"
+
+
+def add_cpu_isa_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--cpu-isa`` flag of the side-by-side benchmarks (``cpu_isa_env``)."""
+    parser.add_argument(
+        "--cpu-isa",
+        choices=CPU_ISAS,
+        default="native",
+        help="avx2: run both engines as on an AVX2-only CPU (torch, oneDNN and each engine's "
+        "own kernels capped); native: what this CPU has",
+    )
+
+
+def cpu_isa_env(cpu_isa: str, engine: str) -> dict[str, str]:
+    """Environment for ``engine`` (``"ours"`` or ``"vllm"``) under ``--cpu-isa``: nothing for
+    ``native``; for ``avx2`` the caps, plus ``MOE_DBO_CPU_ISA`` for ours and, for vLLM, the
+    ``avx2_peer`` directory ahead on its ``PYTHONPATH`` (its ``sitecustomize`` turns torch's
+    AVX-512 / AMX probes off, so vLLM loads its ``_C_AVX2`` build)."""
+    if cpu_isa == "native":
+        return {}
+    if engine == "ours":
+        return {**AVX2_CAPS, "MOE_DBO_CPU_ISA": "avx2"}
+    pythonpath = os.pathsep.join(
+        p for p in (str(AVX2_PEER_SITE), os.environ.get("PYTHONPATH")) if p
+    )
+    return {**AVX2_CAPS, "PYTHONPATH": pythonpath}
 
 
 def ours_command(model, prompts, dtype, *, ranks, eager, max_tokens, out_json, out_tokens):
@@ -89,6 +121,7 @@ def run_ours(ns, model, prompts, dtype, *, ranks, eager, tag) -> dict:
             "OMP_NUM_THREADS": "1",
             "MOE_DBO_GRAPH_MODE": graph_mode,
             **_pythonpath(),
+            **cpu_isa_env(ns.cpu_isa, "ours"),
         }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:
@@ -128,7 +161,11 @@ def run_vllm(ns, model, prompts, dtype, *, threads, compile_, tag) -> dict:
     cmd = ["taskset", "-c", threads.replace("-", ","), ns.vllm_python, ns.vllm_runner]
     cmd += _flag_args(flags)
     proc = subprocess.run(
-        cmd + (["--compile"] if compile_ else []), capture_output=True, text=True, timeout=3600
+        cmd + (["--compile"] if compile_ else []),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, **cpu_isa_env(ns.cpu_isa, "vllm")},
     )
     match = VLLM_LINE.search(proc.stdout)
     if proc.returncode != 0 or not match:
@@ -271,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which engines to run, comma-separated: vllm, ours (e.g. measure vLLM once with "
         "'vllm', then ours against it with 'ours' and --vllm-results)",
     )
+    add_cpu_isa_argument(p)
     ns = p.parse_args(argv)
     ns.engines = {e.strip() for e in ns.engines.split(",") if e.strip()}
     if not ns.engines or not ns.engines <= {"vllm", "ours"}:

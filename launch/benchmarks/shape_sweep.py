@@ -14,7 +14,8 @@ ours / vLLM, how many prompts got identical tokens from both engines), then the 
 ``worst: <shape> <dtype> <ratio>x``, and writes ``OUT_DIR/sweep.json``. A shape vLLM cannot run
 gets "failed: <its error>" in the vLLM column (the whole output in ``OUT_DIR/<tag>.failed.log``);
 without ``--vllm-python`` (or where it cannot import vLLM) only ours runs and the vLLM column says
-absent. On a shared machine the numbers are noisy.
+absent. ``--cpu-isa avx2`` runs both engines as on an AVX2-only CPU (``peer_table.cpu_isa_env``).
+On a shared machine the numbers are noisy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 from pathlib import Path
 
 from launch.benchmarks.peer_table import (
+    add_cpu_isa_argument,
     format_rate,
     format_ratio,
     run_ours,
@@ -176,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--only", default=None, help="comma-separated shape names of the grid")
     p.add_argument("--list", action="store_true", help="print the grid and exit")
+    add_cpu_isa_argument(p)
     return p
 
 
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_prompts": ns.num_prompts,
         "max_tokens": ns.max_tokens,
         "repeats": ns.repeats,
+        "cpu_isa": ns.cpu_isa,
         "vllm_absent": ns.vllm_absent,
         "rows": [{**row, "ratio": ratio(row)} for row in rows],
         "worst": worst,

@@ -7,13 +7,22 @@ block one linear stream over K), made once from ``[w1; w3]`` (``[E, 2F, H]``) an
 (``[E, H, F]``); it needs H and 2F to be multiples of ``PACK_BLOCK``.
 
 Where it runs (``kernel_runs``): float32 always (faster than the per-expert oneDNN GEMMs at every
-row count measured); bfloat16 while an active expert's rows times its weights stay within
-``BFLOAT16_KERNEL_MAX_MACS`` (the kernel widens bfloat16 to float32 FMAs, oneDNN multiplies
-bfloat16 pairs natively: it wins the large GEMMs of prefill). Timings: docs/hardware.md, "Experts".
+row count measured); bfloat16 up to a number of rows per active expert measured once per machine
+and expert shape (``bfloat16_kernel_max_rows``): the kernel widens bfloat16 to float32 FMAs, so
+where oneDNN multiplies bfloat16 pairs natively (avx512_bf16, AMX) it wins the large GEMMs of
+prefill, and where it cannot (AVX2) the kernel wins at every size. Timings: docs/hardware.md,
+"Experts".
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -25,9 +34,15 @@ from moe.platforms.plugins import current_platform
 
 PACK_BLOCK = 16  # output columns per packed block (the kernel's kBlock)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# rows per active expert x weight elements per expert (H * 3F) up to which the bfloat16 kernel is
-# at least as fast as the per-expert oneDNN GEMMs (docs/hardware.md, "Experts")
-BFLOAT16_KERNEL_MAX_MACS = 1 << 24
+# The bfloat16 measurement (``measure_max_rows``) doubles the rows from 1 while they stay within
+# both bounds (its largest call: ~10 ms on one core), taking the best of MEASURE_REPEATS calls
+MEASURE_MAX_ROWS = 1024
+MEASURE_MAX_MACS = 1 << 28
+MEASURE_REPEATS = 5
+TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows} (``bfloat16_kernel_max_rows``)
+
+_tuning_lock = threading.Lock()
+_max_rows: dict[str, float] = {}  # this process's answers, by the full key
 
 
 def fused_moe_kernels(
@@ -55,8 +70,82 @@ def pack_weights(weight: Tensor) -> Tensor:
     return blocks.transpose(2, 3).contiguous()
 
 
-def kernel_runs(dtype: torch.dtype, rows_per_expert: float, expert_elements: int) -> bool:
+def kernel_runs(dtype: torch.dtype, rows_per_expert: float, bfloat16_max_rows: float) -> bool:
     """Whether the kernel serves a call of ``dtype`` whose active experts get
-    ``rows_per_expert`` rows on average, each expert holding ``expert_elements`` weights
-    (``3 H F``): always for float32, up to ``BFLOAT16_KERNEL_MAX_MACS`` for bfloat16."""
-    return dtype == torch.float32 or rows_per_expert * expert_elements <= BFLOAT16_KERNEL_MAX_MACS
+    ``rows_per_expert`` rows on average: always for float32, up to ``bfloat16_max_rows``
+    (``bfloat16_kernel_max_rows``) for bfloat16."""
+    return dtype == torch.float32 or rows_per_expert <= bfloat16_max_rows
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = MEASURE_REPEATS) -> float:
+    """The shortest wall time of ``repeats`` calls of ``fn`` in seconds, after one untimed call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_max_rows(seconds: Callable[[bool, int], float], expert_elements: int) -> float:
+    """The largest row count r of 1, 2, 4, ... at which the kernel (``seconds(True, r)``: one
+    expert's rows) took no longer than the other path (``seconds(False, r)``); 0 if it lost at
+    1 row, ``inf`` if it won at every count measured: up to ``MEASURE_MAX_ROWS`` rows and
+    ``MEASURE_MAX_MACS`` r x ``expert_elements`` (3 H F), but at least 1 row."""
+    rows, won = 1, 0.0
+    while rows == 1 or (rows <= MEASURE_MAX_ROWS and rows * expert_elements <= MEASURE_MAX_MACS):
+        if seconds(True, rows) > seconds(False, rows):
+            return won
+        won, rows = float(rows), rows * 2
+    return math.inf
+
+
+def tuning_path(kernels: ModuleType) -> Path:
+    """The tuning file of a kernel build: in its directory, so it is per kernel source, ISA, torch
+    and Python version, like the build (``moe.kernels``)."""
+    return Path(kernels.__file__).parent / TUNING_FILE
+
+
+def bfloat16_kernel_max_rows(
+    kernels: ModuleType, shape: str, measure: Callable[[], float]
+) -> float:
+    """The rows per active expert up to which the bfloat16 kernel serves experts of ``shape``
+    (e.g. ``"H=2048 F=1408"``): ``measure()`` (``measure_max_rows``) once per machine, kept by
+    its key (shape, threads, CPU model and the ISA caps) in the build's ``tuning_path``, so later
+    starts read it instead and every start on this machine takes the same paths (the two round
+    bfloat16 differently). An unreadable or unwritable file only costs the measurement.
+    Thread-safe."""
+    cap = current_platform().cpu_capability()
+    key = (
+        f"bfloat16 {shape} threads={torch.get_num_threads()} cpu={cap.model_name} "
+        f"torch_isa={cap.torch_capability} onednn_isa={os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"
+    )
+    with _tuning_lock:
+        if key not in _max_rows:
+            path = tuning_path(kernels)
+            stored = _read_tuning(path)
+            if not isinstance(stored.get(key), int | float):
+                stored = {**_read_tuning(path), key: measure()}
+                _write_tuning(path, stored)
+            _max_rows[key] = float(stored[key])
+        return _max_rows[key]
+
+
+def _read_tuning(path: Path) -> dict:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _write_tuning(path: Path, stored: dict) -> None:
+    """Write ``stored`` whole under a temporary name, then rename it: a reader (another rank)
+    sees the old file or the new one, never a part."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        temporary.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)

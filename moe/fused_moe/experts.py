@@ -18,6 +18,7 @@ measurements: docs/hardware.md#experts.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -26,7 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
-from moe.fused_moe.cpu_fused import fused_moe_kernels, kernel_runs, pack_weights
+from moe.fused_moe.cpu_fused import (
+    best_seconds,
+    bfloat16_kernel_max_rows,
+    fused_moe_kernels,
+    kernel_runs,
+    measure_max_rows,
+    pack_weights,
+)
 from moe.fused_moe.grouped_experts import (
     ExpertWeights,
     batched_experts,
@@ -101,6 +109,8 @@ class TorchExperts(CustomOp):
         self._packs: PackedWeights | None = None
         # [w1; w3] and w2 packed for the compiled kernel (moe.fused_moe.cpu_fused), if it serves
         self._kernel_packs: PackedWeights | None = None
+        # bfloat16: rows per active expert up to which the kernel serves (bfloat16_kernel_max_rows)
+        self._kernel_max_rows = math.inf
         # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
         self._upcast: tuple[Tensor, ...] = ()
 
@@ -110,21 +120,31 @@ class TorchExperts(CustomOp):
         expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or float32 on the CPU;
         otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and keep float32 copies
         of small bfloat16 experts (``upcast_linear``: plain torch, so they are kept where oneDNN
-        cannot pack too). First puts w1 and w3 back into one allocation if something
-        (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm`` for
+        cannot pack too); for bfloat16 then look up (or measure) where the kernel beats those
+        paths (``bfloat16_kernel_max_rows``). First puts w1 and w3 back into one allocation if
+        something (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm`` for
         ``forward_cuda`` on the weights' device (never inside a trace or a capture)."""
         self._packs, self._upcast, self._kernel_packs = None, (), None
         self._join_gate_up()
         if not self.w1.is_meta:  # probe now, not in a traced or captured forward
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
-        sources = (self.w1, self.w2, self.w3)
-        if not self.w1.is_meta and self._kernels() is not None:
+        kernels = None if self.w1.is_meta else self._kernels()
+        if kernels is not None:
             w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
             self._kernel_packs = PackedWeights.of(
-                sources, (pack_weights(w13), pack_weights(self.w2))
+                (self.w1, self.w2, self.w3), (pack_weights(w13), pack_weights(self.w2))
             )
-            if self.w1.dtype == torch.float32:
-                return  # the kernel serves every float32 call
+        if kernels is None or self.w1.dtype != torch.float32:  # the kernel serves all float32
+            self._pack_per_expert()
+        if kernels is not None and self.w1.dtype == torch.bfloat16:
+            shape = f"H={self.hidden_size} F={self.intermediate_size}"
+            self._kernel_max_rows = bfloat16_kernel_max_rows(
+                kernels, shape, self._measure_kernel_max_rows
+            )
+
+    def _pack_per_expert(self) -> None:
+        """The oneDNN packs and float32 copies of ``process_weights_after_loading``."""
+        sources = (self.w1, self.w2, self.w3)
         per_expert = self.hidden_size * self.intermediate_size
         if not all(can_pack(w, num_elements=per_expert) for w in sources):
             return
@@ -140,6 +160,19 @@ class TorchExperts(CustomOp):
             packed = None if gate_up is None or down is None else [*packed, gate_up, down]
         self._packs = PackedWeights.of(sources, tuple(packed or ()))
         self._upcast = tuple(upcast)
+
+    @torch.no_grad()
+    def _measure_kernel_max_rows(self) -> float:
+        """``measure_max_rows`` on these experts: ``forward_cpu`` on expert 0 with the kernel
+        forced on, then off (the packs are made; only the times matter)."""
+
+        def seconds(kernel: bool, rows: int) -> float:
+            x = torch.randn(rows, self.hidden_size).to(self.w1.dtype)
+            ids, weights = torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
+            self._kernel_max_rows = math.inf if kernel else -1.0
+            return best_seconds(lambda: self.forward_cpu(x, ids, weights))
+
+        return measure_max_rows(seconds, 3 * self.hidden_size * self.intermediate_size)
 
     @torch.no_grad()
     def _join_gate_up(self) -> None:
@@ -169,8 +202,7 @@ class TorchExperts(CustomOp):
         ):
             return None
         kernels = self._kernels()
-        expert_elements = 3 * self.hidden_size * self.intermediate_size
-        if kernels is None or not kernel_runs(x.dtype, rows_per_expert, expert_elements):
+        if kernels is None or not kernel_runs(x.dtype, rows_per_expert, self._kernel_max_rows):
             return None
         if self._kernel_packs is None or not self._kernel_packs.is_current(sources):
             self.process_weights_after_loading()

@@ -78,3 +78,34 @@ def test_rejects_unknown_engine(tmp_path, capsys):
     with pytest.raises(SystemExit):
         peer_table.main(_argv(tmp_path, tmp_path / "x", "--engines", "sglang"))
     assert "--engines takes 'vllm', 'ours' or both, got 'sglang'" in capsys.readouterr().err
+
+
+def test_cpu_isa_avx2_runs_vllm_as_on_an_avx2_only_cpu(tmp_path, monkeypatch):
+    """``--cpu-isa avx2``: vLLM's process sees torch's AVX-512 and AMX probes off (the
+    ``avx2_peer`` sitecustomize, as vLLM reads them to pick its kernel build) and oneDNN and torch
+    capped; ours gets the same caps and our kernels' ``MOE_DBO_CPU_ISA``; native adds nothing."""
+    checking_runner = (
+        "import os, torch\n"
+        "assert not torch.cpu._is_avx512_supported()\n"
+        "assert not torch.cpu._is_avx512_bf16_supported()\n"
+        "assert not torch.cpu._is_amx_tile_supported()\n"
+        "assert os.environ['ONEDNN_MAX_CPU_ISA'] == 'AVX2'\n"
+        "assert torch.backends.cpu.get_cpu_capability() in ('AVX2', 'DEFAULT')\n" + FAKE_RUNNER
+    )
+    argv = _argv(tmp_path, tmp_path / "out", "--engines", "vllm", "--cpu-isa", "avx2")
+    monkeypatch.setattr(peer_table, "run_ours", lambda *a, **k: pytest.fail("ours ran"))
+    runner_index = argv.index("--vllm-runner") + 1
+    argv[runner_index] = str(tmp_path / "checking_run_vllm.py")
+    (tmp_path / "checking_run_vllm.py").write_text(checking_runner)
+    assert peer_table.main(argv) == 0
+    (row,) = json.loads((tmp_path / "out" / "table.json").read_text())
+    assert row["vllm_eager"]["tokens_per_s"] == 100.0, row
+    ours = peer_table.cpu_isa_env("avx2", "ours")
+    assert ours == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MOE_DBO_CPU_ISA": "avx2",
+    }
+    assert (
+        peer_table.cpu_isa_env("native", "ours") == peer_table.cpu_isa_env("native", "vllm") == {}
+    )

@@ -7,16 +7,21 @@ Bounds: float32 within 4x the float32 reference's own error; bfloat16 within one
 exact value (the kernel computes in float32 and rounds once: |error| <= 2^-8 |exact|, plus
 float32's summation error). Shapes cover row tiles cut short (8 rows with AVX-512, 6 with AVX2),
 an intermediate size that is not a multiple of the vector width, weights split into column
-chunks, experts with no rows and slots routed to other ranks.
+chunks, experts with no rows and slots routed to other ranks. The bfloat16 cut is pinned here
+(kernel everywhere unless a test says otherwise); its measurement has tests of its own.
 """
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
 
 from moe import TorchExperts
 from moe.fused_moe import cpu_fused
+from moe.fused_moe import experts as experts_module
 from moe.layers.linear import process_weights_after_loading
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
 
@@ -43,6 +48,7 @@ def kernel_calls(request, monkeypatch):
             return module.fused_moe_batched(*args)
 
     monkeypatch.setattr(cpu_fused, "cpu_kernels", lambda _isa: Counting())
+    monkeypatch.setattr(experts_module, "bfloat16_kernel_max_rows", lambda *_: math.inf)
     return calls
 
 
@@ -187,9 +193,9 @@ def test_kernel_follows_weights_reloaded_in_place(kernel_calls):
 
 
 def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monkeypatch):
-    """bfloat16 batches over ``BFLOAT16_KERNEL_MAX_MACS`` (rows per expert x weights), a hidden
-    size that is not a multiple of 16, and autograd through the weights take the torch paths."""
-    monkeypatch.setattr(cpu_fused, "BFLOAT16_KERNEL_MAX_MACS", 3 * 32 * 24 * 4)
+    """bfloat16 batches over the measured cut (rows per active expert), a hidden size that is not
+    a multiple of 16, and autograd through the weights take the torch paths."""
+    monkeypatch.setattr(experts_module, "bfloat16_kernel_max_rows", lambda *_: 4.0)
     experts, _ = make_experts(torch.bfloat16)
     ids, weights = routed(40, 3, 6)
     x = torch.randn(40, 32).bfloat16()
@@ -206,3 +212,88 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
     f32.w2.requires_grad_(True)
     f32(torch.randn(5, 32), ids[:5], weights[:5])  # grad enabled: the oneDNN / grouped path
     assert kernel_calls == ["fused_moe"]
+
+
+def fake_seconds(kernel_wins_up_to: float):
+    """``measure_max_rows``'s timer for a kernel that is faster up to ``kernel_wins_up_to`` rows
+    (kernel: 1 + rows; the other path: 1 + kernel_wins_up_to), recording the counts asked."""
+    asked: list[tuple[bool, int]] = []
+
+    def seconds(kernel: bool, rows: int) -> float:
+        asked.append((kernel, rows))
+        return 1.0 + (rows if kernel else kernel_wins_up_to)
+
+    return seconds, asked
+
+
+def test_measure_max_rows_is_the_last_doubling_the_kernel_wins():
+    seconds, asked = fake_seconds(10)
+    assert cpu_fused.measure_max_rows(seconds, 1) == 8.0
+    assert [rows for kernel, rows in asked if kernel] == [1, 2, 4, 8, 16]  # stops at the loss
+    assert cpu_fused.measure_max_rows(fake_seconds(0.5)[0], 1) == 0.0  # lost at one row
+    assert cpu_fused.measure_max_rows(fake_seconds(1.0)[0], 1) == 1.0  # a tie goes to the kernel
+
+
+def test_measure_max_rows_stops_at_its_bounds_and_then_keeps_the_kernel():
+    seconds, asked = fake_seconds(math.inf)
+    assert cpu_fused.measure_max_rows(seconds, 1) == math.inf
+    assert max(rows for _, rows in asked) == cpu_fused.MEASURE_MAX_ROWS
+    seconds, asked = fake_seconds(math.inf)
+    assert cpu_fused.measure_max_rows(seconds, cpu_fused.MEASURE_MAX_MACS // 4) == math.inf
+    assert max(rows for _, rows in asked) == 4
+    seconds, asked = fake_seconds(math.inf)  # one row over the bound: still measured once
+    assert cpu_fused.measure_max_rows(seconds, 2 * cpu_fused.MEASURE_MAX_MACS) == math.inf
+    assert asked == [(True, 1), (False, 1)]
+
+
+@pytest.fixture
+def tuning_file(tmp_path, monkeypatch):
+    """A fresh tuning file and an empty in-process record for ``bfloat16_kernel_max_rows``."""
+    path = tmp_path / cpu_fused.TUNING_FILE
+    monkeypatch.setattr(cpu_fused, "tuning_path", lambda _kernels: path)
+    monkeypatch.setattr(cpu_fused, "_max_rows", {})
+    return path
+
+
+def test_bfloat16_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
+    """Measured on the first ask, then read from this process's record, then from the file (a
+    later start), and measured again only where the file is unreadable or holds no number."""
+    measured: list[str] = []
+
+    def measure() -> float:
+        measured.append("measure")
+        return 16.0
+
+    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    (key,) = json.loads(tuning_file.read_text())
+    assert key.startswith("bfloat16 H=64 F=32 threads=") and measured == ["measure"]
+    monkeypatch.setattr(cpu_fused, "_max_rows", {})  # a later start on this machine
+    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert measured == ["measure"]
+    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=128 F=32", lambda: math.inf) == math.inf
+    assert len(json.loads(tuning_file.read_text())) == 2  # both shapes kept
+    for bad in ("{not json", json.dumps({key: "many"}), "[]"):
+        tuning_file.write_text(bad)
+        monkeypatch.setattr(cpu_fused, "_max_rows", {})
+        assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert measured == ["measure"] * 4
+
+
+def test_bfloat16_experts_take_the_cut_measured_on_both_paths(
+    tuning_file, kernel_calls, monkeypatch
+):
+    """Loading bfloat16 experts measures the kernel against the torch path on this machine (both
+    run) and keeps the answer, one of 0, 1, 2, 4, ... or inf, for their shape."""
+    monkeypatch.setattr(
+        experts_module, "bfloat16_kernel_max_rows", cpu_fused.bfloat16_kernel_max_rows
+    )
+    experts, _ = make_experts(torch.bfloat16)
+    max_rows = experts._kernel_max_rows
+    assert max_rows == math.inf or max_rows == 0 or math.log2(max_rows).is_integer()
+    assert "fused_moe" in kernel_calls
+    (stored,) = json.loads(tuning_file.read_text()).values()
+    assert stored == max_rows
+    kernel_calls.clear()
+    again, _ = make_experts(torch.bfloat16, seed=3)  # the same shape: not measured again
+    assert again._kernel_max_rows == max_rows and kernel_calls == []
