@@ -6,12 +6,12 @@ The pack is ``w [E, cols, K]`` -> ``[E, cols / 16, K, 16]`` (16 output columns p
 block one linear stream over K), made once from ``[w1; w3]`` (``[E, 2F, H]``) and ``w2``
 (``[E, H, F]``); it needs H and 2F to be multiples of ``PACK_BLOCK``.
 
-Where it runs (``kernel_runs``): float32 always (faster than the per-expert oneDNN GEMMs at every
-row count measured); bfloat16 up to a number of rows per active expert measured once per machine
-and expert shape (``bfloat16_kernel_max_rows``): the kernel widens bfloat16 to float32 FMAs, so
-where oneDNN multiplies bfloat16 pairs natively (avx512_bf16, AMX) it wins the large GEMMs of
-prefill, and where it cannot (AVX2) the kernel wins at every size. Timings: docs/hardware.md,
-"Experts".
+Where it runs: up to a number of rows per active expert measured once per machine, dtype and
+expert shape (``kernel_max_rows``), against the path that runs otherwise. bfloat16: the kernel
+widens it to float32 FMAs, so where oneDNN multiplies bfloat16 pairs natively (avx512_bf16, AMX)
+it wins the large GEMMs of prefill, and where it cannot (AVX2) the kernel wins at every size.
+float32: against the grouped GEMMs (the library's SGEMM, no second copy of the weights). Timings:
+docs/hardware.md, "Experts".
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from moe.platforms.plugins import current_platform
 
 PACK_BLOCK = 16  # output columns per packed block (the kernel's kBlock)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# The bfloat16 measurement (``measure_max_rows``) doubles the rows from 1 while they stay within
+# The measurement (``measure_max_rows``) doubles the rows from 1 while they stay within
 # both bounds (its largest call: ~10 ms on one core), taking the best of MEASURE_REPEATS calls
 MEASURE_MAX_ROWS = 1024
 MEASURE_MAX_MACS = 1 << 28
 MEASURE_REPEATS = 5
-TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows} (``bfloat16_kernel_max_rows``)
+TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows} (``kernel_max_rows``)
 
 _tuning_lock = threading.Lock()
 _max_rows: dict[str, float] = {}  # this process's answers, by the full key
@@ -68,13 +68,6 @@ def pack_weights(weight: Tensor) -> Tensor:
     num_experts, cols, k = weight.shape
     blocks = weight.detach().reshape(num_experts, cols // PACK_BLOCK, PACK_BLOCK, k)
     return blocks.transpose(2, 3).contiguous()
-
-
-def kernel_runs(dtype: torch.dtype, rows_per_expert: float, bfloat16_max_rows: float) -> bool:
-    """Whether the kernel serves a call of ``dtype`` whose active experts get
-    ``rows_per_expert`` rows on average: always for float32, up to ``bfloat16_max_rows``
-    (``bfloat16_kernel_max_rows``) for bfloat16."""
-    return dtype == torch.float32 or rows_per_expert <= bfloat16_max_rows
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = MEASURE_REPEATS) -> float:
@@ -107,18 +100,16 @@ def tuning_path(kernels: ModuleType) -> Path:
     return Path(kernels.__file__).parent / TUNING_FILE
 
 
-def bfloat16_kernel_max_rows(
-    kernels: ModuleType, shape: str, measure: Callable[[], float]
-) -> float:
-    """The rows per active expert up to which the bfloat16 kernel serves experts of ``shape``
-    (e.g. ``"H=2048 F=1408"``): ``measure()`` (``measure_max_rows``) once per machine, kept by
-    its key (shape, threads, CPU model and the ISA caps) in the build's ``tuning_path``, so later
-    starts read it instead and every start on this machine takes the same paths (the two round
-    bfloat16 differently). An unreadable or unwritable file only costs the measurement.
-    Thread-safe."""
+def kernel_max_rows(kernels: ModuleType, experts: str, measure: Callable[[], float]) -> float:
+    """The rows per active expert up to which the kernel serves ``experts`` (dtype and shape,
+    e.g. ``"torch.bfloat16 H=2048 F=1408"``): ``measure()`` (``measure_max_rows``) once per
+    machine, kept by its key (experts, threads, CPU model and the ISA caps) in the build's
+    ``tuning_path``, so later starts read it instead and every start on this machine takes the
+    same paths (they round differently). An unreadable or unwritable file only costs the
+    measurement. Thread-safe."""
     cap = current_platform().cpu_capability()
     key = (
-        f"bfloat16 {shape} threads={torch.get_num_threads()} cpu={cap.model_name} "
+        f"{experts} threads={torch.get_num_threads()} cpu={cap.model_name} "
         f"torch_isa={cap.torch_capability} onednn_isa={os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"
     )
     with _tuning_lock:

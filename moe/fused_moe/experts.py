@@ -29,9 +29,8 @@ from torch import Tensor, nn
 from distributed import FusedMoEActivationFormat
 from moe.fused_moe.cpu_fused import (
     best_seconds,
-    bfloat16_kernel_max_rows,
     fused_moe_kernels,
-    kernel_runs,
+    kernel_max_rows,
     measure_max_rows,
     pack_weights,
 )
@@ -109,38 +108,41 @@ class TorchExperts(CustomOp):
         self._packs: PackedWeights | None = None
         # [w1; w3] and w2 packed for the compiled kernel (moe.fused_moe.cpu_fused), if it serves
         self._kernel_packs: PackedWeights | None = None
-        # bfloat16: rows per active expert up to which the kernel serves (bfloat16_kernel_max_rows)
+        # rows per active expert up to which the compiled kernel serves (kernel_max_rows)
         self._kernel_max_rows = math.inf
         # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
         self._upcast: tuple[Tensor, ...] = ()
 
     def process_weights_after_loading(self) -> None:
         """Pack the weights for the compiled kernel where it serves this shape
-        (``moe.fused_moe.cpu_fused``; float32 then needs nothing else), and prepack every local
-        expert's ``[w1_e; w3_e]`` and ``w2_e`` for oneDNN (bfloat16 or float32 on the CPU;
-        otherwise, or where oneDNN cannot, drop any pack: grouped GEMM), and keep float32 copies
-        of small bfloat16 experts (``upcast_linear``: plain torch, so they are kept where oneDNN
-        cannot pack too); for bfloat16 then look up (or measure) where the kernel beats those
-        paths (``bfloat16_kernel_max_rows``). First puts w1 and w3 back into one allocation if
-        something (``module.to``, ``.double()``) split them; probes ``torch._grouped_mm`` for
-        ``forward_cuda`` on the weights' device (never inside a trace or a capture)."""
+        (``moe.fused_moe.cpu_fused``; float32 then needs nothing else: past the kernel's cut the
+        grouped GEMMs run), else prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for
+        oneDNN (bfloat16 or float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack:
+        grouped GEMM), and keep float32 copies of small bfloat16 experts (``upcast_linear``: plain
+        torch, so they are kept where oneDNN cannot pack too); with the kernel, then look up (or
+        measure) up to how many rows it beats those paths (``kernel_max_rows``). First puts w1
+        and w3 back into one allocation if something (``module.to``, ``.double()``) split them;
+        probes ``torch._grouped_mm`` for ``forward_cuda`` on the weights' device (never inside a
+        trace or a capture)."""
         self._packs, self._upcast, self._kernel_packs = None, (), None
         self._join_gate_up()
         if not self.w1.is_meta:  # probe now, not in a traced or captured forward
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
         kernels = None if self.w1.is_meta else self._kernels()
-        if kernels is not None:
-            w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
-            self._kernel_packs = PackedWeights.of(
-                (self.w1, self.w2, self.w3), (pack_weights(w13), pack_weights(self.w2))
-            )
-        if kernels is None or self.w1.dtype != torch.float32:  # the kernel serves all float32
+        sources = (self.w1, self.w2, self.w3)
+        if kernels is None:
             self._pack_per_expert()
-        if kernels is not None and self.w1.dtype == torch.bfloat16:
-            shape = f"H={self.hidden_size} F={self.intermediate_size}"
-            self._kernel_max_rows = bfloat16_kernel_max_rows(
-                kernels, shape, self._measure_kernel_max_rows
-            )
+            return
+        w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
+        self._kernel_packs = PackedWeights.of(sources, (pack_weights(w13), pack_weights(self.w2)))
+        if self.w1.dtype == torch.float32:
+            self._packs = PackedWeights.of(
+                sources, ()
+            )  # no second copy: grouped GEMMs past the cut
+        else:
+            self._pack_per_expert()
+        experts = f"{self.w1.dtype} H={self.hidden_size} F={self.intermediate_size}"
+        self._kernel_max_rows = kernel_max_rows(kernels, experts, self._measure_kernel_max_rows)
 
     def _pack_per_expert(self) -> None:
         """The oneDNN packs and float32 copies of ``process_weights_after_loading``."""
@@ -189,7 +191,7 @@ class TorchExperts(CustomOp):
     def kernel_packed_weights(self, x: Tensor, rows_per_expert: float) -> tuple[Tensor, ...]:
         """``(w13, w2)`` packed for the compiled kernel (re-made if a weight changed) where it
         serves rows ``x`` with ``rows_per_expert`` rows per active expert on average
-        (``kernel_runs``: the dtype, the shape, no autograd through it), else empty."""
+        (the dtype, the shape, the measured cut, no autograd through it), else empty."""
         serving = self._serving_kernel(x, rows_per_expert)
         return () if serving is None else serving[1]
 
@@ -202,7 +204,7 @@ class TorchExperts(CustomOp):
         ):
             return None
         kernels = self._kernels()
-        if kernels is None or not kernel_runs(x.dtype, rows_per_expert, self._kernel_max_rows):
+        if kernels is None or rows_per_expert > self._kernel_max_rows:
             return None
         if self._kernel_packs is None or not self._kernel_packs.is_current(sources):
             self.process_weights_after_loading()

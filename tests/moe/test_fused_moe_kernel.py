@@ -7,8 +7,8 @@ Bounds: float32 within 4x the float32 reference's own error; bfloat16 within one
 exact value (the kernel computes in float32 and rounds once: |error| <= 2^-8 |exact|, plus
 float32's summation error). Shapes cover row tiles cut short (8 rows with AVX-512, 6 with AVX2),
 an intermediate size that is not a multiple of the vector width, weights split into column
-chunks, experts with no rows and slots routed to other ranks. The bfloat16 cut is pinned here
-(kernel everywhere unless a test says otherwise); its measurement has tests of its own.
+chunks, experts with no rows and slots routed to other ranks. The kernel's measured cut is pinned
+here (kernel everywhere unless a test says otherwise); the measurement has tests of its own.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def kernel_calls(request, monkeypatch):
             return module.fused_moe_batched(*args)
 
     monkeypatch.setattr(cpu_fused, "cpu_kernels", lambda _isa: Counting())
-    monkeypatch.setattr(experts_module, "bfloat16_kernel_max_rows", lambda *_: math.inf)
+    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: math.inf)
     return calls
 
 
@@ -193,9 +193,10 @@ def test_kernel_follows_weights_reloaded_in_place(kernel_calls):
 
 
 def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monkeypatch):
-    """bfloat16 batches over the measured cut (rows per active expert), a hidden size that is not
-    a multiple of 16, and autograd through the weights take the torch paths."""
-    monkeypatch.setattr(experts_module, "bfloat16_kernel_max_rows", lambda *_: 4.0)
+    """Batches over the measured cut (rows per active expert: oneDNN for bfloat16, the grouped
+    GEMMs for float32), a hidden size that is not a multiple of 16, and autograd through the
+    weights take the torch paths."""
+    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: 4.0)
     experts, _ = make_experts(torch.bfloat16)
     ids, weights = routed(40, 3, 6)
     x = torch.randn(40, 32).bfloat16()
@@ -203,7 +204,12 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
         experts(x[:8], ids[:8], weights[:8])  # 24 pairs over 6 experts: 4 rows each
         assert kernel_calls == ["fused_moe"]
         experts(x, ids, weights)  # 20 rows each
-    assert kernel_calls == ["fused_moe"]
+        assert kernel_calls == ["fused_moe"]
+        f32, exact = make_experts(torch.float32)
+        out = f32(x.float(), ids, weights)
+        assert kernel_calls == ["fused_moe"] and f32._packs.packed == ()  # no second copy
+        check(out, out, exact.forward_native(x.double(), ids, weights.double()), torch.float32)
+    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: math.inf)
     odd, exact = make_experts(torch.float32, hidden=24, inter=24)
     with torch.no_grad():
         out = odd(torch.randn(5, 24), ids[:5], weights[:5])
@@ -255,7 +261,7 @@ def tuning_file(tmp_path, monkeypatch):
     return path
 
 
-def test_bfloat16_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
+def test_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
     """Measured on the first ask, then read from this process's record, then from the file (a
     later start), and measured again only where the file is unreadable or holds no number."""
     measured: list[str] = []
@@ -264,36 +270,33 @@ def test_bfloat16_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeyp
         measured.append("measure")
         return 16.0
 
-    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
-    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
     (key,) = json.loads(tuning_file.read_text())
-    assert key.startswith("bfloat16 H=64 F=32 threads=") and measured == ["measure"]
+    assert key.startswith("H=64 F=32 threads=") and measured == ["measure"]
     monkeypatch.setattr(cpu_fused, "_max_rows", {})  # a later start on this machine
-    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
     assert measured == ["measure"]
-    assert cpu_fused.bfloat16_kernel_max_rows(None, "H=128 F=32", lambda: math.inf) == math.inf
+    assert cpu_fused.kernel_max_rows(None, "H=128 F=32", lambda: math.inf) == math.inf
     assert len(json.loads(tuning_file.read_text())) == 2  # both shapes kept
     for bad in ("{not json", json.dumps({key: "many"}), "[]"):
         tuning_file.write_text(bad)
         monkeypatch.setattr(cpu_fused, "_max_rows", {})
-        assert cpu_fused.bfloat16_kernel_max_rows(None, "H=64 F=32", measure) == 16.0
+        assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
     assert measured == ["measure"] * 4
 
 
-def test_bfloat16_experts_take_the_cut_measured_on_both_paths(
-    tuning_file, kernel_calls, monkeypatch
-):
-    """Loading bfloat16 experts measures the kernel against the torch path on this machine (both
-    run) and keeps the answer, one of 0, 1, 2, 4, ... or inf, for their shape."""
-    monkeypatch.setattr(
-        experts_module, "bfloat16_kernel_max_rows", cpu_fused.bfloat16_kernel_max_rows
-    )
-    experts, _ = make_experts(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_take_the_cut_measured_on_both_paths(tuning_file, kernel_calls, monkeypatch, dtype):
+    """Loading experts measures the kernel against the torch path on this machine (both run)
+    and keeps the answer, one of 0, 1, 2, 4, ... or inf, for their dtype and shape."""
+    monkeypatch.setattr(experts_module, "kernel_max_rows", cpu_fused.kernel_max_rows)
+    experts, _ = make_experts(dtype)
     max_rows = experts._kernel_max_rows
     assert max_rows == math.inf or max_rows == 0 or math.log2(max_rows).is_integer()
     assert "fused_moe" in kernel_calls
-    (stored,) = json.loads(tuning_file.read_text()).values()
-    assert stored == max_rows
+    ((key, stored),) = json.loads(tuning_file.read_text()).items()
+    assert key.startswith(f"{dtype} H=32 F=24 threads=") and stored == max_rows
     kernel_calls.clear()
-    again, _ = make_experts(torch.bfloat16, seed=3)  # the same shape: not measured again
+    again, _ = make_experts(dtype, seed=3)  # the same shape: not measured again
     assert again._kernel_max_rows == max_rows and kernel_calls == []
