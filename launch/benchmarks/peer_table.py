@@ -29,9 +29,14 @@ from pathlib import Path
 
 VLLM_LINE = re.compile(r"vllm-cpu: .* \(([\d.]+) tokens/s\)")
 CPU_ISAS = ("native", "avx2")
-# torch's dispatch and oneDNN capped at AVX2 for both engines; ours is capped by MOE_DBO_CPU_ISA
-# (docs/hardware.md), vLLM by the torch probes it reads, patched at start-up (avx2_peer/)
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# torch's dispatch, oneDNN and MKL capped at AVX2 for both engines; ours is capped by
+# MOE_DBO_CPU_ISA (docs/hardware.md), vLLM by the torch probes it reads, patched at start-up
+# (avx2_peer/)
+AVX2_CAPS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 AVX2_PEER_SITE = Path(__file__).resolve().parent / "avx2_peer"
 
 
