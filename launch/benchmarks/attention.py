@@ -33,31 +33,6 @@ SHAPES = (
 )
 
 
-def make_metadata(requests: list[tuple[int, int]]) -> tuple[CommonAttentionMetadata, int]:
-    """Metadata with consecutive blocks per request; returns it and the cache's block count."""
-    max_blocks = max(-(-(c + q) // BLOCK_SIZE) for c, q in requests)
-    block_table = torch.arange(len(requests) * max_blocks, dtype=torch.int32).view(-1, max_blocks)
-    num_computed = torch.tensor([c for c, _ in requests])
-    query_lens = torch.tensor([q for _, q in requests])
-    seq_lens = num_computed + query_lens
-    qsl = torch.cat((torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)))
-    req = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
-    pos = torch.arange(int(qsl[-1])) - qsl[req] + num_computed[req]
-    slots = block_table[req, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    md = CommonAttentionMetadata(
-        query_start_loc=qsl.int(),
-        seq_lens=seq_lens.int(),
-        block_table=block_table,
-        slot_mapping=slots,
-        num_reqs=len(requests),
-        num_actual_tokens=int(qsl[-1]),
-        num_tokens=int(qsl[-1]),
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-    return md, len(requests) * max_blocks
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -72,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'native/batched':>15s} {'torch-only/batched':>19s}"
     )
     for name, requests, num_heads, num_kv_heads, head_dim in SHAPES:
-        md, num_blocks = make_metadata(requests)
+        md, num_blocks = CommonAttentionMetadata.for_requests(requests, BLOCK_SIZE)
         op = PagedAttention(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=0.1
         )

@@ -21,22 +21,11 @@ import torch
 
 
 def _metadata(num_tokens: int, context_len: int, block_size: int):
+    """A decode step: ``num_tokens`` requests of one query row over ``context_len`` cached."""
     from moe.layers.attention_metadata import CommonAttentionMetadata
 
-    blocks_per_req = -(-(context_len + 1) // block_size)
-    table = torch.arange(num_tokens * blocks_per_req, dtype=torch.int32).view(num_tokens, -1)
-    slots = table[:, context_len // block_size].long() * block_size + context_len % block_size
-    return CommonAttentionMetadata(
-        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32),
-        seq_lens=torch.full((num_tokens,), context_len + 1, dtype=torch.int32),
-        block_table=table,
-        slot_mapping=slots,
-        num_reqs=num_tokens,
-        num_actual_tokens=num_tokens,
-        num_tokens=num_tokens,
-        max_query_len=1,
-        max_seq_len=context_len + 1,
-    )
+    requests = [(context_len, 1)] * num_tokens
+    return CommonAttentionMetadata.for_requests(requests, block_size)[0]
 
 
 def _median_ms(fns, reps: int) -> list[float]:

@@ -28,10 +28,9 @@ from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
 from moe.fused_moe.cpu_fused import (
-    best_seconds,
     fused_moe_kernels,
     kernel_max_rows,
-    measure_max_rows,
+    measure_kernel_max_rows,
     pack_weights,
 )
 from moe.fused_moe.grouped_experts import (
@@ -43,6 +42,7 @@ from moe.fused_moe.grouped_experts import (
     grouped_mm_runs,
     grouped_mm_unavailable,
 )
+from moe.kernels.tuning import best_seconds
 from moe.layers import linear
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
@@ -174,7 +174,7 @@ class TorchExperts(CustomOp):
             self._kernel_max_rows = math.inf if kernel else -1.0
             return best_seconds(lambda: self.forward_cpu(x, ids, weights))
 
-        return measure_max_rows(seconds, 3 * self.hidden_size * self.intermediate_size)
+        return measure_kernel_max_rows(seconds, 3 * self.hidden_size * self.intermediate_size)
 
     @torch.no_grad()
     def _join_gate_up(self) -> None:

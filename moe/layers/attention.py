@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
-from moe.layers.batched_attention import batched_paged_attention
+from moe.layers.attention_tuning import kernel_cut
+from moe.layers.batched_attention import KERNEL_EVERYWHERE, batched_paged_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
@@ -194,6 +195,8 @@ class PagedAttention(CustomOp):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: Tensor | None = None  # not a buffer: the engine owns and sizes it
+        # where batched_paged_attention leaves our CPU kernel for SDPA (set with the cache)
+        self.kernel_cut = KERNEL_EVERYWHERE
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V of every token)."""
@@ -204,7 +207,9 @@ class PagedAttention(CustomOp):
         return 2 * self.num_kv_heads * self.head_dim
 
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
-        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError otherwise."""
+        """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError otherwise.
+        Looks up (once per machine: measures) where our CPU kernel hands long queries to SDPA
+        for this cache (``moe.layers.attention_tuning.kernel_cut``)."""
         if (
             kv_cache.dim() != 5
             or kv_cache.shape[0] != 2
@@ -216,6 +221,7 @@ class PagedAttention(CustomOp):
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
+        self.kernel_cut = kernel_cut(kv_cache, self.num_heads)
 
     def _heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.kv_cache is None:
@@ -239,7 +245,9 @@ class PagedAttention(CustomOp):
     ) -> Tensor:
         q, k, v = self._heads(query, key, value)
         write_kv_cache_planned(k, v, self.kv_cache, attn_metadata)
-        out = batched_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
+        out = batched_paged_attention(
+            q, self.kv_cache, attn_metadata, scale=self.scale, cut=self.kernel_cut
+        )
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def forward_cpu(

@@ -77,6 +77,37 @@ class CommonAttentionMetadata:
         init=False, default_factory=dict, repr=False, compare=False
     )
 
+    @classmethod
+    def for_requests(
+        cls, requests: Sequence[tuple[int, int]], block_size: int
+    ) -> tuple[CommonAttentionMetadata, int]:
+        """Metadata of ``requests`` (``(tokens already cached, query rows)`` each) over a cache
+        where request r owns the consecutive blocks ``r * B .. r * B + B - 1`` (B the most any
+        request needs), for benchmarks and measurements; returns it and the number of blocks the
+        cache needs (``num_reqs * B``). No padding rows."""
+        max_blocks = max(-(-(cached + rows) // block_size) for cached, rows in requests)
+        block_table = torch.arange(len(requests) * max_blocks, dtype=torch.int32)
+        block_table = block_table.view(-1, max_blocks)
+        num_computed = torch.tensor([cached for cached, _ in requests])
+        query_lens = torch.tensor([rows for _, rows in requests])
+        seq_lens = num_computed + query_lens
+        qsl = torch.cat((torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)))
+        req = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
+        pos = torch.arange(int(qsl[-1])) - qsl[req] + num_computed[req]
+        slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
+        metadata = cls(
+            query_start_loc=qsl.int(),
+            seq_lens=seq_lens.int(),
+            block_table=block_table,
+            slot_mapping=slots,
+            num_reqs=len(requests),
+            num_actual_tokens=int(qsl[-1]),
+            num_tokens=int(qsl[-1]),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return metadata, len(requests) * max_blocks
+
     def derived(self, key: Hashable, build: Callable[[], T]) -> T:
         """``build()``, computed once per metadata object and cached under ``key``.
 

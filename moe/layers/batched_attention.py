@@ -21,8 +21,9 @@ The padding plan (chunks, index tensors, masks) depends only on the (u)batch's m
 first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
 
 On the CPU our compiled kernel (``moe.kernels``: ``paged_attention``) replaces the padded SDPA
-chunks where it applies: GQA reads K/V in place; MLA's absorbed requests read the latent rows in
-place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
+chunks where it applies: GQA reads K/V in place, up to a number of query rows per request measured
+once per machine (``KernelCut``; ``moe.layers.attention_tuning``); MLA's absorbed requests read
+the latent rows in place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
 
 Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
 ``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
@@ -30,6 +31,7 @@ Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolis
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +58,28 @@ CHUNK_CONTEXT_BYTES = 16 << 20
 # Requests go in chunks by seq_len bucket (quarter octaves from 64 tokens up; see _chunk_bounds).
 SEQ_LEN_BUCKETS_PER_OCTAVE = 4
 SEQ_LEN_BUCKET_MIN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCut:
+    """Up to how many query rows a request attends in our compiled kernel rather than the padded
+    SDPA chunks (``batched_paged_attention``): ``over_context`` for a query that follows a cached
+    context at least as long as itself (a chunked prefill's later chunk), ``fresh`` otherwise
+    (a prompt's first chunk). Measured once per machine (``moe.layers.attention_tuning``);
+    ``inf`` means no cut."""
+
+    fresh: float = math.inf
+    over_context: float = math.inf
+
+    def to_sdpa(self, query_lens: Tensor, seq_lens: Tensor) -> Tensor:
+        """bool ``[num_reqs]``: the requests past the cut (``query_lens``, ``seq_lens``: int
+        ``[num_reqs]``, as in the metadata)."""
+        over_context = seq_lens - query_lens >= query_lens
+        return torch.where(over_context, query_lens > self.over_context, query_lens > self.fresh)
+
+
+KERNEL_EVERYWHERE = KernelCut()
+SDPA_EVERYWHERE = KernelCut(fresh=0.0, over_context=0.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,8 +172,10 @@ def pad_request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device | None = None,
+    past: KernelCut | None = None,
 ) -> list[PaddedRequests]:
-    """The requests with query rows, padded in chunks.
+    """The requests with query rows (only those ``past.to_sdpa`` selects, if given), padded in
+    chunks.
 
     Requests go in two groups — ``query_len <= short_query_len`` (decode rows), then the longer
     ones — each sorted by ``seq_len`` and cut into chunks whose gathered context
@@ -163,9 +189,10 @@ def pad_request_chunks(
     query_lens = qsl[1:] - qsl[:-1]
     seq_lens = attn_metadata.seq_lens.long()
     is_short = query_lens <= short_query_len
+    chosen = True if past is None else past.to_sdpa(query_lens, seq_lens)
     chunks = []
     for selected in (is_short & (query_lens > 0), ~is_short):
-        req_ids = selected.nonzero().flatten()
+        req_ids = (selected & chosen).nonzero().flatten()
         if not req_ids.numel():
             continue
         order = seq_lens[req_ids].argsort(stable=True)
@@ -191,11 +218,22 @@ def pad_request_chunks(
 
 
 def plan_key(
-    block_size: int, short_query_len: int, context_bytes_per_token: int, data_device: torch.device
+    block_size: int,
+    short_query_len: int,
+    context_bytes_per_token: int,
+    data_device: torch.device,
+    past: KernelCut | None = None,
 ) -> tuple:
     """The ``attn_metadata.derived`` key of the padding plan ``request_chunks`` builds from these
     arguments; caches derived from that plan (masks, gather rows) extend it."""
-    return ("pad_request_chunks", block_size, short_query_len, context_bytes_per_token, data_device)
+    return (
+        "pad_request_chunks",
+        block_size,
+        short_query_len,
+        context_bytes_per_token,
+        data_device,
+        past,
+    )
 
 
 def request_chunks(
@@ -205,18 +243,20 @@ def request_chunks(
     short_query_len: int,
     context_bytes_per_token: int,
     data_device: torch.device,
+    past: KernelCut | None = None,
 ) -> list[PaddedRequests]:
     """``pad_request_chunks``, built by the first layer of a (u)batch and reused by the others
     (cached in ``attn_metadata.derived`` under ``plan_key`` of the same arguments: every layer has
     the same requests and block table)."""
     return attn_metadata.derived(
-        plan_key(block_size, short_query_len, context_bytes_per_token, data_device),
+        plan_key(block_size, short_query_len, context_bytes_per_token, data_device, past),
         lambda: pad_request_chunks(
             attn_metadata,
             block_size,
             short_query_len=short_query_len,
             context_bytes_per_token=context_bytes_per_token,
             data_device=data_device,
+            past=past,
         ),
     )
 
@@ -332,15 +372,20 @@ def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., Non
 
 
 def batched_paged_attention(
-    query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    scale: float,
+    cut: KernelCut = KERNEL_EVERYWHERE,
 ) -> Tensor:
     """Attention of every query row over its request's cached context (K/V already written).
 
-    On the CPU our compiled kernel computes every request reading K/V in place through the block
-    table (``moe/kernels/csrc/paged_attention_cpu.cpp``; faster than the padded SDPA chunks on
-    decode rows, fresh prefills and chunks over a cached context: docs/hardware.md, "Paged
-    attention kernel"). Elsewhere, or where it does not apply (``paged_attention_kernel``),
-    requests are padded in chunks and attend through ``scaled_dot_product_attention``.
+    On the CPU our compiled kernel computes the requests up to ``cut`` (the layer's measured
+    ``KernelCut``) reading K/V in place through the block table
+    (``moe/kernels/csrc/paged_attention_cpu.cpp``); the requests past it, and all requests where
+    the kernel does not apply (``paged_attention_kernel``), are padded in chunks and attend
+    through ``scaled_dot_product_attention``.
 
     Args:
         query: [num_tokens, num_heads, head_dim] (rotated).
@@ -350,6 +395,7 @@ def batched_paged_attention(
         attn_metadata: this (u)batch's metadata; its padding plan and masks are built by the
             first layer that attends and reused by the others (``attn_metadata.derived``).
         scale: softmax scale.
+        cut: where the kernel hands requests to SDPA (default: nowhere).
 
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are zero.
@@ -358,8 +404,18 @@ def batched_paged_attention(
     kernel = paged_attention_kernel(query, kv_cache)
     if kernel is None:
         return _padded_sdpa_attention(query, kv_cache, attn_metadata, scale=scale)
-    out = query.new_zeros(num_tokens, num_heads, head_dim)
     block_table, seq_lens, query_start_loc, req_ids = kernel_inputs(attn_metadata)
+    out = None
+    if cut != KERNEL_EVERYWHERE:
+        to_sdpa = attn_metadata.derived(
+            ("to_sdpa", cut),
+            lambda: cut.to_sdpa(attn_metadata.query_lens.long(), attn_metadata.seq_lens.long()),
+        )
+        if bool(to_sdpa.any()):  # host read: CPU metadata
+            out = _padded_sdpa_attention(query, kv_cache, attn_metadata, scale=scale, past=cut)
+            req_ids = req_ids[~to_sdpa[req_ids]]
+    if out is None:
+        out = query.new_zeros(num_tokens, num_heads, head_dim)
     if req_ids.numel():
         kernel(
             out,
@@ -376,10 +432,16 @@ def batched_paged_attention(
 
 
 def _padded_sdpa_attention(
-    query: Tensor, kv_cache: Tensor, attn_metadata: CommonAttentionMetadata, *, scale: float
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    scale: float,
+    past: KernelCut | None = None,
 ) -> Tensor:
-    """``batched_paged_attention`` in plain torch: the requests padded in chunks (the padding plan,
-    masks and gather rows built by the first layer and reused), one SDPA call per chunk."""
+    """``batched_paged_attention`` in plain torch for every request, or for those past ``past``
+    (the other rows stay zero): the requests padded in chunks (the padding plan, masks and gather
+    rows built by the first layer and reused), one SDPA call per chunk."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
@@ -392,8 +454,9 @@ def _padded_sdpa_attention(
         short_query_len=1,
         context_bytes_per_token=context_bytes,
         data_device=query.device,
+        past=past,
     )
-    plan = plan_key(block_size, 1, context_bytes, query.device)
+    plan = plan_key(block_size, 1, context_bytes, query.device, past)
     masks = attn_metadata.derived(
         ("gqa_masks", plan, group_size, query.dtype),
         lambda: _gqa_masks(chunks, group_size, query.dtype),

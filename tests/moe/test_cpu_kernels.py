@@ -9,11 +9,14 @@ rows, requests cut across ubatches and empty ubatches.
 
 ``tests/moe/test_batched_attention.py`` runs the same kinds of batches on the padded SDPA chunks
 and on each ISA's kernel. Where no compiler is found the kernel tests skip; where one is found the
-kernel must build.
+kernel must build. The layer's measured ``KernelCut`` is pinned to "kernel everywhere" here but in
+the tests of the cut itself.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 
 import pytest
@@ -21,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from moe import kernels
-from moe.layers import batched_attention
+from moe.layers import attention, attention_tuning, batched_attention
 from moe.layers.attention import PagedAttention
+from moe.layers.batched_attention import KERNEL_EVERYWHERE, KernelCut
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
 from moe.platforms import current_platform
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for, needs_compiler
@@ -32,6 +36,12 @@ from tests.moe.test_batched_attention import BLOCK_SIZE, NUM_BLOCKS, make_metada
 # with prefill chunks that start at 0 or mid-sequence and a request with no query row
 DECODES = [(7, 1), (15, 1), (0, 1), (3, 1), (22, 1), (11, 1), (1, 1), (8, 1)]
 MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_everywhere(monkeypatch):
+    """Layers bound to a cache send every request to the kernel (no measured cut)."""
+    monkeypatch.setattr(attention, "kernel_cut", lambda *_: KERNEL_EVERYWHERE)
 
 
 @pytest.fixture(params=ISAS)
@@ -382,3 +392,62 @@ def test_kernel_refuses_mismatched_k_v_and_out(isa):
         query.transpose(0, 1), k, v, is_causal=True, scale=0.25
     )
     torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_cut_sends_long_queries_to_sdpa():
+    """Hand-worked on MIXED ((cached, rows) per request): over a context at least as long as the
+    query, past ``over_context``; otherwise past ``fresh``; a request with no rows never."""
+    md = make_metadata(MIXED)
+    cut = KernelCut(fresh=4, over_context=1)
+    to_sdpa = cut.to_sdpa(md.query_lens.long(), md.seq_lens.long())
+    # (0, 5) fresh 5 > 4; (3, 9) fresh; (8, 4) over context 4 > 1; (4, 0) and the decodes: no
+    assert to_sdpa.tolist() == [True, False, False, True, False, False, True, False, False]
+    assert not KERNEL_EVERYWHERE.to_sdpa(md.query_lens.long(), md.seq_lens.long()).any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_requests_past_the_cut_take_sdpa_and_the_rest_the_kernel(kernel_calls, dtype):
+    """The two paths in one batch equal the reference: the kernel gets only the 5 requests
+    within the cut (decode rows), SDPA the 3 past it."""
+    op = make_op(4, 2, 16, dtype)
+    op.kernel_cut = KernelCut(fresh=4, over_context=1)
+    md = make_metadata(MIXED, num_padding=1)
+    q, k, v = inputs(op, md.num_tokens, dtype)
+    got = op.forward_cpu(q, k, v, md)
+    assert kernel_calls == [5]
+    exact = reference(op, q, k, v, md)
+    bound = 1e-12 if dtype == torch.float64 else float32_bound(op, q, k, v, md, exact)
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=bound)
+    assert not got[md.num_actual_tokens :].any()
+    kernel_calls.clear()
+    op.kernel_cut = batched_attention.SDPA_EVERYWHERE
+    torch.testing.assert_close(op.forward_cpu(q, k, v, md).double(), exact, rtol=0, atol=bound)
+    assert kernel_calls == []
+
+
+@needs_compiler
+def test_binding_a_cache_measures_the_cut_once_per_layout(tuning_file, monkeypatch):
+    """float32 / bfloat16 caches: both kinds measured through both paths, kept under the layout's
+    key, one of 0, 1, 2, 4, ... or inf; a second layer of the layout reads it; float64 caches
+    (references) keep the kernel everywhere, unmeasured."""
+    monkeypatch.setattr(attention, "kernel_cut", attention_tuning.kernel_cut)
+    measured = []
+    real_measure = attention_tuning._measure
+
+    def counting_measure(*args, **kwargs):
+        measured.append((args, kwargs["over_context"]))
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(attention_tuning, "_measure", counting_measure)
+    cut = make_op(4, 2, 16, torch.float32).kernel_cut
+    assert len(measured) == 2 and make_op(4, 2, 16, torch.float32).kernel_cut == cut
+    for rows in (cut.fresh, cut.over_context):
+        assert rows == math.inf or rows == 0 or math.log2(rows).is_integer()
+    keys = sorted(json.loads(tuning_file.read_text()))
+    assert [key.split(" threads=")[0] for key in keys] == [
+        "attention torch.float32 heads=4/2 head_dim=16 fresh",
+        "attention torch.float32 heads=4/2 head_dim=16 over_context",
+    ]
+    assert make_op(4, 2, 16, torch.float64).kernel_cut == KERNEL_EVERYWHERE
+    assert len(measured) == 2

@@ -220,72 +220,6 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
     assert kernel_calls == ["fused_moe"]
 
 
-def fake_seconds(kernel_wins_up_to: float):
-    """``measure_max_rows``'s timer for a kernel that is faster up to ``kernel_wins_up_to`` rows
-    (kernel: 1 + rows; the other path: 1 + kernel_wins_up_to), recording the counts asked."""
-    asked: list[tuple[bool, int]] = []
-
-    def seconds(kernel: bool, rows: int) -> float:
-        asked.append((kernel, rows))
-        return 1.0 + (rows if kernel else kernel_wins_up_to)
-
-    return seconds, asked
-
-
-def test_measure_max_rows_is_the_last_doubling_the_kernel_wins():
-    seconds, asked = fake_seconds(10)
-    assert cpu_fused.measure_max_rows(seconds, 1) == 8.0
-    assert [rows for kernel, rows in asked if kernel] == [1, 2, 4, 8, 16]  # stops at the loss
-    assert cpu_fused.measure_max_rows(fake_seconds(0.5)[0], 1) == 0.0  # lost at one row
-    assert cpu_fused.measure_max_rows(fake_seconds(1.0)[0], 1) == 1.0  # a tie goes to the kernel
-
-
-def test_measure_max_rows_stops_at_its_bounds_and_then_keeps_the_kernel():
-    seconds, asked = fake_seconds(math.inf)
-    assert cpu_fused.measure_max_rows(seconds, 1) == math.inf
-    assert max(rows for _, rows in asked) == cpu_fused.MEASURE_MAX_ROWS
-    seconds, asked = fake_seconds(math.inf)
-    assert cpu_fused.measure_max_rows(seconds, cpu_fused.MEASURE_MAX_MACS // 4) == math.inf
-    assert max(rows for _, rows in asked) == 4
-    seconds, asked = fake_seconds(math.inf)  # one row over the bound: still measured once
-    assert cpu_fused.measure_max_rows(seconds, 2 * cpu_fused.MEASURE_MAX_MACS) == math.inf
-    assert asked == [(True, 1), (False, 1)]
-
-
-@pytest.fixture
-def tuning_file(tmp_path, monkeypatch):
-    """A fresh tuning file and an empty in-process record for ``bfloat16_kernel_max_rows``."""
-    path = tmp_path / cpu_fused.TUNING_FILE
-    monkeypatch.setattr(cpu_fused, "tuning_path", lambda _kernels: path)
-    monkeypatch.setattr(cpu_fused, "_max_rows", {})
-    return path
-
-
-def test_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
-    """Measured on the first ask, then read from this process's record, then from the file (a
-    later start), and measured again only where the file is unreadable or holds no number."""
-    measured: list[str] = []
-
-    def measure() -> float:
-        measured.append("measure")
-        return 16.0
-
-    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
-    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
-    (key,) = json.loads(tuning_file.read_text())
-    assert key.startswith("H=64 F=32 threads=") and measured == ["measure"]
-    monkeypatch.setattr(cpu_fused, "_max_rows", {})  # a later start on this machine
-    assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
-    assert measured == ["measure"]
-    assert cpu_fused.kernel_max_rows(None, "H=128 F=32", lambda: math.inf) == math.inf
-    assert len(json.loads(tuning_file.read_text())) == 2  # both shapes kept
-    for bad in ("{not json", json.dumps({key: "many"}), "[]"):
-        tuning_file.write_text(bad)
-        monkeypatch.setattr(cpu_fused, "_max_rows", {})
-        assert cpu_fused.kernel_max_rows(None, "H=64 F=32", measure) == 16.0
-    assert measured == ["measure"] * 4
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_take_the_cut_measured_on_both_paths(tuning_file, kernel_calls, monkeypatch, dtype):
     """Loading experts measures the kernel against the torch path on this machine (both run)
@@ -296,7 +230,7 @@ def test_experts_take_the_cut_measured_on_both_paths(tuning_file, kernel_calls, 
     assert max_rows == math.inf or max_rows == 0 or math.log2(max_rows).is_integer()
     assert "fused_moe" in kernel_calls
     ((key, stored),) = json.loads(tuning_file.read_text()).items()
-    assert key.startswith(f"{dtype} H=32 F=24 threads=") and stored == max_rows
+    assert key.startswith(f"experts {dtype} H=32 F=24 threads=") and stored == max_rows
     kernel_calls.clear()
     again, _ = make_experts(dtype, seed=3)  # the same shape: not measured again
     assert again._kernel_max_rows == max_rows and kernel_calls == []

@@ -1,0 +1,107 @@
+"""Where our compiled CPU kernels beat the library path they replace, measured once per machine.
+
+A kernel and the path it replaces (oneDNN or MKL GEMMs, torch's SDPA) trade places at a size that
+depends on the CPU (AMX tiles, avx512_bf16, AVX2 only), the dtype and the shape, so the cut is
+measured rather than fixed: ``measure_max_rows`` times both paths at 1, 2, 4, ... rows and
+``tuned_max_rows`` keeps the answer, by a key naming the case and the machine, in a JSON file
+beside the kernel build (``tuning_path``: so per kernel source, ISA, torch and Python version,
+like the build). Later starts read it, so every start on a machine takes the same paths (which
+round differently). Users: the experts (``moe.fused_moe.cpu_fused``) and GQA paged attention
+(``moe.layers.batched_attention``). Measurements: docs/hardware.md, "Experts" and "Paged
+attention kernel".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+MEASURE_REPEATS = 5  # each time is the best of this many calls, after one untimed call
+MEASURE_MAX_ROWS = 1024  # the largest row count a measurement times
+TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows}
+# variables that cap a library's ISA: a measurement under a cap holds only under that cap
+ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+_lock = threading.Lock()
+_max_rows: dict[str, float] = {}  # this process's answers, by the full key
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = MEASURE_REPEATS) -> float:
+    """The shortest wall time of ``repeats`` calls of ``fn`` in seconds, after one untimed call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_max_rows(seconds: Callable[[bool, int], float], max_rows: int) -> float:
+    """The largest row count r of 1, 2, 4, ... at which the kernel (``seconds(True, r)``) took no
+    longer than the other path (``seconds(False, r)``); 0 if it lost at 1 row, ``inf`` if it won
+    at every count measured: up to ``max_rows`` (the caller's cost bound; at least 1 row, at most
+    ``MEASURE_MAX_ROWS``)."""
+    rows, won = 1, 0.0
+    while rows == 1 or rows <= min(max_rows, MEASURE_MAX_ROWS):
+        if seconds(True, rows) > seconds(False, rows):
+            return won
+        won, rows = float(rows), rows * 2
+    return math.inf
+
+
+def tuning_path(kernels: ModuleType) -> Path:
+    """The tuning file of a kernel build (``moe.kernels.cpu_kernels``): in its directory."""
+    return Path(kernels.__file__).parent / TUNING_FILE
+
+
+def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float]) -> float:
+    """The rows up to which ``kernels`` serve ``case`` (what is measured, with its dtype and
+    shape, e.g. ``"experts torch.bfloat16 H=2048 F=1408"``): ``measure()`` (``measure_max_rows``)
+    once per machine, kept by its key (the case, the thread count, the CPU model and the ISA caps)
+    in ``tuning_path``. An unreadable or unwritable file only costs the measurement. Thread-safe.
+    """
+    from moe.platforms.plugins import current_platform
+
+    cap = current_platform().cpu_capability()
+    caps = " ".join(f"{name}={os.environ.get(name, '')}" for name in ISA_CAP_VARIABLES)
+    key = (
+        f"{case} threads={torch.get_num_threads()} cpu={cap.model_name} "
+        f"torch_isa={cap.torch_capability} {caps}"
+    )
+    with _lock:
+        if key not in _max_rows:
+            path = tuning_path(kernels)
+            stored = _read(path)
+            if not isinstance(stored.get(key), int | float):
+                stored = {**_read(path), key: measure()}
+                _write(path, stored)
+            _max_rows[key] = float(stored[key])
+        return _max_rows[key]
+
+
+def _read(path: Path) -> dict:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _write(path: Path, stored: dict) -> None:
+    """Write ``stored`` whole under a temporary name, then rename it: a reader (another rank)
+    sees the old file or the new one, never a part."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        temporary.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)

@@ -1,0 +1,76 @@
+"""``moe.kernels.tuning``: the doubling measurement stops at the kernel's first loss or at its
+bounds, and its answer is measured once per machine and key, then read back (in-process, then from
+the file a later start reads), measured again only where the file holds no number for the key.
+The timers here are fakes: what is tested is the search and the record, not a machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from moe.kernels import tuning
+
+
+def fake_seconds(kernel_wins_up_to: float):
+    """``measure_max_rows``'s timer for a kernel that is faster up to ``kernel_wins_up_to`` rows
+    (kernel: 1 + rows; the other path: 1 + kernel_wins_up_to), recording the counts asked."""
+    asked: list[tuple[bool, int]] = []
+
+    def seconds(kernel: bool, rows: int) -> float:
+        asked.append((kernel, rows))
+        return 1.0 + (rows if kernel else kernel_wins_up_to)
+
+    return seconds, asked
+
+
+def test_measure_max_rows_is_the_last_doubling_the_kernel_wins():
+    seconds, asked = fake_seconds(10)
+    assert tuning.measure_max_rows(seconds, 1024) == 8.0
+    assert [rows for kernel, rows in asked if kernel] == [1, 2, 4, 8, 16]  # stops at the loss
+    assert tuning.measure_max_rows(fake_seconds(0.5)[0], 1024) == 0.0  # lost at one row
+    assert tuning.measure_max_rows(fake_seconds(1.0)[0], 1024) == 1.0  # a tie goes to the kernel
+
+
+def test_measure_max_rows_stops_at_its_bounds_and_then_keeps_the_kernel():
+    seconds, asked = fake_seconds(math.inf)
+    assert tuning.measure_max_rows(seconds, 10**9) == math.inf
+    assert max(rows for _, rows in asked) == tuning.MEASURE_MAX_ROWS
+    seconds, asked = fake_seconds(math.inf)
+    assert tuning.measure_max_rows(seconds, 7) == math.inf
+    assert max(rows for _, rows in asked) == 4
+    seconds, asked = fake_seconds(math.inf)  # a bound under one row: one row is still measured
+    assert tuning.measure_max_rows(seconds, 0) == math.inf
+    assert asked == [(True, 1), (False, 1)]
+
+
+def test_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
+    measured: list[str] = []
+
+    def measure() -> float:
+        measured.append("measure")
+        return 16.0
+
+    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    (key,) = json.loads(tuning_file.read_text())
+    assert key.startswith("case H=64 threads=") and measured == ["measure"]
+    assert "ONEDNN_MAX_CPU_ISA=" in key and "MKL_ENABLE_INSTRUCTIONS=" in key
+    monkeypatch.setattr(tuning, "_max_rows", {})  # a later start on this machine
+    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    assert measured == ["measure"]
+    assert tuning.tuned_max_rows(None, "case H=128", lambda: math.inf) == math.inf
+    assert len(json.loads(tuning_file.read_text())) == 2  # both cases kept
+    for bad in ("{not json", json.dumps({key: "many"}), "[]"):
+        tuning_file.write_text(bad)
+        monkeypatch.setattr(tuning, "_max_rows", {})
+        assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    assert measured == ["measure"] * 4
+
+
+def test_a_cap_is_part_of_the_key(tuning_file, monkeypatch):
+    """The same case under an ISA cap is another measurement (a capped library is another path)."""
+    tuning.tuned_max_rows(None, "case", lambda: 4.0)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert tuning.tuned_max_rows(None, "case", lambda: 0.0) == 0.0
+    assert sorted(json.loads(tuning_file.read_text()).values()) == [0.0, 4.0]
