@@ -14,6 +14,7 @@ attention kernel".
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -30,6 +31,7 @@ TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows}
 # variables that cap a library's ISA: a measurement under a cap holds only under that cap
 ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _max_rows: dict[str, float] = {}  # this process's answers, by the full key
 
@@ -82,7 +84,16 @@ def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float])
             path = tuning_path(kernels)
             stored = _read(path)
             if not isinstance(stored.get(key), int | float):
-                stored = {**_read(path), key: measure()}
+                start = time.perf_counter()
+                rows = measure()
+                logger.info(
+                    "moe-dbo: measured %s: our kernel up to %s rows (%.2f s; kept in %s)",
+                    case,
+                    rows,
+                    time.perf_counter() - start,
+                    path,
+                )
+                stored = {**_read(path), key: rows}
                 _write(path, stored)
             _max_rows[key] = float(stored[key])
         return _max_rows[key]

@@ -16,17 +16,15 @@ import math
 import torch
 from torch import Tensor
 
-from moe.kernels import cpu_kernels
 from moe.kernels.tuning import best_seconds, measure_max_rows, tuned_max_rows
 from moe.layers.attention_metadata import CommonAttentionMetadata
 from moe.layers.batched_attention import (
     KERNEL_EVERYWHERE,
     SDPA_EVERYWHERE,
     KernelCut,
+    attention_kernels,
     batched_paged_attention,
 )
-from moe.platforms.custom_op import is_tracing
-from moe.platforms.plugins import current_platform
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16)  # float64 (tests, references): kernel always
 MEASURE_BLOCK_SIZE = 16
@@ -38,15 +36,8 @@ def kernel_cut(kv_cache: Tensor, num_heads: int) -> KernelCut:
     (``[2, num_blocks, block_size, num_kv_heads, head_dim]``): measured once per machine, dtype
     and head layout where our kernel serves it (a contiguous float32 / bfloat16 CPU cache, the
     kernels built), else ``KERNEL_EVERYWHERE`` (nothing to choose)."""
-    if (
-        kv_cache.device.type != "cpu"
-        or kv_cache.dtype not in MEASURED_DTYPES
-        or not kv_cache.is_contiguous()
-        or is_tracing()
-    ):
-        return KERNEL_EVERYWHERE
-    kernels = cpu_kernels(current_platform().cpu_capability().isa)
-    if kernels is None:
+    kernels = attention_kernels(kv_cache.dtype, kv_cache)
+    if kernels is None or kv_cache.dtype not in MEASURED_DTYPES:
         return KERNEL_EVERYWHERE
     num_kv_heads, head_dim = kv_cache.shape[3:]
     layout = (num_heads, num_kv_heads, head_dim, kv_cache.dtype)

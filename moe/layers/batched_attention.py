@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -352,23 +353,27 @@ def kernel_inputs(attn_metadata: CommonAttentionMetadata) -> tuple[Tensor, Tenso
     return attn_metadata.derived("paged_attention_kernel_inputs", build)
 
 
-def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
-    """Our compiled CPU kernel that attends over the paged cache in place (``moe.kernels``),
-    where it applies: CPU tensors of one dtype (float32, float64, bfloat16), a contiguous cache,
-    no tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512,
-    the platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
+def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None:
+    """Our compiled CPU kernels (``moe.kernels``) where they attend queries of ``dtype`` over
+    ``kv_cache`` in place: a CPU cache of that dtype (float32, float64, bfloat16), contiguous, no
+    tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512, the
+    platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
     if (
-        query.device.type != "cpu"
-        or query.dtype != kv_cache.dtype
-        or query.dtype not in (torch.float32, torch.float64, torch.bfloat16)
+        kv_cache.device.type != "cpu"
+        or dtype != kv_cache.dtype
+        or dtype not in (torch.float32, torch.float64, torch.bfloat16)
         or not kv_cache.is_contiguous()
         or is_tracing()
     ):
         return None
-    kernels = cpu_kernels(current_platform().cpu_capability().isa)
-    if kernels is None:
-        return None
-    return kernels.paged_attention
+    return cpu_kernels(current_platform().cpu_capability().isa)
+
+
+def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
+    """The kernel that attends ``query`` over ``kv_cache`` in place (``attention_kernels``' module
+    ``paged_attention``, for a CPU query), else None."""
+    kernels = attention_kernels(query.dtype, kv_cache) if query.device.type == "cpu" else None
+    return None if kernels is None else kernels.paged_attention
 
 
 def batched_paged_attention(
