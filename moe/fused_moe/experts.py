@@ -135,10 +135,8 @@ class TorchExperts(CustomOp):
             return
         w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
         self._kernel_packs = PackedWeights.of(sources, (pack_weights(w13), pack_weights(self.w2)))
-        if self.w1.dtype == torch.float32:
-            self._packs = PackedWeights.of(
-                sources, ()
-            )  # no second copy: grouped GEMMs past the cut
+        if self.w1.dtype == torch.float32:  # no second copy: the grouped GEMMs past the cut
+            self._packs = PackedWeights.of(sources, ())
         else:
             self._pack_per_expert()
         experts = f"{self.w1.dtype} H={self.hidden_size} F={self.intermediate_size}"
