@@ -35,6 +35,7 @@ from moe import (
     parameter_bytes,
     set_custom_ops,
 )
+from moe.kernels import tuning as kernel_tuning
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 
@@ -256,6 +257,9 @@ class LLMEngine:
             eos_token_ids=model.config.eos_token_ids,
         )
         self.model_runner = self._build_model_runner(platform)
+        cuts = kernel_tuning.describe()  # measured (first start) at the load and the KV binding
+        if cuts is not None:
+            self._log(cuts)
         freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
 
     def _build_model(self, config: MoEModelConfig, dtype):

@@ -34,6 +34,8 @@ ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _max_rows: dict[str, float] = {}  # this process's answers, by the full key
+# case -> (rows, seconds spent measuring it in this process, or None where it was read)
+_looked_up: dict[str, tuple[float, float | None]] = {}
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = MEASURE_REPEATS) -> float:
@@ -82,21 +84,36 @@ def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float])
     with _lock:
         if key not in _max_rows:
             path = tuning_path(kernels)
-            stored = _read(path)
+            stored, seconds = _read(path), None
             if not isinstance(stored.get(key), int | float):
                 start = time.perf_counter()
                 rows = measure()
-                logger.info(
-                    "moe-dbo: measured %s: our kernel up to %s rows (%.2f s; kept in %s)",
-                    case,
-                    rows,
-                    time.perf_counter() - start,
-                    path,
-                )
+                seconds = time.perf_counter() - start
+                logger.info("moe-dbo: measured %s: up to %s rows (%.2f s)", case, rows, seconds)
                 stored = {**_read(path), key: rows}
                 _write(path, stored)
             _max_rows[key] = float(stored[key])
+            _looked_up[case] = (_max_rows[key], seconds)
         return _max_rows[key]
+
+
+def describe() -> str | None:
+    """A start-up line naming every cut this process looked up, e.g. ``"CPU kernel cuts (rows up
+    to which our kernels run; measured in 0.4 s, kept beside the kernel build): experts
+    torch.bfloat16 H=1024 F=2048: 4; attention ...: all"``; None if it looked up none."""
+    with _lock:
+        if not _looked_up:
+            return None
+        measured = [seconds for _, seconds in _looked_up.values() if seconds is not None]
+        cuts = "; ".join(
+            f"{case}: {'all' if math.isinf(rows) else int(rows)}"
+            for case, (rows, _) in sorted(_looked_up.items())
+        )
+    how = f"measured in {sum(measured):.1f} s" if measured else "measured on an earlier start"
+    return (
+        f"CPU kernel cuts (rows up to which our kernels run; {how}, kept in {TUNING_FILE} beside "
+        f"the kernel build): {cuts}"
+    )
 
 
 def _read(path: Path) -> dict:

@@ -74,3 +74,20 @@ def test_a_cap_is_part_of_the_key(tuning_file, monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert tuning.tuned_max_rows(None, "case", lambda: 0.0) == 0.0
     assert sorted(json.loads(tuning_file.read_text()).values()) == [0.0, 4.0]
+
+
+def test_describe_names_each_case_looked_up(tuning_file, monkeypatch):
+    """The start-up line: nothing looked up, none; then each case with its rows ("all" for no
+    cut), and whether this start measured them or read an earlier start's."""
+    monkeypatch.setattr(tuning, "_looked_up", {})
+    assert tuning.describe() is None
+    tuning.tuned_max_rows(None, "experts torch.bfloat16 H=64 F=32", lambda: 8.0)
+    tuning.tuned_max_rows(None, "attention fresh", lambda: math.inf)
+    line = tuning.describe()
+    assert line.startswith("CPU kernel cuts (rows up to which our kernels run; measured in ")
+    assert line.endswith(": attention fresh: all; experts torch.bfloat16 H=64 F=32: 8")
+    monkeypatch.setattr(tuning, "_looked_up", {})  # a later start reads them
+    monkeypatch.setattr(tuning, "_max_rows", {})
+    tuning.tuned_max_rows(None, "attention fresh", lambda: 0.0)
+    assert "measured on an earlier start" in tuning.describe()
+    assert tuning.describe().endswith(": attention fresh: all")
