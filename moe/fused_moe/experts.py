@@ -164,10 +164,12 @@ class TorchExperts(CustomOp):
     @torch.no_grad()
     def _measure_kernel_max_rows(self) -> float:
         """``measure_max_rows`` on these experts: ``forward_cpu`` on expert 0 with the kernel
-        forced on, then off (the packs are made; only the times matter)."""
+        forced on, then off (the packs are made; only the times matter; rows from a generator of
+        its own, so the global RNG is left as it was)."""
+        gen = torch.Generator().manual_seed(0)
 
         def seconds(kernel: bool, rows: int) -> float:
-            x = torch.randn(rows, self.hidden_size).to(self.w1.dtype)
+            x = torch.randn(rows, self.hidden_size, generator=gen).to(self.w1.dtype)
             ids, weights = torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
             self._kernel_max_rows = math.inf if kernel else -1.0
             return best_seconds(lambda: self.forward_cpu(x, ids, weights))

@@ -56,14 +56,16 @@ def kernel_cut(kv_cache: Tensor, num_heads: int) -> KernelCut:
 def _measure(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, over_context: bool
 ) -> float:
-    """``measure_max_rows`` on one request of r query rows, over r cached tokens or none."""
+    """``measure_max_rows`` on one request of r query rows, over r cached tokens or none (random
+    data from a generator of its own: the global RNG is left as it was)."""
+    gen = torch.Generator().manual_seed(0)
 
     def seconds(kernel: bool, rows: int) -> float:
         requests = [(rows if over_context else 0, rows)]
         metadata, num_blocks = CommonAttentionMetadata.for_requests(requests, MEASURE_BLOCK_SIZE)
         shape = (2, num_blocks, MEASURE_BLOCK_SIZE, num_kv_heads, head_dim)
-        kv_cache = torch.randn(shape).to(dtype)
-        query = torch.randn(rows, num_heads, head_dim).to(dtype)
+        kv_cache = torch.randn(shape, generator=gen).to(dtype)
+        query = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
         cut = KERNEL_EVERYWHERE if kernel else SDPA_EVERYWHERE
         scale = head_dim**-0.5
         return best_seconds(

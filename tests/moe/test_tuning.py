@@ -91,3 +91,24 @@ def test_describe_names_each_case_looked_up(tuning_file, monkeypatch):
     tuning.tuned_max_rows(None, "attention fresh", lambda: 0.0)
     assert "measured on an earlier start" in tuning.describe()
     assert tuning.describe().endswith(": attention fresh: all")
+
+
+def test_measurements_leave_the_global_rng_as_it_was(tuning_file):
+    """Binding a cache and loading experts measure on random data from generators of their own:
+    a seeded run draws the same numbers whether this start measured or read the cuts."""
+    import torch
+
+    from moe import TorchExperts
+    from moe.layers.attention import PagedAttention
+
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    op = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    op.bind_kv_cache(torch.zeros(op.kv_cache_shape(8, 16)))
+    experts = TorchExperts(num_local_experts=2, hidden_size=32, intermediate_size=16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.fill_(0.01)
+    experts.process_weights_after_loading()
+    assert torch.equal(torch.rand(4), expected)
