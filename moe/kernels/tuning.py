@@ -49,13 +49,15 @@ def best_seconds(fn: Callable[[], object], repeats: int = MEASURE_REPEATS) -> fl
     return best
 
 
-def measure_max_rows(seconds: Callable[[bool, int], float], max_rows: int) -> float:
-    """The largest row count r of 1, 2, 4, ... at which the kernel (``seconds(True, r)``) took no
-    longer than the other path (``seconds(False, r)``); 0 if it lost at 1 row, ``inf`` if it won
-    at every count measured: up to ``max_rows`` (the caller's cost bound; at least 1 row, at most
-    ``MEASURE_MAX_ROWS``)."""
-    rows, won = 1, 0.0
-    while rows == 1 or rows <= min(max_rows, MEASURE_MAX_ROWS):
+def measure_max_rows(
+    seconds: Callable[[bool, int], float], max_rows: int, *, first: int = 1
+) -> float:
+    """The largest row count r of ``first``, 2 ``first``, 4 ``first``, ... at which the kernel
+    (``seconds(True, r)``) took no longer than the other path (``seconds(False, r)``); 0 if it
+    lost at the first count, ``inf`` if it won at every count measured: up to ``max_rows`` (the
+    caller's cost bound; at least the first count, at most ``MEASURE_MAX_ROWS``)."""
+    rows, won = first, 0.0
+    while rows == first or rows <= min(max_rows, MEASURE_MAX_ROWS):
         if seconds(True, rows) > seconds(False, rows):
             return won
         won, rows = float(rows), rows * 2

@@ -1,17 +1,20 @@
-"""Where GQA paged attention leaves our compiled kernel for torch's SDPA, measured once per machine.
+"""Where paged attention leaves our compiled kernel for torch's SDPA, measured once per machine.
 
 Our kernel computes a few query rows at a time in float32 FMAs; SDPA's flash kernel multiplies
 blocks, through the library's GEMMs (AMX tiles on a Xeon), but pads each chunk of requests and,
 for a prompt's first chunk, computes the masked half too. Which wins on a long query depends on the
 CPU, the dtype and the head layout, so ``kernel_cut`` measures it (``moe.kernels.tuning``): one
 request of r query rows, fresh (no cached context) and over r cached tokens, r = 1, 2, 4, ...,
-through ``batched_paged_attention`` with every request sent to the kernel, then to SDPA. Results:
-docs/hardware.md, "Paged attention kernel".
+through ``batched_paged_attention`` with every request sent to the kernel, then to SDPA. MLA's
+expanded requests likewise (``mla_expanded_cut``: one fresh request through
+``batched_mla_attention``). Results: docs/hardware.md, "Paged attention kernel".
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,6 +28,7 @@ from moe.layers.batched_attention import (
     attention_kernels,
     batched_paged_attention,
 )
+from moe.layers.batched_mla import batched_mla_attention
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16)  # float64 (tests, references): kernel always
 MEASURE_BLOCK_SIZE = 16
@@ -76,3 +80,65 @@ def _measure(
     # padded SDPA of a fresh chunk computes the whole square too
     per_row_squared = 2 * num_heads * head_dim * (2 if over_context else 1)
     return measure_max_rows(seconds, math.isqrt(MEASURE_MAX_MACS // per_row_squared))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLALayout:
+    """The head layout of an MLA layer: query heads, the no-RoPE and RoPE query/key widths, the
+    value width and the latent rank (``moe.layers.mla``)."""
+
+    num_heads: int
+    nope: int
+    rope: int
+    v: int
+    kv_lora_rank: int
+
+
+def mla_expanded_cut(kv_cache: Tensor, layout: MLALayout, absorb_max_query_len: int) -> float:
+    """Query rows up to which MLA's expanded requests attend in our kernel over ``kv_cache``
+    (``[num_blocks, block_size, kv_lora_rank + rope]``), past which their chunks go to the padded
+    SDPA (``batched_mla_attention``'s ``expanded_cut``): measured once per machine, dtype and
+    layout where the kernel serves it (``kernel_cut``'s conditions), else ``inf``."""
+    kernels = attention_kernels(kv_cache.dtype, kv_cache)
+    if kernels is None or kv_cache.dtype not in MEASURED_DTYPES:
+        return math.inf
+    case = (
+        f"mla {kv_cache.dtype} heads={layout.num_heads} nope={layout.nope} rope={layout.rope} "
+        f"v={layout.v} kv_lora_rank={layout.kv_lora_rank} expanded"
+    )
+    measure = functools.partial(_measure_mla, layout, kv_cache.dtype, absorb_max_query_len)
+    return tuned_max_rows(kernels, case, measure)
+
+
+@torch.inference_mode()
+def _measure_mla(layout: MLALayout, dtype: torch.dtype, absorb_max_query_len: int) -> float:
+    """``measure_max_rows`` on one fresh request of r > ``absorb_max_query_len`` query rows (the
+    expanded form) through ``batched_mla_attention``, random data from a generator of its own."""
+    gen = torch.Generator().manual_seed(0)
+    h, r = layout.num_heads, layout.kv_lora_rank
+    kv_b_weight = (torch.randn(h * (layout.nope + layout.v), r, generator=gen) * r**-0.5).to(dtype)
+
+    def seconds(kernel: bool, rows: int) -> float:
+        metadata, num_blocks = CommonAttentionMetadata.for_requests([(0, rows)], MEASURE_BLOCK_SIZE)
+        shape = (num_blocks, MEASURE_BLOCK_SIZE, r + layout.rope)
+        kv_cache = torch.randn(shape, generator=gen).to(dtype)
+        q_nope = torch.randn(rows, h, layout.nope, generator=gen).to(dtype)
+        q_pe = torch.randn(rows, h, layout.rope, generator=gen).to(dtype)
+        call = functools.partial(
+            batched_mla_attention,
+            q_nope,
+            q_pe,
+            kv_b_weight,
+            kv_cache,
+            metadata,
+            kv_lora_rank=r,
+            scale=(layout.nope + layout.rope) ** -0.5,
+            absorb_max_query_len=absorb_max_query_len,
+            expanded_cut=math.inf if kernel else 0.0,
+        )
+        return best_seconds(call)
+
+    # rows x rows key positions per head: scores over nope + rope, the weighted sum over v
+    per_row_squared = h * (layout.nope + layout.rope + layout.v)
+    max_rows = math.isqrt(MEASURE_MAX_MACS // per_row_squared)
+    return measure_max_rows(seconds, max_rows, first=2 * absorb_max_query_len)

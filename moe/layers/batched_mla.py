@@ -12,6 +12,7 @@ each chunk of expanded ones over its expanded K/V); elsewhere the requests are p
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ def batched_mla_attention(
     scale: float,
     absorb_max_query_len: int,
     expand: Callable[[Tensor], Tensor] | None = None,
+    expanded_cut: float = math.inf,
 ) -> Tensor:
     """MLA of every query row over its request's cached latents, absorbed for requests with at
     most ``absorb_max_query_len`` query rows and expanded for the others (module docstring).
@@ -54,8 +56,9 @@ def batched_mla_attention(
         kv_b_weight: [num_heads * (nope + v), kv_lora_rank] (``kv_b_proj.weight``).
         kv_cache: [num_blocks, block_size, kv_lora_rank + rope].
         expand: ``kv_b_proj`` as a function of latents [..., kv_lora_rank] (the layer's
-            ``Linear``, which runs its packed weight on the CPU); default ``F.linear`` with
-            ``kv_b_weight``.
+            ``Linear``, packed on the CPU); default ``F.linear`` with ``kv_b_weight``.
+        expanded_cut: with our kernel, expanded requests' chunks whose longest query is longer
+            attend through SDPA (``attention_tuning.mla_expanded_cut``; default: none).
 
     Returns:
         [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
@@ -74,28 +77,29 @@ def batched_mla_attention(
         context_bytes_per_token=context_bytes,
         data_device=q_nope.device,
     )
-    kernel = paged_attention_kernel(q_nope, kv_cache)
+    padded, kernel = chunks, paged_attention_kernel(q_nope, kv_cache)  # padded: through SDPA
     if kernel is not None:
         query, short = (q_nope, q_pe), _short_requests(attn_metadata, absorb_max_query_len)
         _mla_absorbed_kernel(kernel, out, query, w_kv, kv_cache, short, scale=scale)
+        long_chunks = [c for c in chunks if c.max_query_len > absorb_max_query_len]
+        padded = [c for c in long_chunks if c.max_query_len > expanded_cut]
         plan = plan_key(block_size, absorb_max_query_len, context_bytes, q_nope.device)
-        expanded = ([c for c in chunks if c.max_query_len > absorb_max_query_len], plan)
+        kept = [c for c in long_chunks if c.max_query_len <= expanded_cut]
+        expanded = (kept, (plan, expanded_cut))
         _mla_expanded_kernel(
             kernel, out[:num_tokens], query, kv_cache, expanded, attn_metadata, expand, scale=scale
         )
-    else:
-        for chunk in chunks:
-            rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
-            o = _mla_padded_chunk(
-                (q_nope, q_pe), rows, chunk, w_kv, expand, absorb_max_query_len, scale=scale
-            )
-            out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
+    for chunk in padded:
+        o = _mla_padded_chunk(
+            (q_nope, q_pe), kv_cache, chunk, w_kv, expand, absorb_max_query_len, scale=scale
+        )
+        out.index_copy_(0, chunk.scatter_rows.flatten(), o.transpose(1, 2).flatten(0, 1))
     return out[:num_tokens]
 
 
 def _mla_padded_chunk(
     query: tuple[Tensor, Tensor],
-    rows: Tensor,
+    kv_cache: Tensor,
     chunk: PaddedRequests,
     w_kv: Tensor,
     expand: Callable[[Tensor], Tensor],
@@ -104,9 +108,11 @@ def _mla_padded_chunk(
     scale: float,
 ) -> Tensor:
     """One padded chunk's MLA through SDPA, absorbed or expanded by its longest query:
-    query (q_nope [T, H, nope], q_pe [T, H, rope]), rows [R, S, kv_lora_rank + rope] (its
-    gathered latents), w_kv [H, nope + v, kv_lora_rank] -> [R, H, Q, v]."""
+    query (q_nope [T, H, nope], q_pe [T, H, rope]), kv_cache [num_blocks, block_size,
+    kv_lora_rank + rope] (the chunk's latents are gathered from it), w_kv [H, nope + v,
+    kv_lora_rank] -> [R, H, Q, v]."""
     q_nope, q_pe = query
+    rows = gather_context(kv_cache, chunk).to(q_nope.dtype)  # [R, S, r + rope]
     nope, kv_lora_rank = q_nope.shape[-1], w_kv.shape[-1]
     qn = gather_rows(q_nope, chunk).transpose(1, 2)  # [R, H, Q, nope]
     qp = gather_rows(q_pe, chunk).transpose(1, 2)  # [R, H, Q, rope]
@@ -268,10 +274,10 @@ def _mla_expanded_kernel(
 
     Args: out [T, H, v] (the chunks' rows are written), query (q_nope [T, H, nope], q_pe
     [T, H, rope]), kv_cache [num_blocks, block_size, kv_lora_rank + rope], chunks (the
-    expanded requests' chunks of a padding plan, and that plan's ``plan_key``), expand
-    (``kv_b_proj``).
+    expanded requests' chunks of a padding plan, and a key naming them: that plan's ``plan_key``
+    with the cut that chose them), expand (``kv_b_proj``).
     """
-    chunks, plan = chunks
+    chunks, chunks_key = chunks
     if not chunks:
         return
     q_nope, q_pe = query
@@ -280,7 +286,7 @@ def _mla_expanded_kernel(
     kv_lora_rank = kv_cache.shape[-1] - q_pe.shape[-1]
     _, seq_lens, query_start_loc, _ = kernel_inputs(attn_metadata)
     block_tables = attn_metadata.derived(  # built by the first layer, as the plan is
-        ("mla_expanded_block_tables", plan),
+        ("mla_expanded_block_tables", chunks_key),
         lambda: [_one_block_per_request(chunk, len(seq_lens)) for chunk in chunks],
     )
     for chunk, block_table in zip(chunks, block_tables, strict=True):

@@ -20,6 +20,7 @@ Attention per request (``kv_b_proj`` = [W_UK; W_UV] per head, [H*(nope+v), r]):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
 from moe.layers.attention import iter_request_spans, kv_write_slots
+from moe.layers.attention_tuning import MLALayout, mla_expanded_cut
 from moe.layers.batched_mla import batched_mla_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
@@ -55,11 +57,25 @@ class PagedMLACache(CustomOp):
     plain torch).
     """
 
-    def __init__(self, *, kv_lora_rank: int, qk_rope_head_dim: int):
+    def __init__(
+        self, *, kv_lora_rank: int, qk_rope_head_dim: int, layout: MLALayout | None = None
+    ):
         super().__init__()
+        if layout is not None and (layout.kv_lora_rank, layout.rope) != (
+            kv_lora_rank,
+            qk_rope_head_dim,
+        ):
+            raise ValueError(
+                f"layout {layout} disagrees with kv_lora_rank={kv_lora_rank}, "
+                f"qk_rope_head_dim={qk_rope_head_dim}"
+            )
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.kv_cache: Tensor | None = None
+        # the layer's heads (MLAAttention gives them): with them, bind_kv_cache measures where
+        # the expanded requests leave our CPU kernel for SDPA (mla_expanded_cut)
+        self.layout = layout
+        self.expanded_cut = math.inf
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -69,13 +85,16 @@ class PagedMLACache(CustomOp):
         return (num_blocks, block_size, self.kv_elements_per_token)
 
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
-        """kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; ValueError else."""
+        """kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; ValueError else.
+        With a ``layout``, looks up (once per machine: measures) ``expanded_cut``."""
         if kv_cache.dim() != 3 or kv_cache.shape[2] != self.kv_elements_per_token:
             raise ValueError(
                 f"MLA kv_cache must be [num_blocks, block_size, {self.kv_elements_per_token}], "
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
+        if self.layout is not None:
+            self.expanded_cut = mla_expanded_cut(kv_cache, self.layout, ABSORB_MAX_QUERY_LEN)
 
     def write(self, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
         """kv_c [T, r], k_pe [T, rope] at slot_mapping [T] (-1 = padding, skipped)."""
@@ -171,6 +190,7 @@ class PagedMLACache(CustomOp):
             scale=scale,
             absorb_max_query_len=ABSORB_MAX_QUERY_LEN,
             expand=expand,
+            expanded_cut=self.expanded_cut,
         )
 
     def forward_cpu(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):
@@ -225,7 +245,16 @@ class MLAAttention(nn.Module):
             device=device,
         )
         self.scale = yarn_softmax_scale(c.rope_scaling_dict, qk_head_dim**-0.5)
-        self.attn = PagedMLACache(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=self.rope_dim)
+        layout = MLALayout(
+            num_heads=nh,
+            nope=self.nope_dim,
+            rope=self.rope_dim,
+            v=self.v_dim,
+            kv_lora_rank=c.kv_lora_rank,
+        )
+        self.attn = PagedMLACache(
+            kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=self.rope_dim, layout=layout
+        )
 
     def forward(
         self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata

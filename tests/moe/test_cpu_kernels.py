@@ -361,6 +361,56 @@ def test_kernel_mla_absorbed_equals_native(kernel_calls, dtype, requests, blocks
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mla_expanded_chunks_past_the_cut_take_sdpa(kernel_calls, dtype):
+    """With ``expanded_cut`` below the expanded chunk's longest query (9 rows in MIXED), that
+    chunk attends through the padded SDPA and only the absorbed requests reach the kernel; the
+    result equals the reference as on the kernel (float64 to 1e-12, float32 within 4x the float32
+    reference's error)."""
+    op, ref = _mla_ops(dtype, kv_lora_rank=64, rope=16)
+    op.expanded_cut = 6
+    md = make_metadata(MIXED, num_padding=1)
+    x = _mla_inputs(op, md.num_tokens, dtype)
+    args = (x["q_nope"], x["q_pe"], x["w"], md)
+    got = op.forward_cpu(*args, scale=0.3).double()
+    assert kernel_calls == [sum(1 for _, n in MIXED if 1 <= n <= ABSORB_MAX_QUERY_LEN)]
+    exact = ref.forward_native(*(t.double() for t in args[:3]), md, scale=0.3)
+    bound = 1e-12
+    if dtype == torch.float32:
+        bound = max(1e-6, 4 * (op.forward_native(*args, scale=0.3).double() - exact).abs().max())
+    torch.testing.assert_close(got, exact, rtol=0, atol=float(bound))
+    assert not got[md.num_actual_tokens :].any()
+
+
+@needs_compiler
+def test_binding_an_mla_cache_measures_its_expanded_cut(tuning_file, monkeypatch):
+    """With the layer's head layout, binding a float32 / bfloat16 cache measures the expanded
+    requests' cut once per layout (one of 0, 8, 16, ... or inf); without one, or on float64,
+    the kernel keeps them all, unmeasured."""
+    layout = attention_tuning.MLALayout(num_heads=4, nope=8, rope=16, v=16, kv_lora_rank=64)
+    measured = []
+    real_measure = attention_tuning._measure_mla
+    monkeypatch.setattr(
+        attention_tuning, "_measure_mla", lambda *a: measured.append(a) or real_measure(*a)
+    )
+    caches = [PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16, layout=layout) for _ in range(2)]
+    for cache in caches:
+        cache.bind_kv_cache(torch.zeros(cache.kv_cache_shape(8, 16)))
+    cut = caches[0].expanded_cut
+    assert len(measured) == 1 and caches[1].expanded_cut == cut
+    assert cut == math.inf or cut == 0 or (cut >= 8 and math.log2(cut).is_integer())
+    (key,) = json.loads(tuning_file.read_text())
+    assert key.startswith("mla torch.float32 heads=4 nope=8 rope=16 v=16 kv_lora_rank=64 expanded")
+    plain = PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16)
+    plain.bind_kv_cache(torch.zeros(plain.kv_cache_shape(8, 16)))
+    wide = PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16, layout=layout)
+    wide.bind_kv_cache(torch.zeros(wide.kv_cache_shape(8, 16), dtype=torch.float64))
+    assert plain.expanded_cut == wide.expanded_cut == math.inf and len(measured) == 1
+    with pytest.raises(ValueError, match="disagrees with kv_lora_rank=32"):
+        PagedMLACache(kv_lora_rank=32, qk_rope_head_dim=16, layout=layout)
+
+
+@needs_compiler
 def test_kernel_refuses_mismatched_k_v_and_out(isa):
     """K and V are views of their own widths; shapes that do not fit together raise before any
     work (the output is left as it was)."""

@@ -32,6 +32,17 @@ def test_measure_max_rows_is_the_last_doubling_the_kernel_wins():
     assert tuning.measure_max_rows(fake_seconds(1.0)[0], 1024) == 1.0  # a tie goes to the kernel
 
 
+def test_measure_max_rows_can_start_past_one_row():
+    """``first``: counts first, 2 first, ...; a loss at the first count is 0."""
+    seconds, asked = fake_seconds(40)
+    assert tuning.measure_max_rows(seconds, 1024, first=8) == 32.0
+    assert [rows for kernel, rows in asked if kernel] == [8, 16, 32, 64]
+    assert tuning.measure_max_rows(fake_seconds(4)[0], 1024, first=8) == 0.0
+    seconds, asked = fake_seconds(math.inf)  # a bound under the first count: measured once
+    assert tuning.measure_max_rows(seconds, 4, first=8) == math.inf
+    assert asked == [(True, 8), (False, 8)]
+
+
 def test_measure_max_rows_stops_at_its_bounds_and_then_keeps_the_kernel():
     seconds, asked = fake_seconds(math.inf)
     assert tuning.measure_max_rows(seconds, 10**9) == math.inf
