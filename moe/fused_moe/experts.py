@@ -27,12 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
-from moe.fused_moe.cpu_fused import (
-    fused_moe_kernels,
-    kernel_max_rows,
-    measure_kernel_max_rows,
-    pack_weights,
-)
+from moe.fused_moe.cpu_fused import fused_moe_kernels, pack_weights
 from moe.fused_moe.grouped_experts import (
     ExpertWeights,
     batched_experts,
@@ -42,7 +37,7 @@ from moe.fused_moe.grouped_experts import (
     grouped_mm_runs,
     grouped_mm_unavailable,
 )
-from moe.kernels.tuning import best_seconds
+from moe.kernels.tuning import MEASURE_MAX_MACS, best_seconds, measure_max_rows, tuned_max_rows
 from moe.layers import linear
 from moe.layers.activation import swiglu
 from moe.layers.linear import (
@@ -108,7 +103,7 @@ class TorchExperts(CustomOp):
         self._packs: PackedWeights | None = None
         # [w1; w3] and w2 packed for the compiled kernel (moe.fused_moe.cpu_fused), if it serves
         self._kernel_packs: PackedWeights | None = None
-        # rows per active expert up to which the compiled kernel serves (kernel_max_rows)
+        # rows per active expert up to which the compiled kernel serves (measured: tuned_max_rows)
         self._kernel_max_rows = math.inf
         # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
         self._upcast: tuple[Tensor, ...] = ()
@@ -120,7 +115,7 @@ class TorchExperts(CustomOp):
         oneDNN (bfloat16 or float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack:
         grouped GEMM), and keep float32 copies of small bfloat16 experts (``upcast_linear``: plain
         torch, so they are kept where oneDNN cannot pack too); with the kernel, then look up (or
-        measure) up to how many rows it beats those paths (``kernel_max_rows``). First puts w1
+        measure) up to how many rows it beats those paths (``tuned_max_rows``). First puts w1
         and w3 back into one allocation if something (``module.to``, ``.double()``) split them;
         probes ``torch._grouped_mm`` for ``forward_cuda`` on the weights' device (never inside a
         trace or a capture)."""
@@ -139,8 +134,8 @@ class TorchExperts(CustomOp):
             self._packs = PackedWeights.of(sources, ())
         else:
             self._pack_per_expert()
-        experts = f"{self.w1.dtype} H={self.hidden_size} F={self.intermediate_size}"
-        self._kernel_max_rows = kernel_max_rows(kernels, experts, self._measure_kernel_max_rows)
+        case = f"experts {self.w1.dtype} H={self.hidden_size} F={self.intermediate_size}"
+        self._kernel_max_rows = tuned_max_rows(kernels, case, self._measure_kernel_max_rows)
 
     def _pack_per_expert(self) -> None:
         """The oneDNN packs and float32 copies of ``process_weights_after_loading``."""
@@ -164,8 +159,9 @@ class TorchExperts(CustomOp):
     @torch.no_grad()
     def _measure_kernel_max_rows(self) -> float:
         """``measure_max_rows`` on these experts: ``forward_cpu`` on expert 0 with the kernel
-        forced on, then off (the packs are made; only the times matter; rows from a generator of
-        its own, so the global RNG is left as it was)."""
+        forced on, then off, up to ``MEASURE_MAX_MACS`` multiply-adds a call (the packs are made;
+        only the times matter; rows from a generator of its own, so the global RNG is left as it
+        was)."""
         gen = torch.Generator().manual_seed(0)
 
         def seconds(kernel: bool, rows: int) -> float:
@@ -174,7 +170,8 @@ class TorchExperts(CustomOp):
             self._kernel_max_rows = math.inf if kernel else -1.0
             return best_seconds(lambda: self.forward_cpu(x, ids, weights))
 
-        return measure_kernel_max_rows(seconds, 3 * self.hidden_size * self.intermediate_size)
+        expert_elements = 3 * self.hidden_size * self.intermediate_size
+        return measure_max_rows(seconds, MEASURE_MAX_MACS // expert_elements)
 
     @torch.no_grad()
     def _join_gate_up(self) -> None:

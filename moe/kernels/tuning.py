@@ -6,8 +6,8 @@ measured rather than fixed: ``measure_max_rows`` times both paths at 1, 2, 4, ..
 ``tuned_max_rows`` keeps the answer, by a key naming the case and the machine, in a JSON file
 beside the kernel build (``tuning_path``: so per kernel source, ISA, torch and Python version,
 like the build). Later starts read it, so every start on a machine takes the same paths (which
-round differently). Users: the experts (``moe.fused_moe.cpu_fused``) and GQA paged attention
-(``moe.layers.batched_attention``). Measurements: docs/hardware.md, "Experts" and "Paged
+round differently). Users: the experts (``TorchExperts``), GQA paged attention and MLA's expanded
+prefill (``moe.layers.attention_tuning``). Measurements: docs/hardware.md, "Experts" and "Paged
 attention kernel".
 """
 
@@ -27,6 +27,9 @@ import torch
 
 MEASURE_REPEATS = 5  # each time is the best of this many calls, after one untimed call
 MEASURE_MAX_ROWS = 1024  # the largest row count a measurement times
+# the multiply-adds of a measurement's largest call (~10 ms on one core): each caller turns it
+# into its own row bound (``measure_max_rows``' max_rows)
+MEASURE_MAX_MACS = 1 << 28
 TUNING_FILE = "tuning.json"  # beside the kernel build: {key: rows}
 # variables that cap a library's ISA: a measurement under a cap holds only under that cap
 ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -92,7 +95,7 @@ def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float])
                 rows = measure()
                 seconds = time.perf_counter() - start
                 logger.info("moe-dbo: measured %s: up to %s rows (%.2f s)", case, rows, seconds)
-                stored = {**_read(path), key: rows}
+                stored = {**_read(path), key: rows}  # read again: another rank may have written
                 _write(path, stored)
             _max_rows[key] = float(stored[key])
             _looked_up[case] = (_max_rows[key], seconds)

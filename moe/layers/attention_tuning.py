@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe.kernels.tuning import best_seconds, measure_max_rows, tuned_max_rows
+from moe.kernels.tuning import MEASURE_MAX_MACS, best_seconds, measure_max_rows, tuned_max_rows
 from moe.layers.attention_metadata import CommonAttentionMetadata
 from moe.layers.batched_attention import (
     KERNEL_EVERYWHERE,
@@ -32,7 +32,6 @@ from moe.layers.batched_mla import batched_mla_attention
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16)  # float64 (tests, references): kernel always
 MEASURE_BLOCK_SIZE = 16
-MEASURE_MAX_MACS = 1 << 28  # the largest call's multiply-adds (QK^T and PV): ~10 ms on one core
 
 
 def kernel_cut(kv_cache: Tensor, num_heads: int) -> KernelCut:

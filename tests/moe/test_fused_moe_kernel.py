@@ -22,6 +22,7 @@ import torch
 from moe import TorchExperts
 from moe.fused_moe import cpu_fused
 from moe.fused_moe import experts as experts_module
+from moe.kernels import tuning
 from moe.layers.linear import process_weights_after_loading
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
 
@@ -48,7 +49,7 @@ def kernel_calls(request, monkeypatch):
             return module.fused_moe_batched(*args)
 
     monkeypatch.setattr(cpu_fused, "cpu_kernels", lambda _isa: Counting())
-    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: math.inf)
+    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: math.inf)
     return calls
 
 
@@ -196,7 +197,7 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
     """Batches over the measured cut (rows per active expert: oneDNN for bfloat16, the grouped
     GEMMs for float32), a hidden size that is not a multiple of 16, and autograd through the
     weights take the torch paths."""
-    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: 4.0)
+    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: 4.0)
     experts, _ = make_experts(torch.bfloat16)
     ids, weights = routed(40, 3, 6)
     x = torch.randn(40, 32).bfloat16()
@@ -209,7 +210,7 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
         out = f32(x.float(), ids, weights)
         assert kernel_calls == ["fused_moe"] and f32._packs.packed == ()  # no second copy
         check(out, out, exact.forward_native(x.double(), ids, weights.double()), torch.float32)
-    monkeypatch.setattr(experts_module, "kernel_max_rows", lambda *_: math.inf)
+    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: math.inf)
     odd, exact = make_experts(torch.float32, hidden=24, inter=24)
     with torch.no_grad():
         out = odd(torch.randn(5, 24), ids[:5], weights[:5])
@@ -224,7 +225,7 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
 def test_experts_take_the_cut_measured_on_both_paths(tuning_file, kernel_calls, monkeypatch, dtype):
     """Loading experts measures the kernel against the torch path on this machine (both run)
     and keeps the answer, one of 0, 1, 2, 4, ... or inf, for their dtype and shape."""
-    monkeypatch.setattr(experts_module, "kernel_max_rows", cpu_fused.kernel_max_rows)
+    monkeypatch.setattr(experts_module, "tuned_max_rows", tuning.tuned_max_rows)
     experts, _ = make_experts(dtype)
     max_rows = experts._kernel_max_rows
     assert max_rows == math.inf or max_rows == 0 or math.log2(max_rows).is_integer()
