@@ -4,15 +4,18 @@
 Legend as in ``moe.fused_moe.experts``: E local experts, H = hidden_size, F = intermediate_size.
 The pack is ``w [E, cols, K]`` -> ``[E, cols / 16, K, 16]`` (16 output columns per block, each
 block one linear stream over K), made once from ``[w1; w3]`` (``[E, 2F, H]``) and ``w2``
-(``[E, H, F]``); it needs H and 2F to be multiples of ``PACK_BLOCK``.
+(``[E, H, F]``); it needs H and 2F to be multiples of ``PACK_BLOCK``. The ``avx512_bf16`` build
+multiplies bfloat16 in pairs of k (``vdpbf16ps``) and takes bfloat16 weights as
+``[E, cols / 16, K / 2, 16, 2]`` (``k_group``).
 
 Where it runs: up to a number of rows per active expert measured once per machine, dtype and
 expert shape (``moe.kernels.tuning``; ``TorchExperts._measure_kernel_max_rows``), against the
 path that runs otherwise.
-bfloat16: the kernel widens it to float32 FMAs, so where oneDNN multiplies bfloat16 pairs natively
-(avx512_bf16, AMX) it wins the large GEMMs of prefill, and where it cannot (AVX2) the kernel wins
-at every size. float32: against the grouped GEMMs (the library's SGEMM, no second copy of the
-weights). Timings: docs/hardware.md, "Experts".
+bfloat16: the AVX2 and AVX-512 builds widen it to float32 FMAs (where oneDNN cannot multiply
+bfloat16, on AVX2, the kernel wins at every size); the avx512_bf16 build multiplies bfloat16 pairs
+as oneDNN does there, and AMX tiles (oneDNN on a Xeon) may still win the large GEMMs of prefill.
+float32: against the grouped GEMMs (the library's SGEMM, no second copy of the weights).
+Timings: docs/hardware.md, "Experts".
 """
 
 from __future__ import annotations
@@ -47,9 +50,23 @@ def fused_moe_kernels(
     return cpu_kernels(current_platform().cpu_capability().isa)
 
 
-def pack_weights(weight: Tensor) -> Tensor:
-    """``weight`` ``[E, cols, K]`` (cols a multiple of ``PACK_BLOCK``) as the kernel reads it:
-    ``[E, cols / 16, K, 16]``, element ``[e, c // 16, k, c % 16] = weight[e, c, k]`` (a copy)."""
+# kernel builds that multiply bfloat16 weights in pairs of k (vdpbf16ps)
+K_PAIR_ISAS = frozenset({"avx512_bf16"})
+
+
+def k_group(kernels: ModuleType, dtype: torch.dtype) -> int:
+    """How many k the ``kernels`` build packs together for weights of ``dtype``: 2 for bfloat16
+    on a build of ``K_PAIR_ISAS``, else 1."""
+    return 2 if dtype == torch.bfloat16 and kernels.isa() in K_PAIR_ISAS else 1
+
+
+def pack_weights(weight: Tensor, kernels: ModuleType) -> Tensor:
+    """``weight`` ``[E, cols, K]`` (cols a multiple of ``PACK_BLOCK``) as the ``kernels`` build
+    reads it (a copy): ``[E, cols / 16, K, 16]``, element ``[e, c // 16, k, c % 16] =
+    weight[e, c, k]``; with ``k_group`` 2, ``[E, cols / 16, K / 2, 16, 2]``, element
+    ``[e, c // 16, k // 2, c % 16, k % 2]`` (K even)."""
     num_experts, cols, k = weight.shape
-    blocks = weight.detach().reshape(num_experts, cols // PACK_BLOCK, PACK_BLOCK, k)
-    return blocks.transpose(2, 3).contiguous()
+    group = k_group(kernels, weight.dtype)
+    blocks = weight.detach().reshape(num_experts, cols // PACK_BLOCK, PACK_BLOCK, k // group, group)
+    packed = blocks.permute(0, 1, 3, 2, 4).contiguous()
+    return packed if group == 2 else packed.squeeze(4)

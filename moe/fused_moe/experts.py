@@ -129,7 +129,9 @@ class TorchExperts(CustomOp):
             self._pack_per_expert()
             return
         w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
-        self._kernel_packs = PackedWeights.of(sources, (pack_weights(w13), pack_weights(self.w2)))
+        self._kernel_packs = PackedWeights.of(
+            sources, (pack_weights(w13, kernels), pack_weights(self.w2, kernels))
+        )
         if self.w1.dtype == torch.float32:  # no second copy: the grouped GEMMs past the cut
             self._packs = PackedWeights.of(sources, ())
         else:

@@ -9,9 +9,12 @@ plain torch path, which computes the same result. The sources are written once o
 -DCPU_CAPABILITY_AVX2``, or the AVX512 ones) and the matching ``-m`` flags, never
 ``-march=native``: a build only holds the instructions its ISA names.
 
-ISAs (``ISA_FLAGS``): ``"avx2"`` (AVX2 + FMA, 8 float lanes: every x86 CPU since Haswell / Zen 1)
-and ``"avx512"`` (AVX-512 F/BW/VL/DQ, 16 lanes: torch's own AVX512 level). Each ISA's build is its
-own extension module (``moe_dbo_cpu_kernels_<isa>``), so both can be loaded in one process.
+ISAs (``ISA_FLAGS``): ``"avx2"`` (AVX2 + FMA, 8 float lanes: every x86 CPU since Haswell / Zen 1),
+``"avx512"`` (AVX-512 F/BW/VL/DQ, 16 lanes: torch's own AVX512 level) and ``"avx512_bf16"`` (that
+plus the bfloat16 dot product ``vdpbf16ps``, which the bfloat16 experts multiply with; defines
+``MOE_DBO_AVX512_BF16``). Each ISA's build is its own extension module
+(``moe_dbo_cpu_kernels_<isa>``), so all can be loaded in one process. A compiler that cannot build
+``avx512_bf16`` (no ``-mavx512bf16``) gets the ``avx512`` build instead (``ISA_FALLBACK``).
 The platform picks the ISA (``current_platform().cpu_capability().isa``: the best torch found on
 this CPU, capped by ``MOE_DBO_CPU_ISA``; ``moe.platforms.cpu_capability``).
 
@@ -52,7 +55,7 @@ Kernels (the module's functions):
         first ``expert_num_tokens[e]`` rows (a list of E ints in ``[0, M]``, else
         ``ValueError``), UNWEIGHTED; the rows past each count are written as zeros.
     isa() -> str
-        The ISA the build's vectors use: ``"avx2"`` or ``"avx512"``.
+        The ISA the build's vectors use: ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from types import ModuleType
 from moe.platforms.cpu_capability import ISA_LABELS
 
 __all__ = [
+    "ISA_FALLBACK",
     "ISA_FLAGS",
     "ISA_LABELS",
     "cpu_kernels",
@@ -105,6 +109,9 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
         "-DCPU_CAPABILITY_AVX512",
     ),
 }
+ISA_FLAGS["avx512_bf16"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-DMOE_DBO_AVX512_BF16")
+# what is built where an ISA's build fails (an older compiler without its -m flag)
+ISA_FALLBACK = {"avx512_bf16": "avx512"}
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}  # isa -> the build (None: it failed)
@@ -127,12 +134,13 @@ def cpu_kernels(isa: str | None) -> ModuleType | None:
     """The kernel module compiled for ``isa``, built (or loaded from the cache) on the first call.
 
     Args:
-        isa: ``"avx2"``, ``"avx512"``, or ``None`` / ``"default"`` (nothing to build). The caller
+        isa: a key of ``ISA_FLAGS``, or ``None`` / ``"default"`` (nothing to build). The caller
             makes sure this CPU runs it (``current_platform().cpu_capability().isa``).
 
     Returns:
-        The module, or ``None`` if ``isa`` is None, if disabled by ``MOE_DBO_CPU_KERNELS=0`` or if
-        the build failed (logged once as a warning).
+        The module (its ``isa()`` names the build: ``ISA_FALLBACK``'s where ``isa``'s failed), or
+        ``None`` if ``isa`` is None, if disabled by ``MOE_DBO_CPU_KERNELS=0`` or if the build
+        failed (logged once as a warning).
 
     Raises:
         ValueError: on another ``isa``.
@@ -141,13 +149,20 @@ def cpu_kernels(isa: str | None) -> ModuleType | None:
     if isa is None or not cpu_kernels_enabled():
         return None
     with _lock:
-        if isa not in _modules:
-            start = time.perf_counter()
-            _modules[isa] = _build(isa)
-            _seconds[isa] = time.perf_counter() - start
-            if _modules[isa] is not None:
-                logger.info("moe-dbo: CPU kernels (%s) ready in %.1f s", isa, _seconds[isa])
-        return _modules[isa]
+        return _load(isa)
+
+
+def _load(isa: str) -> ModuleType | None:
+    """``cpu_kernels`` under ``_lock``: build once, else the fallback's build."""
+    if isa not in _modules:
+        start = time.perf_counter()
+        module = _build(isa)
+        if module is None and isa in ISA_FALLBACK:
+            module = _load(ISA_FALLBACK[isa])
+        _modules[isa], _seconds[isa] = module, time.perf_counter() - start
+        if module is not None:
+            logger.info("moe-dbo: CPU kernels (%s) ready in %.1f s", module.isa(), _seconds[isa])
+    return _modules[isa]
 
 
 def prepare_cpu_kernels(isa: str | None) -> str:
@@ -157,16 +172,17 @@ def prepare_cpu_kernels(isa: str | None) -> str:
     ``"not built (no AVX2 or AVX-512 to build for): plain torch paths"`` (no time spent).
 
     Raises:
-        ValueError: on an ``isa`` other than ``"avx2"``, ``"avx512"``, ``"default"`` or None.
+        ValueError: on an ``isa`` other than a key of ``ISA_FLAGS``, ``"default"`` or None.
     """
     isa = _check_isa(isa)
     if not cpu_kernels_enabled():
         return "off (MOE_DBO_CPU_KERNELS=0): plain torch paths"
     if isa is None:
         return "not built (no AVX2 or AVX-512 to build for): plain torch paths"
-    if cpu_kernels(isa) is None:
+    module = cpu_kernels(isa)
+    if module is None:
         return f"not built ({ISA_LABELS[isa]} build failed): plain torch paths"
-    return f"ready ({ISA_LABELS[isa]}) in {_seconds[isa]:.1f} s"
+    return f"ready ({ISA_LABELS[module.isa()]}) in {_seconds[isa]:.1f} s"
 
 
 # torch's build lock (a file another process holds while it compiles) is waited on without a

@@ -1,10 +1,12 @@
 """What this CPU can run: its vector ISA, its vendor, and probes that try a path once.
 
 The ISA is the one torch's own kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``,
-which honours ``ATEN_CPU_CAPABILITY``), capped by ``MOE_DBO_CPU_ISA`` (``avx2``, ``avx512`` or
-``default``) for our kernels; the lower of the two wins, so an AVX-512 machine impersonates an AVX2
-one with ``ATEN_CPU_CAPABILITY=avx2 MOE_DBO_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (the last one
-caps oneDNN, which reads it when it first runs). The CPU's flags (``avx512_bf16``, ``amx_tile``)
+which honours ``ATEN_CPU_CAPABILITY``), raised to ``avx512_bf16`` where that is AVX-512 and the CPU
+has the bfloat16 dot product (``vdpbf16ps``: Zen 4 on, Cooper Lake and Sapphire Rapids on), and
+capped by ``MOE_DBO_CPU_ISA`` (``avx2``, ``avx512``, ``avx512_bf16`` or ``default``) for our
+kernels; the lower of the two wins, so an AVX-512 machine impersonates an AVX2 one with
+``ATEN_CPU_CAPABILITY=avx2 MOE_DBO_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (the last one caps oneDNN,
+which reads it when it first runs). The CPU's flags (``avx512_bf16``, ``amx_tile``)
 and vendor are read from ``/proc/cpuinfo`` here and nowhere else.
 
 A capability that matters for a path is *probed*: the path is run once on a tiny tensor and
@@ -26,12 +28,17 @@ import torch
 import torch.nn.functional as F
 
 # vector ISAs our kernels are built for, lowest first; "default" builds nothing
-CPU_ISAS = ("default", "avx2", "avx512")
+CPU_ISAS = ("default", "avx2", "avx512", "avx512_bf16")
 _TORCH_CAPABILITY_ISA = {
     "AVX512": "avx512",
     "AVX2": "avx2",
 }  # anything else (DEFAULT, NEON...): default
-ISA_LABELS = {"default": "no vector ISA", "avx2": "AVX2", "avx512": "AVX-512"}
+ISA_LABELS = {
+    "default": "no vector ISA",
+    "avx2": "AVX2",
+    "avx512": "AVX-512",
+    "avx512_bf16": "AVX-512 + avx512_bf16",
+}
 CPU_ISA_ENV = "MOE_DBO_CPU_ISA"
 
 
@@ -40,7 +47,8 @@ class CpuCapability:
     """This CPU as the engine sees it.
 
     Attributes:
-        isa: ``"avx512"``, ``"avx2"`` or ``"default"``: what our kernels are built for.
+        isa: ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or ``"default"``: what our kernels are
+            built for.
         torch_capability: torch's own dispatch level (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...).
         vendor: ``GenuineIntel``, ``AuthenticAMD``, ... or ``"unknown"``.
         model_name: the CPU's model name, or ``"unknown"``.
@@ -57,21 +65,16 @@ class CpuCapability:
 
     @property
     def has_avx512_bf16(self) -> bool:
-        return self.isa == "avx512" and "avx512_bf16" in self.flags
+        return self.isa == "avx512_bf16"
 
     @property
     def has_amx(self) -> bool:
-        return self.isa == "avx512" and "amx_tile" in self.flags
+        return self.isa == "avx512_bf16" and "amx_tile" in self.flags
 
     def describe(self) -> str:
         """One line for logs, e.g. ``"AVX-512 + avx512_bf16 (AuthenticAMD, AMD EPYC)"``."""
-        extras = [
-            name
-            for name, has in (("avx512_bf16", self.has_avx512_bf16), ("AMX", self.has_amx))
-            if has
-        ]
         capped = f", capped by {CPU_ISA_ENV}={self.cap}" if self.cap else ""
-        isa = " + ".join([ISA_LABELS[self.isa], *extras])
+        isa = " + ".join([ISA_LABELS[self.isa], *(["AMX"] if self.has_amx else [])])
         return f"{isa} ({self.vendor}, {self.model_name}{capped})"
 
 
@@ -123,9 +126,11 @@ def detect_cpu_capability(
     env = os.environ if environ is None else environ
     torch_capability = torch.backends.cpu.get_cpu_capability()
     isa = _TORCH_CAPABILITY_ISA.get(torch_capability, "default")
+    vendor, model, flags = _read_cpuinfo(cpuinfo_path)
+    if isa == "avx512" and "avx512_bf16" in flags:
+        isa = "avx512_bf16"
     cap = parse_isa_cap(env.get(CPU_ISA_ENV))
     lowered = cap is not None and CPU_ISAS.index(cap) < CPU_ISAS.index(isa)
-    vendor, model, flags = _read_cpuinfo(cpuinfo_path)
     return CpuCapability(
         isa=cap if lowered else isa,
         torch_capability=torch_capability,

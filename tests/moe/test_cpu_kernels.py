@@ -116,9 +116,21 @@ def test_cpu_kernels_build_for_each_isa_on_a_machine_with_a_compiler(isa):
     module = kernels.cpu_kernels(isa)
     assert module.isa() == isa
     assert module.__name__ == f"moe_dbo_cpu_kernels_{isa}"
-    assert re.fullmatch(
-        rf"ready \({kernels.ISA_LABELS[isa]}\) in \d+\.\d s", kernels.prepare_cpu_kernels(isa)
-    )
+    label = re.escape(kernels.ISA_LABELS[isa])
+    assert re.fullmatch(rf"ready \({label}\) in \d+\.\d s", kernels.prepare_cpu_kernels(isa))
+
+
+@needs_compiler
+def test_a_failed_build_falls_back_to_the_isa_below(monkeypatch):
+    """A compiler without -mavx512bf16: the avx512_bf16 build fails and the avx512 one serves
+    (the bfloat16 experts then take widened weights: their pack follows the module's isa())."""
+    kernel_module_for("avx512")
+    build = kernels._build
+    monkeypatch.setattr(kernels, "_build", lambda isa: None if isa == "avx512_bf16" else build(isa))
+    monkeypatch.setattr(kernels, "_modules", {})
+    module = kernels.cpu_kernels("avx512_bf16")
+    assert module is not None and module.isa() == "avx512"
+    assert kernels.prepare_cpu_kernels("avx512_bf16").startswith("ready (AVX-512) in ")
 
 
 @needs_compiler
@@ -147,7 +159,7 @@ def test_no_vector_isa_builds_nothing(monkeypatch):
 
 
 def test_unknown_isa_raises():
-    with pytest.raises(ValueError, match=r"isa='neon': expected one of \['avx2', 'avx512'\]"):
+    with pytest.raises(ValueError, match=r"isa='neon': expected one of \['avx2', 'avx512', 'avx512_bf16'\]"):
         kernels.cpu_kernels("neon")
 
 

@@ -59,9 +59,10 @@ def _capability(tmp_path, environ, torch_capability, monkeypatch) -> CpuCapabili
 @pytest.mark.parametrize(
     ("torch_capability", "cap", "isa", "capped"),
     [
-        ("AVX512", None, "avx512", None),
+        ("AVX512", None, "avx512_bf16", None),  # the CPU's flags add avx512_bf16
         ("AVX512", "avx2", "avx2", "avx2"),
-        ("AVX512", "AVX512", "avx512", None),
+        ("AVX512", "AVX512", "avx512", "avx512"),
+        ("AVX512", "avx512_bf16", "avx512_bf16", None),
         ("AVX2", "avx512", "avx2", None),  # a cap never raises the ISA
         ("AVX2", "none", "default", "default"),
         ("DEFAULT", None, "default", None),
@@ -75,7 +76,16 @@ def test_isa_is_torchs_capped_by_our_variable(
     capability = _capability(tmp_path, environ, torch_capability, monkeypatch)
     assert (capability.isa, capability.cap) == (isa, capped)
     assert (capability.vendor, capability.model_name) == ("GenuineIntel", "Test Xeon")
-    assert capability.has_avx512_bf16 == capability.has_amx == (isa == "avx512")
+    assert capability.has_avx512_bf16 == capability.has_amx == (isa == "avx512_bf16")
+
+
+def test_avx512_without_the_bf16_flag_stays_avx512(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(CPUINFO.replace(" avx512_bf16 amx_tile", ""))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    capability = detect_cpu_capability(environ={}, cpuinfo_path=str(cpuinfo))
+    assert capability.isa == "avx512" and not capability.has_avx512_bf16
+    assert capability.describe() == "AVX-512 (GenuineIntel, Test Xeon)"
 
 
 def test_describe_names_the_isa_extras_and_the_cap(tmp_path, monkeypatch):

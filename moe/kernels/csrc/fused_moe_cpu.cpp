@@ -14,13 +14,21 @@
 //   w2   [E, H / 16, F, 16]    likewise for w2_e ([H, F])
 // so a register tile of 16 (or 32) columns reads 16 (or 32) adjacent weights per k, from one (or
 // two) contiguous streams. H and 2F must be multiples of 16.
+// The avx512_bf16 build (MOE_DBO_AVX512_BF16) packs bfloat16 weights in pairs of k instead,
+//   w13  [E, 2F / 16, H / 2, 16, 2]   w2  [E, H / 16, F / 2, 16, 2]
+// (column c, rows k and k + 1 adjacent), the operand of vdpbf16ps: one instruction multiplies 16
+// columns by two k at once, with the two activations of a row broadcast as one 32-bit pair. Its
+// activations are then bfloat16 too: the rows as they come, and the SwiGLU output rounded once to
+// bfloat16 before down (the reference rounds it there as well). Products of bfloat16 are exact in
+// float32 and are summed in float32 (subnormals flushed), as in the widening path.
 //
 // Register tiles: M rows x kTileVecs vectors, M <= kMaxTileRows (8 rows x 2 vectors = 16 sums with
 // AVX-512's 32 registers, 6 x 2 = 12 with AVX2's 16), the rest of the registers hold the weight
 // vectors and a broadcast row element. An expert with more rows than a tile runs its GEMM in
 // column chunks of about kChunkBytes of weights (L2-resident while every row tile passes over it).
 //
-// Precision: float32 throughout (bfloat16 rows and weights are widened exactly), the activation
+// Precision: float32 throughout (bfloat16 rows and weights are widened exactly; with
+// MOE_DBO_AVX512_BF16 the SwiGLU output is rounded to bfloat16 before down), the activation
 // with the exp of vec_common.h (relative error below 2.4e-7), one rounding to the output dtype at
 // the end: at least as accurate as the reference's per-op rounding in the model's dtype.
 // Sums are added into each token's output in ascending expert order (the reference's order), so
@@ -39,8 +47,24 @@
 #include "kernels.h"
 #include "vec_common.h"
 
+#if defined(MOE_DBO_AVX512_BF16)
+#include <immintrin.h>
+#endif
+
 namespace moe_dbo_cpu {
 namespace {
+
+#if defined(MOE_DBO_AVX512_BF16)
+constexpr int64_t kPair = 2;  // bfloat16 weights packed in pairs of k (vdpbf16ps)
+#else
+constexpr int64_t kPair = 1;
+#endif
+
+// The type the experts' activations are multiplied in: the rows' dtype where the weights are packed
+// in pairs of k (bfloat16 with vdpbf16ps), else float32.
+template <typename scalar_t>
+using act_t = std::conditional_t<kPair == 2 && std::is_same_v<scalar_t, c10::BFloat16>,
+                                 c10::BFloat16, float>;
 
 constexpr int64_t kBlock = 16;  // output columns per packed block
 constexpr int kTileVecs = 2;    // vectors per row of a register tile
@@ -57,6 +81,7 @@ static_assert(kBlock % kLanes == 0, "a vector never straddles two packed blocks"
 template <int M, int V, typename w_t>
 inline void tile(const float* a, int64_t lda, const w_t* b, int64_t K, int64_t col0, float* c,
                  int64_t ldc) {
+  static_assert(kPair == 1 || !std::is_same_v<w_t, c10::BFloat16>, "bfloat16 weights in pairs");
   const w_t* bp[V];
   for (int v = 0; v < V; ++v) {
     const int64_t col = col0 + v * kLanes;
@@ -77,20 +102,48 @@ inline void tile(const float* a, int64_t lda, const w_t* b, int64_t K, int64_t c
     for (int v = 0; v < V; ++v) acc[m][v].store(c + m * ldc + col0 + v * kLanes);
 }
 
+#if defined(MOE_DBO_AVX512_BF16)
+// The same tile for bfloat16 rows a and weights b packed in pairs of k ([cols / 16, K / 2, 16, 2],
+// K even): per pair, one vdpbf16ps per row and vector adds a[k] b[k][col] + a[k + 1] b[k + 1][col].
+template <int M, int V>
+inline void tile(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t K,
+                 int64_t col0, float* c, int64_t ldc) {
+  static_assert(kLanes == kBlock, "one vector per packed block");
+  const c10::BFloat16* bp[V];
+  for (int v = 0; v < V; ++v) bp[v] = b + (col0 / kBlock + v) * K * kBlock;
+  __m512 acc[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(bp[v] + k * kBlock);
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, a + m * lda + k, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], av, bv[v]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(c + m * ldc + col0 + v * kLanes, acc[m][v]);
+}
+#endif
+
 // tile<m, V> for a row count m in [1, M] known only at run time
-template <int V, typename w_t, int M = kMaxTileRows>
-inline void tile_rows(int64_t m, const float* a, int64_t lda, const w_t* b, int64_t K,
+template <int V, typename a_t, typename w_t, int M = kMaxTileRows>
+inline void tile_rows(int64_t m, const a_t* a, int64_t lda, const w_t* b, int64_t K,
                       int64_t col0, float* c, int64_t ldc) {
   if constexpr (M > 1) {
-    if (m < M) return tile_rows<V, w_t, M - 1>(m, a, lda, b, K, col0, c, ldc);
+    if (m < M) return tile_rows<V, a_t, w_t, M - 1>(m, a, lda, b, K, col0, c, ldc);
   }
   tile<M, V>(a, lda, b, K, col0, c, ldc);
 }
 
-// c[n][ncols] (row stride ldc) = a[n][K] (row stride lda) B, B packed [ncols / kBlock, K, kBlock];
-// column chunks in parallel, each chunk's weights passed over by every row tile in turn.
-template <typename w_t>
-void packed_gemm(const float* a, int64_t lda, int64_t n, int64_t K, const w_t* b, int64_t ncols,
+// c[n][ncols] (row stride ldc) = a[n][K] (row stride lda) B, B packed [ncols / kBlock, K, kBlock]
+// (or in pairs of k, for bfloat16 a); column chunks in parallel, each chunk's weights passed over
+// by every row tile in turn.
+template <typename a_t, typename w_t>
+void packed_gemm(const a_t* a, int64_t lda, int64_t n, int64_t K, const w_t* b, int64_t ncols,
                  float* c, int64_t ldc) {
   constexpr int64_t kTileCols = kTileVecs * kLanes;
   const int64_t per_chunk = kChunkBytes / (K * static_cast<int64_t>(sizeof(w_t)));
@@ -151,25 +204,47 @@ inline void from_float_row(scalar_t* dst, const float* src, int64_t n) {
 
 // Buffers a calling thread reuses across calls (grown, never shrunk): a fresh allocation of this
 // size would be new pages, and their first-touch faults cost about what the GEMMs do in decode.
+// rows and hidden hold activations in the type they are multiplied in (act_t).
 struct Scratch {
   std::vector<float> rows, gate_up, down, acc;
+  std::vector<c10::BFloat16> rows_bf16, hidden_bf16;
   static Scratch& of_this_thread() {
     thread_local Scratch scratch;
     return scratch;
   }
-  static float* sized(std::vector<float>& v, int64_t n) {
+  template <typename T>
+  static T* sized(std::vector<T>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
   }
+  template <typename a_t>
+  a_t* rows_of(int64_t n) {
+    if constexpr (std::is_same_v<a_t, float>) return sized(rows, n);
+    else return sized(rows_bf16, n);
+  }
 };
 
-// One expert on n float rows a [n, H] (row stride lda): y[n][H] = W2 (silu(W13 a)).
-template <typename w_t>
-void expert_swiglu(const float* a, int64_t lda, int64_t n, const w_t* w13, const w_t* w2,
+// One expert on n rows a [n, H] (row stride lda): y[n][H] = W2 (silu(W13 a)). With bfloat16
+// activations the SwiGLU output is rounded to bfloat16 (in scratch) before down.
+template <typename a_t, typename w_t>
+void expert_swiglu(const a_t* a, int64_t lda, int64_t n, const w_t* w13, const w_t* w2,
                    int64_t H, int64_t F, float* gate_up, float* y) {
   packed_gemm(a, lda, n, H, w13, 2 * F, gate_up, 2 * F);
   silu_and_mul(gate_up, n, F);
-  packed_gemm(gate_up, 2 * F, n, F, w2, H, y, H);
+  if constexpr (std::is_same_v<a_t, float>) {
+    packed_gemm(gate_up, 2 * F, n, F, w2, H, y, H);
+  } else {
+    a_t* hidden = Scratch::sized(Scratch::of_this_thread().hidden_bf16, n * F);
+    for (int64_t m = 0; m < n; ++m) from_float_row(hidden + m * F, gate_up + m * 2 * F, F);
+    packed_gemm(hidden, F, n, F, w2, H, y, H);
+  }
+}
+
+// dst[0 .. n) = src[0 .. n) as the activation type (a copy, or widened to float)
+template <typename a_t, typename scalar_t>
+inline void to_act_row(a_t* dst, const scalar_t* src, int64_t n) {
+  if constexpr (std::is_same_v<a_t, scalar_t>) std::copy(src, src + n, dst);
+  else to_float_row(dst, src, n);
 }
 
 struct Dims {
@@ -178,15 +253,21 @@ struct Dims {
 
 Dims check_weights(const at::Tensor& w13, const at::Tensor& w2, at::ScalarType dtype,
                    int64_t hidden) {
-  TORCH_CHECK(w13.dim() == 4 && w13.size(3) == kBlock && w2.dim() == 4 && w2.size(3) == kBlock,
-              "w13 and w2 must be packed [E, cols / 16, K, 16]");
-  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "packed weights must be contiguous");
   TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype,
               "packed weights must have the rows' dtype");
+  // bfloat16 weights in pairs of k where this build multiplies bfloat16 pairs
+  const int64_t pair = dtype == at::kBFloat16 ? kPair : 1;
+  const bool paired = pair == 2 && w13.dim() == 5 && w13.size(4) == 2 && w2.dim() == 5 &&
+                      w2.size(4) == 2;
+  const bool single = pair == 1 && w13.dim() == 4 && w2.dim() == 4;
+  TORCH_CHECK((paired || single) && w13.size(3) == kBlock && w2.size(3) == kBlock,
+              pair == 2 ? "w13 and w2 must be packed [E, cols / 16, K / 2, 16, 2]"
+                        : "w13 and w2 must be packed [E, cols / 16, K, 16]");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "packed weights must be contiguous");
   const Dims d{w13.size(0), hidden, w13.size(1) * kBlock / 2};
-  TORCH_CHECK(w13.size(2) == hidden && w2.size(0) == d.num_experts &&
-                  w2.size(1) * kBlock == hidden && w2.size(2) == d.inter,
-              "w13 must be [E, 2F / 16, H, 16] and w2 [E, H / 16, F, 16]");
+  TORCH_CHECK(w13.size(2) * pair == hidden && w2.size(0) == d.num_experts &&
+                  w2.size(1) * kBlock == hidden && w2.size(2) * pair == d.inter,
+              "w13 must be [E, 2F / 16, H, 16] and w2 [E, H / 16, F, 16] (K halved in pairs)");
   return d;
 }
 
@@ -228,7 +309,7 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13,
   for (int64_t e = 0; e < d.num_experts; ++e)
     max_rows = std::max(max_rows, offsets[e + 1] - offsets[e]);
   Scratch& s = Scratch::of_this_thread();
-  float* rows = Scratch::sized(s.rows, max_rows * H);
+  act_t<scalar_t>* rows = s.rows_of<act_t<scalar_t>>(max_rows * H);
   float* gate_up = Scratch::sized(s.gate_up, max_rows * 2 * F);
   float* y = Scratch::sized(s.down, max_rows * H);
   scalar_t* out_data = out.data_ptr<scalar_t>();
@@ -242,7 +323,7 @@ void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13,
   for (int64_t e = 0; e < d.num_experts; ++e) {
     const int64_t p0 = offsets[e], n = offsets[e + 1] - p0;
     if (n == 0) continue;
-    for (int64_t r = 0; r < n; ++r) to_float_row(rows + r * H, x_data + pair_token[p0 + r] * H, H);
+    for (int64_t r = 0; r < n; ++r) to_act_row(rows + r * H, x_data + pair_token[p0 + r] * H, H);
     expert_swiglu(rows, H, n, w13_data + e * 2 * F * H, w2_data + e * H * F, H, F, gate_up, y);
     for (int64_t r = 0; r < n; ++r) {
       float* dst = acc + pair_token[p0 + r] * H;
@@ -266,7 +347,8 @@ void fused_moe_batched_impl(at::Tensor& out, const at::Tensor& x, const at::Tens
   for (int64_t n : counts)
     TORCH_CHECK_VALUE(0 <= n && n <= M, "expert_num_tokens must lie in [0, ", M, "], got ", n);
   Scratch& s = Scratch::of_this_thread();
-  float* rows = Scratch::sized(s.rows, M * H);
+  using a_t = act_t<scalar_t>;
+  a_t* rows = std::is_same_v<a_t, scalar_t> ? nullptr : s.rows_of<a_t>(M * H);
   float* gate_up = Scratch::sized(s.gate_up, M * 2 * F);
   float* y = Scratch::sized(s.down, M * H);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
@@ -277,11 +359,12 @@ void fused_moe_batched_impl(at::Tensor& out, const at::Tensor& x, const at::Tens
     std::fill(dst + n * H, dst + M * H, scalar_t(0));
     if (n == 0) continue;
     const scalar_t* src = x_data + e * M * H;
-    const float* a = rows;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      a = src;
+    const a_t* a = nullptr;
+    if constexpr (std::is_same_v<a_t, scalar_t>) {
+      a = src;  // multiplied as they are
     } else {
       to_float_row(rows, src, n * H);
+      a = rows;
     }
     float* result = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(dst) : y;
     expert_swiglu(a, H, n, w13.data_ptr<scalar_t>() + e * 2 * F * H,

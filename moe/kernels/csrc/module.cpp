@@ -12,7 +12,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "isa", [] { return std::string(moe_dbo_cpu::isa_name()); },
-      "The ISA the vectors were compiled for: 'avx512', 'avx2' or 'default'");
+      "The ISA the build was compiled for: 'avx512_bf16', 'avx512', 'avx2' or 'default'");
   m.def("paged_attention", &moe_dbo_cpu::paged_attention,
         py::call_guard<py::gil_scoped_release>(),
         "Paged attention over the cache in place (CPU): writes out rows of req_ids' requests");

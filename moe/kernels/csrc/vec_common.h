@@ -4,7 +4,8 @@
 //
 // Every kernel source is compiled once per ISA with torch's defines (moe/kernels/__init__.py):
 // CPU_CAPABILITY=AVX2 and CPU_CAPABILITY_AVX2 with -mavx2 -mfma, or the AVX512 ones with
-// -mavx512f/bw/vl/dq. A vector holds kLanes = Vec::size() floats: 8 with AVX2, 16 with AVX-512.
+// -mavx512f/bw/vl/dq (plus -mavx512bf16 -DMOE_DBO_AVX512_BF16 for the avx512_bf16 build). A vector
+// holds kLanes = Vec::size() floats: 8 with AVX2, 16 with AVX-512.
 
 #pragma once
 
@@ -81,7 +82,9 @@ inline Vec exp_vec(Vec x) {
 
 // The instruction set this build's vectors use (the Python side names each build after it).
 inline const char* isa_name() {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(MOE_DBO_AVX512_BF16)
+  return "avx512_bf16";
+#elif defined(CPU_CAPABILITY_AVX512)
   return "avx512";
 #elif defined(CPU_CAPABILITY_AVX2)
   return "avx2";
