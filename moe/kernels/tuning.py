@@ -75,8 +75,9 @@ def tuning_path(kernels: ModuleType) -> Path:
 def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float]) -> float:
     """The rows up to which ``kernels`` serve ``case`` (what is measured, with its dtype and
     shape, e.g. ``"experts torch.bfloat16 H=2048 F=1408"``): ``measure()`` (``measure_max_rows``)
-    once per machine, kept by its key (the case, the thread count, the CPU model and the ISA caps)
-    in ``tuning_path``. An unreadable or unwritable file only costs the measurement. Thread-safe.
+    once per machine, kept by its key (the case, the thread count, the CPU model, the build's ISA
+    and the ISA caps) in ``tuning_path``. An unreadable or unwritable file only costs the
+    measurement. Thread-safe.
     """
     from moe.platforms.plugins import current_platform
 
@@ -84,7 +85,7 @@ def tuned_max_rows(kernels: ModuleType, case: str, measure: Callable[[], float])
     caps = " ".join(f"{name}={os.environ.get(name, '')}" for name in ISA_CAP_VARIABLES)
     key = (
         f"{case} threads={torch.get_num_threads()} cpu={cap.model_name} "
-        f"torch_isa={cap.torch_capability} {caps}"
+        f"torch_isa={cap.torch_capability} kernel_isa={kernels.isa()} {caps}"
     )
     with _lock:
         if key not in _max_rows:

@@ -159,7 +159,9 @@ def test_no_vector_isa_builds_nothing(monkeypatch):
 
 
 def test_unknown_isa_raises():
-    with pytest.raises(ValueError, match=r"isa='neon': expected one of \['avx2', 'avx512', 'avx512_bf16'\]"):
+    with pytest.raises(
+        ValueError, match=r"isa='neon': expected one of \['avx2', 'avx512', 'avx512_bf16'\]"
+    ):
         kernels.cpu_kernels("neon")
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 from moe.kernels import tuning
+
+BUILD = SimpleNamespace(isa=lambda: "avx512")  # a kernel build, as tuned_max_rows reads it
 
 
 def fake_seconds(kernel_wins_up_to: float):
@@ -62,20 +65,20 @@ def test_cut_is_measured_once_per_machine_and_kept(tuning_file, monkeypatch):
         measured.append("measure")
         return 16.0
 
-    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
-    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    assert tuning.tuned_max_rows(BUILD, "case H=64", measure) == 16.0
+    assert tuning.tuned_max_rows(BUILD, "case H=64", measure) == 16.0
     (key,) = json.loads(tuning_file.read_text())
     assert key.startswith("case H=64 threads=") and measured == ["measure"]
     assert "ONEDNN_MAX_CPU_ISA=" in key and "MKL_ENABLE_INSTRUCTIONS=" in key
     monkeypatch.setattr(tuning, "_max_rows", {})  # a later start on this machine
-    assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+    assert tuning.tuned_max_rows(BUILD, "case H=64", measure) == 16.0
     assert measured == ["measure"]
-    assert tuning.tuned_max_rows(None, "case H=128", lambda: math.inf) == math.inf
+    assert tuning.tuned_max_rows(BUILD, "case H=128", lambda: math.inf) == math.inf
     assert len(json.loads(tuning_file.read_text())) == 2  # both cases kept
     for bad in ("{not json", json.dumps({key: "many"}), "[]"):
         tuning_file.write_text(bad)
         monkeypatch.setattr(tuning, "_max_rows", {})
-        assert tuning.tuned_max_rows(None, "case H=64", measure) == 16.0
+        assert tuning.tuned_max_rows(BUILD, "case H=64", measure) == 16.0
     assert measured == ["measure"] * 4
 
 
@@ -83,10 +86,24 @@ def test_a_cap_is_part_of_the_key(tuning_file, monkeypatch):
     """The same case under an ISA cap is another measurement (a capped library is another path).
     Starts uncapped, so it holds under a cap that the run itself sets (.ci/run's AVX2 pass)."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    tuning.tuned_max_rows(None, "case", lambda: 4.0)
+    tuning.tuned_max_rows(BUILD, "case", lambda: 4.0)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert tuning.tuned_max_rows(None, "case", lambda: 0.0) == 0.0
+    assert tuning.tuned_max_rows(BUILD, "case", lambda: 0.0) == 0.0
     assert sorted(json.loads(tuning_file.read_text()).values()) == [0.0, 4.0]
+
+
+def test_each_kernel_build_has_its_own_cut(tuning_file):
+    """The avx512 and avx512_bf16 builds multiply bfloat16 differently: one process that loads
+    both (the tests do) keeps a cut for each, in-process and in the file."""
+    other = SimpleNamespace(isa=lambda: "avx512_bf16")
+    assert tuning.tuned_max_rows(BUILD, "case", lambda: 4.0) == 4.0
+    assert tuning.tuned_max_rows(other, "case", lambda: math.inf) == math.inf
+    assert tuning.tuned_max_rows(BUILD, "case", lambda: 0.0) == 4.0
+    keys = json.loads(tuning_file.read_text())
+    assert sorted(key.split("kernel_isa=")[1].split()[0] for key in keys) == [
+        "avx512",
+        "avx512_bf16",
+    ]
 
 
 def test_describe_names_each_case_looked_up(tuning_file, monkeypatch):
@@ -94,14 +111,14 @@ def test_describe_names_each_case_looked_up(tuning_file, monkeypatch):
     cut), and whether this start measured them or read an earlier start's."""
     monkeypatch.setattr(tuning, "_looked_up", {})
     assert tuning.describe() is None
-    tuning.tuned_max_rows(None, "experts torch.bfloat16 H=64 F=32", lambda: 8.0)
-    tuning.tuned_max_rows(None, "attention fresh", lambda: math.inf)
+    tuning.tuned_max_rows(BUILD, "experts torch.bfloat16 H=64 F=32", lambda: 8.0)
+    tuning.tuned_max_rows(BUILD, "attention fresh", lambda: math.inf)
     line = tuning.describe()
     assert line.startswith("CPU kernel cuts (rows up to which our kernels run; measured in ")
     assert line.endswith(": attention fresh: all; experts torch.bfloat16 H=64 F=32: 8")
     monkeypatch.setattr(tuning, "_looked_up", {})  # a later start reads them
     monkeypatch.setattr(tuning, "_max_rows", {})
-    tuning.tuned_max_rows(None, "attention fresh", lambda: 0.0)
+    tuning.tuned_max_rows(BUILD, "attention fresh", lambda: 0.0)
     assert "measured on an earlier start" in tuning.describe()
     assert tuning.describe().endswith(": attention fresh: all")
 
