@@ -17,7 +17,7 @@ import torch
 from moe import kernels
 from moe.platforms import current_platform
 
-ISAS = tuple(kernels.ISA_FLAGS)  # ("avx2", "avx512"), lowest first
+ISAS = tuple(kernels.ISA_FLAGS)  # ("avx2", "avx512", "avx512_bf16"), lowest first
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -38,9 +38,10 @@ def kernel_module_for(isa: str):
         pytest.skip("no C++ compiler on this machine: the CPU kernels cannot be built here")
     if isa not in runnable_isas():
         pytest.skip(
-            f"no {isa} build here: torch's CPU capability is "
-            f"{torch.backends.cpu.get_cpu_capability()} "
-            f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')!r}, "
+            f"no {isa} build here: the platform's ISA is "
+            f"{current_platform().cpu_capability().isa} (torch's CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, the CPU's avx512_bf16 flag and the caps "
+            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')!r}, "
             f"MOE_DBO_CPU_ISA={os.environ.get('MOE_DBO_CPU_ISA', '')!r})"
         )
     module = kernels.cpu_kernels(isa)
