@@ -110,8 +110,8 @@ class RotaryEmbedding(CustomOp):
         )
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self._cos_sin_cache: Tensor | None = None  # [max_positions, rotary_dim], built lazily
-        # (device, dtype) -> [max_positions, 2 * rotary_dim]: [cos, cos, -sin, sin] (neox style)
-        self._neox_tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        # (device, dtype) -> [max_positions, 2 * rotary_dim]: _rotation_table
+        self._rotation_tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def _cos_sin_f32(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
@@ -149,28 +149,42 @@ class RotaryEmbedding(CustomOp):
             return self.forward_native(positions, query, key)
         return self.forward_table(positions, query, key)
 
-    def _neox_table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """``[max_positions, 2 * rotary_dim]`` in ``dtype``: ``[cos, cos, -sin, sin]`` per
-        position, i.e. the factors ``_rotate`` makes of the table in every call, made once."""
-        table = self._neox_tables.get((device, dtype))
+    def _rotation_table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[max_positions, 2 * rotary_dim]`` in ``dtype``: per position the factors ``_rotate``
+        makes of the table in every call, made once: neox style ``[cos, cos, -sin, sin]``,
+        interleaved ``[c0, c0, c1, c1, ..., -s0, s0, -s1, s1, ...]``."""
+        table = self._rotation_tables.get((device, dtype))
         if table is None:
             cos, sin = self._table(device).chunk(2, dim=-1)
             # rounding is symmetric, so (-sin).to(dtype) == -(sin.to(dtype)): x2 * (-sin) is
-            # bit-identical to the reference's (-x2) * sin
-            table = torch.cat((cos, cos, -sin, sin), dim=-1).to(dtype)
-            self._neox_tables[(device, dtype)] = table
+            # bit-identical to the reference's (-x2) * sin, and x1 * cos + x2 * (-sin) to its
+            # x1 * cos - x2 * sin
+            if self.is_neox_style:
+                table = torch.cat((cos, cos, -sin, sin), dim=-1)
+            else:
+                table = torch.cat(
+                    (cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), -1).flatten(-2)),
+                    dim=-1,
+                )
+            table = table.to(dtype)
+            self._rotation_tables[(device, dtype)] = table
         return table
 
     def forward_table(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
         """``forward_cpu`` without its bound check (no host sync, so it traces into a graph): the
         caller guarantees ``0 <= positions < max_position_embeddings`` (the engine does: prompts
         and outputs stop at ``max_model_len`` <= ``max_position_embeddings``)."""
-        if not self.is_neox_style or query.dtype != key.dtype:
+        if query.dtype != key.dtype:
             cos, sin = self._table(positions.device)[positions].chunk(2, dim=-1)
             return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
-        # one gather of the per-dtype factors, then 4 ops per tensor (bit-identical to _rotate)
-        cos, sin = self._neox_table(positions.device, query.dtype)[positions, None].chunk(2, dim=-1)
+        # one gather of the per-dtype factors, then 4 ops per tensor (bit-identical to _rotate):
+        # x * cos + partner(x) * sin, the partner of element i the other one of its rotated pair
+        table = self._rotation_table(positions.device, query.dtype)
+        cos, sin = table[positions, None].chunk(2, dim=-1)
+        return tuple(x * cos + self._partner(x) * sin for x in (query, key))  # type: ignore[return-value]
+
+    def _partner(self, x: Tensor) -> Tensor:
         half = self.head_dim // 2
-        return tuple(  # type: ignore[return-value]
-            x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin for x in (query, key)
-        )
+        if self.is_neox_style:  # pairs (i, i + half)
+            return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.stack((x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)  # pairs (2i, 2i + 1)

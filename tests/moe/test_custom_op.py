@@ -234,8 +234,8 @@ def test_grouped_gemm_experts_equal_the_reference_loop(monkeypatch, dtype):
 @pytest.mark.parametrize("scaling", [None, {"factor": 4.0, "original_max_position_embeddings": 32}])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cached_rope_equals_reference(is_neox_style, scaling, dtype):
-    """The table path (per-dtype [cos, cos, -sin, sin] factors for neox style) is bit-identical
-    to the reference in every dtype."""
+    """The table path (per-dtype factors: [cos, cos, -sin, sin] for neox style, pairs for
+    interleaved) is bit-identical to the reference in every dtype."""
     rope = RotaryEmbedding(
         8, 1e4, is_neox_style=is_neox_style, scaling=scaling, max_position_embeddings=128
     )
