@@ -2,7 +2,8 @@
 
 A kernel and the path it replaces (oneDNN or MKL GEMMs, torch's SDPA) trade places at a size that
 depends on the CPU (AMX tiles, avx512_bf16, AVX2 only), the dtype and the shape, so the cut is
-measured rather than fixed: ``measure_max_rows`` times both paths at 1, 2, 4, ... rows and
+measured rather than fixed: ``measure_max_rows`` times both paths at 1, 2, 4, ... rows (a loss
+confirmed by a second measurement, within a tolerance that favours the kernel) and
 ``tuned_max_rows`` keeps the answer, by a key naming the case and the machine, in a JSON file
 beside the kernel build (``tuning_path``: so per kernel source, ISA, torch and Python version,
 like the build). Later starts read it, so every start on a machine takes the same paths (which
@@ -26,6 +27,10 @@ from types import ModuleType
 import torch
 
 MEASURE_REPEATS = 5  # each time is the best of this many calls, after one untimed call
+# the kernel keeps a row count where its time is within this fraction above the other path's, and
+# a loss is measured this many times more before it stands (``kernel_keeps``)
+MEASURE_TOLERANCE = 0.05
+MEASURE_CONFIRMATIONS = 1
 MEASURE_MAX_ROWS = 1024  # the largest row count a measurement times
 # the multiply-adds of a measurement's largest call (~10 ms on one core): each caller turns it
 # into its own row bound (``measure_max_rows``' max_rows)
@@ -56,15 +61,27 @@ def measure_max_rows(
     seconds: Callable[[bool, int], float], max_rows: int, *, first: int = 1
 ) -> float:
     """The largest row count r of ``first``, 2 ``first``, 4 ``first``, ... at which the kernel
-    (``seconds(True, r)``) took no longer than the other path (``seconds(False, r)``); 0 if it
-    lost at the first count, ``inf`` if it won at every count measured: up to ``max_rows`` (the
-    caller's cost bound; at least the first count, at most ``MEASURE_MAX_ROWS``)."""
+    (``seconds(True, r)``) was not beaten by the other path (``seconds(False, r)``,
+    ``kernel_keeps``); 0 if it lost at the first count, ``inf`` if it won at every count measured:
+    up to ``max_rows`` (the caller's cost bound; at least the first count, at most
+    ``MEASURE_MAX_ROWS``)."""
     rows, won = first, 0.0
     while rows == first or rows <= min(max_rows, MEASURE_MAX_ROWS):
-        if seconds(True, rows) > seconds(False, rows):
+        if not kernel_keeps(seconds, rows):
             return won
         won, rows = float(rows), rows * 2
     return math.inf
+
+
+def kernel_keeps(seconds: Callable[[bool, int], float], rows: int) -> bool:
+    """Whether the kernel keeps ``rows``: it took at most ``1 + MEASURE_TOLERANCE`` times the
+    other path's time, in the first measurement or in the ``MEASURE_CONFIRMATIONS`` that a loss
+    gets before it stands: a cut stops the search, so one noisy pair would hand every larger count
+    to the other path (docs/hardware.md, "Experts")."""
+    for _ in range(1 + MEASURE_CONFIRMATIONS):
+        if seconds(True, rows) <= seconds(False, rows) * (1 + MEASURE_TOLERANCE):
+            return True
+    return False
 
 
 def tuning_path(kernels: ModuleType) -> Path:

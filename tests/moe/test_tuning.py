@@ -30,16 +30,35 @@ def fake_seconds(kernel_wins_up_to: float):
 def test_measure_max_rows_is_the_last_doubling_the_kernel_wins():
     seconds, asked = fake_seconds(10)
     assert tuning.measure_max_rows(seconds, 1024) == 8.0
-    assert [rows for kernel, rows in asked if kernel] == [1, 2, 4, 8, 16]  # stops at the loss
+    # stops at the loss, measured twice
+    assert [rows for kernel, rows in asked if kernel] == [1, 2, 4, 8, 16, 16]
     assert tuning.measure_max_rows(fake_seconds(0.5)[0], 1024) == 0.0  # lost at one row
     assert tuning.measure_max_rows(fake_seconds(1.0)[0], 1024) == 1.0  # a tie goes to the kernel
+
+
+def test_a_loss_stands_only_when_measured_again_and_past_the_tolerance():
+    """One noisy pair does not cut: the kernel keeps a count it lost once and won when measured
+    again, and a count where it is within ``MEASURE_TOLERANCE`` of the other path."""
+    calls = {"kernel": 0}
+
+    def noisy(kernel: bool, rows: int) -> float:  # the kernel wins, but its first 16-row time
+        if not kernel:  # is slow, as on a busy core
+            return 10.0
+        calls["kernel"] += 1
+        return 20.0 if rows == 16 and calls["kernel"] == 5 else 9.0
+
+    assert tuning.measure_max_rows(noisy, 64) == math.inf
+    slower = 1 + tuning.MEASURE_TOLERANCE / 2
+    assert tuning.measure_max_rows(lambda kernel, rows: slower if kernel else 1.0, 64) == math.inf
+    beyond = 1 + 2 * tuning.MEASURE_TOLERANCE
+    assert tuning.measure_max_rows(lambda kernel, rows: beyond if kernel else 1.0, 64) == 0.0
 
 
 def test_measure_max_rows_can_start_past_one_row():
     """``first``: counts first, 2 first, ...; a loss at the first count is 0."""
     seconds, asked = fake_seconds(40)
     assert tuning.measure_max_rows(seconds, 1024, first=8) == 32.0
-    assert [rows for kernel, rows in asked if kernel] == [8, 16, 32, 64]
+    assert [rows for kernel, rows in asked if kernel] == [8, 16, 32, 64, 64]
     assert tuning.measure_max_rows(fake_seconds(4)[0], 1024, first=8) == 0.0
     seconds, asked = fake_seconds(math.inf)  # a bound under the first count: measured once
     assert tuning.measure_max_rows(seconds, 4, first=8) == math.inf
