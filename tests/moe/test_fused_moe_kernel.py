@@ -194,6 +194,10 @@ def test_kernel_refuses_weights_not_packed_for_it(kernel_calls):
         module.fused_moe(out, x, w13, w2.detach(), ids, weights)
     with pytest.raises(RuntimeError, match="dtype"):
         module.fused_moe(out, x, w13.double(), cpu_fused.pack_weights(w2, module), ids, weights)
+    if kernel_calls.k_group == 2:  # this build takes bfloat16 weights in pairs of k only
+        bf16 = [w.bfloat16() for w in (w13, cpu_fused.pack_weights(w2, module))]
+        with pytest.raises(RuntimeError, match=r"K / 2, 16, 2\]"):
+            module.fused_moe(out.bfloat16(), x.bfloat16(), *bf16, ids, weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
