@@ -47,8 +47,25 @@ def make_record(
         **_overhead_fields(aligned, on, span_cost_ns),
         "reps": len(on),
         **adaptive_fields(adaptive, exploring, off, on, step_off, step_on),
+        "steps": _step_sequence(aligned),
         **{k: v for k, v in meta.items() if k != "reps"},
     }
+
+
+def _step_sequence(aligned) -> list[dict]:
+    """Every kept step in the order it ran: ``arm``, ``round`` (None for warm-up and exploration
+    steps), ``exploring``, ``is_ubatched`` and ``step_ms`` (the slowest rank's), so an analysis
+    can see what ran before a step (a step's after-effect on the next one)."""
+    return [
+        {
+            "arm": ranks[0]["arm"],
+            "round": ranks[0].get("round"),
+            "exploring": ranks[0].get("exploring", False),
+            "is_ubatched": ranks[0]["is_ubatched"],
+            "step_ms": max(r["step_ms"] for r in ranks),
+        }
+        for ranks in aligned
+    ]
 
 
 def _per_arm(aligned, arm: str, exploring: bool = False) -> list[tuple[dict, ...]]:

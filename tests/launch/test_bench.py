@@ -126,6 +126,18 @@ def test_record_of_the_adaptive_arm_against_the_better_static_one():
     assert record["adaptive_exploration_steps"] == 2
     assert record["step_ms_adaptive_exploring"] == pytest.approx(45.0)
     assert record["reps"] == 2 and record["speedup"] == pytest.approx(16 / 13)
+    # every step in the order it ran, the slowest rank's time
+    assert [(s["arm"], s["round"], s["step_ms"]) for s in record["steps"]] == [
+        ("adaptive", None, 50.0),
+        ("adaptive", None, 40.0),
+        ("off", 0, 11.0),
+        ("on", 0, 9.0),
+        ("adaptive", 0, 9.4),
+        ("adaptive", 1, 19.0),
+        ("on", 1, 17.0),
+        ("off", 1, 21.0),
+    ]
+    assert [s["exploring"] for s in record["steps"]] == [True, True] + [False] * 6
 
 
 @pytest.mark.slow
