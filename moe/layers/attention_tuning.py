@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -34,13 +35,21 @@ MEASURED_DTYPES = (torch.float32, torch.bfloat16)  # float64 (tests, references)
 MEASURE_BLOCK_SIZE = 16
 
 
+def _measured_kernels(kv_cache: Tensor) -> ModuleType | None:
+    """The kernel build whose cut over ``kv_cache`` is measured: where our kernel attends over
+    it (``attention_kernels``) in a dtype of ``MEASURED_DTYPES``; else None (nothing to choose)."""
+    if kv_cache.dtype not in MEASURED_DTYPES:
+        return None
+    return attention_kernels(kv_cache.dtype, kv_cache)
+
+
 def kernel_cut(kv_cache: Tensor, num_heads: int) -> KernelCut:
     """The ``KernelCut`` for a layer of ``num_heads`` query heads over ``kv_cache``
     (``[2, num_blocks, block_size, num_kv_heads, head_dim]``): measured once per machine, dtype
     and head layout where our kernel serves it (a contiguous float32 / bfloat16 CPU cache, the
     kernels built), else ``KERNEL_EVERYWHERE`` (nothing to choose)."""
-    kernels = attention_kernels(kv_cache.dtype, kv_cache)
-    if kernels is None or kv_cache.dtype not in MEASURED_DTYPES:
+    kernels = _measured_kernels(kv_cache)
+    if kernels is None:
         return KERNEL_EVERYWHERE
     num_kv_heads, head_dim = kv_cache.shape[3:]
     layout = (num_heads, num_kv_heads, head_dim, kv_cache.dtype)
@@ -98,8 +107,8 @@ def mla_expanded_cut(kv_cache: Tensor, layout: MLALayout, absorb_max_query_len: 
     (``[num_blocks, block_size, kv_lora_rank + rope]``), past which their chunks go to the padded
     SDPA (``batched_mla_attention``'s ``expanded_cut``): measured once per machine, dtype and
     layout where the kernel serves it (``kernel_cut``'s conditions), else ``inf``."""
-    kernels = attention_kernels(kv_cache.dtype, kv_cache)
-    if kernels is None or kv_cache.dtype not in MEASURED_DTYPES:
+    kernels = _measured_kernels(kv_cache)
+    if kernels is None:
         return math.inf
     case = (
         f"mla {kv_cache.dtype} heads={layout.num_heads} nope={layout.nope} rope={layout.rope} "
