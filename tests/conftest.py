@@ -8,6 +8,9 @@ import random
 
 import pytest
 
+# the helpers' asserts report their operands like the tests' own
+pytest.register_assert_rewrite("tests.helpers")
+
 
 def pytest_configure(config):
     # The suite tests the CPU platform wherever it runs (a machine with GPUs too): engines and
