@@ -17,8 +17,8 @@ questions:
   (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
 - ``graph_backend()``: the class that compiles or captures one graph-mode piece
   (``moe.compilation.backends``), or None (graph mode runs eagerly).
-- ``prepare_kernels()``: build or load the platform's own kernels before the first step; the
-  start-up line, or None where there are none.
+- ``prepare_kernels()``: build or load the platform's own kernels, or choose torch's, before the
+  first step; the start-up line, or None where there is nothing to prepare.
 - ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
   with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
   float32: its weights are upcast exactly, once, at load).
@@ -269,3 +269,14 @@ class CudaPlatform(Platform):
         from moe.compilation.backends import CUDAGraphPiece
 
         return CUDAGraphPiece
+
+    def prepare_kernels(self) -> str | None:
+        """Take cuDNN's fused attention out of torch's SDPA choice, for the whole process (torch's
+        backend flags are process-wide); the start-up line, or None where this torch has no such
+        flag. cuDNN builds an execution graph per input shape (hundreds of milliseconds each:
+        sglang#4650, pytorch#155958), and the padded attention chunks change shape every decode
+        step; flash and memory-efficient attention take the same inputs with no per-shape build."""
+        if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            return None
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        return "SDPA backends: flash, memory-efficient, math (cuDNN's builds a graph per shape)"

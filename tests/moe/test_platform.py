@@ -130,6 +130,19 @@ def test_cpu_platform_answers():
     assert cuda.graph_backend() is CUDAGraphPiece
 
 
+def test_cuda_prepares_sdpa_without_cudnn_attention():
+    # torch's flags exist on CPU builds too: the CUDA platform's choice is checked here
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        line = CudaPlatform().prepare_kernels()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert line.startswith("SDPA backends: flash, memory-efficient, math")
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_bfloat16_runs_as_float32_exactly_where_the_probe_fails(monkeypatch):
     chosen = CpuPlatform().compute_dtype(torch.bfloat16)
     if onednn_linear_unavailable_reason(torch.bfloat16) is None:
