@@ -145,6 +145,17 @@ def test_aiohttp_errors_are_openai_error_objects(server):
         (b'{"prompt": [5], "stop": ["x"]}', "application/json", "need the checkpoint's tokenizer"),
         (b'{"prompt": [5], "seed": 18446744073709551616}', "application/json", "'seed' must be"),
     ],
+    # short ids: the bodies themselves would name the test with up to 200,000 characters
+    ids=[
+        "unknown_charset",
+        "invalid_utf8",
+        "nested_100k_deep",
+        "int_5000_digits",
+        "nan_temperature",
+        "prompt_nested_3_deep",
+        "stop_without_tokenizer",
+        "seed_past_uint64",
+    ],
 )
 def test_hostile_bodies_get_400(server, body, content_type, pattern):
     assert_error(post(server, body, content_type=content_type), 400, pattern)
