@@ -1,10 +1,13 @@
 """The engine on a CUDA device (tests marked ``gpu``; skipped without CUDA): every parameter and
 the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
 transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
-one GPU with DP+EP+DBO equal DBO off and transformers. The host-matmul detector itself is checked
-on the CPU, where it must find the host's products."""
+one GPU with DP+EP+DBO equal DBO off and transformers. The logits and shared-device tests run on
+the CPU too (the same code with the CPU platform), so CI checks their own logic; the host-matmul
+detector is checked on the CPU, where it must find the host's products."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -15,6 +18,14 @@ from tests.helpers.precision import FLOAT32_REL, reference_model, reference_rel
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GPU_ARCHS = ("mixtral", "deepseek_v3", "qwen2_moe")
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# the device type a test runs on: the host (CI), or CUDA (marked gpu, skipped without a GPU)
+DEVICE_TYPES = ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, NEEDS_CUDA))]
+
+
+def _platform(device_type: str):
+    """The platform of ``device_type`` for the test's duration (the suite pins the CPU one)."""
+    return cuda_platform() if device_type == "cuda" else contextlib.nullcontext()
 
 
 def _engine(model_dir: str, device: torch.device, **overrides):
@@ -51,7 +62,7 @@ def test_the_host_matmul_detector_finds_the_cpus_products(tiny_mixtral_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@NEEDS_CUDA
 def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the_host(
     tiny_mixtral_dir,
 ):
@@ -65,9 +76,9 @@ def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the
         assert host_matmuls(engine.step) == []
 
 
-def _logits_on_gpu(model_dir: str, dtype: str):
-    with cuda_platform():
-        engine = _engine(model_dir, torch.device("cuda", 0), dtype=dtype, enforce_eager=True)
+def _logits_on(device_type: str, model_dir: str, dtype: str):
+    with _platform(device_type):
+        engine = _engine(model_dir, torch.device(device_type, 0), dtype=dtype, enforce_eager=True)
         return run_engine_steps(engine, PROMPTS, 0, 1)
 
 
@@ -87,23 +98,22 @@ def _assert_close_to_transformers(model_dir, model_type, logits, tokens, rel_of)
         torch.testing.assert_close(torch.from_numpy(rows).double(), ref, rtol=0, atol=bound)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("device_type", DEVICE_TYPES)
 @pytest.mark.parametrize("model_type", GPU_ARCHS)
-def test_gpu_logits_equal_transformers_in_float64_and_float32(gpu_arch_dirs, model_type):
+def test_logits_equal_transformers_in_float64_and_float32(gpu_arch_dirs, model_type, device_type):
     model_dir = gpu_arch_dirs[model_type]
-    logits64, tokens64, _ = _logits_on_gpu(model_dir, "float64")
+    logits64, tokens64, _ = _logits_on(device_type, model_dir, "float64")
     _assert_close_to_transformers(
-        model_dir, model_type, logits64, tokens64, lambda m: reference_rel(m, "cuda")
+        model_dir, model_type, logits64, tokens64, lambda m: reference_rel(m, device_type)
     )
-    logits32, tokens32, _ = _logits_on_gpu(model_dir, "float32")
+    logits32, tokens32, _ = _logits_on(device_type, model_dir, "float32")
     # float32 greedy tokens follow float64's except at near-ties, which the logit bound covers
     _assert_close_to_transformers(model_dir, model_type, logits32, tokens32, lambda _: FLOAT32_REL)
     assert all(len(t) == NUM_DECODE_STEPS for t in tokens32.values())
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@NEEDS_CUDA
 def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
     with cuda_platform():
         device = torch.device("cuda", 0)
@@ -122,13 +132,14 @@ def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
         torch.testing.assert_close(graphs[0][index], rows, rtol=0, atol=bound)
 
 
-def _shared_gpu_rank(rank, world_size, model_dir, prompts):
+def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
     from launch.engine.llm_engine import LLMEngine, resolve_model
-    from moe.platforms import CudaPlatform
+    from moe.platforms import CpuPlatform, CudaPlatform
     from tests.helpers.engine import dbo_test_engine_args
     from tests.helpers.gpu import placed_groups
 
-    placement, groups = placed_groups(CudaPlatform(), rank, world_size, timeout_s=60)
+    platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
+    placement, groups = placed_groups(platform, rank, world_size, timeout_s=60)
     results = {}
     for enable_dbo in (True, False):
         args = dbo_test_engine_args(model_dir, world_size, enable_dbo, dtype="float64")
@@ -137,26 +148,29 @@ def _shared_gpu_rank(rank, world_size, model_dir, prompts):
     return placement.dist_backend, str(placement.device), results
 
 
-@pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_two_ranks_sharing_one_gpu_with_dbo_equal_dbo_off_and_transformers(
-    tiny_mixtral_dir, tiny_prompts
+@pytest.mark.parametrize("device_type", DEVICE_TYPES)
+def test_two_ranks_sharing_one_device_with_dbo_equal_dbo_off_and_transformers(
+    tiny_mixtral_dir, tiny_prompts, device_type
 ):
     from tests.helpers.distributed import run_distributed
     from tests.helpers.engine import assert_dbo_on_equals_off_equals_reference
 
     # tiny_prompts: every rank has at least the thresholds' tokens in every step, so each
     # DBO-on step is microbatched (PROMPTS' one-request share of rank 1 would vote no)
-    per_rank = run_distributed(_shared_gpu_rank, 2, tiny_mixtral_dir, tiny_prompts, timeout_s=300)
-    assert [(b, d) for b, d, _ in per_rank] == [("gloo", "cuda:0")] * 2
-    # against the host's reference: CUDA's float32 steps (precision.py); on against off: exact
+    per_rank = run_distributed(
+        _shared_device_rank, 2, device_type, tiny_mixtral_dir, tiny_prompts, timeout_s=300
+    )
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    assert [(b, d) for b, d, _ in per_rank] == [("gloo", device)] * 2
+    # against the host's reference: on CUDA, its float32 steps (precision.py); on against off:
+    # exact on either device
     assert_dbo_on_equals_off_equals_reference(
         [r[True] for _, _, r in per_rank],
         [r[False] for _, _, r in per_rank],
         reference_model(tiny_mixtral_dir),
         tiny_prompts,
-        rel=reference_rel("mixtral", "cuda"),
+        rel=reference_rel("mixtral", device_type),
     )
     for _, _, results in per_rank:
         for index, on in results[True][0].items():
