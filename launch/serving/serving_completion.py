@@ -61,11 +61,11 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         except (ProtocolError, ServerShuttingDown) as e:
             return self.reject(e)
-        echoed = [
-            await self._echo_text(request, p, ids)
-            for p, ids in zip(request.prompts, prompts, strict=True)
-        ]
-        try:
+        try:  # from here on the requests run: every way out aborts what is still open
+            echoed = [
+                await self._echo_text(request, p, ids)
+                for p, ids in zip(request.prompts, prompts, strict=True)
+            ]
             if options.stream:
                 return await self._stream(http_request, request, choices, outputs, echoed, prompts)
             return await self._whole(request, choices, outputs, echoed, prompts)
