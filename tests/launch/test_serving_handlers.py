@@ -1,9 +1,11 @@
 """The chat and completions handlers in process (aiohttp test server, no engine): requests that
-must be refused before anything reaches the engine get a clear 400."""
+must be refused before anything reaches the engine get a clear 400; a request whose client goes
+away at any await after its submission is aborted in the engine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import pytest
@@ -14,6 +16,7 @@ from launch.serving.chat_template import load_chat_template
 from launch.serving.detokenizer import load_tokenizer
 from launch.serving.engine_bridge import EngineBridge
 from launch.serving.metrics import ServerMetrics
+from launch.serving.serving_completion import OpenAIServingCompletion
 from tests.helpers.chat import build_chat_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "<7>"}]}
@@ -102,3 +105,44 @@ def test_requests_are_submitted_n_per_prompt_with_their_parameters(tmp_path):
         CHAT["messages"], add_generation_prompt=True
     )["input_ids"]
     assert list(chat_new[0].prompt_token_ids) == expected
+
+
+async def _submitted_then_aborted(bridge: EngineBridge, timeout_s: float) -> tuple[list, list]:
+    """The ids a stand-in engine saw submitted and aborted (it never answers) until an abort
+    arrives or ``timeout_s`` passes."""
+    submitted, aborted = [], []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not aborted and loop.time() < deadline:
+        new, aborts = bridge.take(0)
+        submitted += [r.request_id for r in new]
+        aborted += aborts
+        await asyncio.sleep(0.01)
+    return submitted, aborted
+
+
+def test_a_client_gone_while_its_prompt_is_echoed_has_its_request_aborted(tmp_path, monkeypatch):
+    # echoing a large prompt detokenizes it on the executor: an await after the submission
+    echoing = asyncio.Event()
+
+    async def slow_echo(self, request, prompt, prompt_ids):
+        echoing.set()
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(OpenAIServingCompletion, "_echo_text", slow_echo)
+    config = _config(tmp_path, tokenizer=True, template=True)
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "echo": True}
+
+    async def go() -> tuple[list, list]:
+        bridge = EngineBridge(asyncio.get_running_loop())
+        server = TestServer(build_app(config, bridge), handler_cancellation=True)
+        async with TestClient(server) as client:
+            post = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.wait_for(echoing.wait(), 30)
+            post.cancel()  # the client goes away: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+            return await _submitted_then_aborted(bridge, timeout_s=10)
+
+    submitted, aborted = asyncio.run(go())
+    assert len(submitted) == 1 and aborted == submitted
