@@ -59,22 +59,39 @@ def placed_groups(platform, rank: int, world_size: int, *, timeout_s: float):
     return placement, groups
 
 
-class _HostMatmuls(TorchDispatchMode):
-    def __init__(self):
+def _is_host_matmul(name: str, args, kwargs) -> bool:
+    if name not in _MATMULS and "mkldnn" not in name and "onednn" not in name:
+        return False
+    tensors = torch.utils._pytree.tree_leaves((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors)
+
+
+class _RecordOps(TorchDispatchMode):
+    """The ATen op names dispatched while active, of the calls ``keep(name, args, kwargs)``
+    accepts."""
+
+    def __init__(self, keep: Callable[[str, tuple, dict], bool]):
         super().__init__()
+        self.keep = keep
         self.calls: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name in _MATMULS or "mkldnn" in name or "onednn" in name:
-            tensors = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-            if any(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors):
-                self.calls.append(name)
+        if self.keep(name, args, kwargs or {}):
+            self.calls.append(name)
         return func(*args, **(kwargs or {}))
 
 
 def host_matmuls(fn: Callable[[], object]) -> list[str]:
     """The matrix-product ops ``fn()`` ran with an operand in host memory (ATen op names)."""
-    with _HostMatmuls() as mode:
+    with _RecordOps(_is_host_matmul) as mode:
+        fn()
+    return mode.calls
+
+
+def attention_ops(fn: Callable[[], object]) -> list[str]:
+    """The ATen attention ops ``fn()`` ran (SDPA's backend kernels: flash, efficient, cuDNN, math
+    or the CPU's), in order."""
+    with _RecordOps(lambda name, *_: "attention" in name) as mode:
         fn()
     return mode.calls

@@ -1,7 +1,8 @@
 """The engine on a CUDA device (tests marked ``gpu``; skipped without CUDA): every parameter and
 the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
 transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
-one GPU with DP+EP+DBO equal DBO off and transformers. The logits and shared-device tests run on
+one GPU with DP+EP+DBO equal DBO off and transformers; a bfloat16 decode step attends without
+cuDNN's per-shape attention. The logits and shared-device tests run on
 the CPU too (the same code with the CPU platform), so CI checks their own logic; the host-matmul
 detector is checked on the CPU, where it must find the host's products."""
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.engine import NUM_DECODE_STEPS, run_engine_steps
-from tests.helpers.gpu import cuda_platform, host_matmuls
+from tests.helpers.gpu import attention_ops, cuda_platform, host_matmuls
 from tests.helpers.precision import FLOAT32_REL, reference_model, reference_rel
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -59,6 +60,25 @@ def test_the_host_matmul_detector_finds_the_cpus_products(tiny_mixtral_dir):
     engine = _engine(tiny_mixtral_dir, torch.device("cpu"), enforce_eager=True)
     _one_decode_step(engine)
     assert host_matmuls(engine.step)  # a CPU engine multiplies on the host
+
+
+def test_the_attention_op_recorder_sees_sdpas_cpu_kernel():
+    q = torch.randn(2, 4, 3, 8)
+    mask = torch.zeros(2, 1, 3, 3)
+    ops = attention_ops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, mask))
+    assert ops and all("attention" in op for op in ops)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_a_bfloat16_decode_step_attends_without_cudnn(tiny_mixtral_dir):
+    # cuDNN's fused attention builds a graph per shape, and decode shapes change every step
+    # (CudaPlatform.prepare_kernels): the engine's SDPA calls must take another kernel
+    with cuda_platform():
+        engine = _engine(tiny_mixtral_dir, torch.device("cuda", 0), dtype="bfloat16")
+        _one_decode_step(engine)
+        ops = attention_ops(engine.step)
+    assert ops and not any("cudnn" in op for op in ops), ops
 
 
 @pytest.mark.gpu
