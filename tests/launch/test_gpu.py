@@ -2,9 +2,9 @@
 the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
 transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
 one GPU with DP+EP+DBO equal DBO off and transformers; a bfloat16 decode step attends without
-cuDNN's per-shape attention. The logits and shared-device tests run on
-the CPU too (the same code with the CPU platform), so CI checks their own logic; the host-matmul
-detector is checked on the CPU, where it must find the host's products."""
+cuDNN's per-shape attention. The logits and shared-device tests run on the CPU too (the same
+code with the CPU platform), so CI checks their own logic; the op recorders are checked on the
+CPU, where they must find the host's products and SDPA's CPU kernel."""
 
 from __future__ import annotations
 
