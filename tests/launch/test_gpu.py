@@ -66,7 +66,8 @@ def test_the_attention_op_recorder_sees_sdpas_cpu_kernel():
     q = torch.randn(2, 4, 3, 8)
     mask = torch.zeros(2, 1, 3, 3)
     ops = attention_ops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, mask))
-    assert ops and all("attention" in op for op in ops)
+    # one SDPA backend kernel (flash or math, by torch version), the op a GPU's test reads
+    assert len(ops) == 1 and ops[0].startswith("aten::_scaled_dot_product"), ops
 
 
 @pytest.mark.gpu
