@@ -27,7 +27,9 @@ from launch.serving.http_errors import (
     openai_error_middleware,
 )
 from launch.serving.http_guard import (
+    FIRST_REQUEST_DEADLINE,
     RETRY_AFTER_S,
+    FirstRequestDeadline,
     GuardedTCPSite,
     OneLineServerLogger,
     api_key_middleware,
@@ -93,13 +95,15 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         return response
 
     created = int(time.time())
-    # the error middleware outermost, so that anything unexpected (the key check included)
-    # answers a JSON 500; the key check runs before the router's handler, so no route, not even
-    # a 404, answers without the key
-    middlewares = [openai_error_middleware]
+    # the first-request deadline's mark first (it cannot fail); the error middleware next, so
+    # that anything unexpected (the key check included) answers a JSON 500; the key check runs
+    # before the router's handler, so no route, not even a 404, answers without the key
+    first_request = FirstRequestDeadline(config.timeout_keep_alive_s)
+    middlewares = [first_request.middleware, openai_error_middleware]
     if config.api_keys:
         middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
+    app[FIRST_REQUEST_DEADLINE] = first_request
     app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
     app[JSON_DECODER] = decoder = JsonDecoder()  # and decoded in a worker process
 
@@ -168,7 +172,11 @@ class HTTPServerThread:
             self._runner = _make_runner(app, self.config)
             loop.run_until_complete(self._runner.setup())
             site = GuardedTCPSite(
-                self._runner, self.host, self.port, max_connections=self.config.max_connections
+                self._runner,
+                self.host,
+                self.port,
+                max_connections=self.config.max_connections,
+                first_request=app[FIRST_REQUEST_DEADLINE],
             )
             loop.run_until_complete(site.start())
             self.port = self._runner.addresses[0][1]

@@ -4,6 +4,10 @@
   cap is answered ``503`` (JSON, ``Retry-After``) and closed before any of its bytes are read.
   aiohttp has no such setting; the site's protocol factory counts the server's open connections
   (``web.Server.connections``).
+- ``FirstRequestDeadline``: a connection that has not sent a complete request's headers within
+  ``--timeout-keep-alive`` of opening is closed (a client dripping its headers, or sending none).
+  aiohttp's ``keepalive_timeout`` covers only the idle time after a response before 3.14.4, which
+  the package admits, so this does not rely on it.
 - ``OneLineServerLogger``: what aiohttp's request handler logs through. A request its parser
   refuses (``Content-Length: -5``, a 70 KB header, an HTTP/2 preface) is logged as one line instead
   of a traceback per request, which any client could use to flood the log.
@@ -15,9 +19,10 @@
   bytes as UTF-8 with ``surrogateescape``, so a byte that is not UTF-8 (``\xe9``) arrives as a lone
   surrogate that any later ``.encode()`` refuses; this names the header and the byte instead.
 
-The time limits are aiohttp's own ``keepalive_timeout`` (a connection that has not sent a complete
-request's headers within it, or sits idle between requests that long, is closed) and the body read
-timeout applied by ``launch.serving.http_errors.read_json_body``.
+The time limits are ``FirstRequestDeadline`` (the first request's headers), aiohttp's own
+``keepalive_timeout`` (a connection idle between requests, or sending the next request's headers,
+that long is closed) and the body read timeout applied by
+``launch.serving.http_errors.read_json_body``.
 """
 
 from __future__ import annotations
@@ -73,17 +78,65 @@ class _RefuseConnection(asyncio.Protocol):
         transport.close()
 
 
+class FirstRequestDeadline:
+    """Closes a connection whose first request has not reached the application (its headers
+    complete) within ``timeout_s`` seconds of the connection opening.
+
+    ``GuardedTCPSite`` calls ``watch`` for every connection it hands to aiohttp; ``middleware``
+    (the application's outermost) marks the connection's request as started. aiohttp arms its
+    ``keepalive_timeout`` at connection start itself only from 3.14.4; before that, a client that
+    drips its first request's headers, or sends nothing, keeps its connection for ever.
+
+    Raises:
+        ValueError: ``timeout_s`` <= 0.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._waiting: set[asyncio.BaseProtocol] = set()  # no request started yet
+
+    def watch(self, protocol: web.RequestHandler) -> None:
+        """Start ``protocol``'s deadline (call from the event loop, as it is created)."""
+        self._waiting.add(protocol)
+        asyncio.get_running_loop().call_later(self.timeout_s, self._expire, protocol)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        self._waiting.discard(request.protocol)
+        return await handler(request)
+
+    def _expire(self, protocol: web.RequestHandler) -> None:
+        if protocol in self._waiting:
+            self._waiting.discard(protocol)
+            protocol.force_close()  # closes its transport (no-op if the client already left)
+
+
+FIRST_REQUEST_DEADLINE = web.AppKey("first_request_deadline", FirstRequestDeadline)
+
+
 class GuardedTCPSite(web.BaseSite):
     """``web.TCPSite`` with at most about ``max_connections`` open connections (a burst accepted
-    within one event-loop turn may pass it by the listen backlog)."""
+    within one event-loop turn may pass it by the listen backlog), each watched by
+    ``first_request`` if given."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int):
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        first_request: FirstRequestDeadline | None = None,
+    ):
         super().__init__(runner)
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.host = host
         self.port = port
         self.max_connections = max_connections
+        self.first_request = first_request
         self._full = _full_response(max_connections)
 
     @property
@@ -94,7 +147,10 @@ class GuardedTCPSite(web.BaseSite):
         server = self._runner.server
         if len(server.connections) >= self.max_connections:
             return _RefuseConnection(self._full)
-        return server()
+        protocol = server()
+        if self.first_request is not None:
+            self.first_request.watch(protocol)
+        return protocol
 
     async def start(self) -> None:
         """Bind and listen. Raises OSError if the address cannot be bound."""

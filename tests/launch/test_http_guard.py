@@ -6,6 +6,7 @@ socket has a timeout and every loop a deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -17,9 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from aiohttp import web
 
 from launch.serving.api_server import HTTPServerThread, ServerConfig
 from launch.serving.engine_bridge import RequestOutput
+from launch.serving.http_guard import FirstRequestDeadline, GuardedTCPSite
 from launch.serving.metrics import ServerMetrics
 
 BODY = json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode()
@@ -128,6 +131,60 @@ def test_a_client_dripping_headers_is_closed_by_the_keep_alive_timeout():
         assert is_closed and time.monotonic() - start < 5
         sock.close()
         assert request(server.port, "GET", "/health")[0] == 200
+
+
+def test_the_first_request_deadline_alone_closes_silent_and_dripping_clients():
+    """``FirstRequestDeadline`` on its own: aiohttp's ``keepalive_timeout`` left at its default
+    (an hour), as on the aiohttp releases (before 3.14.4) that arm it only after a response. A
+    connection that sends nothing, or drips its headers, is closed at the deadline; one whose
+    request has started is not, however long its handler takes."""
+
+    async def slow(_request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)
+        return web.Response(text="done")
+
+    async def closed_by(reader: asyncio.StreamReader, writer, drip: bytes, limit_s: float) -> bool:
+        start = time.monotonic()
+        for byte in drip:  # one byte every 0.1 s, until the server closes the connection
+            if reader.at_eof() or time.monotonic() - start > limit_s:
+                break
+            with contextlib.suppress(OSError):
+                writer.write(bytes([byte]))
+                await writer.drain()
+            with contextlib.suppress(asyncio.TimeoutError):
+                if await asyncio.wait_for(reader.read(), 0.1) == b"":
+                    return True
+        with contextlib.suppress(asyncio.TimeoutError, OSError):
+            return await asyncio.wait_for(reader.read(), limit_s) == b""
+        return False
+
+    async def main() -> None:
+        deadline = FirstRequestDeadline(0.5)
+        app = web.Application(middlewares=[deadline.middleware])
+        app.router.add_get("/slow", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = GuardedTCPSite(runner, "127.0.0.1", 0, max_connections=8, first_request=deadline)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            started = await asyncio.open_connection("127.0.0.1", port)
+            started[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            dripping = await asyncio.open_connection("127.0.0.1", port)
+            start = time.monotonic()
+            drip = b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+            assert await closed_by(*dripping, drip, limit_s=3)
+            assert await closed_by(*silent, b"", limit_s=3)
+            assert time.monotonic() - start < 3
+            answer = await asyncio.wait_for(started[0].read(4096), 5)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"done"), answer
+            for _, writer in (started, silent, dripping):
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
 
 
 def test_a_stalled_body_gets_408_and_idle_half_sent_requests_are_closed():

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -34,7 +35,10 @@ from tests.helpers.serve import (
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 8
-MAX_MODEL_LEN = 64
+# the disconnect tests' requests ask for MAX_MODEL_LEN - 4 tokens and are normally aborted after
+# 3-4: the long budget (hundreds of decode steps) keeps a slow-to-notice disconnect from passing
+# as a request that simply ran to its end
+MAX_MODEL_LEN = 512
 ENGINE_FLAGS = (
     "--dtype=float32",
     "--enable-expert-parallel",
@@ -69,14 +73,24 @@ def _chat_prompts() -> list[list[int]]:
     ]
 
 
+def _set_max_position_embeddings(model_dir: Path, value: int) -> None:
+    """Replace the linked ``config.json`` by a copy with ``max_position_embeddings = value``."""
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.unlink()
+    config_path.write_text(json.dumps({**config, "max_position_embeddings": value}))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_mixtral_dir):
     """(server, model dir, offline outputs of completion prompts, of chat prompts)."""
     tmp = tmp_path_factory.mktemp("serve_openai")
     model_dir = checkpoint_with_chat_tokenizer(tiny_mixtral_dir, tmp / "model")
+    _set_max_position_embeddings(Path(model_dir), MAX_MODEL_LEN)
     log = tmp / "server.log"
+    # a rank's blocks hold the long request (MAX_MODEL_LEN / 4) beside 8 of 16 short streams
     proc = launch_server(
-        2, f"--model={model_dir}", *ENGINE_FLAGS, "--num-gpu-blocks-override=48", log_path=log
+        2, f"--model={model_dir}", *ENGINE_FLAGS, "--num-gpu-blocks-override=256", log_path=log
     )
     try:
         completions, chats = _completion_prompts(), _chat_prompts()
