@@ -1,6 +1,6 @@
-"""What the GPU tests share: the CUDA platform for one test (a real one, or one with a fake device
-count), a rank's groups where a platform places it, and the matrix products a callable runs on
-the host."""
+"""What the GPU tests share: a built-in platform for one test (or CUDA's with a fake device count),
+a rank's groups where a platform places it, and the matrix products a callable runs on the
+host."""
 
 from __future__ import annotations
 
@@ -27,12 +27,20 @@ def fake_cuda_platform(device_count: int):
     return FakeCudaPlatform()
 
 
-@contextlib.contextmanager
-def cuda_platform() -> Iterator[None]:
-    """The CUDA platform for the duration (the suite pins the CPU one: ``tests/conftest.py``)."""
-    from moe.platforms import CudaPlatform, set_current_platform
+def builtin_platform(device_type: str):
+    """A new instance of the built-in platform of ``device_type`` ("cpu" or "cuda")."""
+    from moe.platforms.plugins import BUILTIN_PLATFORMS
 
-    set_current_platform(CudaPlatform())
+    return BUILTIN_PLATFORMS[device_type]()
+
+
+@contextlib.contextmanager
+def device_platform(device_type: str = "cuda") -> Iterator[None]:
+    """The built-in platform of ``device_type`` current for the duration (the suite pins the CPU
+    one: ``tests/conftest.py``)."""
+    from moe.platforms import set_current_platform
+
+    set_current_platform(builtin_platform(device_type))
     try:
         yield
     finally:

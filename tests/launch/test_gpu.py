@@ -8,13 +8,11 @@ CPU, where they must find the host's products and SDPA's CPU kernel."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from tests.helpers.engine import NUM_DECODE_STEPS, run_engine_steps
-from tests.helpers.gpu import attention_ops, cuda_platform, host_matmuls
+from tests.helpers.gpu import attention_ops, builtin_platform, device_platform, host_matmuls
 from tests.helpers.precision import FLOAT32_REL, reference_model, reference_rel
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -22,11 +20,6 @@ GPU_ARCHS = ("mixtral", "deepseek_v3", "qwen2_moe")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # the device type a test runs on: the host (CI), or CUDA (marked gpu, skipped without a GPU)
 DEVICE_TYPES = ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, NEEDS_CUDA))]
-
-
-def _platform(device_type: str):
-    """The platform of ``device_type`` for the test's duration (the suite pins the CPU one)."""
-    return cuda_platform() if device_type == "cuda" else contextlib.nullcontext()
 
 
 def _engine(model_dir: str, device: torch.device, **overrides):
@@ -75,7 +68,7 @@ def test_the_attention_op_recorder_sees_sdpas_cpu_kernel():
 def test_a_bfloat16_decode_step_attends_without_cudnn(tiny_mixtral_dir):
     # cuDNN's fused attention builds a graph per shape, and decode shapes change every step
     # (CudaPlatform.prepare_kernels): the engine's SDPA calls must take another kernel
-    with cuda_platform():
+    with device_platform():
         engine = _engine(tiny_mixtral_dir, torch.device("cuda", 0), dtype="bfloat16")
         _one_decode_step(engine)
         ops = attention_ops(engine.step)
@@ -87,7 +80,7 @@ def test_a_bfloat16_decode_step_attends_without_cudnn(tiny_mixtral_dir):
 def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the_host(
     tiny_mixtral_dir,
 ):
-    with cuda_platform():
+    with device_platform():
         engine = _engine(tiny_mixtral_dir, torch.device("cuda", 0), dtype="bfloat16")
         tensors = {**dict(engine.model.named_parameters()), **dict(engine.model.named_buffers())}
         assert {t.device.type for t in tensors.values()} == {"cuda"}
@@ -98,7 +91,7 @@ def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the
 
 
 def _logits_on(device_type: str, model_dir: str, dtype: str):
-    with _platform(device_type):
+    with device_platform(device_type):
         engine = _engine(model_dir, torch.device(device_type, 0), dtype=dtype, enforce_eager=True)
         return run_engine_steps(engine, PROMPTS, 0, 1)
 
@@ -136,7 +129,7 @@ def test_logits_equal_transformers_in_float64_and_float32(gpu_arch_dirs, model_t
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
-    with cuda_platform():
+    with device_platform():
         device = torch.device("cuda", 0)
         eager = run_engine_steps(
             _engine(tiny_mixtral_dir, device, enforce_eager=True), PROMPTS, 0, 1
@@ -155,11 +148,10 @@ def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
 
 def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
     from launch.engine.llm_engine import LLMEngine, resolve_model
-    from moe.platforms import CpuPlatform, CudaPlatform
     from tests.helpers.engine import dbo_test_engine_args
     from tests.helpers.gpu import placed_groups
 
-    platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
+    platform = builtin_platform(device_type)
     placement, groups = placed_groups(platform, rank, world_size, timeout_s=60)
     results = {}
     for enable_dbo in (True, False):
