@@ -95,7 +95,7 @@ class FirstRequestDeadline:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self._waiting: set[asyncio.BaseProtocol] = set()  # no request started yet
+        self._waiting: set[web.RequestHandler] = set()  # no request started yet
 
     def watch(self, protocol: web.RequestHandler) -> None:
         """Start ``protocol``'s deadline (call from the event loop, as it is created)."""

@@ -96,6 +96,18 @@ def raw_socket(port: int) -> socket.socket:
     return sock
 
 
+def drip(sock: socket.socket, data: bytes, interval_s: float, limit_s: float) -> None:
+    """Send ``data`` a byte every ``interval_s`` seconds, for at most ``limit_s`` seconds or until
+    the server closes the connection."""
+    start = time.monotonic()
+    with contextlib.suppress(OSError):  # the server closes mid-drip
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            time.sleep(interval_s)
+            if time.monotonic() - start > limit_s:
+                break
+
+
 def closed_within(sock: socket.socket, timeout_s: float) -> tuple[bool, bytes]:
     """(whether the server closed ``sock`` within ``timeout_s``, what it sent before)."""
     sock.settimeout(timeout_s)
@@ -121,70 +133,59 @@ def test_a_client_dripping_headers_is_closed_by_the_keep_alive_timeout():
     with serve(timeout_keep_alive_s=1.0) as server:
         sock = raw_socket(server.port)
         start = time.monotonic()
-        with contextlib.suppress(OSError):  # the server closes mid-drip
-            for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaa":
-                sock.sendall(bytes([byte]))
-                time.sleep(0.2)
-                if time.monotonic() - start > 5:
-                    break
+        drip(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaa", 0.2, 5)
         is_closed, _ = closed_within(sock, 5)
         assert is_closed and time.monotonic() - start < 5
         sock.close()
         assert request(server.port, "GET", "/health")[0] == 200
 
 
-def test_the_first_request_deadline_alone_closes_silent_and_dripping_clients():
-    """``FirstRequestDeadline`` on its own: aiohttp's ``keepalive_timeout`` left at its default
-    (an hour), as on the aiohttp releases (before 3.14.4) that arm it only after a response. A
-    connection that sends nothing, or drips its headers, is closed at the deadline; one whose
-    request has started is not, however long its handler takes."""
+@contextlib.contextmanager
+def deadline_only_server(timeout_s: float) -> Iterator[int]:
+    """The port of an app behind ``GuardedTCPSite`` watched by ``FirstRequestDeadline(timeout_s)``
+    alone (aiohttp's ``keepalive_timeout`` at its default, an hour), on an event loop in a thread;
+    ``GET /slow`` answers "done" after 1.5 s."""
 
     async def slow(_request: web.Request) -> web.Response:
         await asyncio.sleep(1.5)
         return web.Response(text="done")
 
-    async def closed_by(reader: asyncio.StreamReader, writer, drip: bytes, limit_s: float) -> bool:
+    deadline = FirstRequestDeadline(timeout_s)
+    app = web.Application(middlewares=[deadline.middleware])
+    app.router.add_get("/slow", slow)
+    runner = web.AppRunner(app)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(runner.setup())
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, max_connections=8, first_request=deadline)
+    loop.run_until_complete(site.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()
+
+
+def test_the_first_request_deadline_alone_closes_silent_and_dripping_clients():
+    """``FirstRequestDeadline`` on its own, as on the aiohttp releases (before 3.14.4) that arm
+    ``keepalive_timeout`` only after a response: a connection that sends nothing, or drips its
+    headers, is closed at the deadline; one whose request has started is not, however long its
+    handler takes."""
+    with deadline_only_server(0.5) as port:
+        started = raw_socket(port)
+        started.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        silent, dripping = raw_socket(port), raw_socket(port)
         start = time.monotonic()
-        for byte in drip:  # one byte every 0.1 s, until the server closes the connection
-            if reader.at_eof() or time.monotonic() - start > limit_s:
-                break
-            with contextlib.suppress(OSError):
-                writer.write(bytes([byte]))
-                await writer.drain()
-            with contextlib.suppress(asyncio.TimeoutError):
-                if await asyncio.wait_for(reader.read(), 0.1) == b"":
-                    return True
-        with contextlib.suppress(asyncio.TimeoutError, OSError):
-            return await asyncio.wait_for(reader.read(), limit_s) == b""
-        return False
-
-    async def main() -> None:
-        deadline = FirstRequestDeadline(0.5)
-        app = web.Application(middlewares=[deadline.middleware])
-        app.router.add_get("/slow", slow)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = GuardedTCPSite(runner, "127.0.0.1", 0, max_connections=8, first_request=deadline)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
-            started = await asyncio.open_connection("127.0.0.1", port)
-            started[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            silent = await asyncio.open_connection("127.0.0.1", port)
-            dripping = await asyncio.open_connection("127.0.0.1", port)
-            start = time.monotonic()
-            drip = b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
-            assert await closed_by(*dripping, drip, limit_s=3)
-            assert await closed_by(*silent, b"", limit_s=3)
-            assert time.monotonic() - start < 3
-            answer = await asyncio.wait_for(started[0].read(4096), 5)
-            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"done"), answer
-            for _, writer in (started, silent, dripping):
-                writer.close()
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
+        drip(dripping, b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100, 0.1, 3)
+        assert closed_within(dripping, 3)[0] and closed_within(silent, 3)[0]
+        assert time.monotonic() - start < 3
+        is_closed, answer = closed_within(started, 5)
+        assert is_closed and answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"done"), answer
+        for sock in (started, silent, dripping):
+            sock.close()
 
 
 def test_a_stalled_body_gets_408_and_idle_half_sent_requests_are_closed():
