@@ -94,11 +94,11 @@ async def read_json_body(
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
         Whatever ``parse`` raises.
     """
-    from launch.serving.http_guard import require_json
+    from launch.serving.http_guard import require_json, wait_within
 
     require_json(request)
     try:  # blocking wait for the client's bytes, with a timeout
-        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
+        raw = await wait_within(request.read(), timeout_s)
     except asyncio.TimeoutError:
         raise ProtocolError(
             f"the request body did not arrive within {timeout_s:g} s", status=408

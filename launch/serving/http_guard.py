@@ -15,6 +15,8 @@
   KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
 - ``require_json``: a JSON endpoint refuses any other ``Content-Type`` with 415, which also stops a
   browser's cross-origin "simple" POST (``text/plain``, sent without a CORS preflight).
+- ``wait_within``: every timed wait of a handler (the request body, the engine's next output). It
+  is ``asyncio.wait_for`` without that function's lost cancellation before Python 3.12.
 - ``header_text``: every header the application reads goes through it. aiohttp decodes header
   bytes as UTF-8 with ``surrogateescape``, so a byte that is not UTF-8 (``\xe9``) arrives as a lone
   surrogate that any later ``.encode()`` refuses; this names the header and the byte instead.
@@ -31,11 +33,15 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from launch.serving.openai_protocol import ProtocolError, error_body
+
+T = TypeVar("T")
 
 logger = logging.getLogger("launch.serving")
 
@@ -159,6 +165,31 @@ class GuardedTCPSite(web.BaseSite):
         self._server = await loop.create_server(
             self._protocol, self.host, self.port, backlog=self._backlog, reuse_address=True
         )
+
+
+async def wait_within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
+    """``await awaitable`` for at most ``timeout_s`` seconds (None: no limit), as
+    ``asyncio.wait_for``, but a cancellation of the caller is never lost.
+
+    Before Python 3.12, ``wait_for`` returns the awaitable's result when the caller is cancelled in
+    the event-loop iteration in which the awaitable completes (CPython gh-86296). A handler that a
+    client's disconnect cancelled while its engine output arrived then ran its request to the end:
+    aiohttp cancels a handler once.
+
+    Raises:
+        asyncio.TimeoutError: ``timeout_s`` passed first; the awaitable is cancelled.
+        asyncio.CancelledError: the caller was cancelled; the awaitable is cancelled.
+    """
+    inner = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait((inner,), timeout=timeout_s)
+    except BaseException:
+        inner.cancel()
+        raise
+    if not done:
+        inner.cancel()
+        raise asyncio.TimeoutError
+    return inner.result()
 
 
 def header_text(request: web.Request, name: str, *, status: int = 400) -> str | None:

@@ -22,7 +22,7 @@ from launch.engine.request import SamplingParams
 from launch.engine.sampler import TokenLogprobs
 from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
-from launch.serving.http_guard import RETRY_AFTER_S
+from launch.serving.http_guard import RETRY_AFTER_S, wait_within
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
 from launch.serving.text_bound import check_prompt_text
 
@@ -263,7 +263,7 @@ class OpenAIServing:
         timeout_s = self.config.output_timeout_s
         while num_open:
             try:  # blocking wait for the engine loop, with a timeout
-                output = await asyncio.wait_for(outputs.get(), timeout=timeout_s)
+                output = await wait_within(outputs.get(), timeout_s)
             except asyncio.TimeoutError:
                 raise EngineError(
                     TimeoutError(f"no output from the engine for {timeout_s:g} s")

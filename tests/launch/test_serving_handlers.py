@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from launch.engine.request import SamplingParams
 from launch.serving.api_server import ServerConfig, build_app
 from launch.serving.chat_template import load_chat_template
 from launch.serving.detokenizer import load_tokenizer
-from launch.serving.engine_bridge import EngineBridge
+from launch.serving.engine_bridge import EngineBridge, RequestOutput
 from launch.serving.metrics import ServerMetrics
 from launch.serving.serving_completion import OpenAIServingCompletion
+from launch.serving.serving_engine import EngineError
 from tests.helpers.chat import build_chat_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "<7>"}]}
@@ -146,3 +149,55 @@ def test_a_client_gone_while_its_prompt_is_echoed_has_its_request_aborted(tmp_pa
 
     submitted, aborted = asyncio.run(go())
     assert len(submitted) == 1 and aborted == submitted
+
+
+def test_a_handler_cancelled_as_its_engine_output_arrives_ends(tmp_path):
+    """aiohttp cancels a disconnected client's handler once. When that cancel lands in the event
+    loop iteration in which an engine output reaches the handler's queue, the handler must still
+    end (``asyncio.wait_for`` before Python 3.12 returned the output instead: the handler read on,
+    and a non-streaming request ran to its ``max_tokens``)."""
+    config = _config(tmp_path, tokenizer=True, template=True)
+
+    async def go() -> tuple[asyncio.Task, list, list]:
+        serving = OpenAIServingCompletion(config, EngineBridge(asyncio.get_running_loop()))
+        choices, outputs = serving.submit(
+            [[5, 6]], n=1, params=lambda p, j: SamplingParams(max_tokens=8), stop=()
+        )
+        received = []
+
+        async def handler() -> None:
+            async for delta in serving.deltas(choices, outputs):
+                received.append(delta.token_ids)
+
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0.05)  # the handler waits for its next output
+        outputs.put_nowait(RequestOutput(request_id=choices[0].request_id, new_token_ids=(9,)))
+        task.cancel()  # the client's disconnect, in the same iteration
+        await asyncio.wait((task,), timeout=2)
+        task.cancel()  # a handler that read on is still waiting: end it
+        await asyncio.gather(task, return_exceptions=True)
+        return task, received, serving.bridge.take(0)[0]
+
+    task, received, submitted = asyncio.run(go())
+    assert len(submitted) == 1
+    assert received == [], f"the cancelled handler read on: {received}"
+    assert task.cancelled()
+
+
+def test_a_request_with_no_engine_output_within_the_timeout_fails(tmp_path):
+    config = dataclasses.replace(
+        _config(tmp_path, tokenizer=True, template=True), output_timeout_s=0.2
+    )
+
+    async def go() -> None:
+        serving = OpenAIServingCompletion(config, EngineBridge(asyncio.get_running_loop()))
+        choices, outputs = serving.submit(
+            [[5, 6]], n=1, params=lambda p, j: SamplingParams(max_tokens=8), stop=()
+        )
+        outputs.put_nowait(RequestOutput(request_id=choices[0].request_id, new_token_ids=(9,)))
+        deltas = serving.deltas(choices, outputs)
+        assert (await anext(deltas)).token_ids == (9,)
+        with pytest.raises(EngineError, match="no output from the engine for 0.2 s"):
+            await anext(deltas)
+
+    asyncio.run(go())
