@@ -19,6 +19,13 @@ def pytest_configure(config):
     # Graph mode compiles seconds per graph: engines in tests run eagerly unless a test asks for
     # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
+    # Under pytest-xdist (-n N) every worker's torch would take all the cores, N times the
+    # machine, and the multi-rank and server tests' timeouts then fire: the workers share them.
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if num_workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // num_workers))
     # inductor's cache, per CPU capability (launch.engine.graph_mode.graph_cache_dir): a graph
     # compiled in an uncapped run returned wrong values in a run capped at AVX2 (.ci/run does both)
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
