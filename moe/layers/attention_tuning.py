@@ -93,13 +93,25 @@ def _measure(
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MLALayout:
     """The head layout of an MLA layer: query heads, the no-RoPE and RoPE query/key widths, the
-    value width and the latent rank (``moe.layers.mla``)."""
+    value width and the latent rank (``moe.layers.mla``; DeepSeek's ``num_attention_heads``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``kv_lora_rank``)."""
 
     num_heads: int
     nope: int
     rope: int
     v: int
     kv_lora_rank: int
+
+    @classmethod
+    def from_config(cls, config) -> MLALayout:
+        """The layout of an MLA model's layers (``MoEModelConfig``)."""
+        return cls(
+            num_heads=config.num_attention_heads,
+            nope=config.qk_nope_head_dim,
+            rope=config.qk_rope_head_dim,
+            v=config.v_head_dim,
+            kv_lora_rank=config.kv_lora_rank,
+        )
 
 
 def mla_expanded_cut(kv_cache: Tensor, layout: MLALayout, absorb_max_query_len: int) -> float:

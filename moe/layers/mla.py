@@ -49,52 +49,43 @@ class PagedMLACache(CustomOp):
     """One layer's latent cache (bound by the engine): writes it and attends over it.
 
     forward(q_nope [T, H, nope], q_pe [T, H, rope], kv_b_weight [H * (nope + v), r],
-    attn_metadata, *, scale, expand=None) -> [T, H, v], padding rows zero. ``expand`` is
-    ``kv_b_proj`` as a function ([N, r] -> [N, H * (nope + v)]: the layer's ``Linear``, packed
-    on the CPU), with which the batched paths expand prefill latents. ``forward_native`` loops
-    over the requests (the reference); ``forward_cpu`` / ``forward_cuda`` run all requests at
-    once (``batched_mla_attention``: our compiled kernel on the CPU where it applies, else
-    plain torch).
+    attn_metadata, *, scale, expand=None) -> [T, H, v], padding rows zero, with the widths of
+    ``layout``. ``expand`` is ``kv_b_proj`` as a function ([N, r] -> [N, H * (nope + v)]: the
+    layer's ``Linear``, packed on the CPU), with which the batched paths expand prefill latents.
+    ``forward_native`` loops over the requests (the reference); ``forward_cpu`` /
+    ``forward_cuda`` run all requests at once (``batched_mla_attention``: our compiled kernel on
+    the CPU where it applies, else plain torch).
     """
 
-    def __init__(
-        self, *, kv_lora_rank: int, qk_rope_head_dim: int, layout: MLALayout | None = None
-    ):
+    def __init__(self, layout: MLALayout):
         super().__init__()
-        if layout is not None and (layout.kv_lora_rank, layout.rope) != (
-            kv_lora_rank,
-            qk_rope_head_dim,
-        ):
-            raise ValueError(
-                f"layout {layout} disagrees with kv_lora_rank={kv_lora_rank}, "
-                f"qk_rope_head_dim={qk_rope_head_dim}"
-            )
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.kv_cache: Tensor | None = None
-        # the layer's heads (MLAAttention gives them): with them, bind_kv_cache measures where
-        # the expanded requests leave our CPU kernel for SDPA (mla_expanded_cut)
         self.layout = layout
+        self.kv_cache: Tensor | None = None
+        # query rows up to which the expanded requests stay in our CPU kernel, past which they go
+        # to SDPA: measured when a cache is bound (mla_expanded_cut)
         self.expanded_cut = math.inf
 
     @property
+    def kv_lora_rank(self) -> int:
+        return self.layout.kv_lora_rank
+
+    @property
     def kv_elements_per_token(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.layout.kv_lora_rank + self.layout.rope
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_elements_per_token)
 
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
-        """kv_cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; ValueError else.
-        With a ``layout``, looks up (once per machine: measures) ``expanded_cut``."""
+        """kv_cache: [num_blocks, block_size, kv_lora_rank + rope]; ValueError else. Looks up
+        (once per machine: measures) ``expanded_cut``."""
         if kv_cache.dim() != 3 or kv_cache.shape[2] != self.kv_elements_per_token:
             raise ValueError(
                 f"MLA kv_cache must be [num_blocks, block_size, {self.kv_elements_per_token}], "
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
-        if self.layout is not None:
-            self.expanded_cut = mla_expanded_cut(kv_cache, self.layout, ABSORB_MAX_QUERY_LEN)
+        self.expanded_cut = mla_expanded_cut(kv_cache, self.layout, ABSORB_MAX_QUERY_LEN)
 
     def write(self, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
         """kv_c [T, r], k_pe [T, rope] at slot_mapping [T] (-1 = padding, skipped)."""
@@ -215,29 +206,23 @@ class MLAAttention(nn.Module):
     def __init__(self, config: MoEModelConfig, *, dtype: torch.dtype | None, device=None):
         super().__init__()
         c = config
-        self.num_heads = c.num_attention_heads
-        self.nope_dim, self.rope_dim, self.v_dim = (
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-        )
-        self.kv_lora_rank = c.kv_lora_rank
-        qk_head_dim = self.nope_dim + self.rope_dim
+        lay = self.layout = MLALayout.from_config(c)
+        qk_head_dim = lay.nope + lay.rope
         kw = {"dtype": dtype, "device": device}
-        h, nh = c.hidden_size, self.num_heads
+        h, nh = c.hidden_size, lay.num_heads
         if c.q_lora_rank is None:
             self.q_proj = Linear(h, nh * qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = Linear(h, c.q_lora_rank, bias=c.qkv_bias, **kw)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, **kw)
             self.q_b_proj = Linear(c.q_lora_rank, nh * qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = Linear(h, c.kv_lora_rank + self.rope_dim, bias=c.qkv_bias, **kw)
+        self.kv_a_proj_with_mqa = Linear(h, lay.kv_lora_rank + lay.rope, bias=c.qkv_bias, **kw)
         # transformers builds these two norms with the default eps 1e-6, not rms_norm_eps
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, **kw)
-        self.kv_b_proj = Linear(c.kv_lora_rank, nh * (self.nope_dim + self.v_dim), bias=False, **kw)
-        self.o_proj = Linear(nh * self.v_dim, h, bias=c.o_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(lay.kv_lora_rank, 1e-6, **kw)
+        self.kv_b_proj = Linear(lay.kv_lora_rank, nh * (lay.nope + lay.v), bias=False, **kw)
+        self.o_proj = Linear(nh * lay.v, h, bias=c.o_bias, **kw)
         self.rotary_emb = RotaryEmbedding(
-            self.rope_dim,
+            lay.rope,
             c.rope_theta,
             is_neox_style=not c.rope_interleave,
             scaling=c.rope_scaling_dict,
@@ -245,29 +230,20 @@ class MLAAttention(nn.Module):
             device=device,
         )
         self.scale = yarn_softmax_scale(c.rope_scaling_dict, qk_head_dim**-0.5)
-        layout = MLALayout(
-            num_heads=nh,
-            nope=self.nope_dim,
-            rope=self.rope_dim,
-            v=self.v_dim,
-            kv_lora_rank=c.kv_lora_rank,
-        )
-        self.attn = PagedMLACache(
-            kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=self.rope_dim, layout=layout
-        )
+        self.attn = PagedMLACache(lay)
 
     def forward(
         self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
-        num_tokens = hidden_states.shape[0]
+        num_tokens, lay = hidden_states.shape[0], self.layout
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = q.view(num_tokens, lay.num_heads, lay.nope + lay.rope)
+        q_nope, q_pe = q.split([lay.nope, lay.rope], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
+            [lay.kv_lora_rank, lay.rope], dim=-1
         )
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
@@ -277,11 +253,11 @@ class MLAAttention(nn.Module):
             q_pe,
             kv_c,
             k_pe[:, 0],
-            out_shape=(self.num_heads, self.v_dim),
+            out_shape=(lay.num_heads, lay.v),
             attn_metadata=attn_metadata,
             span="attention",
         )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.o_proj(out.reshape(num_tokens, lay.num_heads * lay.v))
 
     def _attend(
         self,

@@ -19,6 +19,7 @@ from dbo import make_ubatch_slices
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
 from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
+from moe.layers.attention_tuning import MLALayout
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
 from moe.platforms import CpuPlatform
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
@@ -197,23 +198,27 @@ def test_gqa_empty_ubatch(num_padding, attention_path):
     assert torch.equal(op.kv_cache, before)
 
 
-def make_mla(kv_lora_rank: int = 12, rope: int = 4) -> PagedMLACache:
-    op = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+MLA_LAYOUT = MLALayout(num_heads=4, nope=6, rope=4, v=5, kv_lora_rank=12)
+
+
+def make_mla() -> PagedMLACache:
+    op = PagedMLACache(MLA_LAYOUT)
     op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), seed=3))
     return op
 
 
 def mla_inputs(op: PagedMLACache, num_tokens: int, *, seed: int = 4) -> dict:
-    """q_nope [T, 4, 6], q_pe [T, 4, rope], kv_b weight [4 * (6 + 5), r], latents kv_c / k_pe."""
-    num_heads, nope, rope, v_dim = 4, 6, op.qk_rope_head_dim, 5
+    """q_nope [T, H, nope], q_pe [T, H, rope], kv_b weight [H * (nope + v), r], latents kv_c
+    [T, r] / k_pe [T, rope], with the op's layout."""
+    lay = op.layout
     gen = torch.Generator().manual_seed(seed)
-    t = num_tokens
+    t, h = num_tokens, lay.num_heads
     return {
-        "q_nope": torch.randn(t, num_heads, nope, generator=gen, dtype=DTYPE),
-        "q_pe": torch.randn(t, num_heads, rope, generator=gen, dtype=DTYPE),
-        "w": torch.randn(num_heads * (nope + v_dim), op.kv_lora_rank, generator=gen, dtype=DTYPE),
-        "kv_c": torch.randn(t, op.kv_lora_rank, generator=gen, dtype=DTYPE),
-        "k_pe": torch.randn(t, rope, generator=gen, dtype=DTYPE),
+        "q_nope": torch.randn(t, h, lay.nope, generator=gen, dtype=DTYPE),
+        "q_pe": torch.randn(t, h, lay.rope, generator=gen, dtype=DTYPE),
+        "w": torch.randn(h * (lay.nope + lay.v), lay.kv_lora_rank, generator=gen, dtype=DTYPE),
+        "kv_c": torch.randn(t, lay.kv_lora_rank, generator=gen, dtype=DTYPE),
+        "k_pe": torch.randn(t, lay.rope, generator=gen, dtype=DTYPE),
     }
 
 
@@ -257,7 +262,7 @@ def test_mla_batched_equals_native_absorbed_and_expanded(num_padding, chunk_byte
 def test_mla_empty_batch(attention_path):
     md = make_metadata([], num_padding=1)
     out = mla_step(make_mla(), md, "forward_cpu")
-    assert out.shape == (1, 4, 5) and not out.any()
+    assert out.shape == (1, MLA_LAYOUT.num_heads, MLA_LAYOUT.v) and not out.any()
 
 
 def test_chunks_sorted_by_seq_len_and_bounded(monkeypatch):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import kernels
-from moe.layers import attention, attention_tuning, batched_attention
+from moe.layers import attention, attention_tuning, batched_attention, mla
 from moe.layers.attention import PagedAttention
 from moe.layers.batched_attention import KERNEL_EVERYWHERE, KernelCut
 from moe.layers.mla import ABSORB_MAX_QUERY_LEN, PagedMLACache
@@ -42,6 +42,7 @@ MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (0, 1), (22, 1), (8, 4), (4, 0), (2, 1
 def kernel_everywhere(monkeypatch):
     """Layers bound to a cache send every request to the kernel (no measured cut)."""
     monkeypatch.setattr(attention, "kernel_cut", lambda *_: KERNEL_EVERYWHERE)
+    monkeypatch.setattr(mla, "mla_expanded_cut", lambda *_: math.inf)
 
 
 @pytest.fixture(params=ISAS)
@@ -322,25 +323,30 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not stale.exists() and fresh.exists()
 
 
-def _mla_ops(dtype, kv_lora_rank, rope, **blocks):
-    """Two MLA caches holding the same random latents in ``dtype`` (the op's and the reference's,
-    the latter in float64)."""
+# keys 80 wide (the latent and the RoPE key), values 64 (the latent)
+MLA_LAYOUT = attention_tuning.MLALayout(num_heads=4, nope=8, rope=16, v=16, kv_lora_rank=64)
+
+
+def _mla_ops(dtype, **blocks):
+    """Two MLA caches of ``MLA_LAYOUT`` holding the same random latents in ``dtype`` (the op's
+    and the reference's, the latter in float64)."""
     num_blocks, block_size = blocks.get("num_blocks", NUM_BLOCKS), blocks.get("block_size", 4)
-    op = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    op = PagedMLACache(MLA_LAYOUT)
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(op.kv_cache_shape(num_blocks, block_size), generator=gen).to(dtype)
     op.bind_kv_cache(cache)
-    ref = PagedMLACache(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope)
+    ref = PagedMLACache(MLA_LAYOUT)
     ref.bind_kv_cache(cache.double().clone())
     return op, ref
 
 
-def _mla_inputs(op, num_tokens, dtype, num_heads=4, nope=8, v_dim=16):
+def _mla_inputs(op, num_tokens, dtype):
+    lay = op.layout
     gen = torch.Generator().manual_seed(4)
     shapes = {
-        "q_nope": (num_tokens, num_heads, nope),
-        "q_pe": (num_tokens, num_heads, op.qk_rope_head_dim),
-        "w": (num_heads * (nope + v_dim), op.kv_lora_rank),
+        "q_nope": (num_tokens, lay.num_heads, lay.nope),
+        "q_pe": (num_tokens, lay.num_heads, lay.rope),
+        "w": (lay.num_heads * (lay.nope + lay.v), lay.kv_lora_rank),
     }
     return {k: torch.randn(s, generator=gen).div(4).to(dtype) for k, s in shapes.items()}
 
@@ -355,7 +361,7 @@ def test_kernel_mla_absorbed_equals_native(kernel_calls, dtype, requests, blocks
     float64 exact up to summation order; float32 and bfloat16 within 4x the error of the
     per-request reference run in that dtype itself (the same roundings: q_lat, the attention, the
     W_UV product), at least 1e-6 in float32 and 2^-8 in bfloat16."""
-    op, ref = _mla_ops(dtype, kv_lora_rank=64, rope=16, **blocks)  # keys 80 wide, values 64
+    op, ref = _mla_ops(dtype, **blocks)
     md = make_metadata(requests, num_padding=1, **blocks)
     x = _mla_inputs(op, md.num_tokens, dtype)
     args = (x["q_nope"], x["q_pe"], x["w"], md)
@@ -381,7 +387,7 @@ def test_mla_expanded_chunks_past_the_cut_take_sdpa(kernel_calls, dtype):
     chunk attends through the padded SDPA and only the absorbed requests reach the kernel; the
     result equals the reference as on the kernel (float64 to 1e-12, float32 within 4x the float32
     reference's error)."""
-    op, ref = _mla_ops(dtype, kv_lora_rank=64, rope=16)
+    op, ref = _mla_ops(dtype)
     op.expanded_cut = 6
     md = make_metadata(MIXED, num_padding=1)
     x = _mla_inputs(op, md.num_tokens, dtype)
@@ -398,16 +404,15 @@ def test_mla_expanded_chunks_past_the_cut_take_sdpa(kernel_calls, dtype):
 
 @needs_compiler
 def test_binding_an_mla_cache_measures_its_expanded_cut(tuning_file, monkeypatch):
-    """With the layer's head layout, binding a float32 / bfloat16 cache measures the expanded
-    requests' cut once per layout (one of 0, 8, 16, ... or inf); without one, or on float64,
-    the kernel keeps them all, unmeasured."""
-    layout = attention_tuning.MLALayout(num_heads=4, nope=8, rope=16, v=16, kv_lora_rank=64)
+    """Binding a float32 / bfloat16 cache measures the expanded requests' cut once per layout
+    (one of 0, 8, 16, ... or inf); on float64 the kernel keeps them all, unmeasured."""
+    monkeypatch.setattr(mla, "mla_expanded_cut", attention_tuning.mla_expanded_cut)
     measured = []
     real_measure = attention_tuning._measure_mla
     monkeypatch.setattr(
         attention_tuning, "_measure_mla", lambda *a: measured.append(a) or real_measure(*a)
     )
-    caches = [PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16, layout=layout) for _ in range(2)]
+    caches = [PagedMLACache(MLA_LAYOUT) for _ in range(2)]
     for cache in caches:
         cache.bind_kv_cache(torch.zeros(cache.kv_cache_shape(8, 16)))
     cut = caches[0].expanded_cut
@@ -415,13 +420,9 @@ def test_binding_an_mla_cache_measures_its_expanded_cut(tuning_file, monkeypatch
     assert cut == math.inf or cut == 0 or (cut >= 8 and math.log2(cut).is_integer())
     (key,) = json.loads(tuning_file.read_text())
     assert key.startswith("mla torch.float32 heads=4 nope=8 rope=16 v=16 kv_lora_rank=64 expanded")
-    plain = PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16)
-    plain.bind_kv_cache(torch.zeros(plain.kv_cache_shape(8, 16)))
-    wide = PagedMLACache(kv_lora_rank=64, qk_rope_head_dim=16, layout=layout)
+    wide = PagedMLACache(MLA_LAYOUT)
     wide.bind_kv_cache(torch.zeros(wide.kv_cache_shape(8, 16), dtype=torch.float64))
-    assert plain.expanded_cut == wide.expanded_cut == math.inf and len(measured) == 1
-    with pytest.raises(ValueError, match="disagrees with kv_lora_rank=32"):
-        PagedMLACache(kv_lora_rank=32, qk_rope_head_dim=16, layout=layout)
+    assert wide.expanded_cut == math.inf and len(measured) == 1
 
 
 @needs_compiler
