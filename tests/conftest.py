@@ -20,7 +20,8 @@ def pytest_configure(config):
     # graph mode explicitly (--cudagraph-capture-sizes); inherited by spawned ranks and torchrun.
     os.environ.setdefault("MOE_DBO_GRAPH_MODE", "0")
     # Under pytest-xdist (-n N) every worker's torch would take all the cores, N times the
-    # machine, and the multi-rank and server tests' timeouts then fire: the workers share them.
+    # machine over, which can push multi-rank and server tests past their timeouts: the workers
+    # share the cores instead.
     num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if num_workers > 1:
         import torch

@@ -183,11 +183,9 @@ async def wait_within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     inner = asyncio.ensure_future(awaitable)
     try:
         done, _ = await asyncio.wait((inner,), timeout=timeout_s)
-    except BaseException:
-        inner.cancel()
-        raise
+    finally:
+        inner.cancel()  # a no-op once it is done
     if not done:
-        inner.cancel()
         raise asyncio.TimeoutError
     return inner.result()
 

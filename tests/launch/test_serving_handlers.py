@@ -76,7 +76,7 @@ async def _connected_client(server: TestServer, path: str, body: dict):
     closes it unanswered: a real client's disconnect, on every aiohttp (on 3.9.0 cancelling the
     test client's request leaves its connection open). ``TestServer`` cancels a handler whose
     client is gone (``handler_cancellation``), as ``api_server`` does."""
-    reader, writer = await asyncio.open_connection(server.host, server.port)
+    _, writer = await asyncio.open_connection(server.host, server.port)
     data = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
     writer.write(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
@@ -152,6 +152,16 @@ def test_a_client_gone_while_its_prompt_is_echoed_has_its_request_aborted(tmp_pa
     assert len(submitted) == 1 and aborted == [submitted[0].request_id]
 
 
+def _one_request(config: ServerConfig):
+    """(serving, choices, outputs): a completions handler on a fresh bridge of the running loop,
+    with one request submitted (prompt [5, 6], 8 tokens) and no engine behind it."""
+    serving = OpenAIServingCompletion(config, EngineBridge(asyncio.get_running_loop()))
+    choices, outputs = serving.submit(
+        [[5, 6]], n=1, params=lambda p, j: SamplingParams(max_tokens=8), stop=()
+    )
+    return serving, choices, outputs
+
+
 def test_a_handler_cancelled_as_its_engine_output_arrives_ends(tmp_path):
     """aiohttp cancels a disconnected client's handler once. When that cancel lands in the event
     loop iteration in which an engine output reaches the handler's queue, the handler must still
@@ -160,10 +170,7 @@ def test_a_handler_cancelled_as_its_engine_output_arrives_ends(tmp_path):
     config = _config(tmp_path, tokenizer=True, template=True)
 
     async def go() -> tuple[asyncio.Task, list, list]:
-        serving = OpenAIServingCompletion(config, EngineBridge(asyncio.get_running_loop()))
-        choices, outputs = serving.submit(
-            [[5, 6]], n=1, params=lambda p, j: SamplingParams(max_tokens=8), stop=()
-        )
+        serving, choices, outputs = _one_request(config)
         received = []
 
         async def handler() -> None:
@@ -191,10 +198,7 @@ def test_a_request_with_no_engine_output_within_the_timeout_fails(tmp_path):
     )
 
     async def go() -> None:
-        serving = OpenAIServingCompletion(config, EngineBridge(asyncio.get_running_loop()))
-        choices, outputs = serving.submit(
-            [[5, 6]], n=1, params=lambda p, j: SamplingParams(max_tokens=8), stop=()
-        )
+        serving, choices, outputs = _one_request(config)
         outputs.put_nowait(RequestOutput(request_id=choices[0].request_id, new_token_ids=(9,)))
         deltas = serving.deltas(choices, outputs)
         assert (await anext(deltas)).token_ids == (9,)
