@@ -69,6 +69,8 @@ class EngineArgs:
     load_format: str = "auto"
     dtype: str = "bfloat16"
     custom_ops: str = "all"
+    # moe.layers.attention_backend's names; None: the platform's default, named by __post_init__
+    attention_backend: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -367,6 +369,13 @@ def _add_model_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         default=d.custom_ops,
         help="which ops use their platform path: 'all', 'none', '+name', '-name', comma-separated "
         "(e.g. 'none,+experts'); the others run forward_native",
+    )
+    add(
+        "--attention-backend",
+        default=None,
+        help="paged attention implementation: CPU_ATTN (our CPU kernel; the CPU's default), "
+        "TORCH_SDPA (padded SDPA chunks; CUDA's default), FLEX_ATTENTION (torch's compiled "
+        "flex_attention over the cache in place; CUDA, GQA models)",
     )
     add("--seed", type=int, default=d.seed, help="seed for random weights and sampling")
     add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")

@@ -36,6 +36,7 @@ from moe import (
     set_custom_ops,
 )
 from moe.kernels import tuning as kernel_tuning
+from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 
@@ -268,6 +269,7 @@ class LLMEngine:
         # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
         load_general_plugins()
         set_custom_ops(self.args.custom_ops)
+        set_attention_backend(AttentionBackendEnum(self.args.attention_backend))
         return build_model(
             config,
             ep_rank=self.groups.ep_rank,
@@ -308,6 +310,7 @@ class LLMEngine:
         chosen = self.args.compute_dtype()
         self._log(platform.describe())
         self._log(f"device {platform.describe_device(self.groups.device)}")
+        self._log(f"attention backend {self.args.attention_backend}")
         for note in self.args.platform_notes:
             self._log(note)
         if chosen.reason is not None:

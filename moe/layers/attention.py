@@ -21,8 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
+from moe.layers.attention_backend import AttentionBackendEnum, selected_attention_backend
 from moe.layers.attention_tuning import kernel_cut
-from moe.layers.batched_attention import KERNEL_EVERYWHERE, batched_paged_attention
+from moe.layers.batched_attention import (
+    KERNEL_EVERYWHERE,
+    SDPA_EVERYWHERE,
+    batched_paged_attention,
+)
+from moe.layers.flex_attention import flex_paged_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
@@ -181,7 +187,9 @@ class PagedAttention(CustomOp):
     forward(query [T, num_heads*head_dim], key/value [T, num_kv_heads*head_dim], attn_metadata)
     -> [T, num_heads*head_dim]: writes the real rows' K/V, then attends. ``forward_native`` is the
     per-request reference (``paged_attention``); ``forward_cpu`` / ``forward_cuda`` run all
-    requests at once (``batched_paged_attention``, plain torch).
+    requests at once with the attention backend selected when the op is built
+    (``moe.layers.attention_backend``): ``batched_paged_attention`` (CPU_ATTN: our kernel up to
+    the measured cut; TORCH_SDPA: padded SDPA chunks) or ``flex_paged_attention``.
     """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -195,6 +203,7 @@ class PagedAttention(CustomOp):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: Tensor | None = None  # not a buffer: the engine owns and sizes it
+        self.backend = selected_attention_backend()
         # where batched_paged_attention leaves our CPU kernel for SDPA (set with the cache)
         self.kernel_cut = KERNEL_EVERYWHERE
 
@@ -208,8 +217,8 @@ class PagedAttention(CustomOp):
 
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
         """kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; ValueError otherwise.
-        Looks up (once per machine: measures) where our CPU kernel hands long queries to SDPA
-        for this cache (``moe.layers.attention_tuning.kernel_cut``)."""
+        With CPU_ATTN, looks up (once per machine: measures) where our CPU kernel hands long
+        queries to SDPA for this cache (``moe.layers.attention_tuning.kernel_cut``)."""
         if (
             kv_cache.dim() != 5
             or kv_cache.shape[0] != 2
@@ -221,7 +230,10 @@ class PagedAttention(CustomOp):
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
-        self.kernel_cut = kernel_cut(kv_cache, self.num_heads)
+        if self.backend is AttentionBackendEnum.CPU_ATTN:
+            self.kernel_cut = kernel_cut(kv_cache, self.num_heads)
+        elif self.backend is AttentionBackendEnum.TORCH_SDPA:
+            self.kernel_cut = SDPA_EVERYWHERE
 
     def _heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.kv_cache is None:
@@ -245,9 +257,12 @@ class PagedAttention(CustomOp):
     ) -> Tensor:
         q, k, v = self._heads(query, key, value)
         write_kv_cache_planned(k, v, self.kv_cache, attn_metadata)
-        out = batched_paged_attention(
-            q, self.kv_cache, attn_metadata, scale=self.scale, cut=self.kernel_cut
-        )
+        if self.backend is AttentionBackendEnum.FLEX_ATTENTION:
+            out = flex_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
+        else:
+            out = batched_paged_attention(
+                q, self.kv_cache, attn_metadata, scale=self.scale, cut=self.kernel_cut
+            )
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def forward_cpu(

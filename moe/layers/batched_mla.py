@@ -47,6 +47,7 @@ def batched_mla_attention(
     absorb_max_query_len: int,
     expand: Callable[[Tensor], Tensor] | None = None,
     expanded_cut: float = math.inf,
+    use_kernel: bool = True,
 ) -> Tensor:
     """MLA of every query row over its request's cached latents, absorbed for requests with at
     most ``absorb_max_query_len`` query rows and expanded for the others (module docstring).
@@ -59,6 +60,7 @@ def batched_mla_attention(
             ``Linear``, packed on the CPU); default ``F.linear`` with ``kv_b_weight``.
         expanded_cut: with our kernel, expanded requests' chunks whose longest query is longer
             attend through SDPA (``attention_tuning.mla_expanded_cut``; default: none).
+        use_kernel: False keeps every request in the padded SDPA chunks (TORCH_SDPA).
 
     Returns:
         [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
@@ -77,7 +79,8 @@ def batched_mla_attention(
         context_bytes_per_token=context_bytes,
         data_device=q_nope.device,
     )
-    padded, kernel = chunks, paged_attention_kernel(q_nope, kv_cache)  # padded: through SDPA
+    kernel = paged_attention_kernel(q_nope, kv_cache) if use_kernel else None
+    padded = chunks  # through SDPA
     if kernel is not None:
         query, short = (q_nope, q_pe), _short_requests(attn_metadata, absorb_max_query_len)
         _mla_absorbed_kernel(kernel, out, query, w_kv, kv_cache, short, scale=scale)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
 from moe.layers.attention import iter_request_spans, kv_write_slots
+from moe.layers.attention_backend import AttentionBackendEnum, selected_attention_backend
 from moe.layers.attention_tuning import MLALayout, mla_expanded_cut
 from moe.layers.batched_mla import batched_mla_attention
 from moe.layers.linear import Linear
@@ -42,6 +43,21 @@ if TYPE_CHECKING:
     from moe.models.config import MoEModelConfig
 
 ABSORB_MAX_QUERY_LEN = 4
+
+
+def _mla_uses_kernel(backend: AttentionBackendEnum) -> bool:
+    """Whether MLA's batched paths may use our CPU kernel (CPU_ATTN) or stay in SDPA chunks
+    (TORCH_SDPA).
+
+    Raises:
+        ValueError: FLEX_ATTENTION, which attends GQA layers only.
+    """
+    if backend is AttentionBackendEnum.FLEX_ATTENTION:
+        raise ValueError(
+            "--attention-backend FLEX_ATTENTION attends GQA layers only; this model's MLA layers "
+            "run with TORCH_SDPA (or CPU_ATTN on a CPU)"
+        )
+    return backend is AttentionBackendEnum.CPU_ATTN
 
 
 @CustomOp.register("mla_attention")
@@ -61,6 +77,7 @@ class PagedMLACache(CustomOp):
         super().__init__()
         self.layout = layout
         self.kv_cache: Tensor | None = None
+        self.use_kernel = _mla_uses_kernel(selected_attention_backend())
         # query rows up to which the expanded requests stay in our CPU kernel, past which they go
         # to SDPA: measured when a cache is bound (mla_expanded_cut)
         self.expanded_cut = math.inf
@@ -85,7 +102,8 @@ class PagedMLACache(CustomOp):
                 f"got {tuple(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
-        self.expanded_cut = mla_expanded_cut(kv_cache, self.layout, ABSORB_MAX_QUERY_LEN)
+        if self.use_kernel:
+            self.expanded_cut = mla_expanded_cut(kv_cache, self.layout, ABSORB_MAX_QUERY_LEN)
 
     def write(self, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
         """kv_c [T, r], k_pe [T, rope] at slot_mapping [T] (-1 = padding, skipped)."""
@@ -182,6 +200,7 @@ class PagedMLACache(CustomOp):
             absorb_max_query_len=ABSORB_MAX_QUERY_LEN,
             expand=expand,
             expanded_cut=self.expanded_cut,
+            use_kernel=self.use_kernel,
         )
 
     def forward_cpu(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):

@@ -23,6 +23,8 @@ questions:
   with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
   float32: its weights are upcast exactly, once, at load).
 - ``cpu_capability()``: the CPU's ISA, vendor and flags (``moe.platforms.cpu_capability``).
+- ``attention_backends``: the ``--attention-backend`` names this platform runs, its default first
+  (``moe.layers.attention_backend``).
 - ``check_and_update_config(args)``: refuse a configuration this platform cannot run, or adjust
   it, before any work (``EngineArgs`` calls it from ``__post_init__``, as vLLM's ``VllmConfig``
   does).
@@ -82,6 +84,7 @@ class Platform:
     dispatch_key: str = "native"
     issue_before_recv_hook: bool = True
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
+    attention_backends: tuple[str, ...] = ("TORCH_SDPA",)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dispatch_key={self.dispatch_key!r})"
@@ -140,20 +143,28 @@ class Platform:
         return ComputeDtype(dtype=dtype)
 
     def check_and_update_config(self, args: Any) -> ConfigUpdate:
-        """Check ``args`` (an ``EngineArgs``) against this platform; the changes it needs (graph
-        mode turned off where there is no graph backend).
+        """Check ``args`` (an ``EngineArgs``) against this platform; the changes it needs (the
+        default ``--attention-backend`` named, graph mode turned off where there is no graph
+        backend).
 
         Raises:
-            ValueError: a setting this platform cannot run (e.g. an unsupported ``--dtype``),
-                naming it and what is accepted.
+            ValueError: a setting this platform cannot run (e.g. an unsupported ``--dtype`` or
+                ``--attention-backend``), naming it and what is accepted.
         """
+        from moe.layers.attention_backend import check_attention_backend
+
         self.compute_dtype(getattr(torch, args.dtype))  # raises for an unsupported dtype
+        backend = check_attention_backend(
+            args.attention_backend, self.attention_backends, block_size=args.block_size
+        )
+        changes: dict[str, Any] = {"attention_backend": backend.value}
         if self.graph_backend() is None and not args.enforce_eager:
+            changes["enforce_eager"] = True
             return ConfigUpdate(
-                changes={"enforce_eager": True},
+                changes=changes,
                 notes=(f"graph mode off: platform {self.name} has no graph backend",),
             )
-        return ConfigUpdate(changes={})
+        return ConfigUpdate(changes=changes)
 
     def describe(self) -> str:
         """One start-up line: the platform and, for the host CPU, its capability."""
@@ -176,6 +187,9 @@ class CpuPlatform(Platform):
     name = "cpu"
     dispatch_key = "cpu"
     issue_before_recv_hook = True
+    # flex_attention on the CPU runs eagerly (a [heads, rows, cache tokens] score matrix) or
+    # compiled per shape (inductor's CPU template fails to build with dynamic shapes)
+    attention_backends = ("CPU_ATTN", "TORCH_SDPA")
 
     def graph_backend(self) -> type | None:
         from moe.compilation.backends import InductorGraph
@@ -222,6 +236,7 @@ class CudaPlatform(Platform):
     dispatch_key = "cuda"
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    attention_backends = ("TORCH_SDPA", "FLEX_ATTENTION")
 
     def device_count(self) -> int:
         """Visible CUDA devices (tests override it to drive ``place_rank``)."""

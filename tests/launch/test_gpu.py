@@ -4,7 +4,8 @@ transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; t
 one GPU with DP+EP+DBO equal DBO off and transformers; a bfloat16 decode step attends without
 cuDNN's per-shape attention. The logits and shared-device tests run on the CPU too (the same
 code with the CPU platform), so CI checks their own logic; the op recorders are checked on the
-CPU, where they must find the host's products and SDPA's CPU kernel."""
+CPU, where they must find the host's products and SDPA's CPU kernel. FLEX_ATTENTION's logits
+equal transformers' on the GPU, compiled (its CPU tests run it eagerly)."""
 
 from __future__ import annotations
 
@@ -144,6 +145,27 @@ def test_cuda_graphs_equal_eager(tiny_mixtral_dir):
     for index, rows in eager[0].items():
         bound = 64 * torch.finfo(torch.float32).eps * float(abs(rows).max())
         torch.testing.assert_close(graphs[0][index], rows, rtol=0, atol=bound)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_flex_attention_logits_equal_transformers(gpu_arch_dirs, model_type, enforce_eager):
+    """``--attention-backend FLEX_ATTENTION``: flex_attention compiled on the GPU, its shapes
+    changing every step, between the graph pieces or eager; float32 logits within the float32
+    bound of transformers' float64 ones."""
+    model_dir = gpu_arch_dirs[model_type]
+    with device_platform():
+        engine = _engine(
+            model_dir,
+            torch.device("cuda", 0),
+            attention_backend="FLEX_ATTENTION",
+            block_size=16,
+            enforce_eager=enforce_eager,
+        )
+        logits, tokens, _ = run_engine_steps(engine, PROMPTS, 0, 1)
+    _assert_close_to_transformers(model_dir, model_type, logits, tokens, lambda _: FLOAT32_REL)
 
 
 def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):

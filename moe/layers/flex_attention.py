@@ -1,0 +1,204 @@
+"""Paged attention through torch's ``flex_attention``, reading the KV cache in place.
+
+The design of vLLM's FlexAttention backend (``vllm/v1/attention/backends/flex_attention.py``),
+written for our metadata: the whole cache is one long key sequence (``num_blocks * block_size``
+slots, KV head-major view, no copy), all real query rows of the (u)batch are one query sequence,
+and a block mask says which cache blocks each tile of ``Q_BLOCK_SIZE`` query rows visits: the
+blocks of the tile's requests up to its rows' causal extent. Inside a visited block the mask
+function keeps a slot when its block belongs to the row's request and its position in that
+request is at most the row's own. No padded copies of K/V, one call per layer.
+
+The block mask and the maps behind the mask function depend only on the (u)batch's metadata:
+they are built once on the metadata's device (the host in the engine), moved to the cache's
+device and shared by every layer (``CommonAttentionMetadata.derived``).
+
+Each cache block must belong to one request of the (u)batch (the engine shares no blocks);
+ValueError otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+if TYPE_CHECKING:
+    from moe.layers.attention_metadata import CommonAttentionMetadata
+
+# Query rows per block-mask tile: flex_attention's smallest (vLLM's FlexAttention backend uses it
+# too); a tile holding rows of several requests visits the blocks of each.
+Q_BLOCK_SIZE = 16
+
+FlexAttention = Callable[..., Tensor]  # flex_attention's signature
+# a block mask for the forward only (no transposed copy for a backward), where torch offers it
+_FORWARD_ONLY = (
+    {"compute_q_blocks": False}
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    else {}
+)
+
+
+@functools.cache
+def compiled_flex_attention() -> FlexAttention:
+    """``flex_attention`` compiled whole (one fused kernel per shape class; eagerly it builds the
+    full score matrix). Compiled at the first call, shapes made dynamic at the first change."""
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def _tile_kv_blocks(
+    doc: Tensor, last_block: Tensor, block_table: Tensor, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    """(kv_num_blocks [tiles] int32, kv_indices [tiles, most] int32): per tile of
+    ``Q_BLOCK_SIZE`` rows, the cache blocks of each of its requests up to that request's last row
+    in the tile (``last_block`` [rows]: the row's last logical block). The requests' blocks are
+    disjoint, so the lists need no deduplication."""
+    device = doc.device
+    rows = torch.arange(num_rows, device=device)
+    # the last row of each (tile, request) pair: its request changes next, or its tile ends
+    is_end = torch.ones(num_rows, dtype=torch.bool, device=device)
+    is_end[:-1] = (doc[1:] != doc[:-1]) | ((rows[1:] % Q_BLOCK_SIZE) == 0)
+    ends = rows[is_end]
+    counts = last_block[ends] + 1  # blocks each pair visits
+    tiles = ends // Q_BLOCK_SIZE
+    num_tiles = -(-num_rows // Q_BLOCK_SIZE)
+    kv_num_blocks = torch.zeros(num_tiles, dtype=torch.long, device=device)
+    kv_num_blocks.index_add_(0, tiles, counts)
+    total = int(counts.sum())  # host read: metadata on the host in the engine
+    pair = torch.repeat_interleave(torch.arange(ends.numel(), device=device), counts)
+    flat = torch.arange(total, device=device)
+    logical = flat - (torch.cumsum(counts, 0) - counts)[pair]
+    tile_start = torch.cumsum(kv_num_blocks, 0) - kv_num_blocks
+    column = flat - tile_start[tiles[pair]]
+    most = max(int(kv_num_blocks.max()), 1)
+    kv_indices = torch.zeros(num_tiles, most, dtype=torch.long, device=device)
+    kv_indices[tiles[pair], column] = block_table[doc[ends][pair], logical].long()
+    return kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32)
+
+
+def _block_owners(
+    block_table: Tensor, seq_lens: Tensor, block_size: int, num_cache_blocks: int
+) -> tuple[Tensor, Tensor]:
+    """(owner, logical), each [num_cache_blocks] int64: the request holding each cache block and
+    the block's index in that request's context, -1 for blocks of no request.
+
+    Raises:
+        ValueError: a cache block held by two requests (or twice by one).
+    """
+    device = block_table.device
+    num_blocks = -(-seq_lens.long() // block_size)  # [R]
+    columns = torch.arange(block_table.shape[1], device=device)
+    held = columns[None, :] < num_blocks[:, None]  # [R, M]
+    blocks = block_table.long()[held]
+    if torch.unique(blocks).numel() != blocks.numel():
+        raise ValueError("FLEX_ATTENTION needs each KV cache block in one request's block table")
+    owner = torch.full((num_cache_blocks,), -1, dtype=torch.long, device=device)
+    logical = torch.full_like(owner, -1)
+    owner[blocks] = torch.arange(block_table.shape[0], device=device)[:, None].expand_as(held)[held]
+    logical[blocks] = columns[None, :].expand_as(held)[held]
+    return owner, logical
+
+
+def flex_block_mask(
+    attn_metadata: CommonAttentionMetadata, block_size: int, num_cache_blocks: int, device
+) -> BlockMask:
+    """The block mask of ``attn_metadata``'s real query rows over a cache of
+    ``num_cache_blocks`` blocks of ``block_size`` tokens, on ``device``; built once per (u)batch
+    and shared by every layer (``attn_metadata.derived``)."""
+
+    def build() -> BlockMask:
+        num_rows = attn_metadata.num_actual_tokens
+        qsl = attn_metadata.query_start_loc.long()
+        seq_lens = attn_metadata.seq_lens.long()
+        query_lens = qsl[1:] - qsl[:-1]
+        doc = torch.repeat_interleave(
+            torch.arange(attn_metadata.num_reqs, device=qsl.device),
+            query_lens,
+            output_size=num_rows,
+        )  # [rows] the request of each row
+        position = (
+            torch.arange(num_rows, device=qsl.device) - qsl[doc] + (seq_lens - query_lens)[doc]
+        )
+        owner, logical = _block_owners(
+            attn_metadata.block_table, seq_lens, block_size, num_cache_blocks
+        )
+        kv_num_blocks, kv_indices = _tile_kv_blocks(
+            doc, position // block_size, attn_metadata.block_table, num_rows
+        )
+        doc, position, owner, logical = (t.to(device) for t in (doc, position, owner, logical))
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            block = kv_idx // block_size
+            in_request = owner[block] == doc[q_idx]
+            return in_request & (
+                logical[block] * block_size + kv_idx % block_size <= position[q_idx]
+            )
+
+        return BlockMask.from_kv_blocks(
+            kv_num_blocks[None, None].to(device),
+            kv_indices[None, None].to(device),
+            BLOCK_SIZE=(Q_BLOCK_SIZE, block_size),
+            mask_mod=mask_mod,
+            seq_lengths=(num_rows, num_cache_blocks * block_size),
+            **_FORWARD_ONLY,
+        )
+
+    return attn_metadata.derived(("flex_block_mask", block_size, num_cache_blocks, device), build)
+
+
+def flex_paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    attn_metadata: CommonAttentionMetadata,
+    *,
+    scale: float,
+    flex: FlexAttention | None = None,
+) -> Tensor:
+    """Attention of every real query row over its request's cached context (K/V already
+    written), in one ``flex_attention`` call reading the cache in place.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] (rotated), the cache's dtype.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], block_size a multiple of
+            16 on a GPU; num_heads a multiple of num_kv_heads (GQA).
+        attn_metadata: this (u)batch's metadata (its block mask is built by the first layer).
+        scale: softmax scale.
+        flex: the ``flex_attention`` to call (default: ``compiled_flex_attention()``).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; rows past ``num_actual_tokens`` zero.
+
+    Raises:
+        ValueError: query and cache dtypes differ, or a cache block is in two requests.
+    """
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(
+            f"FLEX_ATTENTION reads the cache in place: query dtype {query.dtype} must equal the "
+            f"cache's {kv_cache.dtype}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_cache_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    out = query.new_zeros(num_tokens, num_heads, head_dim)
+    num_rows = attn_metadata.num_actual_tokens
+    if num_rows == 0:
+        return out
+    block_mask = flex_block_mask(attn_metadata, block_size, num_cache_blocks, query.device)
+    # [1, heads, slots, head_dim] views of the cache and the queries: no copies
+    key, value = (
+        kv_cache[i].view(-1, num_kv_heads, head_dim).transpose(0, 1)[None] for i in (0, 1)
+    )
+    attend = compiled_flex_attention() if flex is None else flex
+    o = attend(
+        query[:num_rows].transpose(0, 1)[None],
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out[:num_rows] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,259 @@
+"""FLEX_ATTENTION (``moe.layers.flex_attention``) equals the per-request reference
+(``forward_native``) in float64: mixed decode rows and prefill chunks, query tiles holding rows
+of several requests and requests spanning several tiles, padding rows, requests cut across two
+ubatches, empty ubatches, GQA groups 1-4. ``flex_attention`` runs eagerly here (the same block
+mask and mask function the compiled kernel takes: torch's reference of it); one test compiles it
+on the CPU for a fixed shape (fullgraph, as on a GPU) and compares. The backend's selection and
+refusals (``moe.layers.attention_backend``) are tested here too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+from dbo import make_ubatch_slices
+from launch.engine.arg_utils import EngineArgs
+from moe.layers import attention_backend
+from moe.layers import flex_attention as flex_module
+from moe.layers.attention import PagedAttention
+from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
+from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
+from moe.layers.mla import PagedMLACache
+from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
+from tests.moe.test_batched_attention import (
+    BLOCK_SIZE,
+    MIXED,
+    MLA_LAYOUT,
+    NUM_BLOCKS,
+    gqa_inputs,
+    make_metadata,
+    prefilled_cache,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+# 40 decode rows (tiles of 16 rows from 16 requests), a 37-row prompt spanning three tiles after
+# a cached context, and MIXED's requests
+MANY = [(5 + i % 7, 1) for i in range(20)] + [(9, 37)] + MIXED[:6] + [(2, 1)] * 4
+
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    """Every FLEX_ATTENTION op runs ``flex_attention`` eagerly (compiling per shape on the CPU
+    takes ~20 s); the backend selection is reset after each test."""
+    monkeypatch.setattr(flex_module, "compiled_flex_attention", lambda: flex_attention)
+    yield
+    set_attention_backend(None)
+
+
+def make_op(num_heads, num_kv_heads, backend, *, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS):
+    set_attention_backend(backend)
+    op = PagedAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=8, scale=0.35)
+    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(num_blocks, block_size), seed=1))
+    return op
+
+
+def native_and_flex(num_heads, num_kv_heads, **cache):
+    native = make_op(num_heads, num_kv_heads, AttentionBackendEnum.TORCH_SDPA, **cache)
+    flex = make_op(num_heads, num_kv_heads, AttentionBackendEnum.FLEX_ATTENTION, **cache)
+    return native, flex
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("requests", [MIXED, MANY], ids=["mixed", "many"])
+@pytest.mark.parametrize("num_padding", [0, 3])
+def test_flex_equals_native(group, requests, num_padding):
+    native, flex = native_and_flex(2 * group, 2, num_blocks=512)
+    md = make_metadata(requests, num_padding=num_padding, num_blocks=512, max_blocks=12)
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    expected = native.forward_native(q, k, v, md)
+    got = flex.forward_cpu(q, k, v, md)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(flex.kv_cache, native.kv_cache)  # same K/V written, padding skipped
+    assert not got[md.num_actual_tokens :].any()
+
+
+def test_flex_with_16_token_blocks():
+    """The GPU's block size: cache blocks of 16 tokens, so one tile's rows share few blocks."""
+    native, flex = native_and_flex(8, 2, block_size=16, num_blocks=64)
+    md = make_metadata(
+        [(0, 40), (17, 1), (31, 2), (60, 5), (3, 20)], block_size=16, num_blocks=64, max_blocks=5
+    )
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    torch.testing.assert_close(
+        flex.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_flex_request_cut_across_ubatches():
+    native, flex = native_and_flex(8, 4)
+    md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
+    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
+    assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    expected = native.forward_native(q, k, v, md)
+    parts = [
+        flex.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
+        for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
+    ]
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_flex_empty_ubatch_calls_nothing(monkeypatch):
+    monkeypatch.setattr(flex_module, "compiled_flex_attention", lambda: pytest.fail("called"))
+    op = make_op(4, 2, AttentionBackendEnum.FLEX_ATTENTION)
+    md = make_metadata([], num_padding=2)
+    q, k, v = gqa_inputs(op, 2)
+    out = op.forward_cpu(q, k, v, md)
+    assert out.shape == (2, 4 * 8) and not out.any()
+
+
+def test_tile_block_lists_hand_worked():
+    """Block size 4, tiles of 16 rows. Request 0: one row at position 9 (logical blocks 0-2:
+    7, 3, 5); request 1: 20 rows at positions 0-19 (blocks 10-14). Tile 0 holds request 0's row
+    and request 1's rows at positions 0-14 (blocks 10-13); tile 1 request 1's rows at positions
+    15-19 (blocks 10-14)."""
+    md = make_metadata([(9, 1), (0, 20)])
+    table = torch.tensor([[7, 3, 5, 0, 0], [10, 11, 12, 13, 14]], dtype=torch.int32)
+    md = dataclasses.replace(md, block_table=table)
+    mask = flex_module.flex_block_mask(md, BLOCK_SIZE, 16, torch.device("cpu"))
+    num, idx = mask.kv_num_blocks[0, 0].tolist(), mask.kv_indices[0, 0].tolist()
+    assert num == [7, 5]
+    assert idx[0][:7] == [7, 3, 5, 10, 11, 12, 13] and idx[1][:5] == [10, 11, 12, 13, 14]
+
+
+@pytest.mark.parametrize(
+    "requests, block_size",
+    [(MIXED, 4), (MANY, 4), ([(0, 40), (17, 1), (31, 2), (60, 5), (3, 20)], 16)],
+    ids=["mixed", "many", "blocks16"],
+)
+def test_tiles_visit_every_block_the_mask_keeps(requests, block_size):
+    """The compiled kernel reads only the listed blocks (the eager reference applies the mask
+    function everywhere): every (row, slot) the mask keeps lies in a block its tile lists, and
+    each row keeps exactly its causal context."""
+    md = make_metadata(requests, block_size=block_size, num_blocks=512, max_blocks=12)
+    mask = flex_module.flex_block_mask(md, block_size, 512, torch.device("cpu"))
+    rows, slots = md.num_actual_tokens, 512 * block_size
+    kept = create_mask(mask.mask_mod, None, None, rows, slots, device="cpu")[0, 0]
+    tiles = torch.zeros(kept.shape[0] // 16 + 1, 512, dtype=torch.bool)
+    for t, (n, idx) in enumerate(zip(mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0], strict=True)):
+        tiles[t, idx[:n].long()] = True
+    listed = tiles[torch.arange(rows) // 16].repeat_interleave(block_size, dim=1)
+    assert not (kept & ~listed).any()
+    positions = md.seq_lens - (md.query_start_loc[1:] - md.query_start_loc[:-1])
+    row_counts = kept.sum(1).tolist()
+    expected = [
+        p + i + 1 for p, (_, q) in zip(positions.tolist(), requests, strict=True) for i in range(q)
+    ]
+    assert row_counts == expected
+
+
+def test_block_mask_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
+    calls = []
+    real = flex_module._tile_kv_blocks
+    monkeypatch.setattr(flex_module, "_tile_kv_blocks", lambda *a: calls.append(1) or real(*a))
+    layers = [make_op(8, 2, AttentionBackendEnum.FLEX_ATTENTION) for _ in range(3)]
+    md = make_metadata(MIXED, num_padding=2)
+    q, k, v = gqa_inputs(layers[0], md.num_tokens)
+    outs = [layer.forward_cpu(q, k, v, md) for layer in layers]
+    assert len(calls) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_a_block_in_two_requests_is_refused():
+    op = make_op(4, 2, AttentionBackendEnum.FLEX_ATTENTION)
+    md = make_metadata([(5, 1), (6, 1)])
+    table = md.block_table.clone()
+    table[1, 1] = table[0, 0]
+    md = dataclasses.replace(md, block_table=table)
+    q, k, v = gqa_inputs(op, md.num_tokens)
+    with pytest.raises(ValueError, match="each KV cache block in one request"):
+        op.forward_cpu(q, k, v, md)
+
+
+def test_query_and_cache_dtypes_must_agree():
+    op = make_op(4, 2, AttentionBackendEnum.FLEX_ATTENTION)
+    md = make_metadata([(5, 1)])
+    q = torch.zeros(1, 4, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="query dtype torch.float32 must equal"):
+        flex_module.flex_paged_attention(q, op.kv_cache, md, scale=1.0)
+
+
+def test_compiled_flex_equals_eager_on_cpu():
+    """flex_attention compiled whole (fullgraph: our mask function and block mask trace without
+    a break, as on a GPU) equals its eager reference. Inductor's CPU template compiles static
+    shapes only and wants the block mask as wide as the cache, so one shape whose first tile
+    visits every block: 16-token blocks, request 0 one row over 3 blocks, request 1 16 rows in
+    the fourth."""
+    op = make_op(8, 2, AttentionBackendEnum.FLEX_ATTENTION, block_size=16, num_blocks=4)
+    op.kv_cache = op.kv_cache.float()
+    md = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 17], dtype=torch.int32),
+        seq_lens=torch.tensor([41, 16], dtype=torch.int32),
+        block_table=torch.tensor([[2, 0, 3], [1, 0, 0]], dtype=torch.int32),
+        slot_mapping=torch.full((17,), -1),  # nothing written: the cache is random already
+        num_reqs=2,
+        num_actual_tokens=17,
+        num_tokens=17,
+        max_query_len=16,
+        max_seq_len=41,
+    )
+    query = torch.randn(md.num_tokens, 8, 8, generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    got = flex_module.flex_paged_attention(query, op.kv_cache, md, scale=0.35, flex=compiled)
+    eager = flex_module.flex_paged_attention(
+        query, op.kv_cache, md, scale=0.35, flex=flex_attention
+    )
+    torch.testing.assert_close(got, eager, rtol=2e-6, atol=2e-6)
+
+
+def test_torch_sdpa_backend_never_calls_our_kernel(monkeypatch):
+    from moe.layers import batched_attention
+
+    def no_kernel(*args):
+        pytest.fail("TORCH_SDPA called our CPU kernel")
+
+    monkeypatch.setattr(batched_attention, "paged_attention_kernel", lambda q, c: no_kernel)
+    native = make_op(8, 2, AttentionBackendEnum.TORCH_SDPA)
+    sdpa = make_op(8, 2, AttentionBackendEnum.TORCH_SDPA)
+    assert sdpa.kernel_cut == batched_attention.SDPA_EVERYWHERE
+    md = make_metadata(MIXED, num_padding=1)
+    q, k, v = gqa_inputs(native, md.num_tokens)
+    torch.testing.assert_close(
+        sdpa.forward_cpu(q, k, v, md), native.forward_native(q, k, v, md), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_mla_refuses_flex_and_keeps_sdpa_chunks_under_torch_sdpa():
+    set_attention_backend(AttentionBackendEnum.FLEX_ATTENTION)
+    with pytest.raises(ValueError, match="FLEX_ATTENTION attends GQA layers only"):
+        PagedMLACache(MLA_LAYOUT)
+    set_attention_backend(AttentionBackendEnum.TORCH_SDPA)
+    assert PagedMLACache(MLA_LAYOUT).use_kernel is False
+    set_attention_backend(AttentionBackendEnum.CPU_ATTN)
+    assert PagedMLACache(MLA_LAYOUT).use_kernel is True
+
+
+@pytest.fixture
+def platform_reset():
+    yield
+    set_current_platform(None)
+
+
+def test_each_platform_names_its_default_and_refuses_the_others(platform_reset):
+    set_current_platform(CpuPlatform())
+    assert EngineArgs(dtype="float32").attention_backend == "CPU_ATTN"
+    assert attention_backend.selected_attention_backend() is AttentionBackendEnum.CPU_ATTN
+    with pytest.raises(ValueError, match="FLEX_ATTENTION does not run on this platform; choose "):
+        EngineArgs(dtype="float32", attention_backend="FLEX_ATTENTION")
+    with pytest.raises(ValueError, match=r"'flash' is not one of \['CPU_ATTN'"):
+        EngineArgs(dtype="float32", attention_backend="flash")
+    set_current_platform(CudaPlatform())
+    assert EngineArgs(dtype="float32").attention_backend == "TORCH_SDPA"
+    assert EngineArgs(attention_backend="FLEX_ATTENTION").attention_backend == "FLEX_ATTENTION"
+    with pytest.raises(ValueError, match="needs --block-size a multiple of 16, got 8"):
+        EngineArgs(attention_backend="FLEX_ATTENTION", block_size=8)
+    with pytest.raises(ValueError, match="CPU_ATTN does not run on this platform"):
+        EngineArgs(attention_backend="CPU_ATTN")
