@@ -58,9 +58,8 @@ def batched_mla_attention(
         kv_cache: [num_blocks, block_size, kv_lora_rank + rope].
         expand: ``kv_b_proj`` as a function of latents [..., kv_lora_rank] (the layer's
             ``Linear``, packed on the CPU); default ``F.linear`` with ``kv_b_weight``.
-        expanded_cut: with our kernel, expanded requests' chunks whose longest query is longer
-            attend through SDPA (``attention_tuning.mla_expanded_cut``; default: none).
-        use_kernel: False keeps every request in the padded SDPA chunks (TORCH_SDPA).
+        use_kernel, expanded_cut: our CPU kernel where it applies (False: TORCH_SDPA, every chunk
+            in SDPA), expanded chunks longer than the cut in SDPA (``mla_expanded_cut``; none).
 
     Returns:
         [num_tokens, num_heads, v] in q_nope's dtype; rows of no request are zero.
@@ -68,8 +67,7 @@ def batched_mla_attention(
     num_tokens, num_heads, nope = q_nope.shape
     w_kv = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, r]
     v_dim = w_kv.shape[1] - nope
-    if expand is None:
-        expand = functools.partial(F.linear, weight=kv_b_weight)
+    expand = functools.partial(F.linear, weight=kv_b_weight) if expand is None else expand
     out = q_nope.new_zeros(num_tokens + 1, num_heads, v_dim)  # last row: scratch for padding
     block_size, context_bytes = kv_cache.shape[1], kv_cache.shape[2] * kv_cache.element_size()
     chunks = request_chunks(
@@ -79,9 +77,8 @@ def batched_mla_attention(
         context_bytes_per_token=context_bytes,
         data_device=q_nope.device,
     )
-    kernel = paged_attention_kernel(q_nope, kv_cache) if use_kernel else None
     padded = chunks  # through SDPA
-    if kernel is not None:
+    if use_kernel and (kernel := paged_attention_kernel(q_nope, kv_cache)) is not None:
         query, short = (q_nope, q_pe), _short_requests(attn_metadata, absorb_max_query_len)
         _mla_absorbed_kernel(kernel, out, query, w_kv, kv_cache, short, scale=scale)
         long_chunks = [c for c in chunks if c.max_query_len > absorb_max_query_len]
