@@ -1,9 +1,13 @@
-"""Benchmark: paged attention on CPU, all requests at once (``forward_cpu``) vs the per-request
-loop (``forward_native``), one layer, K/V write included; ``forward_cpu`` with our compiled decode
-kernel (``moe.kernels``) and with plain torch only (``MOE_DBO_CPU_KERNELS=0``: every request
-through the padded SDPA chunks). Prints times and ratios; speed claims live here, never in tests.
+"""Benchmark: paged attention of one layer, K/V write included, on each attention backend the
+device's platform runs (``--attention-backend``: CPU_ATTN and TORCH_SDPA on a CPU, TORCH_SDPA and
+FLEX_ATTENTION on CUDA) and on the per-request loop (``forward_native``). Prints ms per call, the
+loop and each other backend over the platform's default, and each backend's fraction of the memory
+roofline: the bytes a call must move (every request's cached K/V read, the new K/V written, the
+queries read, the output written) over the device's measured copy bandwidth. Speed claims live
+here, never in tests.
 
-    python -m launch.benchmarks.attention [--threads 1] [--repeats 20]
+    python -m launch.benchmarks.attention [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--threads 1] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import argparse
 
 import torch
 
-from launch.benchmarks.timing import compiled_kernels, mean_seconds
+from launch.benchmarks.roofline import copy_bandwidth
+from launch.benchmarks.timing import device_timer
 from moe.layers.attention import PagedAttention
+from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
 from moe.layers.attention_metadata import CommonAttentionMetadata
+from moe.platforms import CpuPlatform, CudaPlatform, current_platform, set_current_platform
 
 PROG = "launch.benchmarks.attention"
 BLOCK_SIZE = 16
@@ -30,40 +37,85 @@ SHAPES = (
     ("4 x 64 rows over 448, 8/2 heads x 64", [(448, 64)] * 4, 8, 2, 64),
     ("4 x 256 rows over 1024, 8/2 heads x 64", [(1024, 256)] * 4, 8, 2, 64),
     ("4 x 1024 rows over 0, 8/2 heads x 64", [(0, 1024)] * 4, 8, 2, 64),
+    # OLMoE-1B-7B's attention (16 heads of 128) at decode batch 256 over 128-token prompts
+    (
+        "decode 256 x ctx~160, 16/16 heads x 128",
+        [(128 + i % 64, 1) for i in range(256)],
+        16,
+        16,
+        128,
+    ),
 )
+
+
+def bytes_moved(md: CommonAttentionMetadata, num_heads, num_kv_heads, head_dim, dtype) -> int:
+    """The bytes one call must move at least: the cached K/V of every request's context read
+    (this step's rows included), the new K/V written, the queries read, the output written."""
+    element = torch.empty((), dtype=dtype).element_size()
+    kv_row = 2 * num_kv_heads * head_dim * element
+    rows = md.num_actual_tokens
+    return (
+        int(md.seq_lens.sum()) * kv_row + rows * kv_row + 2 * rows * num_heads * head_dim * element
+    )
+
+
+def _time_backends(shape, backends, device, dtype, timed, gen) -> dict[str, float]:
+    """Seconds per call of ``forward_native`` and of each backend's ``forward`` on one shape."""
+    _, requests, num_heads, num_kv_heads, head_dim = shape
+    md, num_blocks = CommonAttentionMetadata.for_requests(requests, BLOCK_SIZE)
+    q, k, v = (
+        torch.randn(md.num_tokens, h * head_dim, generator=gen).to(device, dtype)
+        for h in (num_heads, num_kv_heads, num_kv_heads)
+    )
+    times = {}
+    for name in ("native", *backends):
+        set_attention_backend(None if name == "native" else AttentionBackendEnum(name))
+        op = PagedAttention(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=0.1
+        )
+        cache = torch.zeros(op.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
+        op.bind_kv_cache(cache)
+        with torch.inference_mode():
+            times[name] = timed(op.forward_native if name == "native" else op, q, k, v, md)
+    set_attention_backend(None)
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    gen = torch.Generator().manual_seed(0)
+    set_current_platform(CudaPlatform() if args.device == "cuda" else CpuPlatform())
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    backends = current_platform().attention_backends  # the default first
+    timed = device_timer(device, args.repeats)
+    bandwidth = copy_bandwidth(device, lambda: current_platform().synchronize(device))
+    print(f"{PROG}: {args.device} {args.dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    ratios = [f"native/{backends[0]}", *(f"{b}/{backends[0]}" for b in backends[1:])]
     print(
-        f"{'shape':36s} {'native ms':>10s} {'batched ms':>10s} {'torch-only ms':>14s} "
-        f"{'native/batched':>15s} {'torch-only/batched':>19s}"
+        f"{'shape':40s} {'native ms':>10s} "
+        + " ".join(f"{b + ' ms':>17s}" for b in backends)
+        + " "
+        + " ".join(f"{r:>25s}" for r in ratios)
+        + " "
+        + " ".join(f"{b + ' roofline':>23s}" for b in backends)
     )
-    for name, requests, num_heads, num_kv_heads, head_dim in SHAPES:
-        md, num_blocks = CommonAttentionMetadata.for_requests(requests, BLOCK_SIZE)
-        op = PagedAttention(
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=0.1
-        )
-        op.bind_kv_cache(torch.zeros(op.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=dtype))
-        t = md.num_tokens
-        q = torch.randn(t, num_heads * head_dim, generator=gen).to(dtype)
-        k = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
-        v = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(dtype)
-        with torch.inference_mode():
-            native = mean_seconds(op.forward_native, q, k, v, md, repeats=args.repeats)
-            batched = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
-            with compiled_kernels(False):
-                torch_only = mean_seconds(op.forward_cpu, q, k, v, md, repeats=args.repeats)
+    gen = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        t = _time_backends(shape, backends, device, dtype, timed, gen)
+        md, _ = CommonAttentionMetadata.for_requests(shape[1], BLOCK_SIZE)
+        floor = bytes_moved(md, *shape[2:], dtype) / bandwidth
         print(
-            f"{name:36s} {native * 1e3:10.3f} {batched * 1e3:10.3f} {torch_only * 1e3:14.3f} "
-            f"{native / batched:15.2f} {torch_only / batched:19.2f}"
+            f"{shape[0]:40s} {t['native'] * 1e3:10.3f} "
+            + " ".join(f"{t[b] * 1e3:17.3f}" for b in backends)
+            + f" {t['native'] / t[backends[0]]:25.2f} "
+            + " ".join(f"{t[b] / t[backends[0]]:25.2f}" for b in backends[1:])
+            + " "
+            + " ".join(f"{floor / t[b]:23.1%}" for b in backends)
         )
 
 

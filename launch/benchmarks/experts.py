@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from launch.benchmarks.timing import compiled_kernels, mean_seconds
+from launch.benchmarks.timing import compiled_kernels, device_timer
 from moe.fused_moe.experts import TorchExperts
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
@@ -29,17 +29,6 @@ SHAPES = (
     (80, 60, 512, 352, 4),  # Qwen1.5-MoE-like experts (the shape sweep's worst float32 row)
     (2048, 60, 512, 352, 4),
 )
-
-
-def _timer(device: torch.device, repeats: int):
-    """``mean_seconds`` that waits for the device after each call (CUDA runs asynchronously)."""
-
-    def timed(fn, *args) -> float:
-        if device.type != "cuda":
-            return mean_seconds(fn, *args, repeats=repeats)
-        return mean_seconds(lambda *a: (fn(*a), torch.cuda.synchronize()), *args, repeats=repeats)
-
-    return timed
 
 
 def _experts_and_batch(shape, dtype, device, gen):
@@ -87,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    timed = _timer(device, args.repeats)
+    timed = device_timer(device, args.repeats)
     gen = torch.Generator().manual_seed(0)
     print(
         "dtype     tokens experts hidden inter topk   loop ms  grouped ms  device ms  packed ms"

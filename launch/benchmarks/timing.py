@@ -1,4 +1,4 @@
-"""The timing loop the micro-benchmarks share, and the switch for our compiled CPU kernels."""
+"""The timing loops the micro-benchmarks share, and the switch for our compiled CPU kernels."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def mean_seconds(fn: Callable, *args, repeats: int) -> float:
     for _ in range(repeats):
         fn(*args)
     return (time.perf_counter() - start) / repeats
+
+
+def device_timer(device, repeats: int) -> Callable[..., float]:
+    """``mean_seconds`` with ``repeats`` that also waits for ``device``'s work after each call
+    (the current platform's ``synchronize``: a no-op where ops are synchronous)."""
+    from moe.platforms import current_platform
+
+    synchronize = current_platform().synchronize
+
+    def timed(fn: Callable, *args) -> float:
+        return mean_seconds(lambda *a: (fn(*a), synchronize(device)), *args, repeats=repeats)
+
+    return timed
 
 
 @contextlib.contextmanager

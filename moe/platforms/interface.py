@@ -267,7 +267,8 @@ class CudaPlatform(Platform):
         return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
 
     def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":  # host tensors of a CUDA process: nothing enqueued
+            torch.cuda.synchronize(device)
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         from dbo.cuda_streams import make_ubatch_streams
