@@ -23,6 +23,7 @@ from moe.layers.attention_backend import AttentionBackendEnum, set_attention_bac
 from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
 from moe.layers.mla import PagedMLACache
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
+from tests.helpers.host_reads import recording_host_reads
 from tests.moe.test_batched_attention import (
     BLOCK_SIZE,
     MIXED,
@@ -257,3 +258,22 @@ def test_each_platform_names_its_default_and_refuses_the_others(platform_reset):
         EngineArgs(attention_backend="FLEX_ATTENTION", block_size=8)
     with pytest.raises(ValueError, match="CPU_ATTN does not run on this platform"):
         EngineArgs(attention_backend="CPU_ATTN")
+
+
+def test_our_side_reads_the_host_only_while_building_the_block_mask():
+    """On CUDA tensors every host read is a device sync: the first call on a (u)batch reads only
+    where its block mask is built from the host metadata, a second call nothing. ``flex`` is a
+    stand-in here (torch's eager reference traces with ``torch.compile``, which the recorder's
+    dispatch mode stops; the kernel a GPU compiles reads nothing)."""
+    op = make_op(8, 2, AttentionBackendEnum.FLEX_ATTENTION)
+    md = make_metadata(MIXED, num_padding=2)
+    query = torch.randn(md.num_tokens, 8, 8, dtype=torch.float64)
+
+    def stand_in(q, k, v, *, block_mask, scale, enable_gqa):
+        return q * scale
+
+    for expect_reads in (True, False):
+        with recording_host_reads() as reads:
+            flex_module.flex_paged_attention(query, op.kv_cache, md, scale=0.5, flex=stand_in)
+        assert all("layers/flex_attention.py" in r for r in reads), reads
+        assert bool(reads) is expect_reads, reads
