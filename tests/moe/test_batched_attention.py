@@ -173,8 +173,13 @@ def test_gqa_batched_equals_native_decode_only_and_prefill_only(requests, attent
 
 
 def test_gqa_request_cut_across_ubatches(chunk_bytes):
-    """ubatch 0 holds a prefill chunk's first part, ubatch 1 its continuation (full seq_len)."""
-    native, batched = make_gqa(8, 4), make_gqa(8, 4)
+    assert_request_cut_across_ubatches_equals_native(make_gqa(8, 4), make_gqa(8, 4))
+
+
+def assert_request_cut_across_ubatches_equals_native(native, batched):
+    """ubatch 0 holds a prefill chunk's first part, ubatch 1 its continuation (full seq_len):
+    ``batched.forward_cpu`` on each ubatch in turn equals ``native.forward_native`` on the step
+    (both GQA ops over equal caches, 8 / 4 heads of 8)."""
     md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
     slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
     assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut

@@ -14,13 +14,12 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from dbo import make_ubatch_slices
 from launch.engine.arg_utils import EngineArgs
 from moe.layers import attention_backend
 from moe.layers import flex_attention as flex_module
 from moe.layers.attention import PagedAttention
 from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
-from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
+from moe.layers.attention_metadata import CommonAttentionMetadata
 from moe.layers.mla import PagedMLACache
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
 from tests.helpers.host_reads import recording_host_reads
@@ -29,6 +28,7 @@ from tests.moe.test_batched_attention import (
     MIXED,
     MLA_LAYOUT,
     NUM_BLOCKS,
+    assert_request_cut_across_ubatches_equals_native,
     gqa_inputs,
     make_metadata,
     prefilled_cache,
@@ -90,17 +90,7 @@ def test_flex_with_16_token_blocks():
 
 
 def test_flex_request_cut_across_ubatches():
-    native, flex = native_and_flex(8, 4)
-    md = make_metadata([(6, 1), (2, 11), (9, 1), (0, 4)], num_padding=2)
-    slices = make_ubatch_slices(md.query_start_loc, md.num_tokens)
-    assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # a request is cut
-    q, k, v = gqa_inputs(native, md.num_tokens)
-    expected = native.forward_native(q, k, v, md)
-    parts = [
-        flex.forward_cpu(q[s.token_slice], k[s.token_slice], v[s.token_slice], ub_md)
-        for s, ub_md in zip(slices, split_attn_metadata(slices, md), strict=True)
-    ]
-    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-12, atol=1e-12)
+    assert_request_cut_across_ubatches_equals_native(*native_and_flex(8, 4))
 
 
 def test_flex_empty_ubatch_calls_nothing(monkeypatch):
