@@ -153,14 +153,14 @@ def test_flex_attention_logits_equal_transformers(tiny_mixtral_dir):
     """``--attention-backend FLEX_ATTENTION``: flex_attention compiled on the GPU (once per
     process; its shapes change every step), eager and between CUDA graph pieces; float32 logits
     within the float32 bound of transformers' float64 ones."""
-    for enforce_eager in (True, False):
+    for graphs in ({"enforce_eager": True}, {"cudagraph_capture_sizes": (1, 2, 4, 8, 16)}):
         with device_platform():
             engine = _engine(
                 tiny_mixtral_dir,
                 torch.device("cuda", 0),
                 attention_backend="FLEX_ATTENTION",
                 block_size=16,
-                enforce_eager=enforce_eager,
+                **graphs,
             )
             logits, tokens, _ = run_engine_steps(engine, PROMPTS, 0, 1)
         _assert_close_to_transformers(
