@@ -30,8 +30,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 if TYPE_CHECKING:
     from moe.layers.attention_metadata import CommonAttentionMetadata
 
-# Query rows per block-mask tile: flex_attention's smallest (vLLM's FlexAttention backend uses it
-# too); a tile holding rows of several requests visits the blocks of each.
+# Query rows per block-mask tile (vLLM's FlexAttention backend takes 16 too): a tile holding rows of
+# several requests visits the blocks of each, so smaller tiles visit fewer blocks in decode.
 Q_BLOCK_SIZE = 16
 
 FlexAttention = Callable[..., Tensor]  # flex_attention's signature
@@ -69,7 +69,9 @@ def _tile_kv_blocks(
     kv_num_blocks = torch.zeros(num_tiles, dtype=torch.long, device=device)
     kv_num_blocks.index_add_(0, tiles, counts)
     total = int(counts.sum())  # host read: metadata on the host in the engine
-    pair = torch.repeat_interleave(torch.arange(ends.numel(), device=device), counts)
+    pair = torch.repeat_interleave(
+        torch.arange(ends.numel(), device=device), counts, output_size=total
+    )
     flat = torch.arange(total, device=device)
     logical = flat - (torch.cumsum(counts, 0) - counts)[pair]
     tile_start = torch.cumsum(kv_num_blocks, 0) - kv_num_blocks
