@@ -38,6 +38,17 @@ def pytest_configure(config):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
 
 
+@pytest.fixture(autouse=True)
+def platform_default_attention_backend():
+    """Every test starts on its platform's default attention backend: an engine sets the
+    process-wide one from ``--attention-backend`` (read when an op is built), and ops a later
+    test builds directly must not inherit it."""
+    from moe.layers.attention_backend import set_attention_backend
+
+    yield
+    set_attention_backend(None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """Build (or load from torch's cache) the compiled CPU kernels once, before the first test:

@@ -44,10 +44,8 @@ MANY = [(5 + i % 7, 1) for i in range(20)] + [(9, 37)] + MIXED[:6] + [(2, 1)] * 
 @pytest.fixture(autouse=True)
 def eager_flex(monkeypatch):
     """Every FLEX_ATTENTION op runs ``flex_attention`` eagerly (compiling per shape on the CPU
-    takes ~20 s); the backend selection is reset after each test."""
+    takes ~20 s; the conftest resets the backend after each test)."""
     monkeypatch.setattr(flex_module, "compiled_flex_attention", lambda: flex_attention)
-    yield
-    set_attention_backend(None)
 
 
 def make_op(num_heads, num_kv_heads, backend, *, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS):
