@@ -21,7 +21,8 @@ from launch.benchmarks.timing import device_timer
 from moe.layers.attention import PagedAttention
 from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
 from moe.layers.attention_metadata import CommonAttentionMetadata
-from moe.platforms import CpuPlatform, CudaPlatform, current_platform, set_current_platform
+from moe.platforms import current_platform, set_current_platform
+from moe.platforms.plugins import BUILTIN_PLATFORMS
 
 PROG = "launch.benchmarks.attention"
 BLOCK_SIZE = 16
@@ -59,10 +60,10 @@ def bytes_moved(md: CommonAttentionMetadata, num_heads, num_kv_heads, head_dim, 
     )
 
 
-def _time_backends(shape, backends, device, dtype, timed, gen) -> dict[str, float]:
-    """Seconds per call of ``forward_native`` and of each backend's ``forward`` on one shape."""
-    _, requests, num_heads, num_kv_heads, head_dim = shape
-    md, num_blocks = CommonAttentionMetadata.for_requests(requests, BLOCK_SIZE)
+def _time_backends(shape, md, num_blocks, backends, device, dtype, timed, gen) -> dict[str, float]:
+    """Seconds per call of ``forward_native`` and of each backend's ``forward`` on one shape
+    (its metadata ``md`` over a cache of ``num_blocks``)."""
+    _, _, num_heads, num_kv_heads, head_dim = shape
     q, k, v = (
         torch.randn(md.num_tokens, h * head_dim, generator=gen).to(device, dtype)
         for h in (num_heads, num_kv_heads, num_kv_heads)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    set_current_platform(CudaPlatform() if args.device == "cuda" else CpuPlatform())
+    set_current_platform(BUILTIN_PLATFORMS[args.device]())
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     backends = current_platform().attention_backends  # the default first
     timed = device_timer(device, args.repeats)
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     gen = torch.Generator().manual_seed(0)
     for shape in SHAPES:
-        t = _time_backends(shape, backends, device, dtype, timed, gen)
-        md, _ = CommonAttentionMetadata.for_requests(shape[1], BLOCK_SIZE)
+        md, num_blocks = CommonAttentionMetadata.for_requests(shape[1], BLOCK_SIZE)
+        t = _time_backends(shape, md, num_blocks, backends, device, dtype, timed, gen)
         floor = bytes_moved(md, *shape[2:], dtype) / bandwidth
         print(
             f"{shape[0]:40s} {t['native'] * 1e3:10.3f} "

@@ -116,7 +116,7 @@ def flex_block_mask(
         num_rows = attn_metadata.num_actual_tokens
         qsl = attn_metadata.query_start_loc.long()
         seq_lens = attn_metadata.seq_lens.long()
-        query_lens = qsl[1:] - qsl[:-1]
+        query_lens = attn_metadata.query_lens.long()
         doc = torch.repeat_interleave(
             torch.arange(attn_metadata.num_reqs, device=qsl.device),
             query_lens,

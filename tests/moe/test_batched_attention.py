@@ -92,11 +92,18 @@ def prefilled_cache(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
 
 
-def make_gqa(num_heads: int, num_kv_heads: int, head_dim: int = 8) -> PagedAttention:
+def make_gqa(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 8,
+    *,
+    block_size: int = BLOCK_SIZE,
+    num_blocks: int = NUM_BLOCKS,
+) -> PagedAttention:
     op = PagedAttention(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim**-0.5
     )
-    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), seed=1))
+    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(num_blocks, block_size), seed=1))
     return op
 
 

@@ -17,7 +17,6 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 from launch.engine.arg_utils import EngineArgs
 from moe.layers import attention_backend
 from moe.layers import flex_attention as flex_module
-from moe.layers.attention import PagedAttention
 from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
 from moe.layers.attention_metadata import CommonAttentionMetadata
 from moe.layers.mla import PagedMLACache
@@ -27,11 +26,10 @@ from tests.moe.test_batched_attention import (
     BLOCK_SIZE,
     MIXED,
     MLA_LAYOUT,
-    NUM_BLOCKS,
     assert_request_cut_across_ubatches_equals_native,
     gqa_inputs,
+    make_gqa,
     make_metadata,
-    prefilled_cache,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -48,11 +46,10 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(flex_module, "compiled_flex_attention", lambda: flex_attention)
 
 
-def make_op(num_heads, num_kv_heads, backend, *, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS):
+def make_op(num_heads, num_kv_heads, backend, **cache):
+    """``make_gqa``'s op (heads of 8, a prefilled cache) built with ``backend`` selected."""
     set_attention_backend(backend)
-    op = PagedAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=8, scale=0.35)
-    op.bind_kv_cache(prefilled_cache(op.kv_cache_shape(num_blocks, block_size), seed=1))
-    return op
+    return make_gqa(num_heads, num_kv_heads, **cache)
 
 
 def native_and_flex(num_heads, num_kv_heads, **cache):
