@@ -134,9 +134,12 @@ async def run_load(
     endpoint: str = "/v1/completions",
     model: str | None = None,
     tokenizer=None,
+    profile: bool = False,
 ) -> BenchResult:
     """Send the requests; gather per-request timings into a BenchResult. With ``tokenizer``
-    (``launch.serving.detokenizer.Tokenizer``) they go to a chat endpoint as text."""
+    (``launch.serving.detokenizer.Tokenizer``) they go to a chat endpoint as text. ``profile``:
+    ``POST /start_profile`` before the first request and ``/stop_profile`` after the last
+    (untimed; RuntimeError naming the answer if the server refuses)."""
     import aiohttp
 
     gaps = arrival_gaps(len(requests), request_rate=request_rate, burstiness=burstiness, seed=seed)
@@ -149,6 +152,8 @@ async def run_load(
                 body = _body(request, model, tokenizer)
                 return await _one_request(session, base_url + endpoint, body)
 
+        if profile:
+            await _post_profile(session, base_url, "start")
         start = time.perf_counter()
         tasks = []
         for request, gap in zip(requests, gaps, strict=True):
@@ -156,6 +161,8 @@ async def run_load(
             tasks.append(asyncio.create_task(limited(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if profile:
+            await _post_profile(session, base_url, "stop")
         async with session.get(base_url + "/metrics") as response:
             metrics = await response.text()
     ok = [(q, r) for q, r in zip(requests, results, strict=True) if r.ok]
@@ -174,6 +181,15 @@ async def run_load(
         ubatched_step_fraction=float(match.group(1)) if match else None,
         first_error=failed[0].error if failed else "",
     )
+
+
+async def _post_profile(session, base_url: str, action: str) -> None:
+    """``POST /<action>_profile``; RuntimeError naming the status and body unless 200."""
+    async with session.post(f"{base_url}/{action}_profile") as response:
+        if response.status != 200:
+            hint = " (start the server with --profiler-config)" if response.status == 404 else ""
+            body = (await response.text())[:200]
+            raise RuntimeError(f"/{action}_profile answered {response.status}{hint}: {body}")
 
 
 def launch_server(nproc: int, flags: list[str], log_path: Path, timeout_s: float = 300):
@@ -281,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     p.add_argument("--ignore-eos", action="store_true", help="accepted for vLLM; always on")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the load on the server's ranks (/start_profile, /stop_profile; the server "
+        "needs --profiler-config; with --base-url or --host/--port only)",
+    )
     return p
 
 
@@ -318,6 +340,11 @@ def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
         ns.base_url = f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}"
     if ns.base_url and not re.match(r"^http://(127\.0\.0\.1|localhost)(:\d+)?$", ns.base_url):
         raise ValueError("--base-url must be a loopback http URL")
+    if ns.profile and not ns.base_url:
+        raise ValueError(
+            "--profile profiles a running server: give --base-url (or --host/--port) of one "
+            "started with --profiler-config"
+        )
     return metrics, percentiles
 
 
@@ -362,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=ns.seed,
         endpoint=ns.endpoint,
         model=ns.model,
+        profile=ns.profile,
     )
     settings = {**vars(ns), "request_rate": str(ns.request_rate)}
     print(f"{PROG}: {json.dumps(settings)}", flush=True)
@@ -371,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrency=ns.max_concurrency,
     )
     if ns.base_url:
-        result = asyncio.run(run_load(ns.base_url, requests, **load))
+        try:
+            result = asyncio.run(run_load(ns.base_url, requests, **load))
+        except RuntimeError as e:  # a refused /start_profile or /stop_profile
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 1
         print(result.summary(**summary))
         if result.first_error:
             print(f"first error: {result.first_error}")

@@ -8,7 +8,8 @@ An untimed warm-up first runs all of this rank's prompts for ``--warmup-output-l
 it); then the timed run. Rank 0 prints vLLM's line
 ``Throughput: X requests/s, Y total tokens/s, Z output tokens/s``, our detail (steps, microbatched
 steps, start-up, graph mode) and writes ``--output-json`` (vLLM's keys plus ours) and, with
-``--output-tokens``, the generated tokens as ``launch.generate`` writes them.
+``--output-tokens``, the generated tokens as ``launch.generate`` writes them. ``--profile`` (with
+``--profiler-config``) records the timed run on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
+from launch.engine.output_paths import check_output_file, check_output_paths
 from launch.generate import check_prompts, load_prompts
 
 PROG = "launch.bench_throughput"
@@ -59,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--output-json", default=None, help="write the results as JSON (rank 0)")
     add("--output-tokens", default=None, help="write the generated tokens as JSONL (rank 0)")
+    add(
+        "--profile",
+        action="store_true",
+        help="profile the timed run on every rank (needs --profiler-config; the warm-up is not "
+        "recorded)",
+    )
     add(
         "--roofline",
         action=argparse.BooleanOptionalAction,
@@ -100,9 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = engine_args_from_namespace(ns)
         args.check_world_size(world_size)
-        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         if ns.warmup_output_len < 0:
             raise ValueError(f"--warmup-output-len must be >= 0, got {ns.warmup_output_len}")
+        if ns.profile and not args.profiler().is_on:
+            raise ValueError(
+                "--profile needs --profiler-config, e.g. "
+                '\'{"profiler": "torch", "torch_profiler_dir": DIR}\''
+            )
+        check_output_paths(args)
+        outputs = (("--output-json", ns.output_json), ("--output-tokens", ns.output_tokens))
+        for flag, path in outputs:
+            if path:
+                check_output_file(path, flag)
+        TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         from launch.engine.llm_engine import resolve_model
 
         model = resolve_model(args)
@@ -156,9 +174,12 @@ def benchmark(ns, args, model, requests, groups):
     roofline = _roofline(ns, engine, groups)
     num_steps0, num_ubatched0 = engine.stats.num_steps, engine.stats.num_ubatched_steps
     dist.barrier(group=groups.dp_group)  # blocking (group timeout): start the clock together
+    if ns.profile:
+        engine.start_profile()
     start = time.perf_counter()
     finished = run_requests(engine, requests, first_id=0, max_tokens=None, dp=dp)
     elapsed = time.perf_counter() - start
+    engine.stop_profile()
     mine = {
         "elapsed": elapsed,
         "tokens": [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in finished],

@@ -5,7 +5,8 @@ Built on the offline API (``launch.LLM``): prompts (JSONL lines ``{"prompt": "te
 spread over the DP ranks by ``--load-balance-method``; each rank passes its share to
 ``LLM.generate``, and all ranks step in lockstep until every prompt is done; rank 0 writes
 ``{"index", "prompt_token_ids", "output_token_ids"}`` lines in input order (with ``"prompt"`` for a
-text prompt, ``"text"`` when the checkpoint has a tokenizer) and prints a summary. Every input error
+text prompt, ``"text"`` when the checkpoint has a tokenizer) and prints a summary. With
+``--profiler-config`` every rank profiles the whole generation. Every input error
 (a text prompt without ``tokenizer.json`` included) is reported as one line on every rank before any
 process group exists.
 """
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         args.check_world_size(world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)  # validates
-        check_output_paths(output=ns.output, timeline_dir=args.timeline_dir)
+        check_output_paths(args, output=ns.output)
         offline_model = load_offline_model(args)
         prompts = load_checked_prompts(ns, offline_model)
     except (ValueError, TypeError, OSError) as e:
@@ -144,11 +145,14 @@ def run(llm, ns, args, prompts: list[ParsedPrompt]) -> None:
         for index in share
     ]
     startup_s = seconds_since_process_start()  # the first step starts now
+    if llm.llm_engine.profiler is not None:  # --profiler-config: the whole generation
+        llm.start_profile()
     start = time.perf_counter()
     outputs = llm.generate(
         [{"prompt_token_ids": list(prompts[i].token_ids)} for i in share], params, use_tqdm=False
     )
     elapsed = time.perf_counter() - start
+    llm.stop_profile()
     llm.llm_engine.write_timeline()
     mine = [
         output_line(index, prompts[index], out.outputs[0], has_text=llm.get_tokenizer() is not None)

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics=metrics,
     )
     _serve(loop, http, rank, heartbeat)
+    engine.stop_profile()  # a profile still recording at shutdown: its trace is written
     timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
     watch.stop()
     heartbeat.stop()
@@ -182,7 +183,7 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
             f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] s, "
             f"got {ns.shutdown_timeout}"
         )
-    check_output_paths(timeline_dir=args.timeline_dir)
+    check_output_paths(args)
     model = resolve_model(args)
     from launch.serving.chat_template import load_chat_template
     from launch.serving.detokenizer import load_tokenizer
@@ -275,6 +276,7 @@ def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine, frontend
             max_num_seqs=engine.args.max_num_seqs, dp_size=engine.groups.dp_size
         ),
         engine_stall_timeout_s=frontend.engine_stall_timeout_s,
+        profiling=engine.profiler is not None,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

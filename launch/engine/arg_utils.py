@@ -94,6 +94,8 @@ class EngineArgs:
     distributed_timeout_s: float = 120.0
     load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD  # see launch.engine.dp_load_balancer
     timeline_dir: str | None = None
+    # vLLM's --profiler-config JSON (launch.engine.profiler); None: no profiler
+    profiler_config: str | None = None
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
     # graph mode (vLLM's names): compiled/captured pieces per padding bucket, see moe.compilation
     enforce_eager: bool = False
@@ -200,9 +202,14 @@ class EngineArgs:
     def _apply_platform(self) -> None:
         """The platform's ``check_and_update_config`` (vLLM's hook): it raises ValueError for a
         setting it cannot run, or returns changes, applied here with a note each."""
+        from launch.engine.profiler import check_profiler_kind
         from moe.platforms import current_platform
 
-        update = current_platform().check_and_update_config(self)
+        platform = current_platform()
+        update = platform.check_and_update_config(self)
+        refusal = check_profiler_kind(self.profiler(), platform)
+        if refusal is not None:
+            raise ValueError(refusal)
         for name, value in update.changes.items():
             object.__setattr__(self, name, value)  # frozen: the platform's adjustment
         new_notes = tuple(n for n in update.notes if n not in self.platform_notes)
@@ -250,6 +257,19 @@ class EngineArgs:
                 return prior_from_table(json.load(f))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             raise ValueError(f"--dbo-adaptive-prior {path!r}: {e}") from None
+
+    def profiler(self):
+        """``--profiler-config`` parsed (``launch.engine.profiler.ProfilerConfig``; its
+        ``profiler`` is None when not given).
+
+        Raises:
+            ValueError: as ``parse_profiler_config`` raises it (naming the key and the rule).
+        """
+        from launch.engine.profiler import ProfilerConfig, parse_profiler_config  # torch-free
+
+        if self.profiler_config is None:
+            return ProfilerConfig()
+        return parse_profiler_config(self.profiler_config)
 
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
@@ -379,6 +399,14 @@ def _add_model_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
     )
     add("--seed", type=int, default=d.seed, help="seed for random weights and sampling")
     add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")
+    add(
+        "--profiler-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s profiler config, e.g. {"profiler": "torch", "torch_profiler_dir": DIR}: '
+        "each rank writes a torch.profiler trace of the steps between start_profile and "
+        "stop_profile (keys and rules: docs/profiling.md)",
+    )
 
 
 def _add_cache_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:

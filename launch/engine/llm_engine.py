@@ -22,6 +22,7 @@ from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.kv_cache_sizing import size_kv_cache
 from launch.engine.model_runner import ModelRunner
+from launch.engine.profiler import make_step_profiler
 from launch.engine.request import Request
 from launch.engine.scheduler import Scheduler
 from launch.engine.startup import freeze_gc_heap
@@ -228,6 +229,10 @@ class LLMEngine:
         if engine_args.timeline_dir:
             self.start_timeline()
         platform = current_platform()
+        # armed by start_profile; None without --profiler-config
+        self.profiler = make_step_profiler(
+            engine_args.profiler(), rank=groups.rank, platform=platform
+        )
         dtype = self._compute_dtype(platform)
         self.all2all_backend = _make_all2all_backend(engine_args, groups, model.config)
         self.model = self._build_model(model.config, dtype)
@@ -387,6 +392,8 @@ class LLMEngine:
                 )
         if not any(out.has_work_across_dp):
             return [], False
+        if self.profiler is not None:  # counts the same steps on every DP rank
+            self.profiler.step()
         if out.ran_model:
             self.stats.num_steps += 1
             self.stats.num_ubatched_steps += out.is_ubatched
@@ -435,6 +442,27 @@ class LLMEngine:
             f"adaptive DBO crossover: {parts} "
             f"({self.stats.num_dbo_exploration_steps} exploration steps)"
         )
+
+    def start_profile(self) -> None:
+        """Start this rank's profiler (``--profiler-config``): it records from the next step (or
+        after its ``delay_iterations``) until ``stop_profile`` or its ``max_iterations``; a start
+        while it is on does nothing.
+
+        Raises:
+            RuntimeError: the engine was built without ``--profiler-config``.
+        """
+        if self.profiler is None:
+            raise RuntimeError(
+                "profiling is off: start the engine with --profiler-config "
+                '\'{"profiler": "torch", "torch_profiler_dir": DIR}\' (LLM(profiler_config=...))'
+            )
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop this rank's profiler and write what it recorded (``torch``: the rank's trace and
+        op table in ``torch_profiler_dir``); nothing when it is not on."""
+        if self.profiler is not None:
+            self.profiler.stop()
 
     def start_timeline(self) -> TimelineRecorder:
         """Record a timeline from now on (spans of every step, for ``write_timeline`` or for

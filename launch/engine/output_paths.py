@@ -1,4 +1,5 @@
-"""Output paths checked writable before any work starts (``--output``, ``--timeline-dir``).
+"""Output paths checked writable before any work starts (``--output``, ``--timeline-dir``, the
+profiler's trace directory).
 
 Entry points call ``check_output_paths`` on every rank before the process group exists, so a path
 that cannot be written ends every rank within seconds with one line naming the flag and the path,
@@ -54,10 +55,14 @@ def check_output_dir(path: str, flag: str) -> None:
     _probe_dir(target, flag, path)
 
 
-def check_output_paths(*, output: str | None = None, timeline_dir: str | None = None) -> None:
-    """``check_output_file(output, "--output")`` and ``check_output_dir(timeline_dir,
-    "--timeline-dir")`` for those given."""
+def check_output_paths(args, *, output: str | None = None) -> None:
+    """``check_output_file(output, "--output")`` when given, and ``check_output_dir`` of the
+    directories ``args`` (``EngineArgs``) writes to: ``--timeline-dir`` and the profiler's
+    ``torch_profiler_dir`` (``--profiler-config``)."""
     if output:
         check_output_file(output, "--output")
-    if timeline_dir:
-        check_output_dir(timeline_dir, "--timeline-dir")
+    if args.timeline_dir:
+        check_output_dir(args.timeline_dir, "--timeline-dir")
+    profiler_dir = args.profiler().torch_profiler_dir
+    if profiler_dir:
+        check_output_dir(profiler_dir, "--profiler-config torch_profiler_dir")

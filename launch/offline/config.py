@@ -5,12 +5,15 @@ the model with its tokenizer and chat template, all checked before any process g
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 from launch.engine.arg_utils import EngineArgs
 
 EXECUTOR_BACKENDS = (None, "external_launcher")
+# fields given as a JSON string on the command line, which LLM() also takes as a dict (vLLM's)
+JSON_FIELDS = ("profiler_config",)
 _TYPES = {
     "int": (int,),
     "bool": (bool,),
@@ -31,7 +34,8 @@ def _check_type(name: str, value, annotation: str) -> None:
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
     """``EngineArgs`` from ``LLM(model, **kwargs)``: every ``EngineArgs`` field by its name
-    (vLLM's), ``dtype="auto"`` meaning the default.
+    (vLLM's), ``dtype="auto"`` meaning the default, a ``JSON_FIELDS`` field as a dict or its
+    JSON text.
 
     Raises:
         TypeError: an unknown argument (naming it and the accepted ones), or a value of the
@@ -50,6 +54,8 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
             )
         if name == "dtype" and value == "auto":
             continue
+        if name in JSON_FIELDS and isinstance(value, dict):
+            value = json.dumps(value)
         _check_type(name, value, fields[name].type)
         values[name] = tuple(value) if isinstance(value, list) else value
     if model is not None and not isinstance(model, (str, os.PathLike)):

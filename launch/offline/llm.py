@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 
+from launch.engine.output_paths import check_output_paths
 from launch.engine.request import SamplingParams
 from launch.offline.config import (
     OfflineModel,
@@ -51,14 +52,16 @@ class LLM:
         **kwargs: any ``launch.engine.EngineArgs`` field by its name (vLLM's): ``dtype``
             (``"auto"``: bfloat16), ``seed``, ``max_model_len``, ``max_num_seqs``,
             ``data_parallel_size``, ``enable_expert_parallel``, ``enable_dbo``,
-            ``dbo_decode_token_threshold``, ``all2all_backend``, ``enforce_eager``, ...
+            ``dbo_decode_token_threshold``, ``all2all_backend``, ``enforce_eager``,
+            ``profiler_config`` (a dict, as ``--profiler-config``'s JSON), ...
 
     Raises:
         TypeError: an unknown argument, or a value of the wrong type (naming it).
         ValueError: a value out of range, flags that contradict each other, DP > 1 without
             torchrun, a bad checkpoint (naming the value or file) — all before any process group
             exists, alike on every rank.
-        OSError: a missing or unreadable checkpoint.
+        OSError: a missing or unreadable checkpoint, or an output directory
+            (``timeline_dir``, ``torch_profiler_dir``) that cannot be written.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class LLM:
         **kwargs,
     ) -> None:
         args = engine_args_from_kwargs(model, kwargs)
+        check_output_paths(args)
         by_torchrun = is_launched_by_torchrun(
             args, distributed_executor_backend, tensor_parallel_size
         )
@@ -120,10 +124,28 @@ class LLM:
         """The checkpoint's tokenizer (``launch.serving.detokenizer.Tokenizer``), or None."""
         return self.offline_model.tokenizer
 
+    def start_profile(self) -> None:
+        """Start this rank's profiler (``profiler_config``; vLLM's ``LLM.start_profile``): the
+        steps of the ``generate`` / ``chat`` calls until ``stop_profile`` are recorded. Under
+        torchrun every rank calls it, like ``generate``.
+
+        Raises:
+            RuntimeError: the LLM was built without ``profiler_config``.
+        """
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop this rank's profiler and write its trace (``torch_profiler_dir``); nothing when
+        it is not on."""
+        self.llm_engine.stop_profile()
+
     def shutdown(self) -> None:
-        """Stop the heartbeat and destroy the process groups this LLM created (idempotent;
-        also run at interpreter exit)."""
+        """Stop the profiler (writing its trace) and the heartbeat, and destroy the process
+        groups this LLM created (idempotent; also run at interpreter exit)."""
         atexit.unregister(self.shutdown)
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.stop_profile()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions`` (``serving_completion``) and ``POST /v1/chat/completions``
 (``serving_chat``), each a whole response or server-sent events ending in ``data: [DONE]`` with
-``"stream": true``; ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``"stream": true``; ``GET /v1/models``, ``GET /health``, ``GET /metrics``; with
+``--profiler-config``, vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (every rank's
+profiler; 200 once rank 0 applied the order).
 Requests go to the engine loop through an ``EngineBridge``; bad requests are answered 400 with an
 OpenAI error object, requests during shutdown 503.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from launch.serving.engine_bridge import EngineBridge
+from launch.serving.engine_bridge import EngineBridge, ServerShuttingDown
 from launch.serving.http_errors import (
     JSON_DECODER,
     LARGE_BODY_LOCK,
@@ -62,6 +64,7 @@ class ServerConfig:
     max_connections: int = 512  # open connections (503 and closed past it)
     max_queued_requests: int | None = None  # waiting engine requests (503 past it); None: no bound
     engine_stall_timeout_s: float = 30.0  # /health 503 once the engine loop is stuck this long
+    profiling: bool = False  # --profiler-config given: the /start_profile and /stop_profile routes
 
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
@@ -116,7 +119,29 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if config.profiling:
+        for action in ("start", "stop"):
+            app.router.add_post(f"/{action}_profile", profile_handler(action, config, bridge))
     return app
+
+
+def profile_handler(action: str, config: ServerConfig, bridge: EngineBridge):
+    """``POST /<action>_profile``: every rank's profiler started or stopped (``EngineBridge.
+    profile``); 200 with an empty body once rank 0 applied it (a stop has written its trace),
+    503 during shutdown, 504 after ``output_timeout_s``, 500 naming a failure."""
+
+    async def handler(_request: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(bridge.profile(action), config.output_timeout_s)
+        except ServerShuttingDown as e:
+            return _error(str(e), 503)
+        except TimeoutError:
+            return _error(f"{action}_profile: no answer in {config.output_timeout_s:g} s", 504)
+        except Exception as e:  # noqa: BLE001 - the order failed on rank 0 (e.g. writing the trace)
+            return _error(f"{action}_profile failed: {type(e).__name__}: {e}", 500)
+        return web.Response(status=200)
+
+    return handler
 
 
 def _make_runner(app: web.Application, config: ServerConfig) -> web.AppRunner:

@@ -48,6 +48,14 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileOrder:
+    """``POST /start_profile`` or ``/stop_profile``: every rank starts or stops its profiler."""
+
+    action: str  # "start" | "stop"
+    done: asyncio.Future  # on the HTTP loop: None once rank 0 applied it, or its exception
+
+
 class ServerShuttingDown(RuntimeError):
     """``submit`` after ``stop_accepting``, or a request failed at shutdown: the server answers
     503."""
@@ -58,7 +66,9 @@ class EngineBridge:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._incoming: queue.Queue[NewRequest | int] = queue.Queue()  # int: an abort
+        # int: an abort; ProfileOrder: kept aside by take for take_profile_orders
+        self._incoming: queue.Queue[NewRequest | int | ProfileOrder] = queue.Queue()
+        self._profile_orders: list[ProfileOrder] = []
         self._outputs: dict[int, asyncio.Queue[RequestOutput]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -101,6 +111,20 @@ class EngineBridge:
             if self._outputs.pop(request_id, None) is None:
                 return
         self._incoming.put(request_id)
+
+    def profile(self, action: str) -> asyncio.Future:
+        """Queue a profiler order (``action`` "start" or "stop") for every rank; the future
+        resolves once rank 0 applied it (its exception if that failed).
+
+        Raises:
+            ServerShuttingDown: once the server stopped accepting requests.
+        """
+        done = self._loop.create_future()
+        with self._lock:
+            if not self._accepting:
+                raise ServerShuttingDown("the server is shutting down")
+        self._incoming.put(ProfileOrder(action=action, done=done))
+        return done
 
     # engine loop side
 
@@ -149,7 +173,27 @@ class EngineBridge:
         self._last_take = time.monotonic()
         new = [item for item in items if isinstance(item, NewRequest)]
         aborts = [item for item in items if isinstance(item, int)]
+        self._profile_orders += [item for item in items if isinstance(item, ProfileOrder)]
         return new, aborts
+
+    def take_profile_orders(self) -> list[ProfileOrder]:
+        """The profiler orders ``take`` met since the last call, in order."""
+        orders, self._profile_orders = self._profile_orders, []
+        return orders
+
+    def finish_profile_order(self, order: ProfileOrder, error: Exception | None) -> None:
+        """Resolve ``order``'s future on the HTTP loop: done, or failed with ``error``."""
+
+        def finish() -> None:
+            if order.done.done():
+                return
+            if error is None:
+                order.done.set_result(None)
+            else:
+                order.done.set_exception(error)
+
+        with contextlib.suppress(RuntimeError):  # a closed event loop: the HTTP server is gone
+            self._loop.call_soon_threadsafe(finish)
 
     def deliver(self, output: RequestOutput) -> None:
         """Pass an output to its request's handler; a request's last output closes it."""
@@ -167,9 +211,13 @@ class EngineBridge:
             self._accepting = False
 
     def fail_all(self, error: Exception) -> int:
-        """End every open request with ``error``; how many there were."""
+        """End every open request and profiler order with ``error``; how many requests there
+        were."""
         with self._lock:
             open_ids = list(self._outputs)
         for request_id in open_ids:
             self.deliver(RequestOutput(request_id=request_id, error=error))
+        self.take(0)  # profiler orders still in the hand-over
+        for order in self.take_profile_orders():
+            self.finish_profile_order(order, error)
         return len(open_ids)

@@ -3,9 +3,10 @@
 Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
 group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
 expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to a DP rank by the DP
-load balancer, aborts, and whether to stop), every rank a ``RankReport`` (tokens generated in its
-last step, its queue lengths, whether it got SIGTERM). Every rank then sees the same data, so all of
-them decide alike whether to run an engine step (some rank has work) or to idle, and when to stop.
+load balancer, aborts, profiler orders, and whether to stop), every rank a ``RankReport`` (tokens
+generated in its last step, its queue lengths, whether it got SIGTERM). Every rank then sees the
+same data, so all of them decide alike whether to run an engine step (some rank has work) or to
+idle, and when to stop.
 
 When every rank is idle, rank 0 blocks on its request queue for up to ``heartbeat_s`` before the
 exchange, and the other ranks block inside the exchange: no core spins, and the exchange recurs at
@@ -27,6 +28,7 @@ from launch.engine.request import Request
 from launch.serving.engine_bridge import (
     EngineBridge,
     NewRequest,
+    ProfileOrder,
     RequestOutput,
     ServerShuttingDown,
 )
@@ -46,6 +48,7 @@ class ControlOrders:
 
     assignments: tuple[tuple[int, NewRequest], ...] = ()  # (dp_rank, request)
     aborts: tuple[int, ...] = ()
+    profile: tuple[str, ...] = ()  # profiler orders ("start" / "stop"), in order
     is_shutting_down: bool = False
     should_exit: bool = False  # every rank leaves the loop after this exchange
 
@@ -103,6 +106,7 @@ class ServeLoop:
         self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
         self._shutdown_deadline: float | None = None
         self._error_outputs: list[RequestOutput] = []
+        self._profile_orders: list[ProfileOrder] = []  # rank 0: sent, resolved after applying
 
     def run(self) -> int:
         """Serve until told to exit; the number of requests failed at shutdown (rank 0)."""
@@ -113,12 +117,12 @@ class ServeLoop:
             orders = self._make_orders(any_work) if self.dp_rank == 0 else None
             if orders is not None and orders.should_exit:
                 reason = self.stop_reason() or "a stop request on another rank"
-                num_failed = self.bridge.fail_all(
-                    ServerShuttingDown(
-                        f"the server shut down ({reason}) before this request finished "
-                        f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
-                    )
+                error = ServerShuttingDown(
+                    f"the server shut down ({reason}) before this request finished "
+                    f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
                 )
+                num_failed = self.bridge.fail_all(error)
+                self._finish_profile_orders([error] * len(self._profile_orders))
             parts = self._exchange(orders, report)
             orders = parts[0][0]
             reports = [part[1] for part in parts]
@@ -127,6 +131,9 @@ class ServeLoop:
             if orders.should_exit:
                 return num_failed
             self._apply(orders)
+            profile_errors = self._apply_profile(orders.profile)
+            if self.dp_rank == 0:
+                self._finish_profile_orders(profile_errors)
             num_new = len(orders.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
@@ -150,6 +157,7 @@ class ServeLoop:
             self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
         shutting_down = not bridge.is_accepting
         new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
+        self._profile_orders = bridge.take_profile_orders()
         for request_id in aborts:
             self.load_balancer.close(request_id)
         assignments = tuple(
@@ -169,6 +177,7 @@ class ServeLoop:
         return ControlOrders(
             assignments=assignments,
             aborts=tuple(aborts),
+            profile=tuple(order.action for order in self._profile_orders),
             is_shutting_down=shutting_down,
             should_exit=should_exit,
         )
@@ -230,6 +239,26 @@ class ServeLoop:
                 self._error_outputs.append(
                     RequestOutput(request_id=request_id, finish_reason="abort")
                 )
+
+    def _apply_profile(self, actions: tuple[str, ...]) -> list[Exception | None]:
+        """Start or stop this rank's profiler per order; each order's error, or None."""
+        errors: list[Exception | None] = []
+        for action in actions:
+            try:
+                if action == "start":
+                    self.engine.start_profile()
+                else:
+                    self.engine.stop_profile()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - answered to the order's client, not fatal
+                errors.append(e)
+        return errors
+
+    def _finish_profile_orders(self, errors: list[Exception | None]) -> None:
+        """Rank 0: resolve the orders sent in this exchange, each with its error or None."""
+        for order, error in zip(self._profile_orders, errors, strict=True):
+            self.bridge.finish_profile_order(order, error)
+        self._profile_orders = []
 
     def _step(self) -> RankReport:
         stats = self.engine.stats

@@ -17,6 +17,9 @@ questions:
   (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
 - ``graph_backend()``: the class that compiles or captures one graph-mode piece
   (``moe.compilation.backends``), or None (graph mode runs eagerly).
+- ``profiler_activities()`` / ``profiler_range()``: what ``torch.profiler`` records here (the
+  host, plus CUDA kernels) and a device profiler's capture range, or None
+  (``launch.engine.profiler``, ``--profiler-config``).
 - ``prepare_kernels()``: build or load the platform's own kernels, or choose torch's, before the
   first step; the start-up line, or None where there is nothing to prepare.
 - ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +127,15 @@ class Platform:
 
     def graph_backend(self) -> type | None:
         """The graph-mode piece backend (``moe.compilation.backends``), or None (eager only)."""
+        return None
+
+    def profiler_activities(self) -> list:
+        """What ``torch.profiler`` records here (``ProfilerActivity`` list): the host's ops."""
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def profiler_range(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """(start, stop) of a device profiler's capture range (``--profiler-config``'s
+        ``"cuda"``), or None where there is none."""
         return None
 
     def prepare_kernels(self) -> str | None:
@@ -285,6 +298,14 @@ class CudaPlatform(Platform):
         from moe.compilation.backends import CUDAGraphPiece
 
         return CUDAGraphPiece
+
+    def profiler_activities(self) -> list:
+        activity = torch.profiler.ProfilerActivity
+        return [activity.CPU, activity.CUDA]
+
+    def profiler_range(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        # cudaProfilerStart / Stop: what `nsys profile --capture-range=cudaProfilerApi` waits for
+        return torch.cuda.profiler.start, torch.cuda.profiler.stop
 
     def prepare_kernels(self) -> str | None:
         """Take cuDNN's fused attention out of torch's SDPA choice, for the whole process (torch's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -107,6 +108,9 @@ def test_two_rank_run_prints_vllm_line_and_writes_json(tmp_path):
         str(out),
         "--output-tokens",
         str(tokens),
+        "--profile",
+        "--profiler-config",
+        json.dumps({"profiler": "torch", "torch_profiler_dir": str(tmp_path / "profile")}),
     )
     env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
@@ -125,6 +129,25 @@ def test_two_rank_run_prints_vllm_line_and_writes_json(tmp_path):
     assert [r["index"] for r in rows] == list(range(6))
     assert all(len(r["output_token_ids"]) == 4 for r in rows)
     assert "microbatched" in proc.stdout and "start-up" in proc.stdout
+    for rank in (0, 1):  # --profile: the timed run's steps, not the warm-up's
+        (trace,) = (tmp_path / "profile").glob(f"rank{rank}.*.pt.trace.json.gz")
+        with gzip.open(trace, "rt") as f:
+            names = [e.get("name") for e in json.load(f)["traceEvents"]]
+        assert result["num_steps"] <= names.count("step") <= result["num_steps"] + 2, rank
+        assert "layer0.experts" in names
+
+
+def test_profile_without_a_profiler_config_fails_before_any_work():
+    proc = subprocess.run(
+        ["python", "-m", "launch.bench_throughput", "--profile"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    expected = '--profile needs --profiler-config, e.g. \'{"profiler": "torch", "torch_prof'
+    assert expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_plain_python_run_fails_with_one_line():

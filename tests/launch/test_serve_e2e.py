@@ -74,6 +74,16 @@ def model_dir(tmp_path_factory, tiny_mixtral_dir) -> str:
     return str(path)
 
 
+def _profiler_config(tmp: Path) -> dict:
+    """The server's ``--profiler-config``: traces in ``tmp/profile``, uncompressed."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(tmp / "profile"),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": False,
+    }
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model_dir):
     """(server, offline outputs): the server starts while the offline reference runs."""
@@ -83,6 +93,7 @@ def served(tmp_path_factory, model_dir):
         2,
         f"--model={model_dir}",
         f"--timeline-dir={tmp / 'timeline'}",
+        f"--profiler-config={json.dumps(_profiler_config(tmp))}",
         *ENGINE_FLAGS,
         *SERVER_FLAGS,
         log_path=log,
@@ -237,6 +248,30 @@ def test_bench_serving_against_the_running_server(server):
     for metric in ("TTFT", "TPOT", "ITL", "E2EL"):
         for stat in ("Mean", "Median", "P50", "P99"):
             assert re.search(rf"^{stat} {metric} \(ms\):\s+\d+\.\d\d", proc.stdout, re.M)
+
+
+def test_bench_serving_profile_writes_every_ranks_trace_of_the_load(server):
+    """``--profile``: /start_profile before the load, /stop_profile after; each rank's trace has
+    the steps that served it."""
+    profile_dir = server.log_path.parent / "profile"
+    assert not profile_dir.exists() or not any(profile_dir.iterdir())  # nothing before a start
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
+        + ["--num-prompts=4", "--random-input-len=5", "--random-output-len=4", "--profile"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^Successful requests:\s+4 *$", proc.stdout, re.M), proc.stdout
+    for rank in (0, 1):
+        (trace,) = profile_dir.glob(f"rank{rank}.*.pt.trace.json")
+        names = [e.get("name") for e in json.loads(trace.read_text())["traceEvents"]]
+        assert names.count("step") >= 4, rank  # 4 output tokens per request at least
+        assert "layer0.experts" in names
+        assert (profile_dir / f"profiler_out_{rank}.txt").is_file()
 
 
 def test_sigterm_finishes_in_flight_requests_and_ends_every_rank(server):

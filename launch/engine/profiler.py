@@ -1,0 +1,282 @@
+"""Step profiling of every rank, vLLM's ``--profiler-config``: torch's profiler or a device range.
+
+``--profiler-config '{"profiler": "torch", "torch_profiler_dir": DIR}'`` (vLLM's keys, a subset;
+torch-free parsing here, so a bad config fails before torch loads) arms a profiler on every rank;
+nothing is recorded until ``start_profile`` (``LLM.start_profile()``, the server's ``POST
+/start_profile``, ``launch.bench_throughput --profile``, or the whole run of ``launch.generate``)
+and up to ``stop_profile``. ``delay_iterations`` engine steps pass before it records and it stops
+by itself after ``max_iterations`` recorded steps (0: no limit); steps are counted where some DP
+rank had work, so every rank's window covers the same steps.
+
+- ``"torch"``: ``torch.profiler`` over the platform's activities (``Platform.profiler_activities``:
+  the host, plus CUDA kernels on a GPU); on stop each rank writes a Chrome trace
+  ``DIR/rank<r>.<ms>.pt.trace.json[.gz]`` (Perfetto opens it; the timeline's span names are
+  ``record_function`` ranges in it) and its op table ``DIR/profiler_out_<r>.txt``.
+- ``"cuda"``: ``cudaProfilerStart`` / ``Stop`` around the window, for ``nsys profile
+  --capture-range=cudaProfilerApi`` (platforms with a device range, ``Platform.profiler_range``).
+
+After vLLM's ``vllm/config/profiler.py`` and ``vllm/profiler/wrapper.py``; docs/profiling.md,
+"torch.profiler traces".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+PROFILER_KINDS = ("torch", "cuda")
+TABLE_ROWS = 50  # rows of the op table a rank writes (vLLM's CPU-only table has 50)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfilerConfig:
+    """vLLM's ``ProfilerConfig``, the keys moe-dbo runs (same names and defaults)."""
+
+    profiler: str | None = None  # "torch" | "cuda" | None (off)
+    torch_profiler_dir: str = ""  # where each rank writes its trace (made absolute)
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_dump_cuda_time_total: bool = True  # the op table sorted by device time
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    delay_iterations: int = 0  # engine steps after start_profile before recording
+    max_iterations: int = 0  # recorded steps before stopping by itself (0: until stop_profile)
+
+    @property
+    def is_on(self) -> bool:
+        return self.profiler is not None
+
+
+def parse_profiler_config(text: str) -> ProfilerConfig:
+    """``--profiler-config`` JSON -> ``ProfilerConfig``, ``torch_profiler_dir`` made absolute.
+
+    Raises:
+        ValueError: not a JSON object, a key ``ProfilerConfig`` lacks (naming the supported
+            ones), a value of the wrong type or a negative count, a ``profiler`` outside
+            ``PROFILER_KINDS``, ``"torch"`` without ``torch_profiler_dir`` or a directory with
+            another profiler (vLLM's rules).
+    """
+    flag = "--profiler-config"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {text!r} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    known = {f.name: f for f in fields(ProfilerConfig)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"{flag} keys {unknown} are not supported; supported: {list(known)}")
+    for key, value in raw.items():
+        _check_value(key, value, known[key].type)
+    config = ProfilerConfig(**raw)
+    if config.profiler is not None and config.profiler not in PROFILER_KINDS:
+        raise ValueError(
+            f"{flag} profiler {config.profiler!r} is not one of {list(PROFILER_KINDS)}"
+        )
+    if config.profiler == "torch" and not config.torch_profiler_dir:
+        raise ValueError(f'{flag}: "torch" needs "torch_profiler_dir" (where traces go)')
+    if config.torch_profiler_dir and config.profiler != "torch":
+        raise ValueError(f'{flag}: "torch_profiler_dir" applies only to profiler "torch"')
+    if config.torch_profiler_dir:
+        absolute = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
+        config = ProfilerConfig(**{**raw, "torch_profiler_dir": absolute})
+    return config
+
+
+def _check_value(key: str, value, annotation: str) -> None:
+    """ValueError naming ``key`` unless ``value`` fits the field's ``annotation``."""
+    if annotation == "bool":
+        ok = isinstance(value, bool)
+    elif annotation == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    else:  # "str" or "str | None"
+        ok = isinstance(value, str) or (value is None and "None" in annotation)
+    if not ok:
+        kind = "an integer >= 0" if annotation == "int" else annotation
+        raise ValueError(f"--profiler-config {key}={value!r} must be {kind}")
+
+
+class StepProfiler:
+    """One rank's profiling window over engine steps: ``start`` arms it (recording at once, or
+    after ``delay_iterations`` steps), ``step`` after every engine step, ``stop`` ends it and
+    writes what was recorded. Subclasses record (``_begin`` / ``_end``); a second ``start``
+    while armed, or a ``stop`` while not, does nothing (vLLM's behaviour)."""
+
+    def __init__(self, config: ProfilerConfig, *, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.is_armed = False
+        self.is_recording = False
+        self._num_steps = 0  # steps since start
+        self._num_recorded = 0
+
+    def start(self) -> None:
+        if self.is_armed:
+            return
+        self.is_armed, self._num_steps, self._num_recorded = True, 0, 0
+        if self.config.delay_iterations == 0:
+            self._begin_recording()
+
+    def step(self) -> None:
+        """After an engine step in which some DP rank had work."""
+        if not self.is_armed:
+            return
+        self._num_steps += 1
+        if self.is_recording:
+            self._num_recorded += 1
+            if 0 < self.config.max_iterations <= self._num_recorded:
+                self._end_recording()
+        elif self._num_steps == self.config.delay_iterations:
+            self._begin_recording()
+
+    def stop(self) -> None:
+        if not self.is_armed:
+            return
+        self.is_armed = False
+        if self.is_recording:
+            self._end_recording()
+
+    def _begin_recording(self) -> None:
+        self._begin()
+        self.is_recording = True
+
+    def _end_recording(self) -> None:
+        self.is_recording = False
+        self._end()
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+
+class TorchStepProfiler(StepProfiler):
+    """``torch.profiler`` over ``activities``; on stop, this rank's Chrome trace and op table in
+    ``torch_profiler_dir`` (``trace_paths`` lists the traces written so far)."""
+
+    def __init__(self, config: ProfilerConfig, *, rank: int, activities: list) -> None:
+        super().__init__(config, rank=rank)
+        self.activities = activities
+        self.trace_paths: list[str] = []
+        self._profile = None
+
+    def _begin(self) -> None:
+        import torch
+
+        c = self.config
+        every_thread = all_threads_config()
+        # torch's every-thread recording with stacks left undecodable op names in 2-rank runs
+        # (torch 2.13 CPU, DBO on or off; not in one process with plain threads): key_averages
+        # raised UnicodeDecodeError. Every thread's ops matter more than the Python stacks.
+        with_stack = c.torch_profiler_with_stack and every_thread is None
+        if c.torch_profiler_with_stack and not with_stack and self.rank == 0:
+            print(
+                "moe-dbo: torch profiler records every thread (the ubatch threads); "
+                "torch_profiler_with_stack is off with it",
+                file=sys.stderr,
+            )
+        self._profile = torch.profiler.profile(
+            activities=self.activities,
+            record_shapes=c.torch_profiler_record_shapes,
+            profile_memory=c.torch_profiler_with_memory,
+            with_stack=with_stack,
+            with_flops=c.torch_profiler_with_flops,
+            experimental_config=every_thread,
+        )
+        self._profile.start()
+
+    def _end(self) -> None:
+        import torch
+
+        profile, self._profile = self._profile, None
+        profile.stop()
+        directory = self.config.torch_profiler_dir
+        os.makedirs(directory, exist_ok=True)
+        suffix = ".gz" if self.config.torch_profiler_use_gzip else ""
+        trace = os.path.join(
+            directory, f"rank{self.rank}.{time.time_ns() // 1_000_000}.pt.trace.json{suffix}"
+        )
+        profile.export_chrome_trace(trace)
+        self.trace_paths.append(trace)
+        by_device = torch.profiler.ProfilerActivity.CUDA in self.activities
+        sort_by = (
+            "self_cuda_time_total"
+            if by_device and self.config.torch_profiler_dump_cuda_time_total
+            else "self_cpu_time_total"
+        )
+        table = profile.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
+        table_path = os.path.join(directory, f"profiler_out_{self.rank}.txt")
+        with open(table_path, "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+        if self.rank == 0:
+            print(f"moe-dbo: torch profiler wrote {trace} and {table_path}", file=sys.stderr)
+
+
+def all_threads_config():
+    """``torch.profiler``'s experimental config that records the ops of every thread (under DBO
+    the forward runs on the ubatch threads, which the default, thread-local state misses), or
+    None where this torch has no ``profile_all_threads`` (then only the thread that started the
+    profiler is recorded; probed, not read from the version)."""
+    import torch
+
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+class RangeStepProfiler(StepProfiler):
+    """A device profiler's capture range around the window (``begin`` / ``end``: e.g.
+    ``cudaProfilerStart`` / ``Stop``); writes nothing itself."""
+
+    def __init__(
+        self,
+        config: ProfilerConfig,
+        *,
+        rank: int,
+        begin: Callable[[], None],
+        end: Callable[[], None],
+    ) -> None:
+        super().__init__(config, rank=rank)
+        self._device_begin, self._device_end = begin, end
+
+    def _begin(self) -> None:
+        self._device_begin()
+
+    def _end(self) -> None:
+        self._device_end()
+
+
+def make_step_profiler(config: ProfilerConfig, *, rank: int, platform) -> StepProfiler | None:
+    """The profiler ``config`` names on ``platform`` for rank ``rank``, or None when off.
+
+    Raises:
+        ValueError: a ``"cuda"`` profiler on a platform without a device range.
+    """
+    if config.profiler is None:
+        return None
+    if config.profiler == "torch":
+        activities = platform.profiler_activities()
+        return TorchStepProfiler(config, rank=rank, activities=activities)
+    device_range = platform.profiler_range()
+    if device_range is None:
+        raise ValueError(check_profiler_kind(config, platform))
+    begin, end = device_range
+    return RangeStepProfiler(config, rank=rank, begin=begin, end=end)
+
+
+def check_profiler_kind(config: ProfilerConfig, platform) -> str | None:
+    """Why ``platform`` cannot run ``config``'s profiler, or None."""
+    if config.profiler == "cuda" and platform.profiler_range() is None:
+        return (
+            f'--profiler-config profiler "cuda" needs a CUDA device range; platform '
+            f'{platform.name} has none (use "torch")'
+        )
+    return None
