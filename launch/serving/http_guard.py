@@ -223,14 +223,19 @@ def _unauthorized(message: str) -> web.Response:
     return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+# routes that need the key besides /v1/*: the profiler's, which write traces to the server's disk
+KEYED_PATHS = ("/v1", "/start_profile", "/stop_profile")
+
+
 def api_key_middleware(api_keys: tuple[str, ...]):
-    """vLLM's ``--api-key``: ``/v1/*`` answers 401 (OpenAI error object) unless the request
-    carries ``Authorization: Bearer KEY`` with one of ``api_keys`` (compared in constant time)."""
+    """vLLM's ``--api-key``: ``/v1/*`` and ``KEYED_PATHS`` answer 401 (OpenAI error object)
+    unless the request carries ``Authorization: Bearer KEY`` with one of ``api_keys`` (compared
+    in constant time)."""
     encoded = tuple(key.encode() for key in api_keys)
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/") or request.path == "/v1":
+        if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
             try:
                 token = (_bearer_token(request) or "").encode()
             except ProtocolError as e:

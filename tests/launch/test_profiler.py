@@ -262,7 +262,7 @@ def test_two_ranks_under_dbo_write_one_trace_each_with_the_ubatch_threads(
 # the server's routes, in process (aiohttp test server; the test plays the engine loop)
 
 
-def _server_config(*, profiling: bool) -> ServerConfig:
+def _server_config(*, profiling: bool, api_keys: tuple[str, ...] = ()) -> ServerConfig:
     return ServerConfig(
         model_name="m",
         max_model_len=64,
@@ -270,21 +270,23 @@ def _server_config(*, profiling: bool) -> ServerConfig:
         tokenizer=None,
         metrics=ServerMetrics(dp_size=1),
         profiling=profiling,
+        api_keys=api_keys,
     )
 
 
-def _profile_requests(profiling: bool, answer) -> list[tuple[str, int, str]]:
+def _profile_requests(
+    profiling: bool, answer, *, api_keys=(), headers=None
+) -> list[tuple[str, int, str]]:
     """POST /start_profile then /stop_profile while ``answer(bridge, order)`` plays rank 0's
     loop; (path, status, body) of each."""
 
     async def go():
         bridge = EngineBridge(asyncio.get_running_loop())
         results = []
-        async with TestClient(
-            TestServer(build_app(_server_config(profiling=profiling), bridge))
-        ) as client:
+        app = build_app(_server_config(profiling=profiling, api_keys=api_keys), bridge)
+        async with TestClient(TestServer(app)) as client:
             for path in ("/start_profile", "/stop_profile"):
-                pending = asyncio.ensure_future(client.post(path))
+                pending = asyncio.ensure_future(client.post(path, headers=headers))
                 for _ in range(200):  # until the order is in the hand-over (or the 404)
                     await asyncio.sleep(0.005)
                     bridge.take(0)
@@ -323,6 +325,16 @@ def test_a_failed_order_answers_500_and_shutdown_503():
     (start, stop) = _profile_requests(True, fail)
     assert start[1] == 500 and "start_profile failed: OSError: disk full" in start[2]
     assert stop[1] == 503 and "bye" in stop[2]
+
+
+def test_with_an_api_key_the_profile_routes_need_it():
+    def apply(bridge, order):
+        bridge.finish_profile_order(order, None)
+
+    refused = _profile_requests(True, apply, api_keys=("k",))
+    assert [status for _, status, _ in refused] == [401, 401]
+    keyed = _profile_requests(True, apply, api_keys=("k",), headers={"Authorization": "Bearer k"})
+    assert [status for _, status, _ in keyed] == [200, 200]
 
 
 def test_without_a_profiler_config_the_routes_do_not_exist():
