@@ -2,10 +2,11 @@
 the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
 transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
 one GPU with DP+EP+DBO equal DBO off and transformers; a bfloat16 decode step attends without
-cuDNN's per-shape attention. The logits and shared-device tests run on the CPU too (the same
-code with the CPU platform), so CI checks their own logic; the op recorders are checked on the
-CPU, where they must find the host's products and SDPA's CPU kernel. FLEX_ATTENTION's logits
-equal transformers' on the GPU, compiled (its CPU tests run it eagerly)."""
+cuDNN's per-shape attention; a profile records the CUDA kernels. The logits, profile and
+shared-device tests run on the CPU too (the same code with the CPU platform), so CI checks their
+own logic; the op recorders are checked on the CPU, where they must find the host's products and
+SDPA's CPU kernel. FLEX_ATTENTION's logits equal transformers' on the GPU, compiled (its CPU
+tests run it eagerly)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,34 @@ def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the
         assert {c.device.type for c in caches} == {"cuda"}
         _one_decode_step(engine)
         assert host_matmuls(engine.step) == []
+
+
+@pytest.mark.parametrize("device_type", DEVICE_TYPES)
+def test_a_profile_of_a_decode_step_records_the_devices_kernels(
+    tmp_path, tiny_mixtral_dir, device_type
+):
+    """``--profiler-config``: the platform's activities, so CUDA kernels on a GPU (and an op
+    table by device time), the host's ops on a CPU."""
+    import gzip
+    import json
+
+    config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    with device_platform(device_type):
+        engine = _engine(tiny_mixtral_dir, torch.device(device_type, 0), profiler_config=config)
+        _one_decode_step(engine)
+        engine.start_profile()
+        engine.step()
+        engine.stop_profile()
+    (trace,) = tmp_path.glob("rank0.*.pt.trace.json.gz")
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert any(e.get("name") == "layer0.experts" for e in events)
+    table = (tmp_path / "profiler_out_0.txt").read_text()
+    if device_type == "cuda":
+        assert kernels and "Self CUDA" in table.splitlines()[1], table[:400]
+    else:
+        assert not kernels and "Self CPU" in table
 
 
 def _logits_on(device_type: str, model_dir: str, dtype: str):
