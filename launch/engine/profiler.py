@@ -124,14 +124,22 @@ class StepProfiler:
             self._begin_recording()
 
     def step(self) -> None:
-        """After an engine step in which some DP rank had work."""
+        """After an engine step in which some DP rank had work. Ending at ``max_iterations``
+        never raises: a trace that cannot be written is reported on stderr (``stop`` raises)."""
         if not self.is_armed:
             return
         self._num_steps += 1
         if self.is_recording:
             self._num_recorded += 1
             if 0 < self.config.max_iterations <= self._num_recorded:
-                self._end_recording()
+                try:
+                    self._end_recording()
+                except Exception as e:  # noqa: BLE001 - a lost trace must not end the engine
+                    print(
+                        f"moe-dbo: [rank {self.rank}] the profiler stopped after "
+                        f"max_iterations but could not write: {type(e).__name__}: {e}",
+                        file=sys.stderr,
+                    )
         elif self._num_steps == self.config.delay_iterations:
             self._begin_recording()
 

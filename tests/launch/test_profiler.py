@@ -148,6 +148,21 @@ def test_without_limits_the_window_is_start_to_stop_and_can_open_again():
     assert profiler.events == [("begin", 0), ("end", 1), ("begin", 0), ("end", 0)]
 
 
+def test_a_trace_lost_at_max_iterations_is_reported_and_the_steps_go_on(capsys):
+    class _Failing(_Recorded):
+        def _end(self) -> None:
+            raise OSError("disk full")
+
+    profiler = _Failing(max_iterations=1)
+    profiler.start()
+    profiler.step()  # ends the window: the write fails, the step does not
+    profiler.step()
+    assert not profiler.is_recording
+    err = capsys.readouterr().err
+    assert "[rank 0] the profiler stopped after max_iterations but could not write" in err
+    assert "OSError: disk full" in err
+
+
 def test_a_stop_during_the_delay_records_nothing():
     profiler = _Recorded(delay_iterations=5)
     profiler.start()
