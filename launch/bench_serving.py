@@ -261,6 +261,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc", type=int, default=2, help="DP ranks of the launched servers")
     p.add_argument("--server-args", default="", help="extra flags for the launched servers")
+    _add_dataset_args(p)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: burst)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
+    p.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help=f"comma-separated, of {','.join(METRIC_HEADERS)}",
+    )
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--ignore-eos", action="store_true", help="accepted for vLLM; always on")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the load on the server's ranks (/start_profile, /stop_profile; the server "
+        "needs --profiler-config; with --base-url or --host/--port only)",
+    )
+    return p
+
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's random dataset: prompt and output lengths, their spread, a shared prefix."""
     p.add_argument("--dataset-name", default="random", choices=("random",))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument(
@@ -286,24 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)",
     )
     p.add_argument("--random-prefix-len", type=int, default=0, help="shared prefix tokens")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: burst)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
-    p.add_argument(
-        "--percentile-metrics",
-        default="ttft,tpot,itl",
-        help=f"comma-separated, of {','.join(METRIC_HEADERS)}",
-    )
-    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    p.add_argument("--ignore-eos", action="store_true", help="accepted for vLLM; always on")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile the load on the server's ranks (/start_profile, /stop_profile; the server "
-        "needs --profiler-config; with --base-url or --host/--port only)",
-    )
-    return p
 
 
 def _check(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
