@@ -11,8 +11,9 @@ against the same DBO-off steps (the adaptive arm runs with the first count). Aft
 adaptive arm runs consecutive steps until the policy has decided the shape's bucket; those and any
 later re-exploration steps are reported apart from its measured steps. A step's time is the slowest
 rank's (ranks run in lockstep). Rank 0 prints a table (medians, with min-max) and writes
-``--output`` (JSON list of records). Metrics follow ``launch.timeline_metrics``: C and M from
-DBO-off steps, exposed communication from both, the overlap ratio from DBO-on steps.
+``--output`` (JSON list of records); ``--profiler-config`` profiles the whole run. Metrics follow
+``launch.timeline_metrics``: C and M from DBO-off steps, exposed communication from both, the
+overlap ratio from DBO-on steps.
 
 Links: ``--network loopback`` (default: gloo over whatever the ranks share), ``--emulate-link
 latency_us=…,gbps=…`` (a software link model on each collective's completion, see
@@ -358,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         if groups.rank == 0:
             print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
         engine.start_timeline()
+        if engine.profiler is not None:  # --profiler-config: every batch and arm
+            engine.start_profile()
         per_spec = run_all_batches(engine, specs, arms, ns, args, model, groups.rank)
+        engine.stop_profile()
         engine.write_timeline()
         everyone: list = [None] * groups.world_size
         dist.all_gather_object(everyone, (per_spec, cost_ns))  # blocking collective (timeout)
