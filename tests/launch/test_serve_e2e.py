@@ -229,12 +229,10 @@ def test_models_and_health(server, model_dir):
     assert json.loads(body)["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
 
-def test_bench_serving_against_the_running_server(server):
+def _bench_serving(server, *flags: str) -> subprocess.CompletedProcess:
+    """``launch.bench_serving`` against ``server`` with ``flags``; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
-        + ["--dataset-name=random", "--num-prompts=6", "--random-input-len=5"]
-        + ["--random-output-len=4", "--request-rate=50", "--max-concurrency=4"]
-        + ["--percentile-metrics=ttft,tpot,itl,e2el", "--metric-percentiles=50,99"],
+        [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}", *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -242,6 +240,16 @@ def test_bench_serving_against_the_running_server(server):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_bench_serving_against_the_running_server(server):
+    proc = _bench_serving(
+        server,
+        *["--dataset-name=random", "--num-prompts=6", "--random-input-len=5"],
+        *["--random-output-len=4", "--request-rate=50", "--max-concurrency=4"],
+        *["--percentile-metrics=ttft,tpot,itl,e2el", "--metric-percentiles=50,99"],
+    )
     assert "============ Serving Benchmark Result ============" in proc.stdout, proc.stdout
     assert re.search(r"^Successful requests:\s+6 *$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^Total generated tokens:\s+24 *$", proc.stdout, re.M), proc.stdout
@@ -255,16 +263,9 @@ def test_bench_serving_profile_writes_every_ranks_trace_of_the_load(server):
     the steps that served it."""
     profile_dir = server.log_path.parent / "profile"
     assert not profile_dir.exists() or not any(profile_dir.iterdir())  # nothing before a start
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench_serving", f"--base-url={server.base_url}"]
-        + ["--num-prompts=4", "--random-input-len=5", "--random-output-len=4", "--profile"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    proc = _bench_serving(
+        server, "--num-prompts=4", "--random-input-len=5", "--random-output-len=4", "--profile"
     )
-    assert proc.returncode == 0, proc.stderr
     assert re.search(r"^Successful requests:\s+4 *$", proc.stdout, re.M), proc.stdout
     for rank in (0, 1):
         (trace,) = profile_dir.glob(f"rank{rank}.*.pt.trace.json")
