@@ -163,6 +163,19 @@ def test_a_trace_lost_at_max_iterations_is_reported_and_the_steps_go_on(capsys):
     assert "OSError: disk full" in err
 
 
+def test_a_device_range_opens_and_closes_with_the_window():
+    calls = []
+    config = ProfilerConfig(profiler="cuda", max_iterations=2)
+    profiler = RangeStepProfiler(
+        config, rank=0, begin=lambda: calls.append("start"), end=lambda: calls.append("stop")
+    )
+    profiler.start()
+    assert calls == ["start"]
+    profiler.step()
+    profiler.step()
+    assert calls == ["start", "stop"]
+
+
 def test_a_stop_during_the_delay_records_nothing():
     profiler = _Recorded(delay_iterations=5)
     profiler.start()
