@@ -443,20 +443,22 @@ class LLMEngine:
             f"({self.stats.num_dbo_exploration_steps} exploration steps)"
         )
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start this rank's profiler (``--profiler-config``): it records from the next step (or
         after its ``delay_iterations``) until ``stop_profile`` or its ``max_iterations``; a start
-        while it is on does nothing.
+        while it is on does nothing. ``profile_prefix``: the trace is named
+        ``<prefix>_rank<r>.<ms>.pt.trace.json[.gz]`` instead of ``rank<r>.…``.
 
         Raises:
             RuntimeError: the engine was built without ``--profiler-config``.
+            ValueError: a prefix other than letters, digits, ``_``, ``.``, ``-`` (1-64).
         """
         if self.profiler is None:
             raise RuntimeError(
                 "profiling is off: start the engine with --profiler-config "
                 '\'{"profiler": "torch", "torch_profiler_dir": DIR}\' (LLM(profiler_config=...))'
             )
-        self.profiler.start()
+        self.profiler.start(profile_prefix)
 
     def stop_profile(self) -> None:
         """Stop this rank's profiler and write what it recorded (``torch``: the rank's trace and

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from dataclasses import dataclass, fields
 
 PROFILER_KINDS = ("torch", "cuda")
 TABLE_ROWS = 50  # rows of the op table a rank writes (vLLM's CPU-only table has 50)
+PROFILE_PREFIX = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # start_profile's trace-name prefix
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,11 +117,23 @@ class StepProfiler:
         self.is_recording = False
         self._num_steps = 0  # steps since start
         self._num_recorded = 0
+        self.prefix: str | None = None  # the trace names' prefix of this window
 
-    def start(self) -> None:
+    def start(self, prefix: str | None = None) -> None:
+        """Arm the window; ``prefix`` (``PROFILE_PREFIX``: letters, digits, ``_.-``) starts
+        its trace names (vLLM's ``profile_prefix``).
+
+        Raises:
+            ValueError: a prefix that is not a plain file-name part, before anything starts.
+        """
+        if prefix is not None and not PROFILE_PREFIX.fullmatch(prefix):
+            raise ValueError(
+                f"profile prefix {prefix!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
         if self.is_armed:
             return
         self.is_armed, self._num_steps, self._num_recorded = True, 0, 0
+        self.prefix = prefix
         if self.config.delay_iterations == 0:
             self._begin_recording()
 
@@ -208,8 +222,9 @@ class TorchStepProfiler(StepProfiler):
         directory = self.config.torch_profiler_dir
         os.makedirs(directory, exist_ok=True)
         suffix = ".gz" if self.config.torch_profiler_use_gzip else ""
+        name = f"rank{self.rank}" if self.prefix is None else f"{self.prefix}_rank{self.rank}"
         trace = os.path.join(
-            directory, f"rank{self.rank}.{time.time_ns() // 1_000_000}.pt.trace.json{suffix}"
+            directory, f"{name}.{time.time_ns() // 1_000_000}.pt.trace.json{suffix}"
         )
         profile.export_chrome_trace(trace)
         self.trace_paths.append(trace)

@@ -124,15 +124,17 @@ class LLM:
         """The checkpoint's tokenizer (``launch.serving.detokenizer.Tokenizer``), or None."""
         return self.offline_model.tokenizer
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start this rank's profiler (``profiler_config``; vLLM's ``LLM.start_profile``): the
-        steps of the ``generate`` / ``chat`` calls until ``stop_profile`` are recorded. Under
-        torchrun every rank calls it, like ``generate``.
+        steps of the ``generate`` / ``chat`` calls until ``stop_profile`` are recorded, in a
+        trace named ``[<profile_prefix>_]rank<r>.<ms>.pt.trace.json[.gz]``. Under torchrun every
+        rank calls it, like ``generate``.
 
         Raises:
             RuntimeError: the LLM was built without ``profiler_config``.
+            ValueError: a prefix other than letters, digits, ``_``, ``.``, ``-`` (1-64).
         """
-        self.llm_engine.start_profile()
+        self.llm_engine.start_profile(profile_prefix)
 
     def stop_profile(self) -> None:
         """Stop this rank's profiler and write its trace (``torch_profiler_dir``); nothing when

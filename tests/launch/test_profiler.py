@@ -204,13 +204,15 @@ def test_the_offline_api_writes_a_trace_of_the_recorded_steps(tmp_path, tiny_mix
         tiny_mixtral_dir, dtype="float32", max_model_len=64, block_size=4, profiler_config=config
     )
     try:
-        llm.start_profile()
+        with pytest.raises(ValueError, match="profile prefix '../x' must be"):
+            llm.start_profile("../x")
+        llm.start_profile("decode")
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
         llm.stop_profile()  # closed by max_iterations already: writes nothing more
     finally:
         llm.shutdown()
-    (trace,) = _traces(out, 0)
+    (trace,) = out.glob("decode_rank0.*.pt.trace.json")
     assert trace.suffix == ".json"  # torch_profiler_use_gzip false
     names = Counter(e.get("name") for e in _trace_events(trace) if e.get("ph") == "X")
     assert names["step"] == 3  # max_iterations, after the first step (delay_iterations)
