@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions`` (``serving_completion``) and ``POST /v1/chat/co
 (``serving_chat``), each a whole response or server-sent events ending in ``data: [DONE]`` with
 ``"stream": true``; ``GET /v1/models``, ``GET /health``, ``GET /metrics``; with
 ``--profiler-config``, vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (every rank's
-profiler; 200 once rank 0 applied the order).
+profiler; 200 once every rank applied the order).
 Requests go to the engine loop through an ``EngineBridge``; bad requests are answered 400 with an
 OpenAI error object, requests during shutdown 503.
 """
@@ -127,8 +127,9 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
 
 def profile_handler(action: str, config: ServerConfig, bridge: EngineBridge):
     """``POST /<action>_profile``: every rank's profiler started or stopped (``EngineBridge.
-    profile``); 200 with an empty body once rank 0 applied it (a stop has written its trace),
-    503 during shutdown, 504 after ``output_timeout_s``, 500 naming a failure."""
+    profile``); 200 with an empty body once every rank applied it (a stop has written every
+    rank's trace), 503 during shutdown, 504 after ``output_timeout_s``, 500 naming the first
+    rank that failed."""
 
     async def handler(_request: web.Request) -> web.Response:
         try:
@@ -137,7 +138,7 @@ def profile_handler(action: str, config: ServerConfig, bridge: EngineBridge):
             return _error(str(e), 503)
         except TimeoutError:
             return _error(f"{action}_profile: no answer in {config.output_timeout_s:g} s", 504)
-        except Exception as e:  # noqa: BLE001 - the order failed on rank 0 (e.g. writing the trace)
+        except Exception as e:  # noqa: BLE001 - the order failed on a rank (e.g. writing the trace)
             return _error(f"{action}_profile failed: {type(e).__name__}: {e}", 500)
         return web.Response(status=200)
 

@@ -53,7 +53,7 @@ class ProfileOrder:
     """``POST /start_profile`` or ``/stop_profile``: every rank starts or stops its profiler."""
 
     action: str  # "start" | "stop"
-    done: asyncio.Future  # on the HTTP loop: None once rank 0 applied it, or its exception
+    done: asyncio.Future  # on the HTTP loop: None once every rank applied it, or the error
 
 
 class ServerShuttingDown(RuntimeError):
@@ -114,7 +114,7 @@ class EngineBridge:
 
     def profile(self, action: str) -> asyncio.Future:
         """Queue a profiler order (``action`` "start" or "stop") for every rank; the future
-        resolves once rank 0 applied it (its exception if that failed).
+        resolves once every rank applied it (the first rank's error if one failed).
 
         Raises:
             ServerShuttingDown: once the server stopped accepting requests.

@@ -63,6 +63,8 @@ class RankReport:
     num_preemptions: int = 0
     kv_cache_usage: float = 0.0  # fraction of this rank's KV blocks in use
     wants_shutdown: bool = False  # this rank got SIGTERM
+    # per profiler order of the last exchange: None (applied) or why it failed on this rank
+    profile_errors: tuple[str | None, ...] = ()
     ran_step: bool = False
     is_ubatched: bool = False
     step_time_s: float = 0.0
@@ -106,7 +108,11 @@ class ServeLoop:
         self._num_sent: dict[int, int] = {}  # request id -> output tokens already reported
         self._shutdown_deadline: float | None = None
         self._error_outputs: list[RequestOutput] = []
-        self._profile_orders: list[ProfileOrder] = []  # rank 0: sent, resolved after applying
+        # rank 0: profiler orders taken for the next exchange, and those sent in the last one,
+        # resolved once every rank's report says how applying them went
+        self._profile_orders: list[ProfileOrder] = []
+        self._profile_orders_sent: list[ProfileOrder] = []
+        self._profile_errors: tuple[str | None, ...] = ()  # this rank's, for its next report
 
     def run(self) -> int:
         """Serve until told to exit; the number of requests failed at shutdown (rank 0)."""
@@ -122,7 +128,8 @@ class ServeLoop:
                     f"(--shutdown-timeout {self.shutdown_timeout_s:g} s)"
                 )
                 num_failed = self.bridge.fail_all(error)
-                self._finish_profile_orders([error] * len(self._profile_orders))
+                for order in self._profile_orders:  # taken, never to be applied
+                    self.bridge.finish_profile_order(order, error)
             parts = self._exchange(orders, report)
             orders = parts[0][0]
             reports = [part[1] for part in parts]
@@ -131,9 +138,8 @@ class ServeLoop:
             if orders.should_exit:
                 return num_failed
             self._apply(orders)
-            profile_errors = self._apply_profile(orders.profile)
-            if self.dp_rank == 0:
-                self._finish_profile_orders(profile_errors)
+            self._profile_errors = self._apply_profile(orders.profile)
+            self._profile_orders_sent, self._profile_orders = self._profile_orders, []
             num_new = len(orders.assignments)
             any_work = num_new > 0 or any(r.num_running + r.num_waiting > 0 for r in reports)
             report = self._step() if any_work else self._report(ran_step=False)
@@ -156,7 +162,9 @@ class ServeLoop:
             bridge.stop_accepting()
             self._shutdown_deadline = time.monotonic() + self.shutdown_timeout_s
         shutting_down = not bridge.is_accepting
-        new, aborts = bridge.take(0 if any_work or shutting_down else self.heartbeat_s)
+        # profiler orders in flight: their answer comes with the next exchange, so no idle wait
+        busy = any_work or shutting_down or self._profile_orders_sent
+        new, aborts = bridge.take(0 if busy else self.heartbeat_s)
         self._profile_orders = bridge.take_profile_orders()
         for request_id in aborts:
             self.load_balancer.close(request_id)
@@ -183,7 +191,9 @@ class ServeLoop:
         )
 
     def _collect(self, reports: list[RankReport]) -> None:
-        """Rank 0: pass every rank's outputs to the HTTP handlers; update metrics."""
+        """Rank 0: pass every rank's outputs to the HTTP handlers, resolve the profiler orders
+        they applied; update metrics."""
+        self._finish_profile_orders(reports)
         self.bridge.note_running(sum(r.num_running for r in reports))
         for dp_rank, report in enumerate(reports):
             if report.wants_shutdown and self.bridge.is_accepting:
@@ -240,9 +250,10 @@ class ServeLoop:
                     RequestOutput(request_id=request_id, finish_reason="abort")
                 )
 
-    def _apply_profile(self, actions: tuple[str, ...]) -> list[Exception | None]:
-        """Start or stop this rank's profiler per order; each order's error, or None."""
-        errors: list[Exception | None] = []
+    def _apply_profile(self, actions: tuple[str, ...]) -> tuple[str | None, ...]:
+        """Start or stop this rank's profiler per order (a stop writes its trace); per order
+        None, or why it failed here (for the next report)."""
+        errors: list[str | None] = []
         for action in actions:
             try:
                 if action == "start":
@@ -251,14 +262,16 @@ class ServeLoop:
                     self.engine.stop_profile()
                 errors.append(None)
             except Exception as e:  # noqa: BLE001 - answered to the order's client, not fatal
-                errors.append(e)
-        return errors
+                errors.append(f"[rank {self.dp_rank}] {type(e).__name__}: {e}")
+        return tuple(errors)
 
-    def _finish_profile_orders(self, errors: list[Exception | None]) -> None:
-        """Rank 0: resolve the orders sent in this exchange, each with its error or None."""
-        for order, error in zip(self._profile_orders, errors, strict=True):
-            self.bridge.finish_profile_order(order, error)
-        self._profile_orders = []
+    def _finish_profile_orders(self, reports: list[RankReport]) -> None:
+        """Rank 0: resolve the orders of the last exchange now that every rank has reported
+        applying them: done, or failed with the first rank's error."""
+        for index, order in enumerate(self._profile_orders_sent):
+            errors = [r.profile_errors[index] for r in reports if r.profile_errors[index]]
+            self.bridge.finish_profile_order(order, RuntimeError(errors[0]) if errors else None)
+        self._profile_orders_sent = []
 
     def _step(self) -> RankReport:
         stats = self.engine.stats
@@ -302,6 +315,7 @@ class ServeLoop:
         engine = self.engine
         if not ran_step and self._error_outputs:
             outputs, self._error_outputs = tuple(self._error_outputs), []
+        profile_errors, self._profile_errors = self._profile_errors, ()
         return RankReport(
             outputs=tuple(outputs),
             num_running=engine.num_running,
@@ -309,6 +323,7 @@ class ServeLoop:
             num_preemptions=self.engine.stats.num_preemptions,
             kv_cache_usage=engine.kv_cache_usage,
             wants_shutdown=self.stop_requested(),
+            profile_errors=profile_errors,
             ran_step=ran_step,
             **step,
         )

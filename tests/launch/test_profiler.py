@@ -332,7 +332,7 @@ def _profile_requests(
     return asyncio.run(go())
 
 
-def test_the_profile_routes_answer_200_once_rank_0_applied_the_order():
+def test_the_profile_routes_answer_200_once_the_engine_loop_resolved_the_order():
     seen = []
 
     def apply(bridge, order):
@@ -370,6 +370,39 @@ def test_with_an_api_key_the_profile_routes_need_it():
 def test_without_a_profiler_config_the_routes_do_not_exist():
     results = _profile_requests(False, lambda bridge, order: None)
     assert [status for _, status, _ in results] == [404, 404]
+
+
+def test_an_order_resolves_with_every_ranks_report_and_the_first_ranks_error():
+    """The serve loop answers an order when every rank's next report says how applying it went
+    (a stop's answer means every rank's trace is written)."""
+    from types import SimpleNamespace
+
+    from launch.serving.serve_loop import RankReport, ServeLoop
+
+    class Bridge:
+        finished: list = []
+
+        def finish_profile_order(self, order, error):
+            self.finished.append((order, None if error is None else str(error)))
+
+    engine = SimpleNamespace(args=SimpleNamespace(load_balance_method="round_robin"))
+    loop = ServeLoop(
+        engine=engine,
+        control_group=None,
+        dp_rank=0,
+        dp_size=2,
+        stop_requested=lambda: False,
+        shutdown_timeout_s=1,
+        bridge=Bridge(),
+    )
+    loop._profile_orders_sent = ["start", "stop"]  # stand-ins for the two ProfileOrders
+    reports = [
+        RankReport(profile_errors=(None, None)),
+        RankReport(profile_errors=(None, "[rank 1] OSError: disk full")),
+    ]
+    loop._finish_profile_orders(reports)
+    assert loop.bridge.finished == [("start", None), ("stop", "[rank 1] OSError: disk full")]
+    assert loop._profile_orders_sent == []
 
 
 def test_fail_all_fails_the_profile_orders_still_in_the_hand_over():
