@@ -265,7 +265,7 @@ class EngineArgs:
         Raises:
             ValueError: as ``parse_profiler_config`` raises it (naming the key and the rule).
         """
-        from launch.engine.profiler import ProfilerConfig, parse_profiler_config  # torch-free
+        from launch.engine.profiler import ProfilerConfig, parse_profiler_config
 
         if self.profiler_config is None:
             return ProfilerConfig()

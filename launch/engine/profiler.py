@@ -1,9 +1,9 @@
 """Step profiling of every rank, vLLM's ``--profiler-config``: torch's profiler or a device range.
 
 ``--profiler-config '{"profiler": "torch", "torch_profiler_dir": DIR}'`` (vLLM's keys, a subset;
-torch-free parsing here, so a bad config fails before torch loads) arms a profiler on every rank;
-nothing is recorded until ``start_profile`` (``LLM.start_profile()``, the server's ``POST
-/start_profile``, ``launch.bench_throughput --profile``, or the whole run of ``launch.generate``)
+checked when ``EngineArgs`` is built, before any work) arms a profiler on every rank; nothing is
+recorded until ``start_profile`` (``LLM.start_profile()``, the server's ``POST /start_profile``,
+``launch.bench_throughput --profile``, or the whole run of ``launch.generate`` / ``launch.bench``)
 and up to ``stop_profile``. ``delay_iterations`` engine steps pass before it records and it stops
 by itself after ``max_iterations`` recorded steps (0: no limit); steps are counted where some DP
 rank had work, so every rank's window covers the same steps.
