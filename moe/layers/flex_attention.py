@@ -6,7 +6,9 @@ slots, KV head-major view, no copy), all real query rows of the (u)batch are one
 and a block mask says which cache blocks each tile of ``Q_BLOCK_SIZE`` query rows visits: the
 blocks of the tile's requests up to its rows' causal extent. Inside a visited block the mask
 function keeps a slot when its block belongs to the row's request and its position in that
-request is at most the row's own. No padded copies of K/V, one call per layer.
+request is at most the row's own; blocks every row of the tile keeps whole (a prefill's context
+before the tile) are listed as *full*, where flex skips the mask function. No padded copies of
+K/V, one call per layer.
 
 The block mask and the maps behind the mask function depend only on the (u)batch's metadata:
 they are built once on the metadata's device (the host in the engine), moved to the cache's
@@ -51,35 +53,61 @@ def compiled_flex_attention() -> FlexAttention:
 
 
 def _tile_kv_blocks(
-    doc: Tensor, last_block: Tensor, block_table: Tensor, num_rows: int
-) -> tuple[Tensor, Tensor]:
-    """(kv_num_blocks [tiles] int32, kv_indices [tiles, most] int32): per tile of
-    ``Q_BLOCK_SIZE`` rows, the cache blocks of each of its requests up to that request's last row
-    in the tile (``last_block`` [rows]: the row's last logical block). The requests' blocks are
-    disjoint, so the lists need no deduplication."""
-    device = doc.device
-    rows = torch.arange(num_rows, device=device)
+    doc: Tensor, position: Tensor, block_table: Tensor, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The block lists of ``BlockMask.from_kv_blocks``, per tile of ``Q_BLOCK_SIZE`` rows
+    (``doc`` / ``position`` [rows]: each row's request and position in it): (kv_num_blocks
+    [tiles], kv_indices [tiles, most], full_kv_num_blocks [tiles], full_kv_indices [tiles,
+    most_full]), int32. A tile visits the cache blocks of each of its requests up to that
+    request's last row in the tile. A block is *full* (flex skips the mask function there) when
+    all 16 rows of the tile belong to its request and its last slot precedes the tile's first
+    row: every row keeps every slot of it. The requests' blocks are disjoint, so the lists need
+    no deduplication."""
+    num_rows = doc.numel()
+    rows = torch.arange(num_rows, device=doc.device)
     # the last row of each (tile, request) pair: its request changes next, or its tile ends
-    is_end = torch.ones(num_rows, dtype=torch.bool, device=device)
+    is_end = torch.ones(num_rows, dtype=torch.bool, device=doc.device)
     is_end[:-1] = (doc[1:] != doc[:-1]) | ((rows[1:] % Q_BLOCK_SIZE) == 0)
     ends = rows[is_end]
-    counts = last_block[ends] + 1  # blocks each pair visits
+    is_start = torch.ones_like(is_end)
+    is_start[1:] = is_end[:-1]
+    starts = rows[is_start]  # the first row of each pair
     tiles = ends // Q_BLOCK_SIZE
+    visited = position[ends] // block_size + 1  # blocks each pair visits: logical 0 .. n-1
+    whole_tile = (ends - starts + 1) == Q_BLOCK_SIZE  # the tile's 16 rows, one request
+    full = torch.where(whole_tile, (position[starts] + 1) // block_size, 0)
     num_tiles = -(-num_rows // Q_BLOCK_SIZE)
-    kv_num_blocks = torch.zeros(num_tiles, dtype=torch.long, device=device)
-    kv_num_blocks.index_add_(0, tiles, counts)
-    total = int(counts.sum())  # host read: metadata on the host in the engine
+    owners = doc[ends]
+    partial_lists = _tile_lists(tiles, owners, full, visited - full, num_tiles, block_table)
+    full_lists = _tile_lists(tiles, owners, torch.zeros_like(full), full, num_tiles, block_table)
+    return (*partial_lists, *full_lists)
+
+
+def _tile_lists(
+    tiles: Tensor,
+    owners: Tensor,
+    first: Tensor,
+    count: Tensor,
+    num_tiles: int,
+    block_table: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """(num [num_tiles] int32, indices [num_tiles, most] int32): per tile, the cache blocks of
+    logical indices ``first .. first + count - 1`` of each of its (tile, request) pairs
+    (``tiles``, ``owners``, ``first``, ``count``: [pairs]), in pair order."""
+    device = tiles.device
+    num = torch.zeros(num_tiles, dtype=torch.long, device=device)
+    num.index_add_(0, tiles, count)
+    total = int(count.sum())  # host read: metadata on the host in the engine
     pair = torch.repeat_interleave(
-        torch.arange(ends.numel(), device=device), counts, output_size=total
+        torch.arange(count.numel(), device=device), count, output_size=total
     )
     flat = torch.arange(total, device=device)
-    logical = flat - (torch.cumsum(counts, 0) - counts)[pair]
-    tile_start = torch.cumsum(kv_num_blocks, 0) - kv_num_blocks
+    logical = first[pair] + flat - (torch.cumsum(count, 0) - count)[pair]
+    tile_start = torch.cumsum(num, 0) - num
     column = flat - tile_start[tiles[pair]]
-    most = max(int(kv_num_blocks.max()), 1)
-    kv_indices = torch.zeros(num_tiles, most, dtype=torch.long, device=device)
-    kv_indices[tiles[pair], column] = block_table[doc[ends][pair], logical].long()
-    return kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32)
+    indices = torch.zeros(num_tiles, max(int(num.max()), 1), dtype=torch.long, device=device)
+    indices[tiles[pair], column] = block_table[owners[pair], logical].long()
+    return num.to(torch.int32), indices.to(torch.int32)
 
 
 def _block_owners(
@@ -128,8 +156,9 @@ def flex_block_mask(
         owner, logical = _block_owners(
             attn_metadata.block_table, seq_lens, block_size, num_cache_blocks
         )
-        kv_num_blocks, kv_indices = _tile_kv_blocks(
-            doc, position // block_size, attn_metadata.block_table, num_rows
+        lists = _tile_kv_blocks(doc, position, attn_metadata.block_table, block_size)
+        kv_num_blocks, kv_indices, full_num_blocks, full_indices = (
+            t[None, None].to(device) for t in lists
         )
         doc, position, owner, logical = (t.to(device) for t in (doc, position, owner, logical))
 
@@ -141,8 +170,10 @@ def flex_block_mask(
             )
 
         return BlockMask.from_kv_blocks(
-            kv_num_blocks[None, None].to(device),
-            kv_indices[None, None].to(device),
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks=full_num_blocks,
+            full_kv_indices=full_indices,
             BLOCK_SIZE=(Q_BLOCK_SIZE, block_size),
             mask_mod=mask_mod,
             seq_lengths=(num_rows, num_cache_blocks * block_size),

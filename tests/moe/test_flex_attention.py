@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from launch.engine.arg_utils import EngineArgs
@@ -111,30 +112,63 @@ def test_tile_block_lists_hand_worked():
     assert idx[0][:7] == [7, 3, 5, 10, 11, 12, 13] and idx[1][:5] == [10, 11, 12, 13, 14]
 
 
+def _tile_blocks(num_blocks: Tensor, indices: Tensor, num_tiles: int, cache_blocks: int):
+    """[tiles, cache blocks] bool: the blocks each tile lists (one of the block mask's lists)."""
+    listed = torch.zeros(num_tiles, cache_blocks, dtype=torch.bool)
+    for t, (n, idx) in enumerate(zip(num_blocks[0, 0], indices[0, 0], strict=True)):
+        listed[t, idx[:n].long()] = True
+    return listed
+
+
 @pytest.mark.parametrize(
     "requests, block_size",
-    [(MIXED, 4), (MANY, 4), ([(0, 40), (17, 1), (31, 2), (60, 5), (3, 20)], 16)],
-    ids=["mixed", "many", "blocks16"],
+    [
+        (MIXED, 4),
+        (MANY, 4),
+        ([(0, 40), (17, 1), (31, 2), (60, 5), (3, 20)], 16),
+        ([(8, 32), (0, 16), (5, 50)], 4),
+    ],
+    ids=["mixed", "many", "blocks16", "prefills"],
 )
 def test_tiles_visit_every_block_the_mask_keeps(requests, block_size):
-    """The compiled kernel reads only the listed blocks (the eager reference applies the mask
-    function everywhere): every (row, slot) the mask keeps lies in a block its tile lists, and
-    each row keeps exactly its causal context."""
-    md = make_metadata(requests, block_size=block_size, num_blocks=512, max_blocks=12)
+    """The compiled kernel reads only the listed blocks and skips the mask function in the full
+    ones (the eager reference applies it everywhere): every (row, slot) the mask keeps lies in a
+    block its tile lists, a full block is kept whole by every row of its tile, no block is both,
+    and each row keeps exactly its causal context."""
+    md = make_metadata(requests, block_size=block_size, num_blocks=512, max_blocks=16)
     mask = flex_module.flex_block_mask(md, block_size, 512, torch.device("cpu"))
     rows, slots = md.num_actual_tokens, 512 * block_size
     kept = create_mask(mask.mask_mod, None, None, rows, slots, device="cpu")[0, 0]
-    tiles = torch.zeros(kept.shape[0] // 16 + 1, 512, dtype=torch.bool)
-    for t, (n, idx) in enumerate(zip(mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0], strict=True)):
-        tiles[t, idx[:n].long()] = True
-    listed = tiles[torch.arange(rows) // 16].repeat_interleave(block_size, dim=1)
+    num_tiles = -(-rows // 16)
+    partial = _tile_blocks(mask.kv_num_blocks, mask.kv_indices, num_tiles, 512)
+    full = _tile_blocks(mask.full_kv_num_blocks, mask.full_kv_indices, num_tiles, 512)
+    assert not (partial & full).any()
+    listed = (partial | full)[torch.arange(rows) // 16].repeat_interleave(block_size, dim=1)
     assert not (kept & ~listed).any()
+    full_slots = full[torch.arange(rows) // 16].repeat_interleave(block_size, dim=1)
+    assert (kept | ~full_slots).all()  # a full block: every row of the tile keeps all of it
     positions = md.seq_lens - (md.query_start_loc[1:] - md.query_start_loc[:-1])
     row_counts = kept.sum(1).tolist()
     expected = [
         p + i + 1 for p, (_, q) in zip(positions.tolist(), requests, strict=True) for i in range(q)
     ]
     assert row_counts == expected
+    if block_size == 4 and requests[0] == (8, 32):  # a prefill of whole tiles has full blocks
+        assert int(mask.full_kv_num_blocks.sum()) > 0
+
+
+def test_full_blocks_hand_worked():
+    """Block size 4, one request of 32 rows at positions 8-39 (logical block i in cache block
+    20 + i). Tile 0 (positions 8-23) keeps blocks 0-1 whole (positions 0-7 precede its first
+    row) and visits 2-5 partly; tile 1 (positions 24-39) keeps 0-5 whole and visits 6-9."""
+    md = make_metadata([(8, 32)], max_blocks=10)
+    md = dataclasses.replace(md, block_table=torch.arange(20, 30, dtype=torch.int32)[None])
+    mask = flex_module.flex_block_mask(md, BLOCK_SIZE, 32, torch.device("cpu"))
+    full_num, full_idx = mask.full_kv_num_blocks[0, 0].tolist(), mask.full_kv_indices[0, 0]
+    num, idx = mask.kv_num_blocks[0, 0].tolist(), mask.kv_indices[0, 0]
+    assert full_num == [2, 6] and num == [4, 4]
+    assert full_idx[0, :2].tolist() == [20, 21] and full_idx[1, :6].tolist() == list(range(20, 26))
+    assert idx[0, :4].tolist() == [22, 23, 24, 25] and idx[1, :4].tolist() == [26, 27, 28, 29]
 
 
 def test_block_mask_built_once_per_ubatch_and_shared_by_layers(monkeypatch):
@@ -167,25 +201,48 @@ def test_query_and_cache_dtypes_must_agree():
         flex_module.flex_paged_attention(q, op.kv_cache, md, scale=1.0)
 
 
-def test_compiled_flex_equals_eager_on_cpu():
+# fixed shapes for the compiled test: 16-token blocks, a cache of 4 blocks
+COMPILED_CASES = {
+    # request 0 one row over 3 blocks, request 1 16 rows in the fourth: tile 0 visits every block
+    "mixed_tile": dict(
+        query_start_loc=[0, 1, 17], seq_lens=[41, 16], block_table=[[2, 0, 3], [1, 0, 0]]
+    ),
+    # one request of 32 rows after a 32-token context: tile 0 keeps 2 blocks whole (full blocks,
+    # no mask function), tile 1 keeps 3
+    "full_blocks": dict(query_start_loc=[0, 32], seq_lens=[64], block_table=[[3, 1, 0, 2]]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED_CASES))
+def test_compiled_flex_equals_eager_on_cpu(case, monkeypatch):
     """flex_attention compiled whole (fullgraph: our mask function and block mask trace without
-    a break, as on a GPU) equals its eager reference. Inductor's CPU template compiles static
-    shapes only and wants the block mask as wide as the cache, so one shape whose first tile
-    visits every block: 16-token blocks, request 0 one row over 3 blocks, request 1 16 rows in
-    the fourth."""
+    a break, as on a GPU) equals its eager reference, which applies the mask function
+    everywhere: so the compiled kernel's block lists, full blocks included, are right. Inductor's
+    CPU template compiles static shapes only and wants each list as wide as the cache (4 blocks
+    here: the lists are padded to it; a GPU's template takes them as built)."""
+    tile_lists = flex_module._tile_lists
+
+    def as_wide_as_the_cache(*args):
+        num, indices = tile_lists(*args)
+        return num, torch.nn.functional.pad(indices, (0, 4 - indices.shape[1]))
+
+    monkeypatch.setattr(flex_module, "_tile_lists", as_wide_as_the_cache)
     op = make_op(8, 2, AttentionBackendEnum.FLEX_ATTENTION, block_size=16, num_blocks=4)
     op.kv_cache = op.kv_cache.float()
+    spec = {k: torch.tensor(v, dtype=torch.int32) for k, v in COMPILED_CASES[case].items()}
+    num_rows = int(spec["query_start_loc"][-1])
     md = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 1, 17], dtype=torch.int32),
-        seq_lens=torch.tensor([41, 16], dtype=torch.int32),
-        block_table=torch.tensor([[2, 0, 3], [1, 0, 0]], dtype=torch.int32),
-        slot_mapping=torch.full((17,), -1),  # nothing written: the cache is random already
-        num_reqs=2,
-        num_actual_tokens=17,
-        num_tokens=17,
-        max_query_len=16,
-        max_seq_len=41,
+        **spec,
+        slot_mapping=torch.full((num_rows,), -1),  # nothing written: the cache is random already
+        num_reqs=len(spec["seq_lens"]),
+        num_actual_tokens=num_rows,
+        num_tokens=num_rows,
+        max_query_len=int((spec["query_start_loc"][1:] - spec["query_start_loc"][:-1]).max()),
+        max_seq_len=int(spec["seq_lens"].max()),
     )
+    if case == "full_blocks":
+        mask = flex_module.flex_block_mask(md, 16, 4, torch.device("cpu"))
+        assert mask.full_kv_num_blocks[0, 0].tolist() == [2, 3]
     query = torch.randn(md.num_tokens, 8, 8, generator=torch.Generator().manual_seed(5))
     compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     got = flex_module.flex_paged_attention(query, op.kv_cache, md, scale=0.35, flex=compiled)
@@ -267,8 +324,9 @@ def test_our_side_reads_the_host_only_while_building_the_block_mask():
 def test_changing_shapes_compile_a_few_graphs_not_one_per_step():
     """What the engine's compiled flex_attention recompiles for is decided by Dynamo's guards on
     our block mask and mask function, the same whatever the backend (a counting one here, inductor
-    on a GPU): 30 steps of random decode / prefill mixes compile a handful of graphs (static, then
-    dynamic, then one-tile and one-row specialisations), never one per step."""
+    on a GPU): 30 steps of random decode / prefill mixes (40-row prefills filling whole tiles, so
+    with full blocks, and without) compile a handful of graphs (static, then dynamic, then
+    one-tile and one-row specialisations), never one per step."""
     torch._dynamo.reset()
     graphs = []
 
@@ -284,7 +342,8 @@ def test_changing_shapes_compile_a_few_graphs_not_one_per_step():
         for _ in range(30):
             num_reqs = int(torch.randint(1, 10, (1,), generator=gen))
             cached = torch.randint(0, 100, (num_reqs,), generator=gen).tolist()
-            rows = torch.tensor([1, 1, 1, 5, 17])[torch.randint(0, 5, (num_reqs,), generator=gen)]
+            choice = torch.randint(0, 6, (num_reqs,), generator=gen)
+            rows = torch.tensor([1, 1, 1, 5, 17, 40])[choice]
             requests = list(zip(cached, rows.tolist(), strict=True))
             md, _ = CommonAttentionMetadata.for_requests(requests, 16)
             query = torch.randn(md.num_tokens, 4, 8, generator=gen)
