@@ -259,17 +259,16 @@ class EngineArgs:
             raise ValueError(f"--dbo-adaptive-prior {path!r}: {e}") from None
 
     def profiler(self):
-        """``--profiler-config`` parsed (``launch.engine.profiler.ProfilerConfig``; its
-        ``profiler`` is None when not given).
+        """``--profiler-config`` parsed, or ``$VLLM_TORCH_PROFILER_DIR``'s torch profiler
+        (``launch.engine.profiler.profiler_config``; its ``profiler`` is None when neither is
+        given).
 
         Raises:
             ValueError: as ``parse_profiler_config`` raises it (naming the key and the rule).
         """
-        from launch.engine.profiler import ProfilerConfig, parse_profiler_config
+        from launch.engine.profiler import profiler_config
 
-        if self.profiler_config is None:
-            return ProfilerConfig()
-        return parse_profiler_config(self.profiler_config)
+        return profiler_config(self.profiler_config)
 
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""

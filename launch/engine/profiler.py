@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 PROFILER_KINDS = ("torch", "cuda")
+# vLLM's older switch: a torch profiler writing here when no --profiler-config is given
+PROFILER_DIR_VARIABLE = "VLLM_TORCH_PROFILER_DIR"
 TABLE_ROWS = 50  # rows of the op table a rank writes (vLLM's CPU-only table has 50)
 PROFILE_PREFIX = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # start_profile's trace-name prefix
 
@@ -52,6 +54,19 @@ class ProfilerConfig:
     @property
     def is_on(self) -> bool:
         return self.profiler is not None
+
+
+def profiler_config(text: str | None) -> ProfilerConfig:
+    """The profiler of ``--profiler-config`` (``text``), else of ``$VLLM_TORCH_PROFILER_DIR``
+    (vLLM's variable before the flag: ``{"profiler": "torch", "torch_profiler_dir": it}``), else
+    none. Raises ValueError as ``parse_profiler_config``."""
+    if text is not None:
+        return parse_profiler_config(text)
+    directory = os.environ.get(PROFILER_DIR_VARIABLE)
+    if directory:
+        from_variable = {"profiler": "torch", "torch_profiler_dir": directory}
+        return parse_profiler_config(json.dumps(from_variable))
+    return ProfilerConfig()
 
 
 def parse_profiler_config(text: str) -> ProfilerConfig:

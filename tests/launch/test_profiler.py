@@ -86,6 +86,17 @@ def test_a_bad_config_is_refused_naming_the_key(text, message):
     assert message in str(info.value)
 
 
+def test_vllms_older_variable_arms_a_torch_profiler_and_the_flag_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
+    from_variable = EngineArgs().profiler()
+    assert from_variable.profiler == "torch"
+    assert from_variable.torch_profiler_dir == str(tmp_path / "env")
+    flag = EngineArgs(profiler_config=_torch_config(tmp_path / "flag")).profiler()
+    assert flag.torch_profiler_dir == str(tmp_path / "flag")
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", "")
+    assert not EngineArgs().profiler().is_on
+
+
 def test_a_cuda_profiler_is_refused_on_a_platform_without_a_device_range():
     with pytest.raises(ValueError, match='profiler "cuda" needs a CUDA device range; platform cpu'):
         EngineArgs(profiler_config='{"profiler": "cuda"}')
