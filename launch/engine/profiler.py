@@ -210,8 +210,9 @@ class TorchStepProfiler(StepProfiler):
         c = self.config
         every_thread = all_threads_config()
         # torch's every-thread recording with stacks left undecodable op names in 2-rank runs
-        # (torch 2.13 CPU, DBO on or off; not in one process with plain threads): key_averages
-        # raised UnicodeDecodeError. Every thread's ops matter more than the Python stacks.
+        # (torch 2.13 CPU; DP 2 with or without EP, DBO on or off, mostly the first window after
+        # start; never with one rank): key_averages raised UnicodeDecodeError. Every thread's
+        # ops matter more than the Python stacks.
         with_stack = c.torch_profiler_with_stack and every_thread is None
         if c.torch_profiler_with_stack and not with_stack and self.rank == 0:
             print(
