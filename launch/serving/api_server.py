@@ -35,6 +35,7 @@ from launch.serving.http_guard import (
     GuardedTCPSite,
     OneLineServerLogger,
     api_key_middleware,
+    wait_within,
 )
 from launch.serving.json_decoding import JsonDecoder
 from launch.serving.metrics import ServerMetrics
@@ -132,11 +133,11 @@ def profile_handler(action: str, config: ServerConfig, bridge: EngineBridge):
     rank that failed."""
 
     async def handler(_request: web.Request) -> web.Response:
-        try:
-            await asyncio.wait_for(bridge.profile(action), config.output_timeout_s)
+        try:  # bounded wait for every rank (a stop writes every rank's trace)
+            await wait_within(bridge.profile(action), config.output_timeout_s)
         except ServerShuttingDown as e:
             return _error(str(e), 503)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return _error(f"{action}_profile: no answer in {config.output_timeout_s:g} s", 504)
         except Exception as e:  # noqa: BLE001 - the order failed on a rank (e.g. writing the trace)
             return _error(f"{action}_profile failed: {type(e).__name__}: {e}", 500)

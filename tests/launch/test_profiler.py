@@ -303,7 +303,7 @@ def test_two_ranks_under_dbo_write_one_trace_each_with_the_ubatch_threads(
 # the server's routes, in process (aiohttp test server; the test plays the engine loop)
 
 
-def _server_config(*, profiling: bool, api_keys: tuple[str, ...] = ()) -> ServerConfig:
+def _server_config(*, profiling: bool, api_keys: tuple[str, ...] = (), **extra) -> ServerConfig:
     return ServerConfig(
         model_name="m",
         max_model_len=64,
@@ -312,11 +312,12 @@ def _server_config(*, profiling: bool, api_keys: tuple[str, ...] = ()) -> Server
         metrics=ServerMetrics(dp_size=1),
         profiling=profiling,
         api_keys=api_keys,
+        **extra,
     )
 
 
 def _profile_requests(
-    profiling: bool, answer, *, api_keys=(), headers=None
+    profiling: bool, answer, *, api_keys=(), headers=None, **config
 ) -> list[tuple[str, int, str]]:
     """POST /start_profile then /stop_profile while ``answer(bridge, order)`` plays rank 0's
     loop; (path, status, body) of each."""
@@ -324,7 +325,7 @@ def _profile_requests(
     async def go():
         bridge = EngineBridge(asyncio.get_running_loop())
         results = []
-        app = build_app(_server_config(profiling=profiling, api_keys=api_keys), bridge)
+        app = build_app(_server_config(profiling=profiling, api_keys=api_keys, **config), bridge)
         async with TestClient(TestServer(app)) as client:
             for path in ("/start_profile", "/stop_profile"):
                 pending = asyncio.ensure_future(client.post(path, headers=headers))
@@ -366,6 +367,12 @@ def test_a_failed_order_answers_500_and_shutdown_503():
     (start, stop) = _profile_requests(True, fail)
     assert start[1] == 500 and "start_profile failed: OSError: disk full" in start[2]
     assert stop[1] == 503 and "bye" in stop[2]
+
+
+def test_an_order_nobody_answers_times_out_with_504():
+    results = _profile_requests(True, lambda bridge, order: None, output_timeout_s=0.2)
+    assert [status for _, status, _ in results] == [504, 504]
+    assert "start_profile: no answer in 0.2 s" in results[0][2]
 
 
 def test_with_an_api_key_the_profile_routes_need_it():
