@@ -213,15 +213,16 @@ def _track(kind: str) -> str:
     return track_name(kind, dbo_current_ubatch_id() if dbo_enabled() else None)
 
 
-def _profiler_on() -> bool:
-    # a module-level flag torch sets while a profiler is active: costs one attribute read
+def torch_profiler_on() -> bool:
+    """Whether a torch profiler is recording (a module-level flag torch sets while one is
+    active: one attribute read, for hot paths)."""
     return torch.autograd.profiler._is_profiler_enabled
 
 
 def is_timeline_active() -> bool:
     """Whether spans are being recorded (a recorder installed or a torch profiler running): a
     hot path may skip building a span when not."""
-    return _recorder is not None or _profiler_on()
+    return _recorder is not None or torch_profiler_on()
 
 
 def set_timeline_layer(layer_idx: int | None) -> None:
@@ -261,12 +262,12 @@ def timeline_span(name: str, cat: str = CAT_COMPUTE, *, kind: str = "compute") -
     this thread's ``gpu`` track at the end of the step (``TimelineRecorder.resolve_device_spans``).
     """
     rec = _recorder
-    if rec is None and not _profiler_on():
+    if rec is None and not torch_profiler_on():
         yield
         return
     full_name = span_name(name)
     track = _track(kind)
-    profiled = torch.profiler.record_function(full_name) if _profiler_on() else nullcontext()
+    profiled = torch.profiler.record_function(full_name) if torch_profiler_on() else nullcontext()
     start_ns, cpu_start_ns = time.perf_counter_ns(), time.thread_time_ns()
     device_start = _device_start(rec, cat, kind)
     try:
@@ -377,10 +378,10 @@ def timeline_step(step_index: int, **args: Any) -> Iterator[dict[str, Any]]:
     host-device synchronisation, after the step's end time is taken)."""
     step_args = {"step": step_index, **args}
     rec = _recorder
-    if rec is None and not _profiler_on():
+    if rec is None and not torch_profiler_on():
         yield step_args
         return
-    profiled = torch.profiler.record_function("step") if _profiler_on() else nullcontext()
+    profiled = torch.profiler.record_function("step") if torch_profiler_on() else nullcontext()
     start_ns = time.perf_counter_ns()
     try:
         with profiled:

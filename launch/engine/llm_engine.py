@@ -22,7 +22,7 @@ from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
 from launch.engine.kv_cache_sizing import size_kv_cache
 from launch.engine.model_runner import ModelRunner
-from launch.engine.profiler import make_step_profiler
+from launch.engine.profiler import make_step_profiler, step_annotation
 from launch.engine.request import Request
 from launch.engine.scheduler import Scheduler
 from launch.engine.startup import freeze_gc_heap
@@ -377,7 +377,8 @@ class LLMEngine:
         """Run one lockstep step; return (requests finished now, whether any DP rank had work)."""
         with timeline_step(self.stats.num_steps) as step_args:
             scheduler_output = self.scheduler.schedule()
-            out = self.model_runner.execute_model(scheduler_output)
+            with step_annotation(scheduler_output.scheduled):
+                out = self.model_runner.execute_model(scheduler_output)
             step_args.update(
                 num_tokens=out.num_tokens,
                 num_tokens_padded=out.num_tokens_padded,

@@ -27,7 +27,10 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
+
+from dbo.timeline.recorder import torch_profiler_on
 
 PROFILER_KINDS = ("torch", "cuda")
 # vLLM's older switch: a torch profiler writing here when no --profiler-config is given
@@ -291,6 +294,24 @@ class RangeStepProfiler(StepProfiler):
 
     def _end(self) -> None:
         self._device_end()
+
+
+def step_annotation(scheduled) -> AbstractContextManager:
+    """While a torch profiler records, a range around a step's model execution named as vLLM's
+    runner names it, ``execute_context_<prefill requests>(<their tokens>)_generation_<decode
+    requests>(<their tokens>)`` (``scheduled``: the step's ``ScheduledRequest`` s), so tools
+    that read vLLM traces find the steps' shapes; otherwise a no-op (one flag read)."""
+    if not torch_profiler_on():
+        return nullcontext()
+    import torch
+
+    decodes = [s.num_new_tokens for s in scheduled if s.is_decode]
+    prefills = [s.num_new_tokens for s in scheduled if not s.is_decode]
+    name = (
+        f"execute_context_{len(prefills)}({sum(prefills)})"
+        f"_generation_{len(decodes)}({sum(decodes)})"
+    )
+    return torch.profiler.record_function(name)
 
 
 def make_step_profiler(config: ProfilerConfig, *, rank: int, platform) -> StepProfiler | None:

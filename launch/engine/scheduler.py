@@ -28,6 +28,14 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
 
+    @property
+    def is_decode(self) -> bool:
+        """One token past the prompt (vLLM's decode); a prompt chunk, or a preempted request
+        recomputing its generated tokens, is a prefill."""
+        return self.num_new_tokens == 1 and (
+            self.request.num_computed_tokens >= self.request.num_prompt_tokens
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerOutput:
@@ -42,10 +50,7 @@ class SchedulerOutput:
     def is_decode_only(self) -> bool:
         """True if every scheduled request computes one token past its prompt (vLLM's decode-only
         batch); a preempted request recomputing its generated tokens counts as a prefill."""
-        return all(
-            s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
-            for s in self.scheduled
-        )
+        return all(s.is_decode for s in self.scheduled)
 
 
 class Scheduler:

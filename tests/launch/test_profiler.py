@@ -227,6 +227,8 @@ def test_the_offline_api_writes_a_trace_of_the_recorded_steps(tmp_path, tiny_mix
     assert trace.suffix == ".json"  # torch_profiler_use_gzip false
     names = Counter(e.get("name") for e in _trace_events(trace) if e.get("ph") == "X")
     assert names["step"] == 3  # max_iterations, after the first step (delay_iterations)
+    # vLLM's step annotation: the three recorded steps decode the one request
+    assert names["execute_context_0(0)_generation_1(1)"] == 3
     assert names["layer0.attention"] == 3 and names["layer0.experts"] == 3
     assert any(name.startswith("aten::") for name in names)
     table = (out / "profiler_out_0.txt").read_text()
