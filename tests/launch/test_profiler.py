@@ -294,6 +294,8 @@ def test_two_ranks_under_dbo_write_one_trace_each_with_the_ubatch_threads(
         assert trace.suffix == ".gz"
         spans = [e for e in _trace_events(trace) if e.get("ph") == "X"]
         assert sum(e["name"] == "step" for e in spans) == 4
+        executions = [e["name"] for e in spans if e["name"].startswith("execute_context_")]
+        assert len(executions) == 4 and all("_generation_" in name for name in executions)
         step_threads = {e["tid"] for e in spans if e["name"] == "step"}
         experts_threads = {e["tid"] for e in spans if e["name"] == "layer0.experts"}
         if all_threads_config() is not None:  # this torch records every thread
