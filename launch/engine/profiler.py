@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from dbo.timeline.recorder import torch_profiler_on
 
@@ -105,7 +105,7 @@ def parse_profiler_config(text: str) -> ProfilerConfig:
         raise ValueError(f'{flag}: "torch_profiler_dir" applies only to profiler "torch"')
     if config.torch_profiler_dir:
         absolute = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
-        config = ProfilerConfig(**{**raw, "torch_profiler_dir": absolute})
+        config = replace(config, torch_profiler_dir=absolute)
     return config
 
 
@@ -199,12 +199,11 @@ class StepProfiler:
 
 class TorchStepProfiler(StepProfiler):
     """``torch.profiler`` over ``activities``; on stop, this rank's Chrome trace and op table in
-    ``torch_profiler_dir`` (``trace_paths`` lists the traces written so far)."""
+    ``torch_profiler_dir``."""
 
     def __init__(self, config: ProfilerConfig, *, rank: int, activities: list) -> None:
         super().__init__(config, rank=rank)
         self.activities = activities
-        self.trace_paths: list[str] = []
         self._profile = None
 
     def _begin(self) -> None:
@@ -246,7 +245,6 @@ class TorchStepProfiler(StepProfiler):
             directory, f"{name}.{time.time_ns() // 1_000_000}.pt.trace.json{suffix}"
         )
         profile.export_chrome_trace(trace)
-        self.trace_paths.append(trace)
         by_device = torch.profiler.ProfilerActivity.CUDA in self.activities
         sort_by = (
             "self_cuda_time_total"
@@ -320,15 +318,15 @@ def make_step_profiler(config: ProfilerConfig, *, rank: int, platform) -> StepPr
     Raises:
         ValueError: a ``"cuda"`` profiler on a platform without a device range.
     """
-    if config.profiler is None:
+    if not config.is_on:
         return None
+    refusal = check_profiler_kind(config, platform)
+    if refusal is not None:
+        raise ValueError(refusal)
     if config.profiler == "torch":
         activities = platform.profiler_activities()
         return TorchStepProfiler(config, rank=rank, activities=activities)
-    device_range = platform.profiler_range()
-    if device_range is None:
-        raise ValueError(check_profiler_kind(config, platform))
-    begin, end = device_range
+    begin, end = platform.profiler_range()
     return RangeStepProfiler(config, rank=rank, begin=begin, end=end)
 
 
