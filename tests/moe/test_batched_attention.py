@@ -160,12 +160,17 @@ def test_gqa_non_contiguous_cache_takes_dim1_gather():
 @pytest.mark.parametrize("num_padding", [0, 3])
 def test_gqa_batched_equals_native_on_mixed_batch(group, num_padding, chunk_bytes):
     native, batched = make_gqa(4 * group, 4), make_gqa(4 * group, 4)
-    md = make_metadata(MIXED, num_padding=num_padding)
+    assert_forward_cpu_equals_native(native, batched, make_metadata(MIXED, num_padding=num_padding))
+
+
+def assert_forward_cpu_equals_native(native, op, md) -> None:
+    """``op.forward_cpu`` equals ``native.forward_native`` on ``md`` (float64, 1e-12), both
+    write the same K/V (padding rows skipped) and ``op`` leaves padding rows zero."""
     q, k, v = gqa_inputs(native, md.num_tokens)
     expected = native.forward_native(q, k, v, md)
-    got = batched.forward_cpu(q, k, v, md)
+    got = op.forward_cpu(q, k, v, md)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.equal(batched.kv_cache, native.kv_cache)  # same K/V written, padding skipped
+    assert torch.equal(op.kv_cache, native.kv_cache)  # same K/V written, padding skipped
     assert not got[md.num_actual_tokens :].any()
 
 

@@ -27,6 +27,7 @@ from tests.moe.test_batched_attention import (
     BLOCK_SIZE,
     MIXED,
     MLA_LAYOUT,
+    assert_forward_cpu_equals_native,
     assert_request_cut_across_ubatches_equals_native,
     gqa_inputs,
     make_gqa,
@@ -65,12 +66,7 @@ def native_and_flex(num_heads, num_kv_heads, **cache):
 def test_flex_equals_native(group, requests, num_padding):
     native, flex = native_and_flex(2 * group, 2, num_blocks=512)
     md = make_metadata(requests, num_padding=num_padding, num_blocks=512, max_blocks=12)
-    q, k, v = gqa_inputs(native, md.num_tokens)
-    expected = native.forward_native(q, k, v, md)
-    got = flex.forward_cpu(q, k, v, md)
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    assert torch.equal(flex.kv_cache, native.kv_cache)  # same K/V written, padding skipped
-    assert not got[md.num_actual_tokens :].any()
+    assert_forward_cpu_equals_native(native, flex, md)
 
 
 def test_flex_with_16_token_blocks():
