@@ -9,7 +9,6 @@ import asyncio
 import gzip
 import json
 import os
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from launch.serving.api_server import ServerConfig, build_app
 from launch.serving.engine_bridge import EngineBridge, ServerShuttingDown
 from launch.serving.metrics import ServerMetrics
 from moe.platforms.interface import CpuPlatform, CudaPlatform
-from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
+from tests.helpers.generate import torchrun
 
 
 def _torch_config(directory, **extra) -> str:
@@ -264,28 +263,19 @@ def test_two_ranks_under_dbo_write_one_trace_each_with_the_ubatch_threads(
 ):
     out = tmp_path / "traces"
     config = _torch_config(out, torch_profiler_with_stack=False, max_iterations=4)
-    proc = subprocess.run(
-        torchrun_command(
-            2,
-            "launch.generate",
-            f"--model={tiny_mixtral_dir}",
-            f"--prompts={tiny_prompts_file}",
-            f"--output={tmp_path / 'out.jsonl'}",
-            "--data-parallel-size=2",
-            "--enable-expert-parallel",
-            "--enable-dbo",
-            "--dbo-decode-token-threshold=2",
-            "--dbo-prefill-token-threshold=2",
-            "--dtype=float32",
-            "--max-tokens=8",
-            f"--profiler-config={config}",
-        ),
-        cwd=REPO,
-        env={**os.environ, **TORCHRUN_ENV},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+    proc = torchrun(
+        2,
+        f"--model={tiny_mixtral_dir}",
+        f"--prompts={tiny_prompts_file}",
+        f"--output={tmp_path / 'out.jsonl'}",
+        "--data-parallel-size=2",
+        "--enable-expert-parallel",
+        "--enable-dbo",
+        "--dbo-decode-token-threshold=2",
+        "--dbo-prefill-token-threshold=2",
+        "--dtype=float32",
+        "--max-tokens=8",
+        f"--profiler-config={config}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"moe-dbo: torch profiler wrote {out}/rank0." in proc.stderr
