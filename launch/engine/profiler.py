@@ -211,10 +211,11 @@ class TorchStepProfiler(StepProfiler):
 
         c = self.config
         every_thread = all_threads_config()
-        # torch's every-thread recording with stacks left undecodable op names in 2-rank runs
-        # (torch 2.13 CPU; DP 2 with or without EP, DBO on or off, mostly the first window after
-        # start; never with one rank): key_averages raised UnicodeDecodeError. Every thread's
-        # ops matter more than the Python stacks.
+        # With stacks, torch's Python tracer keeps frame names as pointers into code objects,
+        # which dangle once code freed inside the window is collected (pytorch/pytorch#136040):
+        # key_averages raised UnicodeDecodeError in 2-rank runs recording every thread (torch
+        # 2.13 CPU, mostly the first window after start). Every thread's ops matter more than
+        # the Python stacks.
         with_stack = c.torch_profiler_with_stack and every_thread is None
         if c.torch_profiler_with_stack and not with_stack and self.rank == 0:
             print(

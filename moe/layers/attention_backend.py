@@ -36,6 +36,11 @@ FLEX_BLOCK_SIZE_MULTIPLE = 16
 _selected: AttentionBackendEnum | None = None  # None: the platform's default
 
 
+def default_attention_backend(supported: Sequence[str]) -> AttentionBackendEnum:
+    """A platform's default backend: the first of its ``Platform.attention_backends``."""
+    return AttentionBackendEnum(supported[0])
+
+
 def check_attention_backend(
     name: str | None, supported: Sequence[str], *, block_size: int
 ) -> AttentionBackendEnum:
@@ -46,7 +51,7 @@ def check_attention_backend(
             FLEX_ATTENTION with ``block_size`` not a multiple of ``FLEX_BLOCK_SIZE_MULTIPLE``.
     """
     if name is None:
-        return AttentionBackendEnum(supported[0])
+        return default_attention_backend(supported)
     known = [b.value for b in AttentionBackendEnum]
     if name not in known:
         raise ValueError(f"--attention-backend {name!r} is not one of {known}")
@@ -76,4 +81,4 @@ def selected_attention_backend() -> AttentionBackendEnum:
         return _selected
     from moe.platforms.plugins import current_platform
 
-    return AttentionBackendEnum(current_platform().attention_backends[0])
+    return default_attention_backend(current_platform().attention_backends)
