@@ -199,12 +199,21 @@ def _remove_stale_lock(lock: Path) -> None:
         pass
 
 
+def build_root() -> Path:
+    """Where the builds go: ``TORCH_EXTENSIONS_DIR`` if set, else torch's per-user default (as
+    ``torch.utils.cpp_extension.load`` decides it; its ``get_default_build_root`` alone ignores
+    the variable)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
 def _build(isa: str) -> ModuleType | None:
     name = f"{EXTENSION_PREFIX}_{isa}"
     flags = [*CFLAGS, *ISA_FLAGS[isa]]
     try:
         import torch
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
         sources = sorted(CSRC.glob("*.cpp"))
         # the sources' directory too: torch's ninja file names the source paths, so two checkouts
@@ -212,7 +221,7 @@ def _build(isa: str) -> ModuleType | None:
         digest = hashlib.sha256(repr((flags, torch.__version__, sys.version, str(CSRC))).encode())
         for source in [*sources, *sorted(CSRC.glob("*.h"))]:  # headers too: no dependency scan
             digest.update(source.read_bytes())
-        build_directory = Path(get_default_build_root()) / f"{name}_{digest.hexdigest()[:16]}"
+        build_directory = build_root() / f"{name}_{digest.hexdigest()[:16]}"
         build_directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build_directory / "lock")
         module = load(

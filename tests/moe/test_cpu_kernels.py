@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,6 +322,17 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     kernels._remove_stale_lock(fresh)
     kernels._remove_stale_lock(tmp_path / "absent")
     assert not stale.exists() and fresh.exists()
+
+
+def test_builds_go_where_torch_extensions_dir_says(monkeypatch, tmp_path):
+    """``TORCH_EXTENSIONS_DIR`` moves the builds (and their tuning) as it moves torch's own; unset,
+    torch's per-user default."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert kernels.build_root() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert kernels.build_root() == Path(get_default_build_root())
 
 
 # keys 80 wide (the latent and the RoPE key), values 64 (the latent)
