@@ -1,23 +1,25 @@
-"""Benchmark: the latency of the collectives a DP+EP step issues, on the ranks' own backend.
+"""Benchmark: the latency of the collectives a DP+EP step issues, on the engine's own groups.
 
-Per step the engine issues the DP vote (``all_reduce``) and, per MoE layer, a dispatch and a
-combine (``distributed.collectives``: ``all_to_all_single``, ``all_gather_into``,
-``reduce_scatter_sum``). On one host, a collective's fixed cost sets how small a model can be
-before 2 ranks lose to 1; this prints it, per op and payload size. Rank 0 prints microseconds per
-call (median of ``--rounds`` rounds of ``--calls`` back-to-back calls, each waited for before the
-next is issued), and the round trip of a plain TCP loopback socket between two threads of this
-process for scale.
+Per step the engine issues the DP vote (an ``all_to_all_single`` of a small int64 table) and, per
+MoE layer, a dispatch and a combine (``distributed.collectives``: ``all_to_all_single``,
+``all_gather_into``, ``reduce_scatter_sum``; ``all_reduce`` is the last one's fallback). On one
+host, a collective's fixed cost sets how small a model can be before 2 ranks lose to 1; this
+prints it, per op and payload size, on the EP group ``init_distributed`` builds. Rank 0 prints
+microseconds per call (median of ``--rounds`` rounds of ``--calls`` back-to-back calls, each
+waited for as the engine waits, with its timeout), and the round trip of a plain TCP loopback
+socket between two threads of this process for scale.
 
     torchrun --standalone --nproc-per-node 2 -m launch.benchmarks.collectives \\
         [--sizes 64 10240 1048576] [--calls 200] [--rounds 5]
 
-Sizes are payload bytes per rank (float32 rows). Errors: ``ValueError`` for a size that is not a
-positive multiple of 4 bytes or fewer than 2 ranks.
+Sizes are payload bytes per rank (float32 rows). A size that is not a positive multiple of 4
+bytes, or fewer than 2 ranks, is refused before any group is made (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import socket
 import statistics
 import threading
@@ -28,44 +30,71 @@ import torch
 import torch.distributed as dist
 
 from distributed import collectives
+from distributed.all2all.base import complete_exchange
+from distributed.parallel_state import TorchrunEnv, destroy_distributed, init_distributed
+from launch.benchmarks.timing import mean_seconds
 
 DEFAULT_SIZES = (64, 10_240, 1_048_576)
+TIMEOUT_S = 60.0  # of every wait, as the engine's --distributed-timeout
 
 
-def _wait(pending: collectives.Pending) -> None:
-    work, after = pending
-    if work is not None:
-        work.wait()
-    if after is not None:
-        after()
+def check_size(num_bytes: int) -> None:
+    """Raises ``ValueError`` unless ``num_bytes`` is a positive multiple of 4 (float32 rows)."""
+    if num_bytes <= 0 or num_bytes % 4:
+        raise ValueError(f"--sizes takes positive multiples of 4 bytes, got {num_bytes}")
 
 
-def ops(num_bytes: int, world: int) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
-    """One call of each collective on ``num_bytes`` of float32 per rank over the default group,
-    and a check that raises ``AssertionError`` unless every output holds what its op defines
-    (ones sent and gathered, zeros reduced: repeated calls leave them so).
+def ops(
+    num_bytes: int, group: dist.ProcessGroup, timeout: datetime.timedelta
+) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    """One call of each collective on ``num_bytes`` of float32 per rank over ``group``, each
+    waited for as the engine waits (``complete_exchange``: ``timeout``, then TimeoutError), and a
+    check that raises ``AssertionError`` unless every output holds what its op defines (ones sent
+    and gathered, zeros reduced: repeated calls leave them so).
 
     Raises:
         ValueError: ``num_bytes`` not a positive multiple of 4.
     """
-    if num_bytes <= 0 or num_bytes % 4:
-        raise ValueError(f"--sizes takes positive multiples of 4 bytes, got {num_bytes}")
+    check_size(num_bytes)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = -(-(num_bytes // 4) // world) * world  # all_to_all and reduce_scatter split evenly
     ones, zeros = torch.ones(rows), torch.zeros(rows)
     received, gathered = torch.empty(rows), torch.empty(world * rows)
     reduced, scattered = torch.zeros(rows), torch.empty(rows // world)
-    group, even = dist.group.WORLD, [rows // world] * world
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(reduced, group=group),
-        "all_to_all_single": lambda: _wait(
-            collectives.all_to_all_single(
-                received, ones, output_split_sizes=even, input_split_sizes=even, group=group
+    even = [rows // world] * world
+
+    def waited(op: str, issue: Callable[[], collectives.Pending]) -> Callable[[], None]:
+        def call() -> None:
+            start_ns = time.perf_counter_ns()
+            complete_exchange(
+                issue(),
+                op=op,
+                rank=rank,
+                timeout=timeout,
+                num_bytes=num_bytes,
+                start_ns=start_ns,
+                link=None,
             )
+
+        return call
+
+    calls = {
+        "all_reduce": waited(
+            "all_reduce", lambda: (dist.all_reduce(reduced, group=group, async_op=True), None)
         ),
-        "all_gather_into": lambda: _wait(collectives.all_gather_into(gathered, ones, group=group)),
+        "all_to_all_single": waited(
+            "all_to_all_single",
+            lambda: collectives.all_to_all_single(
+                received, ones, output_split_sizes=even, input_split_sizes=even, group=group
+            ),
+        ),
+        "all_gather_into": waited(
+            "all_gather_into", lambda: collectives.all_gather_into(gathered, ones, group=group)
+        ),
         # the fallback reduces its input in place: zeros stay zeros
-        "reduce_scatter_sum": lambda: _wait(
-            collectives.reduce_scatter_sum(scattered, zeros, group=group)
+        "reduce_scatter_sum": waited(
+            "reduce_scatter_sum",
+            lambda: collectives.reduce_scatter_sum(scattered, zeros, group=group),
         ),
     }
 
@@ -82,16 +111,8 @@ def ops(num_bytes: int, world: int) -> tuple[dict[str, Callable[[], None]], Call
 
 
 def median_us(fn: Callable[[], None], *, calls: int, rounds: int) -> float:
-    """Median over ``rounds`` of the mean microseconds per call of ``calls`` calls of ``fn``."""
-    for _ in range(max(1, calls // 10)):  # warm-up: connections, buffers
-        fn()
-    per_round = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_round.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(per_round)
+    """Median over ``rounds`` of ``mean_seconds`` of ``calls`` calls of ``fn``, in µs."""
+    return statistics.median(mean_seconds(fn, repeats=calls) * 1e6 for _ in range(rounds))
 
 
 def tcp_round_trip_us(calls: int) -> float:
@@ -120,19 +141,23 @@ def tcp_round_trip_us(calls: int) -> float:
     return elapsed / calls * 1e6
 
 
-def measure(sizes: list[int], *, calls: int, rounds: int) -> list[tuple[str, int, float]]:
-    """``(op, bytes, µs per call)`` for each op and size, on every rank (collectively), each
-    size's results checked after its calls.
+def measure(
+    sizes: list[int],
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+    *,
+    calls: int,
+    rounds: int,
+) -> list[tuple[str, int, float]]:
+    """``(op, bytes, µs per call)`` for each op and size over ``group`` (collective: every rank
+    calls it), each size's results checked after its calls.
 
     Raises:
-        ValueError: fewer than 2 ranks, or a bad size (``ops``).
+        ValueError: a bad size (``check_size``).
     """
-    world = dist.get_world_size()
-    if world < 2:
-        raise ValueError("launch.benchmarks.collectives needs 2 or more ranks (torchrun)")
     rows = []
     for num_bytes in sizes:
-        calls_of, check = ops(num_bytes, world)
+        calls_of, check = ops(num_bytes, group, timeout)
         for name, fn in calls_of.items():
             rows.append((name, num_bytes, median_us(fn, calls=calls, rounds=rounds)))
         check()
@@ -147,20 +172,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     ns = parser.parse_args(argv)
-    for num_bytes in ns.sizes:
-        if num_bytes <= 0 or num_bytes % 4:
-            parser.error(f"--sizes takes positive multiples of 4 bytes, got {num_bytes}")
-    dist.init_process_group("gloo")
     try:
-        rows = measure(ns.sizes, calls=ns.calls, rounds=ns.rounds)
-        if dist.get_rank() == 0:
-            print(f"backend {dist.get_backend()}, {dist.get_world_size()} ranks")
+        for num_bytes in ns.sizes:
+            check_size(num_bytes)
+        env = TorchrunEnv.from_environ()
+    except ValueError as e:
+        parser.error(str(e))
+    if env.world_size < 2:
+        parser.error("needs 2 or more ranks: run it under torchrun --nproc-per-node 2")
+    # the engine's groups: the EP group is the one dispatch and combine run on
+    groups = init_distributed(
+        data_parallel_size=env.world_size,
+        enable_expert_parallel=True,
+        timeout_s=TIMEOUT_S,
+        env=env,
+    )
+    try:
+        rows = measure(ns.sizes, groups.ep_group, groups.timeout, calls=ns.calls, rounds=ns.rounds)
+        if groups.rank == 0:
+            print(f"backend {dist.get_backend(groups.ep_group)}, {groups.world_size} ranks")
             print("| op | bytes per rank | µs per call |\n| --- | --- | --- |")
             for name, num_bytes, us in rows:
                 print(f"| {name} | {num_bytes:,} | {us:,.1f} |")
             print(f"TCP loopback round trip (8 bytes): {tcp_round_trip_us(ns.calls):.1f} µs")
     finally:
-        dist.destroy_process_group()
+        del groups
+        destroy_distributed()
 
 
 if __name__ == "__main__":

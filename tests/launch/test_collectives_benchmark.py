@@ -3,6 +3,7 @@ time and the results checked; bad sizes are refused before any rank starts."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import subprocess
@@ -47,7 +48,7 @@ def test_two_ranks_print_every_op_and_size():
 @pytest.mark.parametrize("size", [0, -4, 6])
 def test_a_size_not_a_positive_multiple_of_4_is_refused(size):
     with pytest.raises(ValueError, match="positive multiples of 4"):
-        bench.ops(size, 2)
+        bench.ops(size, None, datetime.timedelta(seconds=1))  # before any group is used
     with pytest.raises(SystemExit):
         bench.main(["--sizes", str(size)])
 
