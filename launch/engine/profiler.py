@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
 
 from dbo.timeline.recorder import torch_profiler_on
+from moe.flag_json import parse_json_object
 
 PROFILER_KINDS = ("torch", "cuda")
 # vLLM's older switch: a torch profiler writing here when no --profiler-config is given
@@ -82,16 +83,8 @@ def parse_profiler_config(text: str) -> ProfilerConfig:
             another profiler (vLLM's rules).
     """
     flag = "--profiler-config"
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} {text!r} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
     known = {f.name: f for f in fields(ProfilerConfig)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ValueError(f"{flag} keys {unknown} are not supported; supported: {list(known)}")
+    raw = parse_json_object(flag, text, known)
     for key, value in raw.items():
         _check_value(key, value, known[key].type)
     config = ProfilerConfig(**raw)

@@ -8,7 +8,8 @@ smallest bucket ``>= n`` on its rows padded with zeros, and eagerly above the la
 from __future__ import annotations
 
 import bisect
-import json
+
+from moe.flag_json import parse_json_object
 
 # vLLM's default pattern is [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16): 67 graphs per
 # piece. Each inductor graph costs seconds of C++ compilation on a CPU, so the CPU default is
@@ -63,18 +64,7 @@ def parse_compilation_config(text: str) -> dict:
         ValueError: not a JSON object, a key outside ``COMPILATION_CONFIG_KEYS``, or values of the
             wrong type.
     """
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--compilation-config {text!r} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--compilation-config must be a JSON object, got {text!r}")
-    unknown = sorted(set(config) - set(COMPILATION_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"--compilation-config keys {unknown} are not supported; supported: "
-            f"{list(COMPILATION_CONFIG_KEYS)}"
-        )
+    config = parse_json_object("--compilation-config", text, COMPILATION_CONFIG_KEYS)
     out: dict = {}
     sizes = config.get("cudagraph_capture_sizes")
     if sizes is not None:
