@@ -44,13 +44,39 @@ def check_size(num_bytes: int) -> None:
         raise ValueError(f"--sizes takes positive multiples of 4 bytes, got {num_bytes}")
 
 
+def _waited(
+    op: str,
+    issue: Callable[[], collectives.Pending],
+    *,
+    rank: int,
+    timeout: datetime.timedelta,
+    num_bytes: int,
+) -> Callable[[], None]:
+    """A call that issues one collective and waits for it as the engine waits
+    (``complete_exchange``: ``timeout``, then TimeoutError naming ``op`` and ``rank``)."""
+
+    def call() -> None:
+        start_ns = time.perf_counter_ns()
+        complete_exchange(
+            issue(),
+            op=op,
+            rank=rank,
+            timeout=timeout,
+            num_bytes=num_bytes,
+            start_ns=start_ns,
+            link=None,
+        )
+
+    return call
+
+
 def ops(
     num_bytes: int, group: dist.ProcessGroup, timeout: datetime.timedelta
 ) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
     """One call of each collective on ``num_bytes`` of float32 per rank over ``group``, each
-    waited for as the engine waits (``complete_exchange``: ``timeout``, then TimeoutError), and a
-    check that raises ``AssertionError`` unless every output holds what its op defines (ones sent
-    and gathered, zeros reduced: repeated calls leave them so).
+    waited for as the engine waits (``_waited``), and a check that raises ``AssertionError``
+    unless every output holds what its op defines (ones sent and gathered, zeros reduced:
+    repeated calls leave them so).
 
     Raises:
         ValueError: ``num_bytes`` not a positive multiple of 4.
@@ -62,50 +88,40 @@ def ops(
     received, gathered = torch.empty(rows), torch.empty(world * rows)
     reduced, scattered = torch.zeros(rows), torch.empty(rows // world)
     even = [rows // world] * world
-
-    def waited(op: str, issue: Callable[[], collectives.Pending]) -> Callable[[], None]:
-        def call() -> None:
-            start_ns = time.perf_counter_ns()
-            complete_exchange(
-                issue(),
-                op=op,
-                rank=rank,
-                timeout=timeout,
-                num_bytes=num_bytes,
-                start_ns=start_ns,
-                link=None,
-            )
-
-        return call
-
-    calls = {
-        "all_reduce": waited(
-            "all_reduce", lambda: (dist.all_reduce(reduced, group=group, async_op=True), None)
+    # op -> (issue one call, its output, the value every element of it must hold)
+    table = {
+        "all_reduce": (
+            lambda: (dist.all_reduce(reduced, group=group, async_op=True), None),
+            reduced,
+            0.0,
         ),
-        "all_to_all_single": waited(
-            "all_to_all_single",
+        "all_to_all_single": (
             lambda: collectives.all_to_all_single(
                 received, ones, output_split_sizes=even, input_split_sizes=even, group=group
             ),
+            received,
+            1.0,
         ),
-        "all_gather_into": waited(
-            "all_gather_into", lambda: collectives.all_gather_into(gathered, ones, group=group)
+        "all_gather_into": (
+            lambda: collectives.all_gather_into(gathered, ones, group=group),
+            gathered,
+            1.0,
         ),
         # the fallback reduces its input in place: zeros stay zeros
-        "reduce_scatter_sum": waited(
-            "reduce_scatter_sum",
+        "reduce_scatter_sum": (
             lambda: collectives.reduce_scatter_sum(scattered, zeros, group=group),
+            scattered,
+            0.0,
         ),
+    }
+    calls = {
+        op: _waited(op, issue, rank=rank, timeout=timeout, num_bytes=num_bytes)
+        for op, (issue, _, _) in table.items()
     }
 
     def check() -> None:
-        for name, out, value in (
-            ("all_reduce", reduced, 0.0),
-            ("all_to_all_single", received, 1.0),
-            ("all_gather_into", gathered, 1.0),
-            ("reduce_scatter_sum", scattered, 0.0),
-        ):
-            assert bool((out == value).all()), f"{name} on {num_bytes} bytes gave a wrong result"
+        for op, (_, out, value) in table.items():
+            assert bool((out == value).all()), f"{op} on {num_bytes} bytes gave a wrong result"
 
     return calls, check
 
