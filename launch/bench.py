@@ -285,7 +285,7 @@ def resolve_run(ns, rank: int, world_size: int):
             dataclasses.replace(args, ubatch_size=n)  # ValueError for a count out of range
         args.check_world_size(world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
-        check_output_paths(args, output=ns.output)
+        check_output_paths(args, {"--output": ns.output})
         return specs, arms, args, resolve_bench_model(args, model_overrides(ns))
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)

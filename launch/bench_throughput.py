@@ -33,7 +33,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
-from launch.engine.output_paths import check_output_file, check_output_paths
+from launch.engine.output_paths import check_output_paths
 from launch.generate import check_prompts, load_prompts
 
 PROG = "launch.bench_throughput"
@@ -115,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--profile needs --profiler-config, e.g. "
                 '\'{"profiler": "torch", "torch_profiler_dir": DIR}\''
             )
-        check_output_paths(args)
-        outputs = (("--output-json", ns.output_json), ("--output-tokens", ns.output_tokens))
-        for flag, path in outputs:
-            if path:
-                check_output_file(path, flag)
+        check_output_paths(
+            args, {"--output-json": ns.output_json, "--output-tokens": ns.output_tokens}
+        )
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         from launch.engine.llm_engine import resolve_model
 

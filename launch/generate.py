@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         args.check_world_size(world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)  # validates
-        check_output_paths(args, output=ns.output)
+        check_output_paths(args, {"--output": ns.output})
         offline_model = load_offline_model(args)
         prompts = load_checked_prompts(ns, offline_model)
     except (ValueError, TypeError, OSError) as e:

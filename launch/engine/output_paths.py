@@ -55,12 +55,13 @@ def check_output_dir(path: str, flag: str) -> None:
     _probe_dir(target, flag, path)
 
 
-def check_output_paths(args, *, output: str | None = None) -> None:
-    """``check_output_file(output, "--output")`` when given, and ``check_output_dir`` of the
-    directories ``args`` (``EngineArgs``) writes to: ``--timeline-dir`` and the profiler's
-    ``torch_profiler_dir`` (``--profiler-config``)."""
-    if output:
-        check_output_file(output, "--output")
+def check_output_paths(args, files: dict[str, str | None] | None = None) -> None:
+    """``check_output_file`` of each given path in ``files`` (flag -> path, e.g. ``{"--output":
+    ns.output}``), and ``check_output_dir`` of the directories ``args`` (``EngineArgs``) writes
+    to: ``--timeline-dir`` and the profiler's ``torch_profiler_dir`` (``--profiler-config``)."""
+    for flag, path in (files or {}).items():
+        if path:
+            check_output_file(path, flag)
     if args.timeline_dir:
         check_output_dir(args.timeline_dir, "--timeline-dir")
     profiler_dir = args.profiler().torch_profiler_dir
