@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.precision import FLOAT32_REL
+from tests.helpers.precision import FLOAT32_REL, reference_rel
 
 NUM_DECODE_STEPS = 2
 
@@ -83,9 +83,9 @@ def assert_dbo_on_equals_off_equals_reference(
     reference,
     prompts,
     label: str = "",
-    atol: float | None = None,
     exact_reference=None,
-    rel: float | None = None,
+    model_type: str | None = None,
+    device_type: str = "cpu",
     cache: dict | None = None,
 ):
     """Each rank's DBO-on steps were all microbatched (into two ubatches or more), DBO-off none;
@@ -95,9 +95,10 @@ def assert_dbo_on_equals_off_equals_reference(
     calls that check several engines against the same reference.
 
     The exact logits come from ``reference`` if it is float64, else from ``exact_reference`` (the
-    same checkpoint in float64; required then). The bound is ``atol`` for float64 engines, or
-    ``rel`` of the largest exact |logit| of each request (float32 steps on another device). For
-    float32 it is derived, never fixed: the larger of ``precision.FLOAT32_REL`` of the largest
+    same checkpoint in float64; required then). For float64 engines the bound is
+    ``precision.reference_rel(model_type, device_type)`` of the largest exact |logit| of each
+    request (the engines computed on a ``device_type`` device). For float32 it is derived, never
+    fixed: the larger of ``precision.FLOAT32_REL`` of the largest
     |logit| and 4x the float32 ``reference``'s own distance from the exact logits, which measures
     what float32 rounding does to this model on this machine (its GEMMs' blocking and summation
     order vary by CPU and ISA: 2.5e-5 on one Qwen2-MoE logit on a Zen 3 and a Zen 5 EPYC, within
@@ -109,9 +110,9 @@ def assert_dbo_on_equals_off_equals_reference(
     cache = {} if cache is None else cache
     exact = reference if reference.dtype == torch.float64 else exact_reference
     is_exact = reference.dtype == torch.float64
-    if exact is None or (atol is None and rel is None) == is_exact or None not in (atol, rel):
+    if exact is None or (model_type is None) == is_exact:
         raise ValueError(
-            "float64 references take atol or rel; float32 ones exact_reference and neither"
+            "float64 references take model_type; float32 ones exact_reference and no model_type"
         )
     for (on_logits, on_tokens, on_ubatched), (off_logits, off_tokens, off_ubatched) in zip(
         on_per_rank, off_per_rank, strict=True
@@ -125,13 +126,11 @@ def assert_dbo_on_equals_off_equals_reference(
             # rows: every prompt position, then one row per decode step (positions P, P+1)
             ref = _reference_logits(reference, full, cache)
             ref64 = _reference_logits(exact, full, cache)
-            if rel is not None:
-                bound = rel * ref64.abs().max().item()
-            elif atol is None:
+            if is_exact:
+                bound = reference_rel(model_type, device_type) * ref64.abs().max().item()
+            else:
                 own = 4 * (ref - ref64).abs().max().item()
                 bound = max(FLOAT32_REL * ref64.abs().max().item(), own)
-            else:
-                bound = atol
             on, off = (
                 torch.from_numpy(logits).double(),
                 torch.from_numpy(off_logits[index]).double(),

@@ -28,6 +28,7 @@ from tests.helpers.engine import (
     run_engine_steps,
 )
 from tests.helpers.generate import DBO_FLAGS, read_outputs, torchrun
+from tests.helpers.precision import reference_model
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "qwen3_moe")
 NO_SHARED_EXPERTS = ("olmoe", "qwen3_moe")
@@ -80,18 +81,12 @@ def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
 def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
     tmp_path, tiny_arch_dirs, tiny_prompts
 ):
-    import transformers
-
     per_rank = run_distributed(
         _rank_fn, 2, tiny_arch_dirs, tiny_prompts, str(tmp_path / "timeline"), timeout_s=280
     )
     for model_type in ARCHS:
-        reference = transformers.AutoModelForCausalLM.from_pretrained(
-            tiny_arch_dirs[model_type], dtype=torch.float32
-        ).eval()
-        exact = transformers.AutoModelForCausalLM.from_pretrained(
-            tiny_arch_dirs[model_type], dtype=torch.float64, experts_implementation="eager"
-        ).eval()
+        reference = reference_model(tiny_arch_dirs[model_type], torch.float32)
+        exact = reference_model(tiny_arch_dirs[model_type])
         assert_dbo_on_equals_off_equals_reference(
             [r[model_type, True] for r in per_rank],
             [r[model_type, False] for r in per_rank],
@@ -118,8 +113,6 @@ def test_dp2_ep_dbo_logits_equal_transformers_for_every_architecture(
 def test_generate_dp2_ep_dbo_greedy_equals_transformers(
     tmp_path, tiny_arch_dirs, tiny_prompts, tiny_prompts_file, model_type, backend
 ):
-    import transformers
-
     out = tmp_path / "out.jsonl"
     proc = torchrun(
         2,
@@ -134,8 +127,6 @@ def test_generate_dp2_ep_dbo_greedy_equals_transformers(
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "B/token" in proc.stdout and "routed_experts" in proc.stdout, proc.stdout
     config = json.loads(Path(tiny_arch_dirs[model_type], "config.json").read_text())
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_arch_dirs[model_type], dtype=torch.float32
-    ).eval()
+    reference = reference_model(tiny_arch_dirs[model_type], torch.float32)
     expected = hf_greedy(reference, tiny_prompts, eos_token_id=config["eos_token_id"])
     assert [r["output_token_ids"] for r in read_outputs(out)] == expected

@@ -19,6 +19,7 @@ from tests.helpers.engine import (
     dbo_test_engine_args,
     run_engine_steps,
 )
+from tests.helpers.precision import reference_model
 
 
 def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
@@ -70,8 +71,6 @@ ALL2ALL_BACKENDS = (
     "deepep_high_throughput",
     "deepep_low_latency",
 )
-# float64 logits of a few units: our engine and transformers differ only by summation order
-FLOAT64_ATOL = 1e-10
 
 
 @pytest.mark.slow
@@ -79,8 +78,6 @@ FLOAT64_ATOL = 1e-10
 def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, world_size):
     """Every all-to-all backend, DBO off and on with 2, 3 and 4 ubatches, equals transformers in
     float64; each DBO step ran the ubatches the DP vote allows."""
-    from transformers import MixtralForCausalLM
-
     per_rank = run_distributed(
         _rank_fn,
         world_size,
@@ -90,11 +87,7 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         "float64",
         timeout_s=400,
     )
-    reference = MixtralForCausalLM.from_pretrained(
-        tiny_mixtral_dir,
-        dtype=torch.float64,
-        experts_implementation="eager",  # no fp64 grouped GEMM
-    ).eval()
+    reference = reference_model(tiny_mixtral_dir)
     cache: dict = {}  # transformers' logits per sequence, computed once for every engine
     for backend in ALL2ALL_BACKENDS:
         for num_ubatches in NUM_UBATCHES:
@@ -106,7 +99,7 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
                 reference,
                 tiny_prompts,
                 label=f"{backend}, {num_ubatches} ubatches",
-                atol=FLOAT64_ATOL,
+                model_type="mixtral",
                 cache=cache,
             )
     # N ubatches were used where the step allowed, fewer where a decode step was too small

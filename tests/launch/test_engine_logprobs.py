@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.precision import reference_model
 
 MAX_TOKENS = 5
 # The engine runs in float32; its logits match float64 transformers to ~2e-5 on the CPUs seen
@@ -73,13 +74,9 @@ def _rank_fn(rank, world_size, model_dir, prompts):
 
 @pytest.mark.slow
 def test_logprobs_equal_transformers_float64(tiny_mixtral_dir, tiny_prompts):
-    from transformers import MixtralForCausalLM
-
     per_rank = run_distributed(_rank_fn, 2, tiny_mixtral_dir, tiny_prompts, timeout_s=240)
     results = {k: v for r in per_rank for k, v in r.items()}
-    reference = MixtralForCausalLM.from_pretrained(
-        tiny_mixtral_dir, dtype=torch.float64, experts_implementation="eager"
-    ).eval()
+    reference = reference_model(tiny_mixtral_dir)
     for request_id, (tokens, logprobs) in sorted(results.items()):
         kind = request_id % 3
         assert len(tokens) == MAX_TOKENS

@@ -15,7 +15,13 @@ import torch
 
 from tests.helpers.engine import NUM_DECODE_STEPS, run_engine_steps
 from tests.helpers.gpu import attention_ops, builtin_platform, device_platform, host_matmuls
-from tests.helpers.precision import FLOAT32_REL, reference_model, reference_rel
+from tests.helpers.precision import (
+    FLOAT32_REL,
+    assert_equals_transformers,
+    assert_logits_close,
+    assert_same_sums,
+    reference_model,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
 GPU_ARCHS = ("mixtral", "deepseek_v3", "qwen2_moe")
@@ -132,14 +138,19 @@ def gpu_arch_dirs(tiny_arch_dirs, tiny_mixtral_dir) -> dict[str, str]:
     return {**tiny_arch_dirs, "mixtral": tiny_mixtral_dir}
 
 
-def _assert_close_to_transformers(model_dir, model_type, logits, tokens, rel_of, prompts=PROMPTS):
+def _assert_close_to_transformers(model_dir, logits, tokens, check, prompts=PROMPTS):
+    """``check(ours, reference)`` on each prompt's logit rows against transformers' float64
+    logits of prompt + generated tokens."""
     exact = reference_model(model_dir)
     for index, rows in logits.items():
         full = torch.tensor([prompts[index] + tokens[index]])
         with torch.no_grad():
             ref = exact(full).logits[0, : rows.shape[0]].double()
-        bound = rel_of(model_type) * ref.abs().max().item()
-        torch.testing.assert_close(torch.from_numpy(rows).double(), ref, rtol=0, atol=bound)
+        check(torch.from_numpy(rows).double(), ref)
+
+
+def _float32_check(ours, reference):
+    assert_logits_close(ours, reference, rel=FLOAT32_REL)
 
 
 @pytest.mark.parametrize("device_type", DEVICE_TYPES)
@@ -148,11 +159,16 @@ def test_logits_equal_transformers_in_float64_and_float32(gpu_arch_dirs, model_t
     model_dir = gpu_arch_dirs[model_type]
     logits64, tokens64, _ = _logits_on(device_type, model_dir, "float64")
     _assert_close_to_transformers(
-        model_dir, model_type, logits64, tokens64, lambda m: reference_rel(m, device_type)
+        model_dir,
+        logits64,
+        tokens64,
+        lambda ours, ref: assert_equals_transformers(
+            ours, ref, model_type=model_type, device_type=device_type
+        ),
     )
     logits32, tokens32, _ = _logits_on(device_type, model_dir, "float32")
     # float32 greedy tokens follow float64's except at near-ties, which the logit bound covers
-    _assert_close_to_transformers(model_dir, model_type, logits32, tokens32, lambda _: FLOAT32_REL)
+    _assert_close_to_transformers(model_dir, logits32, tokens32, _float32_check)
     assert all(len(t) == NUM_DECODE_STEPS for t in tokens32.values())
 
 
@@ -194,9 +210,7 @@ def test_flex_attention_logits_equal_transformers(tiny_mixtral_dir):
                 **graphs,
             )
             logits, tokens, _ = run_engine_steps(engine, prompts, 0, 1)
-        _assert_close_to_transformers(
-            tiny_mixtral_dir, "mixtral", logits, tokens, lambda _: FLOAT32_REL, prompts
-        )
+        _assert_close_to_transformers(tiny_mixtral_dir, logits, tokens, _float32_check, prompts)
 
 
 def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
@@ -236,9 +250,10 @@ def test_two_ranks_sharing_one_device_with_dbo_equal_dbo_off_and_transformers(
         [r[False] for _, _, r in per_rank],
         reference_model(tiny_mixtral_dir),
         tiny_prompts,
-        rel=reference_rel("mixtral", device_type),
+        model_type="mixtral",
+        device_type=device_type,
     )
     for _, _, results in per_rank:
         for index, on in results[True][0].items():
             off = results[False][0][index]
-            torch.testing.assert_close(on, off, rtol=0, atol=1e-10, msg=f"prompt {index}")
+            assert_same_sums(on, off, msg=f"prompt {index}")

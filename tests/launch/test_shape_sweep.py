@@ -32,10 +32,8 @@ from launch.benchmarks.sweep_shapes import (  # noqa: E402
 from moe import build_model, load_checkpoint, load_config  # noqa: E402
 from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata  # noqa: E402
 from tests.helpers.precision import (  # noqa: E402
-    FLOAT32_ISLAND_REL,
-    assert_logits_close,
+    assert_equals_transformers,
     reference_model,
-    reference_rel,
 )
 
 ALL_SHAPES = DEFAULT_GRID + SMALL_GRID
@@ -114,16 +112,7 @@ def test_each_shape_scaled_down_matches_transformers(tmp_path, shape):
     metadata = make_paged_metadata([n], [n], [list(range(-(-n // BLOCK_SIZE)))])
     with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(n), metadata))
-    assert_logits_close(logits, expected, rel=_reference_rel(tiny))
-
-
-def _reference_rel(shape: Shape) -> float:
-    """``reference_rel``, except DeepSeek-V3 with top-k > 2: transformers sums the float32 top-k
-    weights in ``topk(sorted=False)`` order, ours in sorted order, so the renormalised weights
-    differ by float32 rounding (measured 7e-8 to 9e-8 of the largest |logit|; top-2: 0)."""
-    if shape.family == "deepseekv3" and shape.top_k > 2:
-        return FLOAT32_ISLAND_REL
-    return reference_rel(MODEL_TYPES[shape.family])
+    assert_equals_transformers(logits, expected, model_type=MODEL_TYPES[tiny.family])
 
 
 def test_checkpoint_is_cached_until_the_shape_changes(tmp_path):
