@@ -1,4 +1,4 @@
-"""Every comparison with transformers takes its model and its bound from ``tests.helpers.precision``.
+"""Every comparison with transformers takes its model and bound from ``tests.helpers.precision``.
 
 The float64 bound against transformers is what transformers' float32 steps can contribute on any
 CPU (``precision.reference_rel``, derived in its module docstring). A test that fixed its own bound
@@ -81,7 +81,9 @@ def _violations(path: Path) -> list[str]:
     if any(_called_name(c) == "reference_model" for c in calls):
         for call in calls:
             for keyword in call.keywords:
-                value = _constant_value(keyword.value) if keyword.arg in TOLERANCE_KEYWORDS else None
+                value = (
+                    _constant_value(keyword.value) if keyword.arg in TOLERANCE_KEYWORDS else None
+                )
                 if value is not None and 0 < value < FLOAT32_ISLAND_REL:
                     found.append(
                         f"{where}:{call.lineno}: {keyword.arg}={value:g} fixed beside a "
