@@ -11,7 +11,6 @@ transformers' MixtralForCausalLM, fed the same prompt + generated tokens, gives 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.engine import (
