@@ -3,7 +3,8 @@
 Teacher forcing: two requests with different prompt lengths are prefilled through the paged cache
 in one batch, then decoded one token per request per step; every logit row must match the
 transformers forward over the full sequence: in float64 within ``reference_rel`` of the largest
-|logit|, and in float32 (against the same float64 reference) within 2**-14 of it (``tests.helpers.precision``).
+|logit|, and in float32 (against the same float64 reference) within 2**-14 of it
+(``tests.helpers.precision``).
 """
 
 from __future__ import annotations
