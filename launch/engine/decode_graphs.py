@@ -33,9 +33,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dbo.forward_context import ForwardContext, current_forward_context, set_forward_context
+from dbo.forward_context import ForwardContext, set_forward_context
 from dbo.timeline.recorder import timeline_span
 from moe.compilation import bucket_for
+from moe.compilation.backends import in_ubatch
 from moe.layers.attention_metadata import CommonAttentionMetadata
 
 
@@ -130,10 +131,7 @@ class DecodeGraphs:
     def bucket_for(self, num_rows: int, attn_metadata) -> int | None:
         """The bucket a forward of ``num_rows`` rows replays, or None: not decode-only, inside
         a DBO ubatch, larger than the largest bucket, or not captured yet."""
-        if not self._replays or not is_uniform_decode(attn_metadata):
-            return None
-        context = current_forward_context()
-        if context is not None and context.ubatch_id is not None:
+        if not self._replays or not is_uniform_decode(attn_metadata) or in_ubatch():
             return None
         return bucket_for(num_rows, self.capture_sizes)
 

@@ -151,12 +151,12 @@ class CUDAGraphPiece:
         for i in self._copied:
             self._inputs[i].copy_(inputs[i])
         self._graph.replay()
-        if _in_ubatch():
+        if in_ubatch():
             return tuple(t.clone() for t in self._outputs)
         return self._outputs
 
 
-def _in_ubatch() -> bool:
+def in_ubatch() -> bool:
     """Whether this thread runs a DBO ubatch (whose graph outputs another ubatch may overwrite)."""
     context = current_forward_context()
     return context is not None and (context.ubatch_id is not None or context.ubatch is not None)
