@@ -109,7 +109,13 @@ def build_graph_mode(
         device=device,
         pin_memory=platform.pin_host_memory(device),
     )
-    seconds = whole.capture()
+    try:
+        seconds = whole.capture()
+    except RuntimeError as e:  # a host read or sync in the forward: CUDA refuses the capture
+        sys.stderr.write(
+            f"moe-dbo: decode-only steps run piecewise: capturing them whole failed: {e}\n"
+        )
+        return graph_model, stats
     graph_model.set_whole_forward(whole)
     stats = dataclasses.replace(
         stats, seconds=stats.seconds + seconds, num_whole_graphs=len(capture_sizes)

@@ -270,3 +270,58 @@ def test_whole_decode_graphs_equal_eager_on_cuda(tiny_mixtral_dir):
         whole = graphs_engine.model_runner.model._whole
         assert isinstance(whole, DecodeGraphs)
         assert _greedy(graphs_engine, PROMPTS) == eager
+
+
+class _EagerPiecesRecordingWhole:
+    """A graph backend that runs each piece's FX module as traced and records whole captures:
+    what FULL_AND_PIECEWISE builds at start-up on CUDA, checked on the CPU."""
+
+    name = "eager_pieces"
+    shares_graphs = False
+    captures_capturable = False  # the CPU experts read their group sizes on the host
+    captures_whole = True
+    recorder = RecordingCapture()
+
+    @staticmethod
+    def unavailable_reason():
+        return None
+
+    @classmethod
+    def for_piece(cls, piece, example_inputs, is_weight):
+        return lambda *inputs: tuple(piece(*inputs))
+
+    @classmethod
+    def capture_whole(cls, forward):
+        return cls.recorder.capture_whole(forward)
+
+
+def test_an_engine_with_full_and_piecewise_captures_decode_steps_whole(
+    tiny_mixtral_dir, engine, monkeypatch
+):
+    """Start-up through ``build_graph_mode`` on a platform whose backend captures whole
+    forwards and whose attention backend reads no host values (stand-ins on the CPU): every
+    bucket captured whole, decode steps replay them, prefills run the pieces, tokens equal."""
+    from moe.platforms import CpuPlatform, set_current_platform
+
+    class WholeGraphPlatform(CpuPlatform):
+        graph_modes = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
+        full_graph_attention_backends = ("CPU_ATTN",)
+
+        def graph_backend(self):
+            return _EagerPiecesRecordingWhole
+
+    want = _greedy(engine, PROMPTS, first_id=300)
+    monkeypatch.delenv("MOE_DBO_GRAPH_MODE", raising=False)
+    recorder = _EagerPiecesRecordingWhole.recorder = RecordingCapture()
+    set_current_platform(WholeGraphPlatform())
+    try:
+        graphs_engine = single_rank_engine(
+            tiny_mixtral_dir, cudagraph_capture_sizes=(1, 2, 4), attention_backend="CPU_ATTN"
+        )
+        assert graphs_engine.args.cudagraph_mode == "FULL_AND_PIECEWISE"
+        assert graphs_engine.graph_stats.num_whole_graphs == 3
+        assert recorder.captured == [4, 2, 1]
+        assert _greedy(graphs_engine, PROMPTS) == want
+    finally:
+        set_current_platform(None)
+    assert recorder.replayed == [4, 4, 4]
