@@ -325,3 +325,25 @@ def test_an_engine_with_full_and_piecewise_captures_decode_steps_whole(
     finally:
         set_current_platform(None)
     assert recorder.replayed == [4, 4, 4]
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_cuda_whole_capture_replays_on_its_buffers_and_pieces_return_their_outputs():
+    """``capture_whole``: a replay reads the buffers' current values into the same output
+    tensor; a piece outside a ubatch returns its captured outputs themselves (no clone)."""
+    from moe.compilation.backends import CUDAGraphPiece
+
+    buffer = torch.arange(8.0, device="cuda")
+    replay = CUDAGraphPiece.capture_whole(lambda: buffer * 2 + 1)
+    first = replay()
+    buffer.copy_(torch.full((8,), 3.0))
+    second = replay()
+    assert second.data_ptr() == first.data_ptr()
+    assert second.tolist() == [7.0] * 8
+    x = torch.ones(4, device="cuda")
+    piece = CUDAGraphPiece(lambda a: (a + 1,), [x])
+    (out1,) = piece(torch.full((4,), 2.0, device="cuda"))
+    assert out1.tolist() == [3.0] * 4
+    (out2,) = piece(torch.full((4,), 5.0, device="cuda"))
+    assert out2.data_ptr() == out1.data_ptr() and out2.tolist() == [6.0] * 4
