@@ -207,6 +207,8 @@ def benchmark(ns, args, model, requests, groups):
         dtype=args.dtype,
         data_parallel_size=groups.dp_size,
         enable_dbo=args.enable_dbo,
+        cudagraph_mode=args.cudagraph_mode,
+        num_whole_graphs=0 if capture is None else capture.num_whole_graphs,
     )
     engine.write_timeline()
     if roofline is not None:

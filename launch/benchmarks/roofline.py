@@ -10,7 +10,9 @@ layer are the expected distinct count under balanced routing, ``E * (1 - (1 - k/
 Matrix FLOPs: ``2 x`` the parameters a token meets (dense, top-``k`` experts, ``lm_head`` for the
 sampled rows only) per token, plus attention's ``4 x heads x head_dim x context`` per query row.
 The bandwidth is a device-to-device copy's (bytes read + written per second), the peak a square
-matmul's in the model's dtype: the limits this device reaches, not its datasheet's.
+matmul's in the model's dtype: the limits this device reaches, not its datasheet's. A step's time
+is the engine's whole step (scheduling, inputs, forward, sampling, the read-back of the tokens and
+the scheduler's update), not the forward alone: what a user waits for per token.
 """
 
 from __future__ import annotations
@@ -144,34 +146,19 @@ class _Totals:
     flops: float = 0.0
 
 
-@dataclass(slots=True)
-class StepRoofline:
-    """Per step kind (``decode``: decode-only, else ``prefill``), the measured step time against
-    the bytes and FLOPs the step needs; ``attach`` times an engine's model-runner steps."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepWork:
+    """What one step computes, taken from its ``SchedulerOutput`` when it is scheduled (the
+    requests' counts move on when the step's tokens are applied)."""
 
-    traffic: ModelTraffic
-    bandwidth: float  # bytes/s
-    peak: float  # FLOP/s
-    totals: dict[str, _Totals] = field(default_factory=dict)
+    kind: str  # "decode" (decode-only) or "prefill"
+    num_tokens: int
+    contexts: tuple[int, ...]  # tokens cached before the step, per scheduled request
+    attended: int  # sum over query rows of the context each attends to
+    num_sampled: int  # rows whose next token is sampled
 
-    def attach(self, engine, synchronize: Callable[[], None]) -> None:
-        """Time every ``engine.model_runner.execute_model`` call (the step's device work; its
-        sampled tokens are read on the host at its end) and add it to the totals."""
-        runner = engine.model_runner
-        execute = runner.execute_model
-
-        def timed(scheduler_output):
-            start = time.perf_counter()
-            out = execute(scheduler_output)
-            synchronize()
-            if out.ran_model and scheduler_output.scheduled:
-                self.add(scheduler_output, time.perf_counter() - start)
-            return out
-
-        runner.execute_model = timed
-
-    def add(self, scheduler_output, seconds: float) -> None:
-        """One step of ``scheduler_output`` (``SchedulerOutput``) that took ``seconds``."""
+    @classmethod
+    def of(cls, scheduler_output) -> StepWork:
         contexts, attended, num_sampled = [], 0, 0
         for item in scheduler_output.scheduled:
             computed, new = item.request.num_computed_tokens, item.num_new_tokens
@@ -179,13 +166,71 @@ class StepRoofline:
             # query row j of the new tokens attends to computed + j + 1 tokens
             attended += new * computed + new * (new + 1) // 2
             num_sampled += computed + new >= item.request.num_tokens
-        num_tokens = scheduler_output.num_tokens
-        kind = "decode" if scheduler_output.is_decode_only else "prefill"
-        totals = self.totals.setdefault(kind, _Totals())
+        return cls(
+            kind="decode" if scheduler_output.is_decode_only else "prefill",
+            num_tokens=scheduler_output.num_tokens,
+            contexts=tuple(contexts),
+            attended=attended,
+            num_sampled=num_sampled,
+        )
+
+
+@dataclass(slots=True)
+class StepRoofline:
+    """Per step kind (``decode``: decode-only, else ``prefill``), the measured step time against
+    the bytes and FLOPs the step needs; ``attach`` times an engine's whole steps."""
+
+    traffic: ModelTraffic
+    bandwidth: float  # bytes/s
+    peak: float  # FLOP/s
+    totals: dict[str, _Totals] = field(default_factory=dict)
+
+    def attach(self, engine, synchronize: Callable[[], None]) -> None:
+        """Time every ``engine.step`` whole: scheduling, the model runner's step (inputs, the
+        DP vote, the forward, sampling and the read-back of the tokens), the scheduler's update
+        with the sampled tokens and the release of finished requests; add each step that ran the
+        model on scheduled requests to the totals (``synchronize`` waits for the device at its
+        end)."""
+        scheduler, runner, step = engine.scheduler, engine.model_runner, engine.step
+        schedule, execute = scheduler.schedule, runner.execute_model
+        current: dict = {}
+
+        def recording_schedule():
+            out = schedule()
+            current["work"] = StepWork.of(out) if out.scheduled else None
+            return out
+
+        def recording_execute(scheduler_output):
+            out = execute(scheduler_output)
+            current["ran_model"] = out.ran_model
+            return out
+
+        def timed_step():
+            current.clear()
+            start = time.perf_counter()
+            result = step()
+            synchronize()
+            seconds = time.perf_counter() - start
+            if current.get("work") is not None and current.get("ran_model"):
+                self.add_work(current["work"], seconds)
+            return result
+
+        scheduler.schedule = recording_schedule
+        runner.execute_model = recording_execute
+        engine.step = timed_step
+
+    def add(self, scheduler_output, seconds: float) -> None:
+        """One step of ``scheduler_output`` (``SchedulerOutput``, before its tokens are applied)
+        that took ``seconds``."""
+        self.add_work(StepWork.of(scheduler_output), seconds)
+
+    def add_work(self, work: StepWork, seconds: float) -> None:
+        """One step that computed ``work`` in ``seconds``."""
+        totals = self.totals.setdefault(work.kind, _Totals())
         totals.num_steps += 1
         totals.seconds += seconds
-        totals.bytes += self.traffic.bytes_read(num_tokens, contexts)
-        totals.flops += self.traffic.matmul_flops(num_tokens, num_sampled, attended)
+        totals.bytes += self.traffic.bytes_read(work.num_tokens, list(work.contexts))
+        totals.flops += self.traffic.matmul_flops(work.num_tokens, work.num_sampled, work.attended)
 
     def lines(self) -> list[str]:
         """One line per step kind: mean step time, memory-roofline time and fraction, FLOP

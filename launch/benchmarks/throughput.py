@@ -118,6 +118,8 @@ class ThroughputResult:
     dtype: str
     data_parallel_size: int
     enable_dbo: bool
+    cudagraph_mode: str = "NONE"
+    num_whole_graphs: int = 0  # decode-only buckets captured whole (FULL_AND_PIECEWISE)
 
     def summary_line(self) -> str:
         """vLLM's line, same wording and format."""
@@ -129,7 +131,12 @@ class ThroughputResult:
         )
 
     def detail_line(self) -> str:
-        mode = f"graph mode, buckets {self.capture_sizes}" if self.graph_mode else "eager"
+        mode = "eager"
+        if self.graph_mode:
+            whole = (
+                f", {self.num_whole_graphs} decode graphs whole" if self.num_whole_graphs else ""
+            )
+            mode = f"graph mode {self.cudagraph_mode}{whole}, buckets {self.capture_sizes}"
         return (
             f"{self.num_steps} steps ({self.num_ubatched_steps} microbatched), "
             f"start-up {self.startup_s:.2f} s (graph capture {self.graph_capture_s:.2f} s), "

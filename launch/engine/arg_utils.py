@@ -99,6 +99,8 @@ class EngineArgs:
     emulate_link: str | None = None  # "latency_us=…,gbps=…": see distributed.link_emulation
     # graph mode (vLLM's names): compiled/captured pieces per padding bucket, see moe.compilation
     enforce_eager: bool = False
+    # NONE / PIECEWISE / FULL_AND_PIECEWISE; None: the platform's (resolved in __post_init__)
+    cudagraph_mode: str | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: the platform's default buckets
     max_cudagraph_capture_size: int | None = None
     # what the platform's check_and_update_config changed, one line each (for the start-up log;
@@ -127,6 +129,7 @@ class EngineArgs:
             )
         self.link_spec()  # raises ValueError on a malformed --emulate-link
         self.adaptive_prior()  # raises ValueError on an unreadable --dbo-adaptive-prior
+        self._resolve_cudagraph_mode()
         self.graph_capture_sizes()  # raises ValueError on bad capture sizes
         if self.enable_dbo and not self.enable_expert_parallel:
             raise ValueError(
@@ -278,26 +281,53 @@ class EngineArgs:
 
         return LinkSpec.parse(self.emulate_link)
 
-    def graph_capture_sizes(self) -> tuple[int, ...]:
-        """The padding buckets of graph mode, ascending; ``()`` with ``--enforce-eager``.
+    def _resolve_cudagraph_mode(self) -> None:
+        """``cudagraph_mode`` resolved (vLLM's rules): NONE with ``--enforce-eager``; when not
+        given, the platform's first ``graph_modes`` entry if graphs are on (capture sizes given,
+        or ``graph_mode_by_default``), else NONE.
 
-        ``--cudagraph-capture-sizes`` as given (sorted, deduplicated), else the default buckets
-        (``moe.compilation.default_capture_sizes``) up to ``--max-cudagraph-capture-size``
-        (default: ``--max-num-batched-tokens``, at most the default's largest).
+        Raises:
+            ValueError: a mode that is no ``cudagraph_mode`` or that the platform does not run.
+        """
+        from moe.compilation.config import check_cudagraph_mode
+        from moe.platforms import current_platform
+
+        platform = current_platform()
+        mode = self.cudagraph_mode
+        if mode is not None:
+            check_cudagraph_mode(mode, ("NONE", *platform.graph_modes))
+        if self.enforce_eager:
+            mode = "NONE"
+        elif mode is None:
+            is_on = self.cudagraph_capture_sizes is not None or graph_mode_by_default(platform)
+            mode = platform.graph_modes[0] if is_on else "NONE"
+        object.__setattr__(self, "cudagraph_mode", mode)  # frozen: resolve the default
+
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """The padding buckets of graph mode, ascending; ``()`` when ``cudagraph_mode`` is NONE
+        (``--enforce-eager``, or graphs off by default on this platform).
+
+        ``--cudagraph-capture-sizes`` as given (sorted, deduplicated), else the platform's default
+        buckets (``Platform.default_capture_sizes``: on CUDA vLLM's, up to ``--max-num-seqs``)
+        up to ``--max-cudagraph-capture-size``.
 
         Raises:
             ValueError: a size < 1, or sizes above ``--max-cudagraph-capture-size``.
         """
         from moe.compilation.config import resolve_capture_sizes  # torch-free module
+        from moe.platforms import current_platform
 
-        if self.enforce_eager or (
-            self.cudagraph_capture_sizes is None and not graph_mode_by_default()
-        ):
+        if self.cudagraph_mode in (None, "NONE"):
             return ()
+        platform = current_platform()
         return resolve_capture_sizes(
             self.cudagraph_capture_sizes,
             max_capture_size=self.max_cudagraph_capture_size,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            default_sizes=lambda limit: platform.default_capture_sizes(
+                limit,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
         )
 
     def check_world_size(self, world_size: int) -> None:
@@ -310,12 +340,16 @@ class EngineArgs:
             )
 
 
-def graph_mode_by_default() -> bool:
-    """Whether graph mode is on when no graph flag is given: only where the environment sets
-    ``MOE_DBO_GRAPH_MODE=1``. On CPU it did not win end to end where measured (docs/benchmarks.md,
-    "What was tried and not adopted") and a first start compiles for minutes, so eager is the
-    default; ``--cudagraph-capture-sizes`` / ``-cc`` turn it on explicitly."""
-    return os.environ.get("MOE_DBO_GRAPH_MODE", "0") == "1"
+def graph_mode_by_default(platform) -> bool:
+    """Whether graph mode is on when no graph flag is given: ``MOE_DBO_GRAPH_MODE=1`` / ``=0``
+    where the environment sets it (the test suite runs eagerly), else the platform's answer
+    (``Platform.graphs_by_default``: on for CUDA, as vLLM; off on CPUs, where it did not win end to
+    end, docs/benchmarks.md "What was tried and not adopted", and a first start compiles for
+    minutes). ``--cudagraph-capture-sizes`` / ``-cc`` turn it on, ``--enforce-eager`` off."""
+    forced = os.environ.get("MOE_DBO_GRAPH_MODE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return platform.graphs_by_default
 
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -525,7 +559,7 @@ def _add_graph_mode_args(group: argparse._ArgumentGroup) -> None:
     add(
         "--enforce-eager",
         action="store_true",
-        help="run every step eagerly (no compiled / captured graphs)",
+        help="run every step eagerly (no compiled / captured graphs; cudagraph_mode NONE)",
     )
     add(
         "--cudagraph-capture-sizes",
@@ -547,8 +581,9 @@ def _add_graph_mode_args(group: argparse._ArgumentGroup) -> None:
         "--compilation-config",
         default=None,
         metavar="JSON",
-        help='vLLM\'s compilation config, the subset {"cudagraph_capture_sizes": [...], '
-        '"max_cudagraph_capture_size": N}',
+        help='vLLM\'s compilation config, the subset {"cudagraph_mode": "FULL_AND_PIECEWISE" | '
+        '"PIECEWISE" | "NONE", "cudagraph_capture_sizes": [...], "max_cudagraph_capture_size": N} '
+        "(default mode: the platform's, FULL_AND_PIECEWISE on CUDA)",
     )
 
 

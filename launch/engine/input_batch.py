@@ -7,6 +7,12 @@ bookkeeping per scheduled request (its row, the tokens and blocks added since th
 builds every per-token input with array arithmetic: positions by ``arange`` offsets, input ids by a
 gather from the token rows, and
 ``slot_mapping = block_table[req, pos // block_size] * block_size + pos % block_size``.
+
+The per-token inputs (``input_ids``, ``positions``, ``logits_indices``) go to the device through
+persistent buffers (``StagedBuffer``): written on the host into a staging buffer, pinned where the
+platform says so (``Platform.pin_host_memory``: CUDA), and copied with one non-blocking copy into
+a device buffer that every step reuses; a step's inputs are views of it, valid until the next
+step's ``prepare_inputs``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,36 @@ from launch.engine.scheduler import SchedulerOutput
 from moe.layers.attention_metadata import CommonAttentionMetadata
 
 
+class StagedBuffer:
+    """A persistent device buffer of 1-D ``dtype`` rows and its host staging buffer (pinned when
+    ``pin_memory``), both grown (doubled) when a step needs more rows.
+
+    ``upload(array)`` -> a view of the device buffer holding ``array`` [n]: the host copy, then a
+    non-blocking host-to-device copy (it runs in stream order; a pinned source lets the host go
+    on at once). The staging rows are next overwritten by the next ``upload``, a step later, after
+    the step's results were read on the host, which orders after this copy.
+    """
+
+    def __init__(
+        self, num_rows: int, dtype: torch.dtype, device: torch.device, *, pin_memory: bool
+    ) -> None:
+        self.dtype, self.device, self.pin_memory = dtype, device, pin_memory
+        self._allocate(num_rows)
+
+    def _allocate(self, num_rows: int) -> None:
+        self.host = torch.zeros(num_rows, dtype=self.dtype, pin_memory=self.pin_memory)
+        self.buffer = torch.zeros(num_rows, dtype=self.dtype, device=self.device)
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        n = len(array)
+        if n > self.buffer.shape[0]:
+            self._allocate(max(n, 2 * self.buffer.shape[0]))
+        self.host[:n].copy_(torch.from_numpy(array))
+        out = self.buffer[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64; padding rows hold 0
@@ -35,6 +71,9 @@ class ModelInputs:
 
 class InputBatch:
     """Rows of per-request state for up to ``max_num_reqs`` requests at once.
+
+    ``pin_memory``: stage the step inputs in pinned host memory (``Platform.pin_host_memory``);
+    ``num_token_rows``: the token rows its persistent buffers start with (grown on demand).
 
     Raises:
         ValueError: from ``prepare_inputs`` if more than ``max_num_reqs`` requests are live or
@@ -50,8 +89,19 @@ class InputBatch:
         kv_cache_manager: KVCacheManager,
         default_seed: int,
         device: torch.device | None = None,
+        pin_memory: bool = False,
+        num_token_rows: int = 256,
     ) -> None:
         self.device = torch.device("cpu") if device is None else device
+        # step inputs through persistent device buffers (pinned staging where the platform pins)
+        self._staged = {
+            name: StagedBuffer(rows, torch.int64, self.device, pin_memory=pin_memory)
+            for name, rows in (
+                ("input_ids", num_token_rows),
+                ("positions", num_token_rows),
+                ("logits_indices", max_num_reqs),
+            )
+        }
         self.max_num_reqs = max_num_reqs
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -152,11 +202,12 @@ class InputBatch:
             max_query_len=int(num_new.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),
         )
+        staged = self._staged
         return ModelInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
+            input_ids=staged["input_ids"].upload(input_ids),
+            positions=staged["positions"].upload(positions),
             attn_metadata=attn_metadata,
-            logits_indices=self._to_device(cu_num_new[is_sampled] - 1),
+            logits_indices=staged["logits_indices"].upload(cu_num_new[is_sampled] - 1),
             sampled_request_ids=tuple(request_ids[is_sampled].tolist()),
             sampling_metadata=self._sampling_metadata(sampled_rows),
         )

@@ -294,7 +294,11 @@ class LLMEngine:
             self._log(kernels)
         # graph mode (when EngineArgs.graph_capture_sizes has buckets): compiled pieces per bucket
         runner_model, self.graph_stats = build_graph_mode(
-            self.model, self.args, show_progress=self.groups.rank == 0
+            self.model,
+            self.args,
+            show_progress=self.groups.rank == 0,
+            max_num_blocks_per_req=self.max_num_blocks_per_req,
+            device=self.groups.device,
         )
         return ModelRunner(
             model=runner_model,

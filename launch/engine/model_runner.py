@@ -113,6 +113,8 @@ class ModelRunner:
             kv_cache_manager=kv_cache_manager,
             default_seed=engine_args.seed,
             device=groups.device,
+            pin_memory=self.platform.pin_host_memory(groups.device),
+            num_token_rows=engine_args.max_num_batched_tokens,
         )
         self.sampler = Sampler()
         # Learns per batch shape whether microbatching pays; used for the kinds whose threshold is

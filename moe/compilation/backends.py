@@ -3,6 +3,8 @@ platform hands out the class (``Platform.graph_backend()``); each offers ``name`
 ``shares_graphs`` (one graph may serve pieces of equal structure: their weights are inputs),
 ``captures_capturable`` (``capturable`` splitting ops, the MoE kernels without communication,
 are traced into its graphs: their device path must read nothing to the host),
+``captures_whole`` (it can capture a whole forward, attention included:
+``capture_whole(forward) -> replay``, for ``FULL_AND_PIECEWISE``'s decode-only steps),
 ``unavailable_reason()`` and ``for_piece(module, example_inputs, is_weight)``.
 
 A piece is an FX ``GraphModule`` cut out of the traced model forward
@@ -17,10 +19,14 @@ A piece is an FX ``GraphModule`` cut out of the traced model forward
   the baton ensures; the code itself holds no shared mutable state).
 - ``CUDAGraphPiece`` (CUDA): ``torch.cuda.CUDAGraph`` capture of the piece on static input
   buffers (documented API: warm up on a side stream, then ``torch.cuda.graph``); the weights are
-  captured in place, replay copies the other inputs in and CLONES the outputs, because the two DBO
-  ubatches replay the same graph in turn and the second replay would overwrite the first one's
-  outputs. All pieces' graphs share one memory pool (each graph's outputs are cloned before the
-  next replay, so their intermediates may overlap). Its tests are marked ``gpu``.
+  captured in place, replay copies the other inputs in. Inside a DBO ubatch it CLONES the
+  outputs: the two ubatches replay the same graphs (or other buckets' graphs, whose intermediates
+  share the pool) in turn, and a later replay would overwrite outputs the other ubatch still
+  needs. Without ubatches one forward replays each piece once, in capture order, so a piece's
+  outputs are overwritten only by the next step, after its results were read: no clone. All
+  graphs share one memory pool. ``capture_whole`` captures a whole forward on the caller's
+  persistent buffers (no clone either: the caller reads the output before the next step).
+  Its tests are marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, fx
+
+from dbo.forward_context import current_forward_context
 
 
 def has_standalone_compile() -> bool:
@@ -47,6 +55,7 @@ class InductorGraph:
     name = "inductor"
     shares_graphs = True
     captures_capturable = False  # the CPU experts read their group sizes on the host
+    captures_whole = False  # the CPU attention plans read the metadata on the host
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -89,7 +98,8 @@ class CUDAGraphPiece:
     name = "cuda_graph"
     shares_graphs = False
     captures_capturable = True  # forward_cuda of the experts reads nothing to the host
-    _pool = None  # one memory pool for every captured piece (torch.cuda.graph_pool_handle)
+    captures_whole = True
+    _pool = None  # one memory pool for every captured graph (torch.cuda.graph_pool_handle)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -100,6 +110,26 @@ class CUDAGraphPiece:
         cls, piece: fx.GraphModule, example_inputs: Sequence[Tensor], is_weight: Sequence[bool]
     ) -> CUDAGraphPiece:
         return cls(piece, example_inputs, is_weight)
+
+    @classmethod
+    def capture_whole(cls, forward: Callable[[], Tensor]) -> Callable[[], Tensor]:
+        """``forward()`` (a whole model forward reading persistent input buffers) captured as one
+        CUDA graph; returns ``replay() -> output``, the same tensor at every replay (not cloned:
+        the next replay of any graph of the pool may overwrite it).
+
+        Raises:
+            RuntimeError: if CUDA is not available, or ``forward`` does what a capture refuses
+                (a host read of a device value, a synchronisation).
+        """
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDAGraphPiece.capture_whole needs a CUDA device")
+        graph, output = _capture(forward, num_warmup=1)
+
+        def replay() -> Tensor:
+            graph.replay()
+            return output
+
+        return replay
 
     def __init__(
         self,
@@ -114,20 +144,36 @@ class CUDAGraphPiece:
         static = static_inputs or [False] * len(example_inputs)
         self._inputs = [t if s else t.clone() for t, s in zip(example_inputs, static, strict=True)]
         self._copied = [i for i, s in enumerate(static) if not s]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # documented recipe: warm up on a side stream
-            for _ in range(num_warmup):
-                piece(*self._inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        if CUDAGraphPiece._pool is None:
-            CUDAGraphPiece._pool = torch.cuda.graph_pool_handle()
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph, pool=CUDAGraphPiece._pool):
-            self._outputs = tuple(piece(*self._inputs))
+        self._graph, outputs = _capture(lambda: tuple(piece(*self._inputs)), num_warmup=num_warmup)
+        self._outputs = tuple(outputs)
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         for i in self._copied:
             self._inputs[i].copy_(inputs[i])
         self._graph.replay()
-        return tuple(t.clone() for t in self._outputs)
+        if in_ubatch():
+            return tuple(t.clone() for t in self._outputs)
+        return self._outputs
+
+
+def in_ubatch() -> bool:
+    """Whether this thread runs a DBO ubatch (whose graph outputs another ubatch may overwrite)."""
+    context = current_forward_context()
+    return context is not None and (context.ubatch_id is not None or context.ubatch is not None)
+
+
+def _capture(fn: Callable[[], object], *, num_warmup: int) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, fn's output at capture): ``fn`` warmed up on a side stream ``num_warmup`` times
+    (the documented recipe), then captured in the pool every graph shares."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(num_warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    if CUDAGraphPiece._pool is None:
+        CUDAGraphPiece._pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=CUDAGraphPiece._pool):
+        output = fn()
+    return graph, output

@@ -1,13 +1,21 @@
-"""Graph-mode settings: padding buckets and vLLM's ``--compilation-config`` subset (torch-free).
+"""Graph-mode settings: the mode, padding buckets and vLLM's ``--compilation-config`` subset
+(torch-free).
 
 A bucket is a row count that gets its own graph; a forward of ``n`` rows runs the graph of the
 smallest bucket ``>= n`` on its rows padded with zeros, and eagerly above the largest bucket
 (after vLLM's ``cudagraph_capture_sizes``, see ``shared/seeds/graph-capture-bucketing.md``).
+
+Modes (vLLM's ``cudagraph_mode`` names): ``NONE`` (eager), ``PIECEWISE`` (graphs between the
+splitting ops: attention cores, communicating MoE kernels) and ``FULL_AND_PIECEWISE`` (a
+decode-only step captured whole, attention included, one graph per bucket; other steps
+piecewise). Which modes a device runs, and whether graphs are on without a flag, is its
+platform's answer (``Platform.graph_modes``, ``Platform.graphs_by_default``).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 
 from moe.flag_json import parse_json_object
 
@@ -15,17 +23,49 @@ from moe.flag_json import parse_json_object
 # piece. Each inductor graph costs seconds of C++ compilation on a CPU, so the CPU default is
 # coarser: powers of two up to 16, then steps of 16 (padding waste <= 16 rows or 50 %).
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
-COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+# vLLM's largest default CUDA-graph bucket
+VLLM_MAX_CAPTURE_SIZE = 512
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
+COMPILATION_CONFIG_KEYS = (
+    "cudagraph_mode",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+)
+
+
+def cpu_capture_sizes(
+    max_capture_size: int | None, *, max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """The CPU's default buckets (``DEFAULT_CAPTURE_SIZES``) up to ``max_capture_size`` (default:
+    128, capped at ``max_num_batched_tokens``), in steps of 32 above 128."""
+    limit = max_capture_size or min(DEFAULT_CAPTURE_SIZES[-1], max_num_batched_tokens)
+    sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= limit)
+    if max_capture_size is not None and max_capture_size > DEFAULT_CAPTURE_SIZES[-1]:
+        sizes += tuple(range(DEFAULT_CAPTURE_SIZES[-1] + 32, max_capture_size + 1, 32))
+    return sizes
+
+
+def vllm_capture_sizes(
+    max_capture_size: int | None, *, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """vLLM's default CUDA-graph buckets: 1, 2, 4, then multiples of 8, up to
+    ``max_capture_size`` (default: ``min(512, max_num_seqs, max_num_batched_tokens)``), the limit
+    itself included, so that a decode step of ``max_num_seqs`` requests has a graph."""
+    limit = max_capture_size or min(VLLM_MAX_CAPTURE_SIZE, max_num_seqs, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return tuple(sizes)
 
 
 def resolve_capture_sizes(
     sizes: tuple[int, ...] | list[int] | None,
     *,
     max_capture_size: int | None,
-    max_num_batched_tokens: int,
+    default_sizes: Callable[[int | None], tuple[int, ...]],
 ) -> tuple[int, ...]:
-    """Ascending, deduplicated buckets: ``sizes`` if given, else the defaults up to
-    ``max_capture_size`` (default: the largest default, capped at ``max_num_batched_tokens``).
+    """Ascending, deduplicated buckets: ``sizes`` if given, else ``default_sizes(max_capture_size)``
+    (the platform's defaults, e.g. ``cpu_capture_sizes`` or ``vllm_capture_sizes``).
 
     Raises:
         ValueError: a size < 1, an empty list, ``max_capture_size`` < 1, or given sizes above
@@ -43,11 +83,22 @@ def resolve_capture_sizes(
                 f"--max-cudagraph-capture-size {max_capture_size}"
             )
         return resolved
-    limit = max_capture_size or min(DEFAULT_CAPTURE_SIZES[-1], max_num_batched_tokens)
-    resolved = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= limit)
-    if max_capture_size is not None and max_capture_size > DEFAULT_CAPTURE_SIZES[-1]:
-        resolved += tuple(range(DEFAULT_CAPTURE_SIZES[-1] + 32, max_capture_size + 1, 32))
-    return resolved
+    return default_sizes(max_capture_size)
+
+
+def check_cudagraph_mode(mode: str, supported: Sequence[str]) -> str:
+    """``mode`` if it is one of ``supported`` (a platform's ``graph_modes``).
+
+    Raises:
+        ValueError: ``mode`` is no mode of ``CUDAGRAPH_MODES``, or not in ``supported``.
+    """
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"cudagraph_mode {mode!r} is not one of {list(CUDAGRAPH_MODES)}")
+    if mode not in supported:
+        raise ValueError(
+            f"cudagraph_mode {mode} does not run on this platform; choose one of {list(supported)}"
+        )
+    return mode
 
 
 def bucket_for(num_rows: int, capture_sizes: tuple[int, ...]) -> int | None:
@@ -57,8 +108,8 @@ def bucket_for(num_rows: int, capture_sizes: tuple[int, ...]) -> int | None:
 
 
 def parse_compilation_config(text: str) -> dict:
-    """``-cc/--compilation-config`` JSON -> ``{"cudagraph_capture_sizes": tuple | absent,
-    "max_cudagraph_capture_size": int | absent}``.
+    """``-cc/--compilation-config`` JSON -> ``{"cudagraph_mode": str | absent,
+    "cudagraph_capture_sizes": tuple | absent, "max_cudagraph_capture_size": int | absent}``.
 
     Raises:
         ValueError: not a JSON object, a key outside ``COMPILATION_CONFIG_KEYS``, or values of the
@@ -66,6 +117,11 @@ def parse_compilation_config(text: str) -> dict:
     """
     config = parse_json_object("--compilation-config", text, COMPILATION_CONFIG_KEYS)
     out: dict = {}
+    mode = config.get("cudagraph_mode")
+    if mode is not None:
+        if mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}")
+        out["cudagraph_mode"] = mode
     sizes = config.get("cudagraph_capture_sizes")
     if sizes is not None:
         if not isinstance(sizes, list) or not all(

@@ -6,7 +6,9 @@ splitting ops (``moe.compilation.splitting``: attention cores, MoE kernels) and 
 ``GraphModeModel`` wraps a built, loaded causal LM with the same ``forward`` / ``compute_logits``.
 A forward of ``n`` rows (one ubatch under DBO) up to the largest bucket pads ``input_ids`` /
 ``positions`` with zeros to its bucket; splitting ops see only the first ``n`` rows. Larger
-batches, and any before ``capture``, run eagerly. The trace may read ``attn_metadata.num_tokens``
+batches, and any before ``capture``, run eagerly. A whole-forward runner
+(``set_whole_forward``: FULL_AND_PIECEWISE's decode graphs) takes the forwards it has a graph
+for, before the pieces. The trace may read ``attn_metadata.num_tokens``
 only (anything else raises). How and why: docs/hardware.md, "Graph mode".
 """
 
@@ -36,6 +38,7 @@ class CaptureStats:
     seconds: float
     capture_sizes: tuple[int, ...]
     backend: str
+    num_whole_graphs: int = 0  # decode-only forwards captured whole (FULL_AND_PIECEWISE)
 
 
 def _spanned(graph: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
@@ -75,6 +78,13 @@ class GraphModeModel(nn.Module):
         self.backend = backend
         self._forwards: dict[int, SplitForward] = {}  # bucket -> its split, compiled forward
         self._stats: CaptureStats | None = None
+        self._whole = None
+
+    def set_whole_forward(self, whole) -> None:
+        """Run forwards through ``whole`` where it has a graph: ``whole.bucket_for(num_rows,
+        attn_metadata) -> int | None`` and ``whole.replay(bucket, input_ids, positions,
+        attn_metadata) -> [num_rows, hidden_size]`` (``launch.engine.decode_graphs``)."""
+        self._whole = whole
 
     @property
     def is_captured(self) -> bool:
@@ -149,6 +159,10 @@ class GraphModeModel(nn.Module):
         """input_ids, positions: [n] int64 -> hidden_states [n, hidden_size] (as the wrapped
         model does)."""
         n = input_ids.shape[0]
+        if self._whole is not None:
+            whole_bucket = self._whole.bucket_for(n, attn_metadata)
+            if whole_bucket is not None:
+                return self._whole.replay(whole_bucket, input_ids, positions, attn_metadata)
         bucket = bucket_for(n, self.capture_sizes) if self.is_captured else None
         if bucket is None:
             return self.lm(input_ids, positions, attn_metadata)

@@ -16,7 +16,12 @@ questions:
 - ``device_clock(device)``: the clock that times the timeline's compute spans on the device
   (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
 - ``graph_backend()``: the class that compiles or captures one graph-mode piece
-  (``moe.compilation.backends``), or None (graph mode runs eagerly).
+  (``moe.compilation.backends``), or None (graph mode runs eagerly); ``graph_modes``: the
+  ``cudagraph_mode`` values it runs, the one graphs use first; ``graphs_by_default``: whether graph
+  mode is on without a flag; ``default_capture_sizes(...)``: its default buckets;
+  ``full_graph_attention_backends``: the attention backends a decode step can be captured whole
+  with (they read per-step values from device tensors only); ``pin_host_memory(device)``: whether
+  step inputs for ``device`` are staged in pinned host memory for non-blocking copies.
 - ``profiler_activities()`` / ``profiler_range()``: what ``torch.profiler`` records here (the
   host, plus CUDA kernels) and a device profiler's capture range, or None
   (``launch.engine.profiler``, ``--profiler-config``).
@@ -89,6 +94,9 @@ class Platform:
     issue_before_recv_hook: bool = True
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
     attention_backends: tuple[str, ...] = ("TORCH_SDPA",)
+    graph_modes: tuple[str, ...] = ("NONE",)  # cudagraph_mode values, the graphs' choice first
+    graphs_by_default: bool = False
+    full_graph_attention_backends: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dispatch_key={self.dispatch_key!r})"
@@ -128,6 +136,20 @@ class Platform:
     def graph_backend(self) -> type | None:
         """The graph-mode piece backend (``moe.compilation.backends``), or None (eager only)."""
         return None
+
+    def pin_host_memory(self, device: torch.device) -> bool:
+        """Whether host staging buffers of inputs for ``device`` are pinned (page-locked), so that
+        their copies to it can be non-blocking: no here (the device is the host)."""
+        return False
+
+    def default_capture_sizes(
+        self, max_capture_size: int | None, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> tuple[int, ...]:
+        """The graph-mode buckets when none are given: the CPU's coarse ones
+        (``moe.compilation.config.cpu_capture_sizes``: each graph costs a compilation)."""
+        from moe.compilation.config import cpu_capture_sizes
+
+        return cpu_capture_sizes(max_capture_size, max_num_batched_tokens=max_num_batched_tokens)
 
     def profiler_activities(self) -> list:
         """What ``torch.profiler`` records here (``ProfilerActivity`` list): the host's ops."""
@@ -173,6 +195,7 @@ class Platform:
         changes: dict[str, Any] = {"attention_backend": backend.value}
         if self.graph_backend() is None and not args.enforce_eager:
             changes["enforce_eager"] = True
+            changes["cudagraph_mode"] = "NONE"
             return ConfigUpdate(
                 changes=changes,
                 notes=(f"graph mode off: platform {self.name} has no graph backend",),
@@ -203,6 +226,9 @@ class CpuPlatform(Platform):
     # flex_attention on the CPU runs eagerly (a [heads, rows, cache tokens] score matrix) or
     # compiled per shape (inductor's CPU template fails to build with dynamic shapes)
     attention_backends = ("CPU_ATTN", "TORCH_SDPA")
+    # inductor compiles pieces; the CPU attention plans read the metadata on the host. Off by
+    # default: it did not pay end to end on CPUs (docs/benchmarks.md, "What was tried")
+    graph_modes = ("PIECEWISE", "NONE")
 
     def graph_backend(self) -> type | None:
         from moe.compilation.backends import InductorGraph
@@ -250,6 +276,25 @@ class CudaPlatform(Platform):
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     attention_backends = ("TORCH_SDPA", "FLEX_ATTENTION")
+    # a launch costs the host more than a small decode step's kernels cost the device: graphs on
+    # unless --enforce-eager (vLLM's default; 3.1x eager measured on an H200, docs/hardware.md)
+    graph_modes = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
+    graphs_by_default = True
+    # read the KV cache and every per-step value from device tensors, with no host read
+    full_graph_attention_backends = ("TRITON_ATTN",)
+
+    def default_capture_sizes(
+        self, max_capture_size: int | None, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> tuple[int, ...]:
+        """vLLM's buckets (``moe.compilation.config.vllm_capture_sizes``): up to
+        ``min(512, max_num_seqs, max_num_batched_tokens)``, so every decode step has a graph."""
+        from moe.compilation.config import vllm_capture_sizes
+
+        return vllm_capture_sizes(
+            max_capture_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
 
     def device_count(self) -> int:
         """Visible CUDA devices (tests override it to drive ``place_rank``)."""
@@ -282,6 +327,10 @@ class CudaPlatform(Platform):
     def synchronize(self, device: torch.device) -> None:
         if device.type == "cuda":  # host tensors of a CUDA process: nothing enqueued
             torch.cuda.synchronize(device)
+
+    def pin_host_memory(self, device: torch.device) -> bool:
+        # an unpinned source makes cudaMemcpyAsync copy through a staging buffer and block
+        return device.type == "cuda"
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         from dbo.cuda_streams import make_ubatch_streams
