@@ -5,7 +5,10 @@ body over ``client_max_size``) into OpenAI error objects, and anything unexpecte
 into a 500 error object, logging its traceback on the server side. ``read_json_body`` decodes a
 request body so that no body (an unknown charset, bytes that are not the charset, invalid or
 deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400; a large
-body is decoded and checked on an executor thread, one body at a time (``LARGE_BODY_BYTES``).
+body is decoded in the JSON decoder's worker processes and checked on an executor thread, one body
+at a time (``LARGE_BODY_BYTES``). The decoder's own faults (a worker stuck past the deadline,
+killed, crashed) are the server's: 503 with ``Retry-After``, or 500 for a body that crashed two
+workers (``launch.serving.json_decoding``), never a 400.
 
 Not covered: a request that is not HTTP at all, or whose request line / headers exceed
 ``MAX_LINE_BYTES``, is refused by aiohttp's parser before any application code runs (plain-text
@@ -21,7 +24,12 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from launch.serving.json_decoding import JsonDecoder, decode
+from launch.serving.json_decoding import (
+    BodyCrashedDecoder,
+    DecoderUnavailable,
+    JsonDecoder,
+    decode,
+)
 from launch.serving.openai_protocol import ProtocolError, error_body
 
 logger = logging.getLogger("launch.serving")
@@ -30,11 +38,11 @@ logger = logging.getLogger("launch.serving")
 # the router (and gets a JSON 404) instead of the parser's plain-text 400.
 MAX_LINE_BYTES = 65536
 
-# A body of at least this many bytes is decoded in the application's JSON worker process
-# (``JSON_DECODER``: json.loads holds the GIL for its whole call) and checked (``read_json_body``'s
-# ``parse``) on an executor thread: on the event loop, eight 1 MiB token-id bodies stalled /health
-# for seconds. One such body at a time (``LARGE_BODY_LOCK``), so the event loop contends for the
-# GIL with one thread.
+# A body of at least this many bytes is decoded in the application's JSON worker processes
+# (``JSON_DECODER``: json.loads holds the GIL for its whole call; the decoder schedules them) and
+# checked (``read_json_body``'s ``parse``) on an executor thread: on the event loop, eight 1 MiB
+# token-id bodies stalled /health for seconds. One such check at a time (``LARGE_BODY_LOCK``), so
+# the event loop contends for the GIL with one thread.
 LARGE_BODY_BYTES = 64 * 1024
 LARGE_BODY_LOCK = web.AppKey("large_body_lock", asyncio.Lock)
 JSON_DECODER = web.AppKey("json_decoder", JsonDecoder)
@@ -82,8 +90,9 @@ async def read_json_body(
     request: web.Request, *, timeout_s: float | None = None, parse: Callable = lambda body: body
 ):
     """``parse(body)`` of the request body decoded as JSON, read within ``timeout_s`` seconds
-    (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded and parsed on the event
-    loop's default executor, under the application's ``LARGE_BODY_LOCK`` if it has one.
+    (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded by the application's
+    ``JSON_DECODER`` (on the default executor without one) and parsed on the default executor,
+    under the application's ``LARGE_BODY_LOCK`` if it has one.
 
     Raises:
         ProtocolError (415): a Content-Type other than JSON (``http_guard.require_json``).
@@ -91,6 +100,10 @@ async def read_json_body(
             client); the connection is then closed.
         ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
             JSON nested too deeply, or a number beyond Python's integer digit limit.
+        ServerBusy (503, ``Retry-After``): the decoder gave no answer within its deadline, or
+            its workers were killed (``json_decoding.DecoderUnavailable``).
+        ProtocolError (500): the body crashed two decoder workers
+            (``json_decoding.BodyCrashedDecoder``).
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
         Whatever ``parse`` raises.
     """
@@ -106,15 +119,26 @@ async def read_json_body(
     charset = request.charset or "utf-8"
     if len(raw) < LARGE_BODY_BYTES:
         return parse(_value(decode(raw, charset)))
+    loop = asyncio.get_running_loop()
+    decoder = request.app.get(JSON_DECODER)
+    decoded = None if decoder is None else await _decode_in_worker(decoder, raw, charset)
     lock = request.app.get(LARGE_BODY_LOCK) or contextlib.nullcontext()
     async with lock:  # waits for the large body before it to be checked
-        loop = asyncio.get_running_loop()
-        decoder = request.app.get(JSON_DECODER)
-        if decoder is None:
+        if decoded is None:  # no decoder processes: decoded on a thread too
             decoded = await loop.run_in_executor(None, decode, raw, charset)
-        else:
-            decoded = await decoder.decode(raw, charset)  # in the worker process
         return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
+
+
+async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
+    """``decoder.decode``, its failures as the server's: ServerBusy (503) or 500."""
+    from launch.serving.serving_engine import ServerBusy
+
+    try:
+        return await decoder.decode(raw, charset)
+    except DecoderUnavailable as e:
+        raise ServerBusy(str(e)) from None
+    except BodyCrashedDecoder as e:
+        raise ProtocolError(str(e), status=500) from None
 
 
 def _value(decoded: tuple[bool, object]):
