@@ -160,9 +160,10 @@ import asyncio, time
 import torch
 from launch.serving.json_decoding import JsonDecoder
 
-decoder = JsonDecoder()
-print(asyncio.run(decoder.decode(b"[1]", "utf-8")), flush=True)
-time.sleep(120)
+if __name__ == "__main__":
+    decoder = JsonDecoder()
+    print(asyncio.run(decoder.decode(b"[1]", "utf-8")), flush=True)
+    time.sleep(120)
 """
 
 
