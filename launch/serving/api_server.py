@@ -109,7 +109,7 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
     app[FIRST_REQUEST_DEADLINE] = first_request
-    app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
+    app[LARGE_BODY_LOCK] = asyncio.Lock()  # the largest bodies are checked one at a time
     # and decoded in worker processes, each within its deadline
     app[JSON_DECODER] = decoder = JsonDecoder(timeout_s=config.body_decode_timeout_s)
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from launch.serving.json_decoding import (
+    DECODE_TIMEOUT_S,
+    RESERVED_BELOW_BYTES,
     BodyCrashedDecoder,
     DecoderUnavailable,
     JsonDecoder,
@@ -41,8 +43,10 @@ MAX_LINE_BYTES = 65536
 # A body of at least this many bytes is decoded in the application's JSON worker processes
 # (``JSON_DECODER``: json.loads holds the GIL for its whole call; the decoder schedules them) and
 # checked (``read_json_body``'s ``parse``) on an executor thread: on the event loop, eight 1 MiB
-# token-id bodies stalled /health for seconds. One such check at a time (``LARGE_BODY_LOCK``), so
-# the event loop contends for the GIL with one thread.
+# token-id bodies stalled /health for seconds. Bodies of ``json_decoding.RESERVED_BELOW_BYTES`` or
+# more are checked one at a time (``LARGE_BODY_LOCK``, waited for within the decoder's deadline),
+# so the event loop contends for the GIL with one such thread; a smaller body does not wait for
+# them (checking 1 MiB of brackets nested 500 deep takes seconds).
 LARGE_BODY_BYTES = 64 * 1024
 LARGE_BODY_LOCK = web.AppKey("large_body_lock", asyncio.Lock)
 JSON_DECODER = web.AppKey("json_decoder", JsonDecoder)
@@ -92,7 +96,8 @@ async def read_json_body(
     """``parse(body)`` of the request body decoded as JSON, read within ``timeout_s`` seconds
     (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded by the application's
     ``JSON_DECODER`` (on the default executor without one) and parsed on the default executor,
-    under the application's ``LARGE_BODY_LOCK`` if it has one.
+    one of ``RESERVED_BELOW_BYTES`` or more under the application's ``LARGE_BODY_LOCK`` if it has
+    one.
 
     Raises:
         ProtocolError (415): a Content-Type other than JSON (``http_guard.require_json``).
@@ -101,7 +106,8 @@ async def read_json_body(
         ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
             JSON nested too deeply, or a number beyond Python's integer digit limit.
         ServerBusy (503, ``Retry-After``): the decoder gave no answer within its deadline, or
-            its workers were killed (``json_decoding.DecoderUnavailable``).
+            its workers were killed (``json_decoding.DecoderUnavailable``), or the checks of the
+            large bodies before it did not end within that deadline.
         ProtocolError (500): the body crashed two decoder workers
             (``json_decoding.BodyCrashedDecoder``).
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
@@ -121,12 +127,18 @@ async def read_json_body(
         return parse(_value(decode(raw, charset)))
     loop = asyncio.get_running_loop()
     decoder = request.app.get(JSON_DECODER)
-    decoded = None if decoder is None else await _decode_in_worker(decoder, raw, charset)
-    lock = request.app.get(LARGE_BODY_LOCK) or contextlib.nullcontext()
-    async with lock:  # waits for the large body before it to be checked
-        if decoded is None:  # no decoder processes: decoded on a thread too
-            decoded = await loop.run_in_executor(None, decode, raw, charset)
+    if decoder is None:  # no decoder processes: decoded on a thread
+        decoded = await loop.run_in_executor(None, decode, raw, charset)
+    else:
+        decoded = await _decode_in_worker(decoder, raw, charset)
+    lock = request.app.get(LARGE_BODY_LOCK)
+    if lock is None or len(raw) < RESERVED_BELOW_BYTES:
         return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
+    await _acquire_within(lock, DECODE_TIMEOUT_S if decoder is None else decoder.timeout_s)
+    try:
+        return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
+    finally:
+        lock.release()
 
 
 async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
@@ -139,6 +151,19 @@ async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
         raise ServerBusy(str(e)) from None
     except BodyCrashedDecoder as e:
         raise ProtocolError(str(e), status=500) from None
+
+
+async def _acquire_within(lock: asyncio.Lock, timeout_s: float) -> None:
+    """``lock`` acquired within ``timeout_s``, or ServerBusy (503)."""
+    from launch.serving.http_guard import wait_within
+    from launch.serving.serving_engine import ServerBusy
+
+    try:  # blocking wait for the checks of the bodies before this one, with a timeout
+        await wait_within(lock.acquire(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ServerBusy(
+            f"the large request bodies before this one were not checked within {timeout_s:g} s"
+        ) from None
 
 
 def _value(decoded: tuple[bool, object]):

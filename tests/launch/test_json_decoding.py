@@ -145,6 +145,44 @@ def test_a_stalled_worker_is_replaced_at_the_deadline():
     assert _is_gone(stalled)
 
 
+def _slow_to_refuse(num_bytes: int) -> bytes:
+    """About ``num_bytes`` of arrays nested 500 deep, then one nested past ``MAX_JSON_DEPTH``:
+    the nesting scan walks every bracket before it refuses the body (a short answer)."""
+    unit = "[" * 500 + "]" * 500
+    units = [unit] * (num_bytes // (len(unit) + 1))
+    deepest = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
+    return ("[" + ",".join([*units, deepest]) + "]").encode()
+
+
+def test_a_small_body_is_not_held_up_by_large_slow_ones():
+    """Three large bodies, slow to decode, arrive first: one worker is left to the 70 KiB body,
+    which is answered before any of them."""
+    large, small = _slow_to_refuse(1 << 20), b"[1]" + b" " * (70 * 1024)
+
+    async def run():
+        decoder = JsonDecoder()  # two workers
+        done = []
+
+        async def timed(name, raw):
+            answer = await decoder.decode(raw, "utf-8")
+            done.append(name)
+            return answer
+
+        try:
+            await decoder.decode(b"[0]", "utf-8")  # the workers are up
+            larger = [asyncio.ensure_future(timed(f"large {i}", large)) for i in range(3)]
+            await asyncio.sleep(0.05)  # they are handed their workers first
+            answer = await timed("small", small)
+            answers = await asyncio.gather(*larger)
+            return done, answer, answers
+        finally:
+            decoder.close()
+
+    done, answer, answers = asyncio.run(run())
+    assert answer == (True, [1]) and answers == [(False, TOO_DEEP)] * 3
+    assert done[0] == "small", done
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
         JsonDecoder(num_workers=0)
