@@ -18,7 +18,6 @@ Not covered: a request that is not HTTP at all, or whose request line / headers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 

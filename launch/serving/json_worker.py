@@ -11,9 +11,10 @@ It imports the standard library only (``-I -S``: no site-packages, no ``PYTHONPA
 ``multiprocessing`` re-imports the server's ``__main__`` and with it torch (230 MiB, seconds).
 
 Pipe protocol (stdin -> stdout, one body at a time): a request is ``struct "<II"`` (body bytes,
-charset bytes), the charset (UTF-8, surrogateescape), the body; an answer is ``struct "<Q"`` (payload bytes) and
-the payload, ``pickle`` of ``("decoded", decode(body, charset))`` or ``("failed", "Type: text")``
-for an exception ``decode`` does not turn into a message (a server bug: 500).
+charset bytes), the charset (UTF-8, surrogateescape), the body; an answer is ``struct "<Q"``
+(payload bytes) and the payload, ``pickle`` of ``("decoded", decode(body, charset))`` or
+``("failed", "Type: text")`` for an exception ``decode`` does not turn into a message (a server
+bug: 500).
 
 The worker ends with its server, however the server ends: the kernel sends it SIGKILL when the
 thread that started it exits (``prctl(PR_SET_PDEATHSIG)``, Linux; it reaches a stopped worker too),
@@ -29,6 +30,7 @@ process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -145,7 +147,5 @@ def serve(parent_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(BrokenPipeError):  # the server closed its end: no answer wanted
         serve(int(sys.argv[1]))
-    except BrokenPipeError:  # the server closed its end: it no longer wants the answer
-        pass

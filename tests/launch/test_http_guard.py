@@ -11,6 +11,8 @@ import contextlib
 import http.client
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -466,9 +468,6 @@ def _post(port: int, body: bytes, answers: dict, name: str) -> None:
 
 
 def test_stalled_decoder_workers_answer_503_at_the_deadline_and_are_replaced():
-    import os
-    import signal
-
     with serve(body_decode_timeout_s=1.0) as server:
         assert request(server.port, "POST", "/v1/completions", PADDED, JSON)[0] == 200
         stalled = _decoder(server).worker_pids
@@ -502,8 +501,6 @@ def test_stalled_decoder_workers_answer_503_at_the_deadline_and_are_replaced():
 
 def test_workers_killed_twice_are_the_servers_fault_never_a_400(monkeypatch):
     from tests.launch.test_json_decoding import _dying_workers
-
-    import signal
 
     _dying_workers(monkeypatch, signal.SIGKILL)
     with serve() as server:
