@@ -13,15 +13,17 @@ What a client gets when decoding goes wrong on the server's side:
   included). Past it: ``DecoderUnavailable`` (503 with ``Retry-After``), and a worker that was
   decoding the body is killed and replaced: it is stuck (stopped, swapped out) or busy with a body
   nobody waits for.
-- A worker that dies while decoding a body costs no request: the body is tried once more in
-  another worker. If that one dies too, the body is refused without decoding it in the server's
-  own process, which also runs a DP rank of the engine: a body that crashes the C decoder there
-  would end every rank and every client's requests. How it is refused depends on how the workers
-  died. Both crashed (SIGSEGV, SIGABRT, ... : ``CRASH_SIGNALS``): two separate processes fell on
-  this body, so the body is the likely cause and a retry would fail again: ``BodyCrashedDecoder``
-  (500, no ``Retry-After``; a decoder that crashes on input is a server bug, not a malformed
-  request, so never a 400). Otherwise (killed from outside, by the OOM killer or an operator, or
-  an exit): the server's fault, and the same body may well succeed later: ``DecoderUnavailable``.
+- A worker that dies while decoding a body costs no request: the body is tried again in another
+  worker, started for it if need be. Once two workers started for this body have died with it,
+  the body is refused without decoding it in the server's own process, which also runs a DP rank
+  of the engine: a body that crashes the C decoder there would end every rank and every client's
+  requests. (A worker that sat idle may have died before the body reached it, so its death does
+  not count; at most ``num_workers + 2`` tries.) How it is refused depends on how they died. Both
+  crashed (SIGSEGV, SIGABRT, ... : ``CRASH_SIGNALS``): two fresh processes fell on this body, so
+  the body is the likely cause and a retry would fail again: ``BodyCrashedDecoder`` (500, no
+  ``Retry-After``; a decoder that crashes on input is a server bug, not a malformed request, so
+  never a 400). Otherwise (killed from outside, by the OOM killer or an operator, or an exit):
+  the server's fault, and the same body may well succeed later: ``DecoderUnavailable``.
 
 Scheduling: waiting bodies are served smallest first, and a body of ``reserved_below_bytes`` or
 more may hold at most ``num_workers - 1`` workers, so one worker is always left to smaller bodies:
@@ -108,18 +110,20 @@ class _Worker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.holds_large = False  # decoding a body of reserved_below_bytes or more
+        self.started_for: int | None = None  # the body (arrival number) the process started for
 
     @property
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def ensure_started(self) -> None:
-        """Start a process unless one runs. From the event loop's thread: the worker's
-        ``PR_SET_PDEATHSIG`` fires when the thread that started it exits."""
+    def ensure_started(self, started_for: int | None = None) -> None:
+        """Start a process (for body ``started_for``) unless one runs. From the event loop's
+        thread: the worker's ``PR_SET_PDEATHSIG`` fires when the thread that started it exits."""
         if not self.is_running:
             self.proc = subprocess.Popen(
                 worker_command(os.getpid()), stdin=subprocess.PIPE, stdout=subprocess.PIPE
             )
+            self.started_for = started_for
 
     def roundtrip(self, raw: bytes, charset: str) -> tuple[str, object] | int:
         """The worker's answer to one body (``(kind, value)``, see ``json_worker``), or its exit
@@ -203,8 +207,8 @@ class JsonDecoder:
 
         Raises:
             DecoderUnavailable: the decoder is closed, no answer came within ``timeout_s``, or
-                two workers died decoding the body, not both by a crash.
-            BodyCrashedDecoder: two workers crashed decoding the body.
+                the workers died decoding the body, not two started for it both by a crash.
+            BodyCrashedDecoder: two workers started for the body crashed decoding it.
             RuntimeError: the worker raised an unexpected exception (a server bug).
         """
         if self._is_closed:
@@ -215,30 +219,34 @@ class JsonDecoder:
                 worker.ensure_started()
         deadline = loop.time() + self.timeout_s
         arrival = next(self._arrivals)
-        deaths: list[int] = []
-        for attempt in range(2):
+        deaths: list[int] = []  # of workers started for this body: the body may be the cause
+        # a worker that sat idle may have died before the body reached it (killed while idle):
+        # its death does not count, and each of them is started again for the next try
+        for attempt in range(len(self._workers) + 2):
             worker = await self._acquire(len(raw), arrival, attempt, deadline)
-            answer = await self._run(worker, raw, charset, deadline)
+            answer = await self._run(worker, raw, charset, arrival, deadline)
             if not isinstance(answer, int):
                 kind, value = answer
                 if kind == "failed":
                     raise RuntimeError(f"the JSON decoder worker failed: {value}")
                 return value
-            deaths.append(answer)
+            if worker.started_for == arrival:
+                deaths.append(answer)
             logger.warning(
-                "the JSON decoder worker died (%s) decoding a %d-byte body%s",
+                "the JSON decoder worker died (%s) decoding a %d-byte body",
                 _exit_text(answer),
                 len(raw),
-                "; trying it in another worker" if attempt == 0 else "",
             )
-        how = ", then ".join(map(_exit_text, deaths))
-        if all(-code in CRASH_SIGNALS for code in deaths):
+            if len(deaths) == 2:
+                break
+        how = ", then ".join(map(_exit_text, deaths)) or "workers killed while idle"
+        if len(deaths) == 2 and all(-code in CRASH_SIGNALS for code in deaths):
             raise BodyCrashedDecoder(
-                f"the JSON decoder crashed on this request body in two worker processes ({how}); "
-                "it is refused"
+                f"the JSON decoder crashed on this request body in two worker processes started "
+                f"for it ({how}); it is refused"
             )
         raise DecoderUnavailable(
-            f"the JSON decoder process died twice while decoding this request body ({how})"
+            f"the JSON decoder's worker processes died while decoding this request body ({how})"
         )
 
     async def _acquire(self, size: int, arrival: int, attempt: int, deadline: float) -> _Worker:
@@ -258,11 +266,11 @@ class JsonDecoder:
                 ) from None
             raise
 
-    async def _run(self, worker: _Worker, raw: bytes, charset: str, deadline: float):
+    async def _run(self, worker: _Worker, raw: bytes, charset: str, arrival: int, deadline: float):
         """``worker.roundtrip`` on an I/O thread, by ``deadline``. The worker returns to the pool
         when its roundtrip ends, whatever becomes of the caller (a client that left)."""
         try:
-            worker.ensure_started()
+            worker.ensure_started(arrival)
         except OSError as e:
             self._release(worker)
             raise DecoderUnavailable(f"the JSON decoder worker did not start ({e})") from None

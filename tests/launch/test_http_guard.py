@@ -506,7 +506,7 @@ def test_workers_killed_twice_are_the_servers_fault_never_a_400(monkeypatch):
     with serve() as server:
         status, head, body = request(server.port, "POST", "/v1/completions", PADDED, JSON)
     assert status == 503 and head["Retry-After"] == "1", body
-    assert "died twice" in body["error"]["message"], body
+    assert "died while decoding this request body" in body["error"]["message"], body
 
 
 def test_a_70_kib_body_is_not_held_up_by_another_clients_nested_body():
