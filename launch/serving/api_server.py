@@ -37,7 +37,7 @@ from launch.serving.http_guard import (
     api_key_middleware,
     wait_within,
 )
-from launch.serving.json_decoding import JsonDecoder
+from launch.serving.json_decoding import DECODE_TIMEOUT_S, JsonDecoder
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import error_body
 from launch.serving.serving_chat import OpenAIServingChat
@@ -62,6 +62,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # empty: no authentication (--api-key, $VLLM_API_KEY)
     timeout_keep_alive_s: float = 5.0  # to send a request's headers, or idle between requests
     body_read_timeout_s: float = 30.0  # to send a request's body (408 after)
+    body_decode_timeout_s: float = DECODE_TIMEOUT_S  # to decode a large body (503 after)
     max_connections: int = 512  # open connections (503 and closed past it)
     max_queued_requests: int | None = None  # waiting engine requests (503 past it); None: no bound
     engine_stall_timeout_s: float = 30.0  # /health 503 once the engine loop is stuck this long
@@ -108,8 +109,9 @@ def build_app(config: ServerConfig, bridge: EngineBridge) -> web.Application:
         middlewares.append(api_key_middleware(config.api_keys))
     app = web.Application(middlewares=middlewares)
     app[FIRST_REQUEST_DEADLINE] = first_request
-    app[LARGE_BODY_LOCK] = asyncio.Lock()  # large bodies are checked one at a time
-    app[JSON_DECODER] = decoder = JsonDecoder()  # and decoded in a worker process
+    app[LARGE_BODY_LOCK] = asyncio.Lock()  # the largest bodies are checked one at a time
+    # and decoded in worker processes, each within its deadline
+    app[JSON_DECODER] = decoder = JsonDecoder(timeout_s=config.body_decode_timeout_s)
 
     async def close_decoder(_app: web.Application) -> None:
         decoder.close()

@@ -5,7 +5,10 @@ body over ``client_max_size``) into OpenAI error objects, and anything unexpecte
 into a 500 error object, logging its traceback on the server side. ``read_json_body`` decodes a
 request body so that no body (an unknown charset, bytes that are not the charset, invalid or
 deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400; a large
-body is decoded and checked on an executor thread, one body at a time (``LARGE_BODY_BYTES``).
+body is decoded in the JSON decoder's worker processes and checked on an executor thread, one body
+at a time (``LARGE_BODY_BYTES``). The decoder's own faults (a worker stuck past the deadline,
+killed, crashed) are the server's: 503 with ``Retry-After``, or 500 for a body that crashed two
+workers (``launch.serving.json_decoding``), never a 400.
 
 Not covered: a request that is not HTTP at all, or whose request line / headers exceed
 ``MAX_LINE_BYTES``, is refused by aiohttp's parser before any application code runs (plain-text
@@ -15,13 +18,19 @@ Not covered: a request that is not HTTP at all, or whose request line / headers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from aiohttp import web
 
-from launch.serving.json_decoding import JsonDecoder, decode
+from launch.serving.json_decoding import (
+    DECODE_TIMEOUT_S,
+    RESERVED_BELOW_BYTES,
+    BodyCrashedDecoder,
+    DecoderUnavailable,
+    JsonDecoder,
+    decode,
+)
 from launch.serving.openai_protocol import ProtocolError, error_body
 
 logger = logging.getLogger("launch.serving")
@@ -30,11 +39,13 @@ logger = logging.getLogger("launch.serving")
 # the router (and gets a JSON 404) instead of the parser's plain-text 400.
 MAX_LINE_BYTES = 65536
 
-# A body of at least this many bytes is decoded in the application's JSON worker process
-# (``JSON_DECODER``: json.loads holds the GIL for its whole call) and checked (``read_json_body``'s
-# ``parse``) on an executor thread: on the event loop, eight 1 MiB token-id bodies stalled /health
-# for seconds. One such body at a time (``LARGE_BODY_LOCK``), so the event loop contends for the
-# GIL with one thread.
+# A body of at least this many bytes is decoded in the application's JSON worker processes
+# (``JSON_DECODER``: json.loads holds the GIL for its whole call; the decoder schedules them) and
+# checked (``read_json_body``'s ``parse``) on an executor thread: on the event loop, eight 1 MiB
+# token-id bodies stalled /health for seconds. Bodies of ``json_decoding.RESERVED_BELOW_BYTES`` or
+# more are checked one at a time (``LARGE_BODY_LOCK``, waited for within the decoder's deadline),
+# so the event loop contends for the GIL with one such thread; a smaller body does not wait for
+# them (checking 1 MiB of brackets nested 500 deep takes seconds).
 LARGE_BODY_BYTES = 64 * 1024
 LARGE_BODY_LOCK = web.AppKey("large_body_lock", asyncio.Lock)
 JSON_DECODER = web.AppKey("json_decoder", JsonDecoder)
@@ -82,8 +93,10 @@ async def read_json_body(
     request: web.Request, *, timeout_s: float | None = None, parse: Callable = lambda body: body
 ):
     """``parse(body)`` of the request body decoded as JSON, read within ``timeout_s`` seconds
-    (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded and parsed on the event
-    loop's default executor, under the application's ``LARGE_BODY_LOCK`` if it has one.
+    (None: no limit); a body of ``LARGE_BODY_BYTES`` or more is decoded by the application's
+    ``JSON_DECODER`` (on the default executor without one) and parsed on the default executor,
+    one of ``RESERVED_BELOW_BYTES`` or more under the application's ``LARGE_BODY_LOCK`` if it has
+    one.
 
     Raises:
         ProtocolError (415): a Content-Type other than JSON (``http_guard.require_json``).
@@ -91,6 +104,11 @@ async def read_json_body(
             client); the connection is then closed.
         ProtocolError (400): an unknown charset, bytes that are not valid in it, invalid JSON,
             JSON nested too deeply, or a number beyond Python's integer digit limit.
+        ServerBusy (503, ``Retry-After``): the decoder gave no answer within its deadline, or
+            its workers were killed (``json_decoding.DecoderUnavailable``), or the checks of the
+            large bodies before it did not end within that deadline.
+        ProtocolError (500): the body crashed two decoder workers
+            (``json_decoding.BodyCrashedDecoder``).
         web.HTTPRequestEntityTooLarge (413): a body over the application's ``client_max_size``.
         Whatever ``parse`` raises.
     """
@@ -106,15 +124,45 @@ async def read_json_body(
     charset = request.charset or "utf-8"
     if len(raw) < LARGE_BODY_BYTES:
         return parse(_value(decode(raw, charset)))
-    lock = request.app.get(LARGE_BODY_LOCK) or contextlib.nullcontext()
-    async with lock:  # waits for the large body before it to be checked
-        loop = asyncio.get_running_loop()
-        decoder = request.app.get(JSON_DECODER)
-        if decoder is None:
-            decoded = await loop.run_in_executor(None, decode, raw, charset)
-        else:
-            decoded = await decoder.decode(raw, charset)  # in the worker process
+    loop = asyncio.get_running_loop()
+    decoder = request.app.get(JSON_DECODER)
+    if decoder is None:  # no decoder processes: decoded on a thread
+        decoded = await loop.run_in_executor(None, decode, raw, charset)
+    else:
+        decoded = await _decode_in_worker(decoder, raw, charset)
+    lock = request.app.get(LARGE_BODY_LOCK)
+    if lock is None or len(raw) < RESERVED_BELOW_BYTES:
         return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
+    await _acquire_within(lock, DECODE_TIMEOUT_S if decoder is None else decoder.timeout_s)
+    try:
+        return await loop.run_in_executor(None, lambda: parse(_value(decoded)))
+    finally:
+        lock.release()
+
+
+async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
+    """``decoder.decode``, its failures as the server's: ServerBusy (503) or 500."""
+    from launch.serving.serving_engine import ServerBusy
+
+    try:
+        return await decoder.decode(raw, charset)
+    except DecoderUnavailable as e:
+        raise ServerBusy(str(e)) from None
+    except BodyCrashedDecoder as e:
+        raise ProtocolError(str(e), status=500) from None
+
+
+async def _acquire_within(lock: asyncio.Lock, timeout_s: float) -> None:
+    """``lock`` acquired within ``timeout_s``, or ServerBusy (503)."""
+    from launch.serving.http_guard import wait_within
+    from launch.serving.serving_engine import ServerBusy
+
+    try:  # blocking wait for the checks of the bodies before this one, with a timeout
+        await wait_within(lock.acquire(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ServerBusy(
+            f"the large request bodies before this one were not checked within {timeout_s:g} s"
+        ) from None
 
 
 def _value(decoded: tuple[bool, object]):

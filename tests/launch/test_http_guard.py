@@ -11,6 +11,8 @@ import contextlib
 import http.client
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -439,3 +441,87 @@ def test_models_name_is_the_served_name_or_the_path_as_given(argv, name):
     from launch.serve import _model_name, build_parser
 
     assert _model_name(build_parser().parse_args(argv)) == name
+
+
+# issue 55: large bodies are decoded in the JSON decoder's worker processes
+
+PADDED = BODY + b" " * (70 * 1024)  # a 70 KiB body that decodes at once: whitespace after BODY
+
+
+def _nested(num_bytes: int) -> bytes:
+    """A completion body of about ``num_bytes`` whose prompt holds lists nested 500 deep, each
+    level within the limit: slow to decode and to check, and refused (400) in the end."""
+    unit = "[" * 500 + "]" * 500
+    return ('{"prompt": [' + ",".join([unit] * (num_bytes // (len(unit) + 1))) + "]}").encode()
+
+
+def _decoder(server: Server):
+    from launch.serving.http_errors import JSON_DECODER
+
+    return server.http._runner.app[JSON_DECODER]
+
+
+def _post(port: int, body: bytes, answers: dict, name: str) -> None:
+    """POST ``body``; ``answers[name]`` = (status, headers, body, when it came, monotonic s)."""
+    status, head, data = request(port, "POST", "/v1/completions", body, JSON)
+    answers[name] = (status, head, data, time.monotonic())
+
+
+def test_stalled_decoder_workers_answer_503_at_the_deadline_and_are_replaced():
+    with serve(body_decode_timeout_s=1.0) as server:
+        assert request(server.port, "POST", "/v1/completions", PADDED, JSON)[0] == 200
+        stalled = _decoder(server).worker_pids
+        assert len(stalled) == 2
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        answers: dict = {}
+        start = time.monotonic()
+        try:  # one body for each stalled worker
+            posts = [
+                threading.Thread(target=_post, args=(server.port, PADDED, answers, i))
+                for i in range(2)
+            ]
+            for post in posts:
+                post.start()
+            for post in posts:
+                post.join(timeout=30)
+        finally:
+            for pid in stalled:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        for status, head, body, answered in answers.values():
+            assert status == 503 and head["Retry-After"] == "1", body
+            assert "JSON decoder gave no answer within 1 s" in body["error"]["message"], body
+            assert answered - start < 6
+        assert len(answers) == 2
+        # the next body: decoded by a new worker
+        assert request(server.port, "POST", "/v1/completions", PADDED, JSON)[0] == 200
+        assert not set(stalled) & set(_decoder(server).worker_pids)
+
+
+def test_workers_killed_twice_are_the_servers_fault_never_a_400(monkeypatch):
+    from tests.launch.test_json_decoding import _dying_workers
+
+    _dying_workers(monkeypatch, signal.SIGKILL)
+    with serve() as server:
+        status, head, body = request(server.port, "POST", "/v1/completions", PADDED, JSON)
+    assert status == 503 and head["Retry-After"] == "1", body
+    assert "died while decoding this request body" in body["error"]["message"], body
+
+
+def test_a_70_kib_body_is_not_held_up_by_another_clients_nested_body():
+    """The fault probe's case, smaller: while another client's large body of brackets nested 500
+    deep (slow to decode, and seconds to check) is handled, a 70 KiB body is answered first."""
+    with serve() as server:
+        assert request(server.port, "POST", "/v1/completions", PADDED, JSON)[0] == 200
+        answers: dict = {}
+        nested = threading.Thread(
+            target=_post, args=(server.port, _nested(260 * 1024), answers, "nested")
+        )
+        nested.start()
+        time.sleep(0.3)  # the nested body is being decoded
+        _post(server.port, PADDED, answers, "small")
+        nested.join(timeout=60)
+    small, nested = answers["small"], answers["nested"]
+    assert small[0] == 200 and nested[0] == 400, answers
+    assert small[3] < nested[3]

@@ -160,9 +160,11 @@ def test_checking_token_ids_does_no_python_work_per_id():
     assert many < few + 200, (few, many)  # the scans run per 32k-id slice, not per id
 
 
-def test_a_large_body_is_checked_off_the_event_loop_one_at_a_time(config, monkeypatch):
+def test_the_largest_bodies_are_checked_off_the_event_loop_one_at_a_time(config, monkeypatch):
+    """Bodies of ``RESERVED_BELOW_BYTES`` or more: one check at a time (smaller ones do not wait
+    for them, ``tests/launch/test_http_guard.py``)."""
     from launch.serving import serving_completion
-    from launch.serving.http_errors import LARGE_BODY_BYTES
+    from launch.serving.json_decoding import RESERVED_BELOW_BYTES
 
     threads: list[tuple[int, int]] = []  # (body size in ids, thread id) per parse
     running, most_running = [0], [0]
@@ -180,7 +182,7 @@ def test_a_large_body_is_checked_off_the_event_loop_one_at_a_time(config, monkey
         return parse_completion_request(body, **kwargs)
 
     monkeypatch.setattr(serving_completion, "parse_completion_request", parse)
-    num_large = LARGE_BODY_BYTES // 2  # ids: "1," each
+    num_large = RESERVED_BELOW_BYTES // 2  # ids: "1," each
     large = json.dumps({"prompt": [1] * num_large}, separators=(",", ":")).encode()
 
     async def go():

@@ -8,6 +8,7 @@
 - A frozen rank (SIGSTOP) with ``--distributed-timeout 5``: the in-flight stream ends with an error
   event and rank 0 exits with one line naming the collective and the silent rank, within the
   timeout plus a few seconds.
+- Rank 0 SIGKILLed after a large body: its JSON decoder processes end with it.
 """
 
 from __future__ import annotations
@@ -190,6 +191,43 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, tiny_mixtral_dir):
         answered_after,
         reported_after,
     )
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return sorted(map(int, found.stdout.split()))
+
+
+def _is_gone(pid: int) -> bool:
+    """Exited (a zombie waits only for its reaping)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def test_the_json_decoder_processes_end_with_a_sigkilled_rank_0(tmp_path, tiny_mixtral_dir):
+    server = start_server(
+        2, f"--model={tiny_mixtral_dir}", "--dtype=float32", *FLAGS[1:], log_path=tmp_path / "log"
+    )
+    decoders: list[int] = []
+    try:
+        rank0 = _children(server.proc.pid)[0]  # started first
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode() + b" " * (70 * 1024)
+        assert post(server.base_url, "/v1/completions", body)[0] == 200  # decoded in a worker
+        decoders = _children(rank0)
+        assert decoders, "rank 0 has no decoder process"
+        os.kill(rank0, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not all(map(_is_gone, decoders)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in decoders if not _is_gone(pid)] == []
+    finally:
+        server.stop()
+        for pid in decoders:  # ours, if they outlived rank 0
+            if not _is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _wait_for(server, pattern: str, timeout: float) -> str:
