@@ -1,8 +1,8 @@
 """Our Triton fused-MoE kernels (``moe.fused_moe.triton_experts``, ``forward_cuda`` with
 ``MOE_DBO_CUDA_EXPERTS=triton``) against ``forward_native``: on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``, set by tests/moe/conftest.py where there is no GPU), on CUDA
-in the ``gpu`` tests. Skipped with the reason where triton is not installed; the package itself imports
-and runs without it (last tests).
+in the ``gpu`` tests. Skipped with the reason where triton is not installed; the package itself
+imports and runs without it (``test_the_package_imports_and_runs_the_cuda_paths_without_triton``).
 
 Bounds as tests/moe/test_grouped_experts.py: each dtype against the float64 reference, within 4x
 the reference path's own error in that dtype plus one unit of its precision at the output
@@ -35,7 +35,8 @@ def _restore_platform():
 def _kernels_module(*, interpreted: bool):
     """``moe.fused_moe.triton_kernels``, skipping the test unless triton is installed and runs
     as wanted: in its interpreter (CPU tensors) or compiled (CUDA). Triton reads
-    ``TRITON_INTERPRET`` when it is imported: tests/moe/conftest.py sets it where there is no GPU."""
+    ``TRITON_INTERPRET`` when it is imported: tests/moe/conftest.py sets it where there is no
+    GPU."""
     pytest.importorskip("triton", reason="triton is not installed")
     module = importlib.import_module("moe.fused_moe.triton_kernels")
     if module.is_interpreted() != interpreted:
