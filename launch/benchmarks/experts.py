@@ -1,21 +1,30 @@
 """Benchmark: the experts' paths: the per-expert loop (``forward_native``), one grouped GEMM per
-projection with host counts (``forward_grouped``), the host-sync-free device path
+projection with host counts (``cpu_experts.forward_grouped``), the host-sync-free device path
 (``forward_cuda``: grouping, grouped GEMMs and combine on the device) and, on CPU, ``forward_cpu``
 twice: with our compiled kernels off (prepacked oneDNN GEMMs per expert) and on (the experts
-kernel where it serves, ``moe.fused_moe.cpu_fused``). Prints times and ratios; speed claims live
+kernel where it serves, ``moe.fused_moe.cpu_experts``). Prints times and ratios; speed claims live
 here, never in tests.
 
+``--cuda-backends`` (a GPU): the two implementations of ``forward_cuda`` against each other,
+``torch._grouped_mm`` (``grouped_experts``) and our Triton kernels (``triton_experts``), on the
+shapes above plus OLMoE-like decode and prefill batches; ``grouped/triton`` above 1 means the
+Triton kernels are faster (which one ``MOE_DBO_CUDA_EXPERTS`` should default to).
+
     python -m launch.benchmarks.experts [--threads 1] [--repeats 20] [--device cpu|cuda]
+    python -m launch.benchmarks.experts --device cuda --cuda-backends
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
 from launch.benchmarks.timing import compiled_kernels, device_timer
+from moe.fused_moe import cpu_experts, triton_experts
 from moe.fused_moe.experts import TorchExperts
+from moe.fused_moe.grouped_experts import grouped_experts, grouped_mm_runs
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
 # like (64 experts, top-6, per-rank half) at small and decode-sized batches
@@ -29,6 +38,8 @@ SHAPES = (
     (80, 60, 512, 352, 4),  # Qwen1.5-MoE-like experts (the shape sweep's worst float32 row)
     (2048, 60, 512, 352, 4),
 )
+# OLMoE-like experts (64 of hidden 2048, F = 1024, top-8) at decode and prefill batch sizes
+CUDA_SHAPES = (*SHAPES, (8, 64, 2048, 1024, 8), (256, 64, 2048, 1024, 8), (4096, 64, 2048, 1024, 8))
 
 
 def _experts_and_batch(shape, dtype, device, gen):
@@ -58,12 +69,31 @@ def _time_paths(shape, dtype, device, timed, gen) -> dict[str, float]:
     with torch.no_grad():
         times = {"loop": timed(experts.forward_native, *call)}
         times["device"] = timed(experts.forward_cuda, *call)
-        times["grouped"] = timed(experts.forward_grouped, *call) if host_only else nan
+        grouped = functools.partial(cpu_experts.forward_grouped, experts)
+        times["grouped"] = timed(grouped, *call) if host_only else nan
         with compiled_kernels(False):
             times["packed"] = timed(experts.forward_cpu, *call) if host_only else nan
         experts.process_weights_after_loading()  # the kernel's packs, where it serves
         times["kernel"] = timed(experts.forward_cpu, *call) if host_only else nan
     return times
+
+
+def compare_cuda_backends(dtype, device, timed, gen) -> None:
+    """Print, per shape of ``CUDA_SHAPES``, ``forward_cuda``'s two implementations' times and
+    their ratio (NaN where one cannot run these operands)."""
+    print("dtype     tokens experts hidden inter topk  grouped_mm ms  triton ms  grouped/triton")
+    for shape in CUDA_SHAPES:
+        experts, (x, ids, weights) = _experts_and_batch(shape, dtype, device, gen)
+        w = experts.expert_weights()
+        nan = float("nan")
+        with torch.no_grad():
+            grouped = timed(grouped_experts, x, ids, weights, w) if grouped_mm_runs(x, w) else nan
+            fused = triton_experts.fused_experts
+            triton = timed(fused, x, ids, weights, w) if triton_experts.runs(x, w) else nan
+        print(
+            f"{str(dtype)[6:]:9} {shape[0]:6} {shape[1]:7} {shape[2]:6} {shape[3]:5} {shape[4]:4} "
+            f"{grouped * 1e3:14.3f} {triton * 1e3:10.3f} {grouped / triton:15.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,11 +103,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--cuda-backends",
+        action="store_true",
+        help="time forward_cuda's torch._grouped_mm against our Triton kernels (ratio)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     timed = device_timer(device, args.repeats)
     gen = torch.Generator().manual_seed(0)
+    if args.cuda_backends:
+        for dtype in (torch.bfloat16, torch.float32):
+            compare_cuda_backends(dtype, device, timed, gen)
+        return
     print(
         "dtype     tokens experts hidden inter topk   loop ms  grouped ms  device ms  packed ms"
         "  kernel ms  loop/device  packed/kernel"

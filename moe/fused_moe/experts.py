@@ -4,30 +4,35 @@ Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_exp
 H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
 
 One entry point per activation format (``TorchExperts.activation_formats``): ``apply_standard``
-takes received rows with their LOCAL top-k ids and weights and returns weighted sums, through the
-``CustomOp`` implementation bound to ``forward``; ``apply_batched`` takes the ``[E, M, H]`` layout
-of DeepEP's low-latency dispatch (vLLM's batched experts) and returns UNWEIGHTED outputs.
-Implementations: ``forward_native``, the reference loop over the local experts; ``forward_cpu``,
-our compiled kernel for all experts in one call where it serves (``moe.fused_moe.cpu_fused``),
-else per expert prepacked oneDNN GEMMs (``moe.layers.linear``; gate and up as one on
-``[w1_e; w3_e]``), else grouped GEMMs (``torch._grouped_mm``), else the reference;
-``forward_cuda``, nothing read to the host (``moe.fused_moe.grouped_experts``). Choices and
-measurements: docs/hardware.md#experts.
+takes received rows with their LOCAL top-k ids and weights and returns weighted sums;
+``apply_batched`` takes the ``[E, M, H]`` layout of DeepEP's low-latency dispatch (vLLM's batched
+experts) and returns UNWEIGHTED outputs. Each entry point, and the post-load hook, is bound once
+per platform by the ``CustomOp`` mechanism (``dispatch_method``: ``<name>_native`` /
+``_cpu`` / ``_cuda``):
+
+- ``forward_native``: the reference, a loop over the local experts (kept simple, kept forever);
+- ``forward_cpu``: ``moe.fused_moe.cpu_experts`` (our compiled kernel, oneDNN packs, grouped GEMMs
+  with host counts), on weights packed once by ``process_weights_after_loading``;
+- ``forward_cuda``: nothing read to the host: ``torch._grouped_mm`` (``grouped_experts``, the
+  default) or our Triton fused-MoE kernel (``triton_experts``), chosen by
+  ``MOE_DBO_CUDA_EXPERTS`` when the experts are built (``CudaExpertsBackend``).
+
+Choices and measurements: docs/hardware.md#experts.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import enum
+import importlib.util
+import os
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed import FusedMoEActivationFormat
-from moe.fused_moe.cpu_fused import fused_moe_kernels, pack_weights
+from moe.fused_moe import cpu_experts, triton_experts
 from moe.fused_moe.grouped_experts import (
     ExpertWeights,
     batched_experts,
@@ -35,22 +40,37 @@ from moe.fused_moe.grouped_experts import (
     dense_fits,
     grouped_experts,
     grouped_mm_runs,
-    grouped_mm_unavailable,
 )
-from moe.kernels.tuning import MEASURE_MAX_MACS, best_seconds, measure_max_rows, tuned_max_rows
-from moe.layers import linear
 from moe.layers.activation import swiglu
-from moe.layers.linear import (
-    PackedWeights,
-    can_pack,
-    can_upcast,
-    onednn_linear,
-    onednn_pack,
-    serves_packed,
-    upcast_linear,
-    upcast_wins,
-)
 from moe.platforms.custom_op import CustomOp
+from moe.platforms.device_probes import grouped_mm_unavailable
+
+CUDA_EXPERTS_ENV = "MOE_DBO_CUDA_EXPERTS"
+
+
+class CudaExpertsBackend(enum.Enum):
+    """What ``forward_cuda`` runs its grouped GEMMs with (``MOE_DBO_CUDA_EXPERTS``)."""
+
+    GROUPED_MM = "grouped_mm"  # torch._grouped_mm (grouped_experts); the default
+    TRITON = "triton"  # our Triton fused-MoE kernel (triton_experts)
+
+    @classmethod
+    def from_env(cls) -> CudaExpertsBackend:
+        """``MOE_DBO_CUDA_EXPERTS`` (unset or empty: ``grouped_mm``), read when experts are built.
+
+        Raises:
+            ValueError: another value, or ``triton`` without the triton package.
+        """
+        value = os.environ.get(CUDA_EXPERTS_ENV, "").strip() or cls.GROUPED_MM.value
+        try:
+            backend = cls(value)
+        except ValueError:
+            names = [b.value for b in cls]
+            raise ValueError(f"{CUDA_EXPERTS_ENV}={value!r} is not one of {names}") from None
+        if backend is cls.TRITON and importlib.util.find_spec("triton") is None:
+            raise ValueError(f"{CUDA_EXPERTS_ENV}=triton needs the triton package, not installed")
+        return backend
+
 
 # Mixtral's checkpoint names the three matrices w1 (gate), w2 (down), w3 (up); DeepSeek, Qwen and
 # OLMoE name them gate_proj / down_proj / up_proj.
@@ -100,80 +120,31 @@ class TorchExperts(CustomOp):
         self.w1 = nn.Parameter(w13[:, :intermediate_size])
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **kw))
         self.w3 = nn.Parameter(w13[:, intermediate_size:])
-        self._packs: PackedWeights | None = None
-        # [w1; w3] and w2 packed for the compiled kernel (moe.fused_moe.cpu_fused), if it serves
-        self._kernel_packs: PackedWeights | None = None
-        # rows per active expert up to which the compiled kernel serves (measured: tuned_max_rows)
-        self._kernel_max_rows = math.inf
-        # float32 copies of small bfloat16 experts' [w1_e; w3_e] and w2_e (upcast_linear)
-        self._upcast: tuple[Tensor, ...] = ()
+        # what process_weights_cpu packed (None: nothing, the torch paths run)
+        self.cpu_packs: cpu_experts.CpuExpertPacks | None = None
+        self.cuda_backend = CudaExpertsBackend.from_env()
+        self._process_weights = self.dispatch_method("process_weights")
+        self._apply_batched = self.dispatch_method("apply_batched")
 
     def process_weights_after_loading(self) -> None:
-        """Pack the weights for the compiled kernel where it serves this shape
-        (``moe.fused_moe.cpu_fused``; float32 then needs nothing else: past the kernel's cut the
-        grouped GEMMs run), else prepack every local expert's ``[w1_e; w3_e]`` and ``w2_e`` for
-        oneDNN (bfloat16 or float32 on the CPU; otherwise, or where oneDNN cannot, drop any pack:
-        grouped GEMM), and keep float32 copies of small bfloat16 experts (``upcast_linear``: plain
-        torch, so they are kept where oneDNN cannot pack too); with the kernel, then look up (or
-        measure) up to how many rows it beats those paths (``tuned_max_rows``). First puts w1
-        and w3 back into one allocation if something (``module.to``, ``.double()``) split them;
-        probes ``torch._grouped_mm`` for ``forward_cuda`` on the weights' device (never inside a
-        trace or a capture)."""
-        self._packs, self._upcast, self._kernel_packs = None, (), None
+        """The post-load hook (the loader calls it once the weights are in place; call it again
+        after changing them): puts w1 and w3 back into one allocation if something
+        (``module.to``, ``.double()``) split them, then the bound platform's preparation
+        (``process_weights_cpu``: the CPU packs and the kernel's measured cut;
+        ``process_weights_cuda``: the ``torch._grouped_mm`` probe, outside any capture). A
+        forward never packs: packs of weights changed since are left unused."""
         self._join_gate_up()
+        self._process_weights()
+
+    def process_weights_native(self) -> None:
+        """The reference needs nothing prepared."""
+
+    def process_weights_cpu(self) -> None:
+        self.cpu_packs = None if self.w1.is_meta else cpu_experts.pack_cpu_experts(self)
+
+    def process_weights_cuda(self) -> None:
         if not self.w1.is_meta:  # probe now, not in a traced or captured forward
             grouped_mm_unavailable(self.w1.device, self.w1.dtype)
-        kernels = None if self.w1.is_meta else self._kernels()
-        sources = (self.w1, self.w2, self.w3)
-        if kernels is None:
-            self._pack_per_expert()
-            return
-        w13 = self.expert_weights().gate_up  # one view after _join_gate_up: packed, not copied
-        self._kernel_packs = PackedWeights.of(
-            sources, (pack_weights(w13, kernels), pack_weights(self.w2, kernels))
-        )
-        if self.w1.dtype == torch.float32:  # no second copy: the grouped GEMMs past the cut
-            self._packs = PackedWeights.of(sources, ())
-        else:
-            self._pack_per_expert()
-        case = f"experts {self.w1.dtype} H={self.hidden_size} F={self.intermediate_size}"
-        self._kernel_max_rows = tuned_max_rows(kernels, case, self._measure_kernel_max_rows)
-
-    def _pack_per_expert(self) -> None:
-        """The oneDNN packs and float32 copies of ``process_weights_after_loading``."""
-        sources = (self.w1, self.w2, self.w3)
-        per_expert = self.hidden_size * self.intermediate_size
-        if not all(can_pack(w, num_elements=per_expert) for w in sources):
-            return
-        packed: list[Tensor] | None = []  # None once oneDNN could not pack
-        upcast: list[Tensor] = []
-        for expert in range(self.num_local_experts):  # start-up only
-            w13 = torch.cat([self.w1[expert], self.w3[expert]]).detach()
-            if can_upcast(w13):
-                upcast += [w13.float(), self.w2[expert].detach().float()]
-            if packed is None:
-                continue
-            gate_up, down = onednn_pack(w13), onednn_pack(self.w2[expert])
-            packed = None if gate_up is None or down is None else [*packed, gate_up, down]
-        self._packs = PackedWeights.of(sources, tuple(packed or ()))
-        self._upcast = tuple(upcast)
-
-    @torch.no_grad()
-    def _measure_kernel_max_rows(self) -> float:
-        """``measure_max_rows`` on these experts: ``forward_cpu`` on expert 0 with the kernel
-        forced on, then off, up to ``MEASURE_MAX_MACS`` multiply-adds a call (the packs are made;
-        only the times matter; rows from a generator of its own, so the global RNG is left as it
-        was)."""
-        gen = torch.Generator().manual_seed(0)
-
-        def seconds(kernel: bool, rows: int) -> float:
-            x = torch.randn(rows, self.hidden_size, generator=gen).to(self.w1.dtype)
-            ids, weights = torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
-            self._kernel_max_rows = math.inf if kernel else -1.0
-            return best_seconds(lambda: self.forward_cpu(x, ids, weights))
-
-        expert_elements = 3 * self.hidden_size * self.intermediate_size
-        return measure_max_rows(seconds, MEASURE_MAX_MACS // expert_elements)
 
     @torch.no_grad()
     def _join_gate_up(self) -> None:
@@ -183,55 +154,27 @@ class TorchExperts(CustomOp):
         inter = self.intermediate_size
         self.w1.data, self.w3.data = w13[:, :inter], w13[:, inter:]
 
-    def _kernels(self):
-        """The compiled kernel module if it serves these experts (``fused_moe_kernels``)."""
-        return fused_moe_kernels(self.hidden_size, self.intermediate_size, self.w1)
-
-    def kernel_packed_weights(self, x: Tensor, rows_per_expert: float) -> tuple[Tensor, ...]:
-        """``(w13, w2)`` packed for the compiled kernel (re-made if a weight changed) where it
-        serves rows ``x`` with ``rows_per_expert`` rows per active expert on average
-        (the dtype, the shape, the measured cut, no autograd through it), else empty."""
-        serving = self._serving_kernel(x, rows_per_expert)
-        return () if serving is None else serving[1]
-
-    def _serving_kernel(self, x: Tensor, rows_per_expert: float):
-        """(the compiled kernel module, its packs) where ``kernel_packed_weights`` has packs,
-        else None: one module lookup for the decision and the call."""
-        sources = (self.w1, self.w2, self.w3)
-        if x.dtype != self.w1.dtype or (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (x, *sources))
-        ):
-            return None
-        kernels = self._kernels()
-        if kernels is None or rows_per_expert > self._kernel_max_rows:
-            return None
-        if self._kernel_packs is None or not self._kernel_packs.is_current(sources):
-            self.process_weights_after_loading()
-        if self._kernel_packs is None or not self._kernel_packs.packed:
-            return None
-        return kernels, self._kernel_packs.packed
-
     def expert_weights(self) -> ExpertWeights:
         """The weights as the device paths take them (``[w1; w3]`` as one view where it is one)."""
         return ExpertWeights(self.w1, self.w2, self.w3)
 
     def packed_weights(self) -> tuple[Tensor, ...]:
-        """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN, re-made if a weight
-        changed; empty where the grouped GEMM runs instead."""
-        sources = (self.w1, self.w2, self.w3)
-        per_expert = self.hidden_size * self.intermediate_size
-        if not all(serves_packed(w, num_elements=per_expert) for w in sources):
-            return ()
-        if self._packs is None or not self._packs.is_current(sources):
-            self.process_weights_after_loading()
-        return () if self._packs is None else self._packs.packed
+        """``(gate_up_0, down_0, gate_up_1, ...)`` prepacked for oneDNN where a forward may use
+        them now (``CpuExpertPacks.onednn``); empty where the grouped GEMM runs instead."""
+        return () if self.cpu_packs is None else self.cpu_packs.onednn(self)
+
+    def expert_swiglu(self, rows: Tensor, expert: int) -> Tensor:
+        """``W2_e (silu(W1_e x) * W3_e x)`` of ``rows`` ``[n, H]`` -> ``[n, H]`` (unweighted) for
+        local expert ``expert``: the reference's own GEMMs."""
+        return swiglu(rows @ self.w1[expert].t(), rows @ self.w3[expert].t()) @ self.w2[expert].t()
 
     def apply_standard(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Tensor:
         """The experts on the ``Standard`` activation format (``DispatchResult`` rows):
         Σ_k topk_weights[n, k] · SwiGLU_expert(topk_ids[n, k])(hidden_states[n]), through the
-        implementation ``CustomOp`` bound to ``forward`` (``forward_cpu`` or ``forward_native``).
+        implementation ``CustomOp`` bound to ``forward`` (``forward_cpu``, ``forward_cuda`` or
+        ``forward_native``).
 
         Args:
             hidden_states: [N, H], dtype of the weights (N may be 0).
@@ -274,60 +217,24 @@ class TorchExperts(CustomOp):
         for expert in range(self.num_local_experts):
             pairs = (flat_ids == expert).nonzero().squeeze(1)  # ascending, as a stable sort's
             token_idx = pairs // topk_ids.shape[1]
-            x = hidden_states[token_idx]
-            y = swiglu(x @ self.w1[expert].t(), x @ self.w3[expert].t()) @ self.w2[expert].t()
+            y = self.expert_swiglu(hidden_states[token_idx], expert)
             out.index_add_(0, token_idx, y * flat_weights[pairs, None].to(y.dtype))
         return out
 
     def forward_cpu(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """Our compiled kernel for all experts at once where it serves (``_serving_kernel``),
-        else prepacked oneDNN GEMMs per expert (bfloat16, float32) or one grouped GEMM per
-        projection over the per-expert row groups (same math as ``forward_native``)."""
+        """``forward_native``'s sums through ``cpu_experts.forward_cpu``: our compiled kernel for
+        all experts at once where it serves, else prepacked oneDNN GEMMs per expert (bfloat16,
+        float32) or one grouped GEMM per projection over the per-expert row groups."""
         self._check(hidden_states, topk_ids, topk_weights)
-        num_pairs = topk_ids.numel()
-        serving = self._serving_kernel(
-            hidden_states, num_pairs / max(1, min(num_pairs, self.num_local_experts))
-        )
-        if serving is not None:
-            kernels, packs = serving
-            out = torch.empty_like(hidden_states)
-            kernels.fused_moe(
-                out,
-                hidden_states.contiguous(),
-                *packs,
-                topk_ids.to(torch.int64).contiguous(),
-                topk_weights.to(torch.float32).contiguous(),
-            )
-            return out
-        packs = self.packed_weights()
-        if hidden_states.dtype == self.w1.dtype and (packs or self._upcast):
-            swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
-            return self._per_expert(hidden_states, topk_ids, topk_weights, swiglu_rows)
-        return self.forward_grouped(hidden_states, topk_ids, topk_weights)
-
-    def forward_grouped(
-        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
-    ) -> Tensor:
-        """One grouped GEMM for gate and up, one for down, over the per-expert row groups with
-        the counts on the host, local pairs only (``forward_native`` where ``grouped_mm_runs``
-        says no: float64, unaligned row strides, no ``_grouped_mm``)."""
-        weights = self.expert_weights()
-        if not grouped_mm_runs(hidden_states, weights):
-            return self.forward_native(hidden_states, topk_ids, topk_weights)
-        out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
-        if routed is None:
-            return out
-        pairs, counts, token_idx, x = routed
-        offsets = torch.tensor(counts[1:], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        y = weights.swiglu(x, functools.partial(torch._grouped_mm, offs=offsets))
-        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
-        return out.index_add_(0, token_idx, y)
+        return cpu_experts.forward_cpu(self, self.cpu_packs, hidden_states, topk_ids, topk_weights)
 
     def forward_cuda(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """``forward_native``'s result with nothing read to the host (CUDA-graph capturable):
+        the Triton kernel where chosen (``CudaExpertsBackend``) and it runs these operands, else
         ``grouped_experts`` where ``grouped_mm_runs``, else ``dense_experts`` where it fits, else
-        the reference. Pure torch, so it runs (and is tested) on CPU tensors too. Unlike the
-        reference, a local id >= E is not refused (that would read the ids): it adds nothing.
+        the reference. Runs (and is tested) on CPU tensors too: the torch paths as they are, the
+        Triton kernel under ``TRITON_INTERPRET=1``. Unlike the reference, a local id >= E is not
+        refused (that would read the ids): it adds nothing.
 
         Raises:
             ValueError: shape mismatch.
@@ -336,102 +243,23 @@ class TorchExperts(CustomOp):
         if topk_ids.numel() == 0:
             return torch.zeros_like(hidden_states)
         weights = self.expert_weights()
+        if self.cuda_backend is CudaExpertsBackend.TRITON and triton_experts.runs(
+            hidden_states, weights
+        ):
+            return triton_experts.fused_experts(hidden_states, topk_ids, topk_weights, weights)
         if grouped_mm_runs(hidden_states, weights):
             return grouped_experts(hidden_states, topk_ids, topk_weights, weights)
         if hidden_states.dtype == self.w1.dtype and dense_fits(hidden_states.shape[0], weights):
             return dense_experts(hidden_states, topk_ids, topk_weights, weights)
         return self.forward_native(hidden_states, topk_ids, topk_weights)
 
-    def _routed_rows(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        """Checks, then the zero output ``[N, H]`` and, if any slot is local, (pairs sorted by
-        expert, counts [-1 first, then per expert], token row of each pair, the gathered rows
-        ``[P, H]`` grouped by expert); None instead of the tuple when nothing is routed here.
-        ValueError for a local id >= E."""
-        self._check(hidden_states, topk_ids, topk_weights)
-        out = torch.zeros_like(hidden_states)
-        if topk_ids.numel() == 0:
-            return out, None
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        # blocking host sync: group sizes drive the loop / grouped GEMM offsets
-        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
-        if len(counts) > self.num_local_experts + 1:
-            raise ValueError(
-                f"topk_ids holds local expert id {int(flat_ids.max())} >= "
-                f"num_local_experts={self.num_local_experts}"
-            )
-        pairs = order[counts[0] :]  # drop slots routed to other ranks (id -1, sorted first)
-        if pairs.numel() == 0:
-            return out, None
-        token_idx = pairs // topk_ids.shape[1]
-        # index_select copies whole rows (memcpy); hidden_states[token_idx] takes the slower
-        # generic indexing kernel (docs/hardware.md#experts)
-        return out, (pairs, counts, token_idx, hidden_states.index_select(0, token_idx))
-
-    def _per_expert(
-        self,
-        hidden_states: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        swiglu_rows: Callable[[Tensor, int], Tensor],
-    ) -> Tensor:
-        """Per local expert: ``swiglu_rows(rows [n, H], expert)`` (unweighted ``[n, H]``), its
-        top-k weights in place and a scatter-add (``index_add_``) into the token rows. The same
-        arithmetic as one weighting and one scatter-add over all experts' rows after a
-        ``torch.cat`` (pairs are added in the same order), without the cat's copy and the
-        temporaries (bit-identical)."""
-        out, routed = self._routed_rows(hidden_states, topk_ids, topk_weights)
-        if routed is None:
-            return out
-        pairs, counts, token_idx, x = routed
-        weights = topk_weights.reshape(-1)[pairs, None].to(x.dtype)
-        start = 0
-        for expert, count in enumerate(counts[1:]):  # a loop over experts, not over tokens
-            if count == 0:
-                continue
-            end = start + count
-            y = swiglu_rows(x[start:end], expert).mul_(weights[start:end])
-            out.index_add_(0, token_idx[start:end], y)
-            start = end
-        return out
-
-    def _swiglu_rows(self, rows: Tensor, expert: int, *, packs: tuple[Tensor, ...]) -> Tensor:
-        """``W2_e (silu(W1_e x) * W3_e x)`` of ``rows`` ``[n, H]`` -> ``[n, H]`` (unweighted) for
-        local expert ``expert``: one packed GEMM for gate and up, SwiGLU in place, one packed GEMM
-        for down; a float32 expert with more than ``float32_max_packed_rows()`` rows runs the
-        reference's plain GEMMs instead (MKL's sgemm is faster there, as for ``Linear``)."""
-        if rows.dtype == torch.float32 and rows.shape[0] > linear.float32_max_packed_rows():
-            return self._plain_swiglu_rows(rows, expert)
-        gate_up = self._packed_gemm(rows, packs, 2 * expert)  # [n, 2F]
-        h = F.silu(gate_up[:, : self.intermediate_size])  # swiglu, with the product in place
-        h.mul_(gate_up[:, self.intermediate_size :])
-        return self._packed_gemm(h, packs, 2 * expert + 1)
-
-    def _plain_swiglu_rows(self, rows: Tensor, expert: int) -> Tensor:
-        """``_swiglu_rows`` on the plain weights (the reference's own GEMMs)."""
-        h = F.silu(rows @ self.w1[expert].t())
-        h.mul_(rows @ self.w3[expert].t())
-        return h @ self.w2[expert].t()
-
-    def _packed_gemm(self, x: Tensor, packs: tuple[Tensor, ...], index: int) -> Tensor:
-        """``x @ W.T`` for pack ``index`` (``[w1_e; w3_e]`` or ``w2_e``): in float32 on the
-        weight's float32 copy where that is faster (``upcast_wins``), else the oneDNN pack, else
-        (no pack: a CPU oneDNN cannot pack bfloat16 for) the plain weights."""
-        if self._upcast and upcast_wins(x, self._upcast[index].numel()):
-            return upcast_linear(x, self._upcast[index])
-        if packs:
-            return onednn_linear(x, packs[index])
-        expert = index // 2
-        if index % 2:
-            return x @ self.w2[expert].t()
-        return torch.cat([x @ self.w1[expert].t(), x @ self.w3[expert].t()], dim=1)
-
     def apply_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """The experts on the ``BatchedExperts`` activation format (``BatchedDispatchResult``):
         SwiGLU of local expert l on its first ``expert_num_tokens[l]`` rows, UNWEIGHTED (the
-        combine applies the top-k weights): per expert ``forward_cpu``'s GEMMs on the CPU path,
-        ``batched_experts`` on the CUDA path (nothing read to the host, counts not checked), else
-        (and for float64) the reference's plain GEMMs.
+        combine applies the top-k weights), through the implementation bound for this platform:
+        ``apply_batched_cpu`` (the CPU paths per expert, counts read to the host),
+        ``apply_batched_cuda`` (``batched_experts``: nothing read to the host, counts not
+        checked), else ``apply_batched_native`` (the reference's plain GEMMs per expert).
 
         Args:
             hidden_states: ``[E, M, H]`` (M = max_tokens_per_expert), dtype of the weights; rows
@@ -446,7 +274,7 @@ class TorchExperts(CustomOp):
         Raises:
             ValueError: on a shape mismatch, or (host paths) a count outside ``[0, M]``.
         """
-        num_experts, max_tokens = self.num_local_experts, hidden_states.shape[1]
+        num_experts = self.num_local_experts
         if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
             raise ValueError(
                 f"hidden_states must be [{num_experts}, max_tokens, {self.hidden_size}], got "
@@ -456,33 +284,39 @@ class TorchExperts(CustomOp):
             raise ValueError(
                 f"expert_num_tokens must be [{num_experts}], got {tuple(expert_num_tokens.shape)}"
             )
-        if self.forward_path == "forward_cuda" and hidden_states.dtype == self.w1.dtype:
+        return self._apply_batched(hidden_states, expert_num_tokens)
+
+    def apply_batched_native(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
+        """``apply_batched``'s reference: per expert the reference's plain GEMMs."""
+        counts = self._host_counts(hidden_states, expert_num_tokens)
+        return self.batched_per_expert(hidden_states, counts, self.expert_swiglu)
+
+    def apply_batched_cpu(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
+        counts = self._host_counts(hidden_states, expert_num_tokens)
+        return cpu_experts.apply_batched_cpu(self, self.cpu_packs, hidden_states, counts)
+
+    def apply_batched_cuda(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
+        if hidden_states.dtype == self.w1.dtype:
             return batched_experts(hidden_states, expert_num_tokens, self.expert_weights())
+        return self.apply_batched_native(hidden_states, expert_num_tokens)
+
+    def _host_counts(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> list[int]:
+        """``expert_num_tokens`` on the host, checked to lie in ``[0, M]`` (ValueError)."""
+        max_tokens = hidden_states.shape[1]
         # blocking host sync: the per-expert row counts size the GEMMs
         counts = expert_num_tokens.tolist()
         if not all(0 <= n <= max_tokens for n in counts):
             raise ValueError(
-                f"expert_num_tokens must hold {num_experts} counts in [0, {max_tokens}], "
-                f"got {counts}"
+                f"expert_num_tokens must hold {self.num_local_experts} counts in "
+                f"[0, {max_tokens}], got {counts}"
             )
-        return self._apply_batched_per_expert(hidden_states, counts)
+        return counts
 
-    def _apply_batched_per_expert(self, hidden_states: Tensor, counts: list[int]) -> Tensor:
-        """``apply_batched`` with host counts: per expert, the packed GEMMs on the CPU path, else
-        the reference's plain GEMMs."""
-        fast = self.forward_path == "forward_cpu" and hidden_states.dtype == self.w1.dtype
-        if fast:
-            active = sum(1 for count in counts if count)
-            serving = self._serving_kernel(hidden_states, sum(counts) / max(1, active))
-            if serving is not None:
-                kernels, packs = serving
-                out = torch.empty_like(hidden_states)
-                kernels.fused_moe_batched(out, hidden_states.contiguous(), *packs, counts)
-                return out
-        packs = self.packed_weights() if fast else ()
-        swiglu_rows = self._plain_swiglu_rows
-        if fast and (packs or self._upcast):
-            swiglu_rows = functools.partial(self._swiglu_rows, packs=packs)
+    def batched_per_expert(
+        self, hidden_states: Tensor, counts: list[int], swiglu_rows: Callable[[Tensor, int], Tensor]
+    ) -> Tensor:
+        """``[E, M, H]`` -> ``[E, M, H]``: ``swiglu_rows(rows [n, H], expert)`` on each expert's
+        first ``counts[e]`` rows, the rows past them zero."""
         out = torch.empty_like(hidden_states)
         for expert, count in enumerate(counts):  # a loop over experts, not over tokens
             out[expert, count:].zero_()  # only the rows no expert output lands in

@@ -16,23 +16,19 @@ one batched GEMM per projection over ``[E, M, H]``, the rows past each expert's 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from moe.layers.activation import swiglu
-from moe.platforms.cpu_capability import grouped_mm_probe, grouped_mm_unavailable_reason
+from moe.platforms.device_probes import grouped_mm_unavailable
 
 # ``dense_experts`` holds [E, N, max(2F, H)] values at once: at most this many (256 MiB in
 # float32); above it the caller runs the reference (which reads the counts to the host)
 DENSE_MAX_ELEMENTS = 1 << 26
-
-# (device, dtype) -> why torch._grouped_mm cannot run there without a host read, or None
-_probed: dict[tuple[torch.device, torch.dtype], str | None] = {}
 
 # ``mm(rows, weights_EKN)``: the per-expert product (a grouped GEMM with offsets, or a batched one)
 ExpertMatmul = Callable[[Tensor, Tensor], Tensor]
@@ -78,36 +74,6 @@ class ExpertWeights:
         return mm(swiglu(gate, up), self.w2.transpose(1, 2))
 
 
-def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``torch._grouped_mm`` cannot run on ``device`` in ``dtype`` without reading to the
-    host, or None. CPU: the platform's probe (``grouped_mm_unavailable_reason``); CUDA: the same
-    tiny grouped GEMM (``grouped_mm_probe``) under ``torch.cuda.set_sync_debug_mode("error")``
-    (torch's per-group fallback copies ``offs`` to the host, which then raises). Probed once per
-    device and dtype, never during CUDA graph capture (not probed yet: a reason, not cached)."""
-    if device.type == "cpu":
-        return grouped_mm_unavailable_reason(dtype)
-    key = (device, dtype)
-    if key not in _probed:
-        if device.type != "cuda":
-            return f"torch._grouped_mm is not probed on {device.type}"
-        if torch.cuda.is_current_stream_capturing():
-            return "torch._grouped_mm was not probed before CUDA graph capture"
-        _probed[key] = grouped_mm_probe(dtype, device, functools.partial(_host_reads_raise, device))
-    return _probed[key]
-
-
-@contextlib.contextmanager
-def _host_reads_raise(device: torch.device) -> Iterator[None]:
-    """Inside: a host read on ``device`` raises (``torch.cuda.set_sync_debug_mode("error")``)."""
-    torch.cuda.synchronize(device)
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
-
-
 def grouped_mm_runs(hidden_states: Tensor, weights: ExpertWeights) -> bool:
     """Whether ``grouped_experts`` runs for these operands: one dtype, ``_grouped_mm`` available
     without a host read there, and row strides (H and F elements) multiples of 16 bytes."""
@@ -138,15 +104,19 @@ class ExpertGroups:
     is_local: Tensor
 
 
+def expert_keys(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """``[P]`` int64 sort key of each pair of ``topk_ids`` ``[N, K]``: its local expert id, or
+    ``num_experts`` for an id outside ``[0, num_experts)`` (no local expert), in two ops: a
+    clamp to ``[-1, E]``, then -1 -> E modulo E + 1."""
+    return topk_ids.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
+
+
 def group_by_expert(topk_ids: Tensor, num_experts: int) -> ExpertGroups:
     """Group the pairs of ``topk_ids`` ``[N, K]`` (int64 local ids; -1, or any id outside
     ``[0, num_experts)``, is no local expert) by expert, on their device, with no host read:
     a stable sort keeps each expert's pairs in (row, slot) order, as the reference's loop."""
-    flat_ids = topk_ids.reshape(-1)
-    is_local = (flat_ids >= 0) & (flat_ids < num_experts)
-    keys = torch.where(is_local, flat_ids, num_experts)
-    sorted_ids, order = torch.sort(keys, stable=True)
-    experts = torch.arange(num_experts, device=keys.device, dtype=keys.dtype)
+    sorted_ids, order = torch.sort(expert_keys(topk_ids, num_experts), stable=True)
+    experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     return ExpertGroups(
         order=order,

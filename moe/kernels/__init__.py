@@ -43,11 +43,11 @@ Kernels (the module's functions):
         the GIL while it runs.
     fused_moe(out, hidden_states, w13, w2, topk_ids, topk_weights)
         All local SwiGLU experts of a layer in one call (``csrc/fused_moe_cpu.cpp``; used by
-        ``moe.fused_moe.experts`` through ``moe.fused_moe.cpu_fused``): ``out[n] = sum_k
+        ``moe.fused_moe.experts`` through ``moe.fused_moe.cpu_experts``): ``out[n] = sum_k
         topk_weights[n, k] W2_e (silu(W1_e x_n) * W3_e x_n)``, e = ``topk_ids[n, k]``, slots
         with a negative id skipped. ``hidden_states`` and ``out`` ``[N, H]`` contiguous, float32
         or bfloat16; ``w13`` ``[E, 2F / 16, H, 16]`` and ``w2`` ``[E, H / 16, F, 16]`` in that
-        dtype (``cpu_fused.pack_weights``); ``topk_ids`` ``[N, K]`` int64, ``topk_weights``
+        dtype (``cpu_experts.pack_weights``); ``topk_ids`` ``[N, K]`` int64, ``topk_weights``
         ``[N, K]`` float32. Raises ``ValueError`` for an id >= E, ``RuntimeError`` on other
         shapes, dtypes or layouts. Releases the GIL while it runs.
     fused_moe_batched(out, hidden_states, w13, w2, expert_num_tokens)

@@ -130,12 +130,21 @@ class CustomOp(nn.Module):
         return f"+{cls.name}" in entries or "none" not in entries
 
     def dispatch_forward(self) -> Callable[..., Any]:
+        return self.dispatch_method("forward")
+
+    def dispatch_method(self, base: str) -> Callable[..., Any]:
+        """The implementation of method family ``base`` this op binds: ``<base>_native`` if the
+        op is disabled by the custom-ops setting or does not override the platform's
+        ``<base>_<dispatch_key>``, else that one. ``forward`` is one family; an op with more
+        than one entry point (the experts' ``apply_batched``, their post-load preparation)
+        binds each the same way instead of testing which ``forward`` it took."""
+        native = getattr(self, f"{base}_native")
         if not self.enabled():
-            return self.forward_native
-        method = f"forward_{current_platform().dispatch_key}"
-        # an op that does not override the platform method runs forward_native directly
+            return native
+        method = f"{base}_{current_platform().dispatch_key}"
+        # an op that does not override the platform method runs the native one directly
         if getattr(type(self), method, None) in (None, getattr(CustomOp, method, None)):
-            return self.forward_native
+            return native
         return getattr(self, method)
 
     @property

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe import CustomOp, RMSNorm, RotaryEmbedding, TorchExperts, set_custom_ops
+from moe.fused_moe import cpu_experts
 from moe.layers.norm import rows_per_cache_block
 from moe.platforms import plugins
 from moe.platforms.custom_op import parse_custom_ops
@@ -203,10 +204,10 @@ def test_platform_and_general_plugins_found_through_entry_points(tmp_path, monke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_gemm_experts_equal_the_reference_loop(monkeypatch, dtype):
     """forward_cpu (packed oneDNN or grouped GEMM; the compiled kernel off: it has its own tests in
-    tests/moe/test_fused_moe_kernel.py) and forward_grouped vs forward_native (per-expert loop),
-    with slots routed to other ranks (-1) and experts that receive no token. float32: 1e-6 (same
-    products, other blocking); bfloat16: 1 ulp of the output magnitude (~2, so 2**-6) since each
-    path rounds its GEMMs."""
+    tests/moe/test_fused_moe_kernel.py) and cpu_experts.forward_grouped vs forward_native (the
+    per-expert loop), with slots routed to other ranks (-1) and experts that receive no token.
+    float32: 1e-6 (same products, other blocking); bfloat16: 1 ulp of the output magnitude (~2,
+    so 2**-6) since each path rounds its GEMMs."""
     monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
     set_custom_ops("all")
     gen = torch.Generator().manual_seed(0)
@@ -219,7 +220,8 @@ def test_grouped_gemm_experts_equal_the_reference_loop(monkeypatch, dtype):
     assert experts.forward_path == "forward_cpu"
     with torch.no_grad():
         fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
-        grouped = experts.forward_grouped(x, ids, weights)  # bf16 forward_cpu takes the packs
+        # bf16 forward_cpu takes the packs (where made)
+        grouped = cpu_experts.forward_grouped(experts, x, ids, weights)
     tol = 1e-6 if dtype == torch.float32 else 2**-6
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(grouped.float(), ref.float(), atol=tol, rtol=tol)

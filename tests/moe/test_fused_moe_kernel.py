@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from moe import TorchExperts
-from moe.fused_moe import cpu_fused
-from moe.fused_moe import experts as experts_module
+from moe.fused_moe import cpu_experts
 from moe.kernels import tuning
 from moe.layers.linear import process_weights_after_loading
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
@@ -37,7 +36,7 @@ def kernel_calls(request, monkeypatch):
     """Names of the compiled kernel's calls (built for each ISA this CPU runs, the others skip),
     which the experts then use."""
     module = kernel_module_for(request.param)
-    calls = KernelCalls(k_group=cpu_fused.k_group(module, torch.bfloat16))
+    calls = KernelCalls(k_group=cpu_experts.k_group(module, torch.bfloat16))
 
     class Counting:
         def __getattr__(self, name):
@@ -51,8 +50,8 @@ def kernel_calls(request, monkeypatch):
             calls.append("fused_moe_batched")
             return module.fused_moe_batched(*args)
 
-    monkeypatch.setattr(cpu_fused, "cpu_kernels", lambda _isa: Counting())
-    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: math.inf)
+    monkeypatch.setattr(cpu_experts, "cpu_kernels", lambda _isa: Counting())
+    monkeypatch.setattr(cpu_experts, "tuned_max_rows", lambda *_: math.inf)
     return calls
 
 
@@ -185,17 +184,17 @@ def test_kernel_refuses_a_local_id_beyond_the_experts(kernel_calls):
 
 def test_kernel_refuses_weights_not_packed_for_it(kernel_calls):
     experts, _ = make_experts(torch.float32)
-    module = cpu_fused.cpu_kernels("any")
+    module = cpu_experts.cpu_kernels("any")
     x, out = torch.randn(2, 32), torch.empty(2, 32)
     ids, weights = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
-    w13 = cpu_fused.pack_weights(torch.cat([experts.w1, experts.w3], 1), module)
+    w13 = cpu_experts.pack_weights(torch.cat([experts.w1, experts.w3], 1), module)
     w2 = experts.w2
     with pytest.raises(RuntimeError, match="packed"):
         module.fused_moe(out, x, w13, w2.detach(), ids, weights)
     with pytest.raises(RuntimeError, match="dtype"):
-        module.fused_moe(out, x, w13.double(), cpu_fused.pack_weights(w2, module), ids, weights)
+        module.fused_moe(out, x, w13.double(), cpu_experts.pack_weights(w2, module), ids, weights)
     if kernel_calls.k_group == 2:  # this build takes bfloat16 weights in pairs of k only
-        bf16 = [w.bfloat16() for w in (w13, cpu_fused.pack_weights(w2, module))]
+        bf16 = [w.bfloat16() for w in (w13, cpu_experts.pack_weights(w2, module))]
         with pytest.raises(RuntimeError, match=r"K / 2, 16, 2\]"):
             module.fused_moe(out.bfloat16(), x.bfloat16(), *bf16, ids, weights)
 
@@ -219,16 +218,22 @@ def test_kernel_result_does_not_depend_on_the_thread_count(kernel_calls, dtype):
 
 
 def test_kernel_follows_weights_reloaded_in_place(kernel_calls):
+    """Weights changed in place: the forward leaves the stale packs alone (the torch paths run,
+    the result is right) and never packs; the post-load hook packs again."""
     experts, _ = make_experts(torch.float32)
     ids, weights = routed(9, 2, 6)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         experts(x, ids, weights)
         experts.w2.mul_(-2.0)  # a checkpoint re-loaded in place
-        out, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
         exact = TorchExperts(num_local_experts=6, hidden_size=32, intermediate_size=24).double()
         exact.load_state_dict({k: v.double() for k, v in experts.state_dict().items()})
-        check(out, ref, exact.forward_native(x.double(), ids, weights.double()), torch.float32)
+        want = exact.forward_native(x.double(), ids, weights.double())
+        ref = experts.forward_native(x, ids, weights)
+        check(experts(x, ids, weights), ref, want, torch.float32)
+        assert kernel_calls == ["fused_moe"]
+        experts.process_weights_after_loading()
+        check(experts(x, ids, weights), ref, want, torch.float32)
     assert kernel_calls == ["fused_moe", "fused_moe"]
 
 
@@ -236,7 +241,7 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
     """Batches over the measured cut (rows per active expert: oneDNN for bfloat16, the grouped
     GEMMs for float32), a hidden size that is not a multiple of 16, and autograd through the
     weights take the torch paths."""
-    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: 4.0)
+    monkeypatch.setattr(cpu_experts, "tuned_max_rows", lambda *_: 4.0)
     experts, _ = make_experts(torch.bfloat16)
     ids, weights = routed(40, 3, 6)
     x = torch.randn(40, 32).bfloat16()
@@ -247,13 +252,13 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
         assert kernel_calls == ["fused_moe"]
         f32, exact = make_experts(torch.float32)
         out = f32(x.float(), ids, weights)
-        assert kernel_calls == ["fused_moe"] and f32._packs.packed == ()  # no second copy
+        assert kernel_calls == ["fused_moe"] and f32.cpu_packs.weights.packed == ()  # no 2nd copy
         check(out, out, exact.forward_native(x.double(), ids, weights.double()), torch.float32)
-    monkeypatch.setattr(experts_module, "tuned_max_rows", lambda *_: math.inf)
+    monkeypatch.setattr(cpu_experts, "tuned_max_rows", lambda *_: math.inf)
     odd, exact = make_experts(torch.float32, hidden=24, inter=24)
     with torch.no_grad():
         out = odd(torch.randn(5, 24), ids[:5], weights[:5])
-    assert kernel_calls == ["fused_moe"] and odd.kernel_packed_weights(out, 1.0) == ()
+    assert kernel_calls == ["fused_moe"] and odd.cpu_packs.kernel == ()
     f32, _ = make_experts(torch.float32)
     f32.w2.requires_grad_(True)
     f32(torch.randn(5, 32), ids[:5], weights[:5])  # grad enabled: the oneDNN / grouped path
@@ -264,13 +269,13 @@ def test_where_the_kernel_does_not_serve_the_torch_paths_run(kernel_calls, monke
 def test_experts_take_the_cut_measured_on_both_paths(tuning_file, kernel_calls, monkeypatch, dtype):
     """Loading experts measures the kernel against the torch path on this machine (both run)
     and keeps the answer, one of 0, 1, 2, 4, ... or inf, for their dtype and shape."""
-    monkeypatch.setattr(experts_module, "tuned_max_rows", tuning.tuned_max_rows)
+    monkeypatch.setattr(cpu_experts, "tuned_max_rows", tuning.tuned_max_rows)
     experts, _ = make_experts(dtype)
-    max_rows = experts._kernel_max_rows
+    max_rows = experts.cpu_packs.kernel_max_rows
     assert max_rows == math.inf or max_rows == 0 or math.log2(max_rows).is_integer()
     assert "fused_moe" in kernel_calls
     ((key, stored),) = json.loads(tuning_file.read_text()).items()
     assert key.startswith(f"experts {dtype} H=32 F=24 threads=") and stored == max_rows
     kernel_calls.clear()
     again, _ = make_experts(dtype, seed=3)  # the same shape: not measured again
-    assert again._kernel_max_rows == max_rows and kernel_calls == []
+    assert again.cpu_packs.kernel_max_rows == max_rows and kernel_calls == []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.fused_moe import grouped_experts
+from moe.fused_moe import cpu_experts, grouped_experts
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.grouped_experts import group_by_expert, grouped_mm_runs
 from moe.platforms import CudaPlatform, set_current_platform
@@ -125,7 +125,7 @@ def test_unaligned_row_strides_take_the_dense_formulation(dtype, monkeypatch):
     _assert_matches_reference(fast, native, reference, dtype)
     # the CPU path's grouped GEMM takes the reference there (torch raised before)
     with torch.no_grad():
-        assert torch.equal(experts.forward_grouped(x, ids, weights), native)
+        assert torch.equal(cpu_experts.forward_grouped(experts, x, ids, weights), native)
 
 
 def test_dense_formulation_where_grouped_mm_cannot_run_and_the_reference_above_its_cap(
@@ -183,8 +183,8 @@ def test_batched_format_on_the_cuda_path_equals_the_per_expert_reference(dtype):
     rows = _batched_rows(experts, counts, max_tokens, dtype)
     with torch.no_grad():
         fast = experts.apply_batched(rows, torch.tensor(counts))
-        native = experts._apply_batched_per_expert(rows, counts)
-        reference = exact._apply_batched_per_expert(rows.double(), counts)
+        native = experts.apply_batched_native(rows, torch.tensor(counts))
+        reference = exact.apply_batched_native(rows.double(), torch.tensor(counts))
     assert fast.shape == rows.shape and fast.dtype == dtype and not fast.isnan().any()
     for e, n in enumerate(counts):
         assert not fast[e, n:].any()

@@ -204,6 +204,7 @@ def test_packed_experts_equal_native_and_follow_reloads(dtype, num_tokens):
             fast, ref = experts(x, ids, weights), experts.forward_native(x, ids, weights)
             torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
             experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+            experts.process_weights_after_loading()  # the loader's hook: packs again
 
 
 @pytest.mark.parametrize("dtype", onednn_dtypes(torch.float32, torch.bfloat16))
@@ -211,7 +212,7 @@ def test_batched_experts_run_the_packed_gemms_and_equal_native(monkeypatch, dtyp
     """``apply_batched`` (DeepEP low-latency layout ``[E, M, H]`` + counts, unweighted) runs every
     expert with rows on the oneDNN packs, equals the reference's per-expert SwiGLU within the
     dtype's bound, and leaves the rows past each count zero (garbage in, NaN, ignored)."""
-    from moe.fused_moe import experts as experts_mod
+    from moe.fused_moe import cpu_experts as experts_mod
 
     calls = []
 
@@ -331,7 +332,7 @@ def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(
     """Small bfloat16 experts run their GEMMs in float32 on exact float32 copies (a batch above
     BFLOAT16_UPCAST_MAX_MACS rows x weight takes the oneDNN pack, or the plain GEMMs where oneDNN
     cannot pack bfloat16: the copies need no oneDNN), within the bfloat16 bound."""
-    from moe.fused_moe import experts as experts_mod
+    from moe.fused_moe import cpu_experts as experts_mod
 
     monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_ELEMENTS", 2 * 32 * 24)
     monkeypatch.setattr(linear_mod, "BFLOAT16_UPCAST_MAX_MACS", 12 * 2 * 32 * 24)
@@ -356,5 +357,7 @@ def test_small_bfloat16_experts_run_in_float32_and_follow_reloads(
             )
             assert calls  # every expert with <= 12 rows (down: <= 24) runs in float32
             experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
-        assert (experts.packed_weights() != ()) == has_pack  # re-makes packs and copies
-        assert torch.equal(experts._upcast[1], experts.w2[0].float())
+            assert experts.packed_weights() == ()  # stale: a forward does not re-pack
+            experts.process_weights_after_loading()  # the loader's hook: packs and copies again
+        assert (experts.packed_weights() != ()) == has_pack
+        assert torch.equal(experts.cpu_packs.upcast[1], experts.w2[0].float())
