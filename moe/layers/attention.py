@@ -32,6 +32,7 @@ from moe.layers.flex_attention import flex_paged_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
+from moe.layers.triton_attention import triton_paged_attention, triton_write_kv_cache
 from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
@@ -189,7 +190,8 @@ class PagedAttention(CustomOp):
     per-request reference (``paged_attention``); ``forward_cpu`` / ``forward_cuda`` run all
     requests at once with the attention backend selected when the op is built
     (``moe.layers.attention_backend``): ``batched_paged_attention`` (CPU_ATTN: our kernel up to
-    the measured cut; TORCH_SDPA: padded SDPA chunks) or ``flex_paged_attention``.
+    the measured cut; TORCH_SDPA: padded SDPA chunks), ``flex_paged_attention`` or, on CUDA,
+    ``triton_paged_attention`` (TRITON_ATTN).
     """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -273,7 +275,19 @@ class PagedAttention(CustomOp):
     def forward_cuda(
         self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
+        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+            return self._forward_triton(query, key, value, attn_metadata)
         return self._forward_batched(query, key, value, attn_metadata)
+
+    def _forward_triton(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        """TRITON_ATTN: the K/V write and the attention, one launch each, reading nothing on the
+        host (``moe.layers.triton_attention``)."""
+        q, k, v = self._heads(query, key, value)
+        triton_write_kv_cache(k, v, self.kv_cache, attn_metadata)
+        out = triton_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
+        return out.view(query.shape[0], self.num_heads * self.head_dim)
 
 
 class GQAAttention(nn.Module):
