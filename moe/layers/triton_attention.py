@@ -145,7 +145,9 @@ def triton_write_kv_cache(
     [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous) at the metadata's
     ``slot_mapping``; one launch."""
     width = kv_cache.shape[3] * kv_cache.shape[4]
-    _write_cache((key, value), (kv_cache[0].view(-1, width), kv_cache[1].view(-1, width)), attn_metadata)
+    _write_cache(
+        (key, value), (kv_cache[0].view(-1, width), kv_cache[1].view(-1, width)), attn_metadata
+    )
 
 
 def triton_write_mla_cache(

@@ -249,6 +249,7 @@ class CudaPlatform(Platform):
     dispatch_key = "cuda"
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
     @property
     def attention_backends(self) -> tuple[str, ...]:
         """TRITON_ATTN first where Triton can launch its kernels (importable, and a CUDA device or

@@ -4,7 +4,7 @@ mixed batches, a request with no query row, padding rows, contexts off the block
 1, 4 and 6, head_dim 64 and 128, MLA's 512 + 64 latent), and the CUDA platform picks the backend
 where Triton can launch. The interpreter runs in a subprocess: Triton reads ``TRITON_INTERPRET``
 when it is imported (``tests.helpers.triton_interpreter``). Speed and the compiled kernel are a
-GPU's to check (``tests/launch/test_gpu.py``)."""
+GPU's to check (``docs/hardware.md``, attention backends)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ import pytest
 
 pytest.importorskip("triton", reason="TRITON_ATTN needs Triton (not installed)")
 
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from moe import build_model, init_random_weights, load_config  # noqa: E402
 from moe.layers import triton_attention  # noqa: E402
-from moe.platforms import CpuPlatform, CudaPlatform  # noqa: E402
+from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend  # noqa: E402
+from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
+from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform  # noqa: E402
 from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
 
 CASES = "tests.moe.triton_attention_cases"
@@ -36,3 +42,83 @@ def test_cuda_platform_lists_triton_first_where_it_launches(monkeypatch):
     reason = "no CUDA device (and Triton's interpreter is off)"
     monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: reason)
     assert CudaPlatform().attention_backends == ("TORCH_SDPA", "FLEX_ATTENTION")
+
+
+# OLMoE's shape at a small scale: 4 layers, hidden 256, 32 experts top-4, 8 heads of 32
+OLMOE_SHAPED = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    num_experts=32,
+    num_experts_per_tok=4,
+    max_position_embeddings=512,
+)
+CONTEXT_LEN = 256
+BLOCK_SIZE = 16
+
+
+class _CountOps(TorchDispatchMode):
+    """The ATen ops dispatched while active, views excluded (they launch nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_ops_per_layer(model, num_reqs: int, counter: _CountOps) -> float:
+    """The ops (ATen ops + Triton launches) of one decode forward of ``num_reqs`` requests at
+    ``CONTEXT_LEN``, over the number of layers."""
+    metadata, num_blocks = CommonAttentionMetadata.for_requests(
+        [(CONTEXT_LEN - 1, 1)] * num_reqs, BLOCK_SIZE
+    )
+    model.allocate_kv_caches(num_blocks, BLOCK_SIZE)
+    input_ids = torch.arange(num_reqs) % OLMOE_SHAPED["vocab_size"]
+    positions = torch.full((num_reqs,), CONTEXT_LEN - 1)
+    with torch.no_grad():
+        model(input_ids, positions, metadata)  # warm-up: once-per-process probes
+        metadata, _ = CommonAttentionMetadata.for_requests(  # a new step's metadata
+            [(CONTEXT_LEN - 1, 1)] * num_reqs, BLOCK_SIZE
+        )
+        counter.ops.clear()
+        with counter:
+            model(input_ids, positions, metadata)
+    return len(counter.ops) / OLMOE_SHAPED["num_hidden_layers"]
+
+
+def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
+    """One decode forward on the CUDA op paths (CPU tensors) with TRITON_ATTN: at batch 256 at
+    most 1.1x the ops per layer of batch 8 (the whole forward over the layers: norms, RoPE,
+    projections, attention, MoE), the attention core two launches (KV write, attention) and its
+    zeroed output. A Triton launch counts as one op; the kernels are not run here (their values
+    are ``test_kernel_equals_forward_native``'s; nothing on this path reads a value on the host,
+    so the ops do not depend on them). Measured: 77.75 ops per layer at both batch sizes, of
+    which the attention core is 3 (TORCH_SDPA: 92 and 166)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.OlmoeConfig(**OLMOE_SHAPED).save_pretrained(tmp_path)
+    counter = _CountOps()
+
+    def counted_launch(kernel, grid, **kwargs):
+        counter.ops.append(f"triton:{kernel.__name__}")
+
+    monkeypatch.setattr(triton_attention, "launch", counted_launch)
+    set_current_platform(CudaPlatform())
+    set_attention_backend(AttentionBackendEnum.TRITON_ATTN)
+    try:
+        model = build_model(load_config(tmp_path), dtype=torch.float32)
+        init_random_weights(model, seed=0)
+        per_layer = {n: _decode_ops_per_layer(model, n, counter) for n in (8, 256)}
+    finally:
+        set_current_platform(None)
+    launches = [op for op in counter.ops if op.startswith("triton:")]
+    assert len(launches) == 2 * OLMOE_SHAPED["num_hidden_layers"]  # KV write + attention
+    assert per_layer[256] <= 1.1 * per_layer[8], per_layer
+    aten_ops = [op for op in counter.ops if op.startswith("aten::")]
+    assert not any("attention" in op or op == "aten::nonzero" for op in aten_ops)  # no SDPA
