@@ -122,3 +122,39 @@ def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
     assert per_layer[256] <= 1.1 * per_layer[8], per_layer
     aten_ops = [op for op in counter.ops if op.startswith("aten::")]
     assert not any("attention" in op or op == "aten::nonzero" for op in aten_ops)  # no SDPA
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3"])
+def test_model_forward_reads_nothing_on_the_host(tmp_path, monkeypatch, model_type):
+    """With TRITON_ATTN a forward on the CUDA op paths reads no value on the host, the first one on
+    a new (u)batch's metadata included (no attention plan, no KV write slots read): GQA and MLA.
+    Launches are stubbed (what a launch reads is the device's)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.conftest import TINY_CONFIGS
+    from tests.helpers.attention_metadata import make_paged_metadata
+    from tests.helpers.host_reads import recording_host_reads
+
+    prefix, kwargs = TINY_CONFIGS[model_type]
+    getattr(transformers, f"{prefix}Config")(**kwargs).save_pretrained(tmp_path)
+    monkeypatch.setattr(triton_attention, "launch", lambda kernel, grid, **kw: None)
+    set_current_platform(CudaPlatform())
+    set_attention_backend(AttentionBackendEnum.TRITON_ATTN)
+    try:
+        model = build_model(load_config(tmp_path), dtype=torch.float32)
+        init_random_weights(model, seed=0)
+        model.allocate_kv_caches(16, 4)
+        steps = [  # a prefill of two prompts with a padding row, then a decode step
+            (torch.arange(3, 14), torch.tensor([*range(7), *range(3), 0]), [7, 3], [7, 3], 1),
+            (torch.tensor([20, 21]), torch.tensor([7, 3]), [1, 1], [8, 4], 0),
+        ]
+        with torch.no_grad():
+            model(*steps[1][:2], make_paged_metadata([1, 1], [8, 4], [[5, 2, 9], [11, 0]]))
+            for input_ids, positions, query_lens, seq_lens, num_padding in steps:
+                metadata = make_paged_metadata(
+                    query_lens, seq_lens, [[5, 2, 9], [11, 0]], num_padding=num_padding
+                )
+                with recording_host_reads() as reads:
+                    model(input_ids, positions, metadata)
+                assert reads == []
+    finally:
+        set_current_platform(None)
