@@ -35,6 +35,14 @@ def test_kernel_equals_forward_native(case):
         assert f"{case} mixed" in output and f"{case} decode" in output and dtype in output
 
 
+def test_models_with_triton_attention_equal_forward_native():
+    """Tiny OLMoE and DeepSeek-V3 (MLA) on the CUDA op paths with TRITON_ATTN, a prefill with a
+    padding row then a decode step, against every op's ``forward_native``."""
+    output = run_interpreted(CASES, "models", "float64", "float32", timeout_s=600)
+    for model_type in ("olmoe", "deepseek_v3"):
+        assert f"model {model_type} step 1 torch.float32" in output
+
+
 def test_cuda_platform_lists_triton_first_where_it_launches(monkeypatch):
     monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
     assert CudaPlatform().attention_backends[0] == "TRITON_ATTN"

@@ -132,7 +132,48 @@ def check_mla(dtype: torch.dtype) -> None:
         _assert_close(f"mla {batch} block {block_size}", out, ref, dtype)
 
 
-CASES = {"gqa": check_gqa, "mla": check_mla}
+def check_models(dtype: torch.dtype) -> None:
+    """Tiny OLMoE (GQA) and DeepSeek-V3 (MLA) models on the CUDA op paths with TRITON_ATTN equal
+    the same weights with every op on ``forward_native``: a prefill of two prompts with a padding
+    row, then a decode step, each model writing its own caches."""
+    import tempfile
+
+    import transformers
+
+    from moe import build_model, init_random_weights, load_config, set_custom_ops
+    from tests.conftest import TINY_CONFIGS
+    from tests.helpers.attention_metadata import make_paged_metadata
+
+    block_tables = [[5, 2, 9], [11, 0]]
+    steps = [
+        (torch.arange(3, 14), torch.tensor([*range(7), *range(3), 0]), [7, 3], [7, 3], 1),
+        (torch.tensor([20, 21]), torch.tensor([7, 3]), [1, 1], [8, 4], 0),
+    ]
+    for model_type in ("olmoe", "deepseek_v3"):
+        prefix, kwargs = TINY_CONFIGS[model_type]
+        with tempfile.TemporaryDirectory() as path:
+            getattr(transformers, f"{prefix}Config")(**kwargs).save_pretrained(path)
+            config = load_config(path)
+        models = []
+        for custom_ops in ("none", "all"):
+            set_custom_ops(custom_ops)
+            model = build_model(config, dtype=dtype)
+            init_random_weights(model, seed=0)
+            model.allocate_kv_caches(16, 4)
+            models.append(model)
+        set_custom_ops("all")
+        attention = [m for m in models[1].modules() if hasattr(m, "backend")]
+        assert attention and all(m.backend is AttentionBackendEnum.TRITON_ATTN for m in attention)
+        with torch.no_grad():
+            for step, (input_ids, positions, query_lens, seq_lens, padding) in enumerate(steps):
+                metadata = make_paged_metadata(
+                    query_lens, seq_lens, block_tables, num_padding=padding
+                )
+                native, out = (model(input_ids, positions, metadata) for model in models)
+                _assert_close(f"model {model_type} step {step}", out, native, dtype)
+
+
+CASES = {"gqa": check_gqa, "mla": check_mla, "models": check_models}
 
 
 def main(case: str, *dtype_names: str) -> None:
