@@ -63,12 +63,14 @@ def kv_write_slots(
     (``attn_metadata.derived``) and shared by every layer."""
 
     def build() -> tuple[Tensor | None, Tensor]:
-        slot_mapping = attn_metadata.slot_mapping[: attn_metadata.num_actual_tokens].to(device)
+        # decided where the metadata lives (the engine's: the host, so no device sync), then
+        # copied to the cache's device
+        slot_mapping = attn_metadata.slot_mapping[: attn_metadata.num_actual_tokens]
         valid = slot_mapping >= 0
-        if bool(valid.all()):  # host sync, once per (u)batch (free for CPU metadata)
-            return None, slot_mapping.long()
+        if bool(valid.all()):  # reads values once per (u)batch: free for host metadata
+            return None, slot_mapping.long().to(device)
         rows = valid.nonzero().flatten()
-        return rows, slot_mapping[rows].long()
+        return rows.to(device), slot_mapping[rows].long().to(device)
 
     return attn_metadata.derived(("kv_write_slots", device), build)
 
