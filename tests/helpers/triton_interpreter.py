@@ -22,13 +22,17 @@ from collections.abc import Iterator
 import numpy as np
 
 
-def run_interpreted(module: str, *args: str, timeout_s: float) -> str:
-    """``python -m module args...`` under ``TRITON_INTERPRET=1``; its output (stdout + stderr).
+def run_interpreted(
+    module: str, *args: str, timeout_s: float, env: dict[str, str] | None = None
+) -> str:
+    """``python -m module args...`` under ``TRITON_INTERPRET=1`` (or with ``env`` added to this
+    process's environment instead, e.g. ``{}`` to compile for a GPU); its output (stdout +
+    stderr).
 
     Raises:
         AssertionError: it exited non-zero (with its output).
     """
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if env is None else env)}
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         env=env,

@@ -35,6 +35,16 @@ def test_kernel_equals_forward_native(case):
         assert f"{case} mixed" in output and f"{case} decode" in output and dtype in output
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", ["gqa", "mla", "models"])
+def test_compiled_kernels_equal_forward_native_on_a_gpu(case):
+    """The same checks on CUDA tensors, the kernels compiled (float16 too on a GPU)."""
+    dtypes = ("float32", "bfloat16") if case == "models" else (*DTYPES, "float16")
+    output = run_interpreted(CASES, case, *dtypes, "--device", "cuda", timeout_s=600, env={})
+    assert "step 1" in output if case == "models" else f"{case} decode" in output
+
+
 def test_models_with_triton_attention_equal_forward_native():
     """Tiny OLMoE and DeepSeek-V3 (MLA) on the CUDA op paths with TRITON_ATTN, a prefill with a
     padding row then a decode step, against every op's ``forward_native``."""

@@ -1,6 +1,7 @@
 """Cases of ``test_triton_attention``, run in a subprocess under ``TRITON_INTERPRET=1`` (Triton
 reads the variable when it is imported; see ``tests.helpers.triton_interpreter``):
-``python -m tests.moe.triton_attention_cases <case> <dtype>...`` exits 0 when every check holds.
+``python -m tests.moe.triton_attention_cases <case> <dtype>... [--device cuda]`` exits 0 when every
+check holds (on a GPU the same checks run compiled, without the interpreter).
 
 The TRITON_ATTN paths (``forward_cuda`` of ``PagedAttention`` / ``PagedMLACache`` on the CUDA
 platform) against ``forward_native`` on CPU tensors, each writing its own copy of the cache.
@@ -8,6 +9,7 @@ platform) against ``forward_native`` on CPU tensors, each writing its own copy o
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -26,9 +28,14 @@ MIXED = [(0, 5), (7, 1), (15, 1), (3, 9), (4, 0), (11, 2), (0, 1), (2, 6)]
 DECODE = [(15, 1), (0, 1), (8, 1), (31, 1), (4, 0), (16, 1)]
 # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 4 and 6 (not a power of 2)
 GQA_SHAPES = [(4, 4, 64), (8, 2, 128), (6, 1, 64)]
-# float64 exact up to summation order; float32 and bfloat16 a few units of their precision
-# (2^-23, 2^-8) relative to the largest value (the outputs are convex combinations of values)
-TOLERANCE = {torch.float64: 2**-40, torch.float32: 2**-17, torch.bfloat16: 2**-5}
+# float64 exact up to summation order; float32, float16 and bfloat16 a few ulps (2^-23, 2^-10,
+# 2^-7) of the largest value (the outputs are convex combinations of values)
+TOLERANCE = {
+    torch.float64: 2**-40,
+    torch.float32: 2**-17,
+    torch.float16: 2**-8,
+    torch.bfloat16: 2**-5,
+}
 
 
 def scrambled_metadata(requests, block_size: int, num_padding: int, seed: int):
@@ -70,7 +77,7 @@ def _batches():
     yield "decode", 16, *scrambled_metadata(DECODE, 16, num_padding=2, seed=1)
 
 
-def check_gqa(dtype: torch.dtype) -> None:
+def check_gqa(dtype: torch.dtype, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     for num_heads, num_kv_heads, head_dim in GQA_SHAPES:
         for batch, block_size, metadata, num_blocks in _batches():
@@ -83,16 +90,16 @@ def check_gqa(dtype: torch.dtype) -> None:
             assert op.forward_path == "forward_cuda"
             assert op.backend is AttentionBackendEnum.TRITON_ATTN
             num_tokens = metadata.num_tokens
-            q = torch.randn(num_tokens, num_heads * head_dim, generator=gen).to(dtype)
+            q = torch.randn(num_tokens, num_heads * head_dim, generator=gen).to(device, dtype)
             k, v = (
-                torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen).to(dtype)
+                torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen).to(device, dtype)
                 for _ in range(2)
             )
             cache = torch.randn(op.kv_cache_shape(num_blocks, block_size), generator=gen)
-            op.bind_kv_cache(cache.to(dtype))
+            op.bind_kv_cache(cache.to(device, dtype))
             ref = op.forward_native(q, k, v, metadata)
             ref_cache = op.kv_cache
-            op.bind_kv_cache(cache.to(dtype))
+            op.bind_kv_cache(cache.to(device, dtype))
             out = op(q, k, v, metadata)
             if not torch.equal(op.kv_cache, ref_cache):
                 raise AssertionError(f"gqa {batch}: the K/V writes differ")
@@ -102,7 +109,7 @@ def check_gqa(dtype: torch.dtype) -> None:
             _assert_close(name, out, ref, dtype)
 
 
-def check_mla(dtype: torch.dtype) -> None:
+def check_mla(dtype: torch.dtype, device: torch.device) -> None:
     """DeepSeek's latent widths (kv_lora_rank 512, rope 64) with few heads."""
     layout = MLALayout(num_heads=4, nope=32, rope=64, v=32, kv_lora_rank=512)
     gen = torch.Generator().manual_seed(1)
@@ -110,19 +117,19 @@ def check_mla(dtype: torch.dtype) -> None:
         op = PagedMLACache(layout)
         assert op.forward_path == "forward_cuda"
         num_tokens, heads = metadata.num_tokens, layout.num_heads
-        q_nope = torch.randn(num_tokens, heads, layout.nope, generator=gen).to(dtype)
-        q_pe = torch.randn(num_tokens, heads, layout.rope, generator=gen).to(dtype)
-        kv_c = torch.randn(num_tokens, layout.kv_lora_rank, generator=gen).to(dtype)
-        k_pe = torch.randn(num_tokens, layout.rope, generator=gen).to(dtype)
+        q_nope = torch.randn(num_tokens, heads, layout.nope, generator=gen).to(device, dtype)
+        q_pe = torch.randn(num_tokens, heads, layout.rope, generator=gen).to(device, dtype)
+        kv_c = torch.randn(num_tokens, layout.kv_lora_rank, generator=gen).to(device, dtype)
+        k_pe = torch.randn(num_tokens, layout.rope, generator=gen).to(device, dtype)
         w = torch.randn(heads * (layout.nope + layout.v), layout.kv_lora_rank, generator=gen)
-        w = (w * layout.kv_lora_rank**-0.5).to(dtype)
+        w = (w * layout.kv_lora_rank**-0.5).to(device, dtype)
         cache = torch.randn(op.kv_cache_shape(num_blocks, block_size), generator=gen)
         scale = (layout.nope + layout.rope) ** -0.5
-        op.bind_kv_cache(cache.to(dtype))
-        op.write(kv_c, k_pe, metadata.slot_mapping)
+        op.bind_kv_cache(cache.to(device, dtype))
+        op.write(kv_c, k_pe, metadata.slot_mapping.to(device))
         ref = op.forward_native(q_nope, q_pe, w, metadata, scale=scale)
         ref_cache = op.kv_cache
-        op.bind_kv_cache(cache.to(dtype))
+        op.bind_kv_cache(cache.to(device, dtype))
         op.write_planned(kv_c, k_pe, metadata)
         out = op(q_nope, q_pe, w, metadata, scale=scale)
         if not torch.equal(op.kv_cache, ref_cache):
@@ -132,7 +139,7 @@ def check_mla(dtype: torch.dtype) -> None:
         _assert_close(f"mla {batch} block {block_size}", out, ref, dtype)
 
 
-def check_models(dtype: torch.dtype) -> None:
+def check_models(dtype: torch.dtype, device: torch.device) -> None:
     """Tiny OLMoE (GQA) and DeepSeek-V3 (MLA) models on the CUDA op paths with TRITON_ATTN equal
     the same weights with every op on ``forward_native``: a prefill of two prompts with a padding
     row, then a decode step, each model writing its own caches."""
@@ -157,7 +164,7 @@ def check_models(dtype: torch.dtype) -> None:
         models = []
         for custom_ops in ("none", "all"):
             set_custom_ops(custom_ops)
-            model = build_model(config, dtype=dtype)
+            model = build_model(config, dtype=dtype, device=device)
             init_random_weights(model, seed=0)
             model.allocate_kv_caches(16, 4)
             models.append(model)
@@ -169,20 +176,27 @@ def check_models(dtype: torch.dtype) -> None:
                 metadata = make_paged_metadata(
                     query_lens, seq_lens, block_tables, num_padding=padding
                 )
-                native, out = (model(input_ids, positions, metadata) for model in models)
+                inputs = (input_ids.to(device), positions.to(device), metadata)
+                native, out = (model(*inputs) for model in models)
                 _assert_close(f"model {model_type} step {step}", out, native, dtype)
 
 
 CASES = {"gqa": check_gqa, "mla": check_mla, "models": check_models}
 
 
-def main(case: str, *dtype_names: str) -> None:
-    set_current_platform(CudaPlatform())  # the ops bind forward_cuda, on CPU tensors
-    set_attention_backend(None)  # the platform's default: TRITON_ATTN under the interpreter
-    with fixed_bfloat16_dot():
+def main(argv: list[str]) -> None:
+    device = torch.device("cpu")
+    if "--device" in argv:
+        at = argv.index("--device")
+        device, argv = torch.device(argv[at + 1]), argv[:at] + argv[at + 2 :]
+    case, *dtype_names = argv
+    set_current_platform(CudaPlatform())  # the ops bind forward_cuda (on CPU tensors too)
+    set_attention_backend(None)  # the platform's default: TRITON_ATTN where Triton launches
+    fix = fixed_bfloat16_dot() if device.type == "cpu" else contextlib.nullcontext()
+    with fix:
         for name in dtype_names:
-            CASES[case](getattr(torch, name))
+            CASES[case](getattr(torch, name), device)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])
