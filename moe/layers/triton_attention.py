@@ -2,17 +2,17 @@
 whole (u)batch (decodes, prefill chunks and mixed batches), after vLLM's unified Triton attention
 (``vllm/v1/attention/ops/triton_unified_attention.py``, its 2-D grid).
 
-The grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)``: host-known counts of the
-metadata, an upper bound on the query blocks (request r's blocks start at
-``query_start_loc[r] // BLOCK_Q + r``), so the launch reads no device value and its shape does not
-change with the batch's lengths. Each program finds its request by a binary search over
-``query_start_loc``, exits when it lies past that request's rows, packs the ``GROUP`` query heads
-of its KV head with ``BLOCK_Q`` query rows into one ``[BLOCK_M, D]`` tile, walks the block table
-in tiles of cache positions under the causal mask (query row i of a request sits at position
-``seq_len - query_len + i``) with an online softmax, and writes its rows; rows of no request
-(padding) stay zero. MLA runs in the absorbed form for every request: ``W_UK`` folded into the
-query, one KV head whose keys are the cached rows ``[kv_c, k_pe]`` and whose values are ``kv_c``,
-``W_UV`` applied after (same math as ``PagedMLACache.forward_native``'s two forms).
+The grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads * num_head_blocks)``, counts the
+host holds (an upper bound on the query blocks: request r's start at
+``query_start_loc[r] // BLOCK_Q + r``), so the launch reads no device value. Each program finds
+its request by a binary search over ``query_start_loc``, exits when it lies past that request's
+rows, packs up to ``MAX_HEADS_PER_PROGRAM`` query heads of its KV head with ``BLOCK_Q`` query rows
+into one ``[BLOCK_M, D]`` tile, walks the block table in tiles of cache positions under the
+causal mask (query row i of a request sits at position ``seq_len - query_len + i``) with an
+online softmax, and writes its rows; rows of no request (padding) stay zero. MLA runs in the
+absorbed form for every request: ``W_UK`` folded into the query, one KV head whose keys are the
+cached rows ``[kv_c, k_pe]`` and whose values are ``kv_c``, ``W_UV`` applied after (same math as
+``PagedMLACache.forward_native``'s two forms).
 
 The KV write is one launch too (``cache_write_kernel``): each row's K and V (MLA: latent and
 rope key) go to its ``slot_mapping`` slot, slot -1 skipped in the kernel, so nothing reads the
@@ -35,9 +35,12 @@ from torch import Tensor
 if TYPE_CHECKING:
     from moe.layers.attention_metadata import CommonAttentionMetadata
 
-# query rows x query heads of one program's tile (vLLM's BLOCK_M); GQA groups wider than this
-# take one query row per program
+# query rows x query heads of one program's tile (vLLM's BLOCK_M): tl.dot's least M
 BLOCK_M_MIN = 16
+# query heads of one KV head that one program attends: wider groups (MLA's 16 to 128 heads over
+# one latent head) are split over programs, each reading the KV head's context, so that the
+# [BLOCK_M, 512] accumulator of MLA stays in registers
+MAX_HEADS_PER_PROGRAM = 16
 # cache positions per step of a program's walk: one [TILE, D] key and value tile
 TILE_GQA = 32
 TILE_MLA = 16  # MLA's key rows are kv_lora_rank + rope wide (576 for DeepSeek)
@@ -179,17 +182,18 @@ def _attend(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_m = max(BLOCK_M_MIN, _pow2(group))
-    block_q = block_m // group
+    heads_per_program = min(group, MAX_HEADS_PER_PROGRAM)
+    num_head_blocks = -(-group // heads_per_program)
+    block_m = max(BLOCK_M_MIN, _pow2(heads_per_program))
+    block_q = block_m // heads_per_program
     rope_dim = 0 if q_rope is None else q_rope.shape[2]
     v_is_k = v_cache is None
     v_cache = k_cache if v_is_k else v_cache
-    use_dot = q.dtype != torch.float64  # tensor-core products have no float64 form
     meta = _device_metadata(attn_metadata, q.device)
     kernels = _kernels()
     launch(
         kernels.paged_attention_kernel,
-        (num_tokens // block_q + num_reqs, num_kv_heads),
+        (num_tokens // block_q + num_reqs, num_kv_heads * num_head_blocks),
         out_ptr=out,
         q_ptr=q,
         q_rope_ptr=q if q_rope is None else q_rope,
@@ -216,6 +220,8 @@ def _attend(
         block_table_stride=meta.block_table.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
+        NUM_HEAD_BLOCKS=num_head_blocks,
         BLOCK_SIZE=block_size,
         TILE=TILE_GQA if rope_dim == 0 else TILE_MLA,
         HEAD_DIM=head_dim,
@@ -225,8 +231,7 @@ def _attend(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         V_IS_K=v_is_k,
-        USE_DOT=use_dot,
-        ACC_DTYPE=kernels.tl.float32 if use_dot else kernels.tl.float64,
+        ACC_DTYPE=kernels.tl.float64 if q.dtype == torch.float64 else kernels.tl.float32,
     )
 
 

@@ -19,8 +19,8 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     """The request whose query blocks hold global block ``q_block_idx``: request r's blocks start
     at ``query_start_loc[r] // BLOCK_Q + r`` (strictly increasing in r), found by binary search
     (vLLM's ``find_seq_idx``)."""
-    left = 0
-    right = num_reqs
+    left: tl.int32 = 0  # typed: loop-carried values must keep one type
+    right: tl.int32 = num_reqs
     while left < right:
         mid = (left + right) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -31,7 +31,7 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     return left - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def paged_attention_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
@@ -59,6 +59,8 @@ def paged_attention_kernel(
     block_table_stride,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    NUM_HEAD_BLOCKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -68,14 +70,15 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     V_IS_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,  # float32; float64 for float64 inputs (USE_DOT off)
+    ACC_DTYPE: tl.constexpr,  # float32; float64 for float64 inputs
 ):
-    """One program: ``BLOCK_Q`` query rows of one request times the ``GROUP`` query heads of KV
-    head ``program_id(1)`` (a [BLOCK_M = BLOCK_Q * GROUP, D] tile), walking the request's block
+    """One program: ``BLOCK_Q`` query rows of one request times ``HEADS_PER_PROGRAM`` of the
+    ``GROUP`` query heads of one KV head (a [BLOCK_M >= BLOCK_Q * HEADS_PER_PROGRAM, D] tile;
+    ``program_id(1)`` = KV head * NUM_HEAD_BLOCKS + head block), walking the request's block
     table over its causal context in tiles of ``TILE`` positions with an online softmax."""
     q_block_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // NUM_HEAD_BLOCKS
+    head_block = tl.program_id(1) % NUM_HEAD_BLOCKS
     req = _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -88,9 +91,10 @@ def paged_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_s = tl.arange(0, TILE)
-    q_pos = local_block * BLOCK_Q + offs_m // GROUP  # query row within the request
-    head = kv_head * GROUP + offs_m % GROUP
-    row_mask = (q_pos < q_len) & (head < NUM_HEADS)
+    q_pos = local_block * BLOCK_Q + offs_m // HEADS_PER_PROGRAM  # query row in the request
+    head_in_group = head_block * HEADS_PER_PROGRAM + offs_m % HEADS_PER_PROGRAM
+    head = kv_head * GROUP + head_in_group
+    row_mask = (q_pos < q_len) & (head_in_group < GROUP) & (offs_m < BLOCK_Q * HEADS_PER_PROGRAM)
     dim_mask = offs_d < HEAD_DIM
     rows = (q_start + q_pos).to(tl.int64)
 
@@ -121,7 +125,7 @@ def paged_attention_kernel(
         num_visible = seq_len
     # A while loop: Triton's interpreter cannot take a loaded value as a range bound (its scalars
     # are 1-element arrays, which NumPy 2 refuses to convert to int).
-    tile_start = 0
+    tile_start: tl.int32 = 0
     while tile_start < num_visible:
         pos = tile_start + offs_s
         pos_mask = pos < num_visible
@@ -135,22 +139,14 @@ def paged_attention_kernel(
             mask=dim_mask[:, None] & pos_mask[None, :],
             other=0.0,
         ).to(q.dtype)
-        if USE_DOT:
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:  # float64: no tensor-core product; multiply and reduce
-            scores = tl.sum(q[:, :, None].to(ACC_DTYPE) * k[None, :, :].to(ACC_DTYPE), axis=1)
+        scores = tl.dot(q, k, input_precision="ieee")  # float32 (float64 for float64 inputs)
         if ROPE_DIM > 0:
             k_rope = tl.load(  # [R, TILE]
                 k_rope_cache_ptr + k_base[None, :] + offs_r[:, None],
                 mask=rope_mask[:, None] & pos_mask[None, :],
                 other=0.0,
             ).to(q.dtype)
-            if USE_DOT:
-                scores += tl.dot(q_rope, k_rope, input_precision="ieee")
-            else:
-                scores += tl.sum(
-                    q_rope[:, :, None].to(ACC_DTYPE) * k_rope[None, :, :].to(ACC_DTYPE), axis=1
-                )
+            scores += tl.dot(q_rope, k_rope, input_precision="ieee")
         scores = scores.to(ACC_DTYPE) * scale
         visible = row_mask[:, None] & (pos[None, :] <= (context_len + q_pos)[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -169,10 +165,7 @@ def paged_attention_kernel(
                 mask=pos_mask[:, None] & dim_mask[None, :],
                 other=0.0,
             ).to(q.dtype)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :].to(ACC_DTYPE), axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
         tile_start += TILE
 

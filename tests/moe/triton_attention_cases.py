@@ -110,10 +110,13 @@ def check_gqa(dtype: torch.dtype, device: torch.device) -> None:
 
 
 def check_mla(dtype: torch.dtype, device: torch.device) -> None:
-    """DeepSeek's latent widths (kv_lora_rank 512, rope 64) with few heads."""
-    layout = MLALayout(num_heads=4, nope=32, rope=64, v=32, kv_lora_rank=512)
+    """DeepSeek's latent widths (kv_lora_rank 512, rope 64): 4 heads (one program per KV head)
+    on the mixed batch, 20 heads (split over two programs, the second partial) on the decodes."""
     gen = torch.Generator().manual_seed(1)
-    for batch, block_size, metadata, num_blocks in _batches():
+    for (batch, block_size, metadata, num_blocks), num_heads in zip(
+        _batches(), (4, 20), strict=True
+    ):
+        layout = MLALayout(num_heads=num_heads, nope=32, rope=64, v=32, kv_lora_rank=512)
         op = PagedMLACache(layout)
         assert op.forward_path == "forward_cuda"
         num_tokens, heads = metadata.num_tokens, layout.num_heads
