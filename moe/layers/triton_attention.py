@@ -44,6 +44,8 @@ MAX_HEADS_PER_PROGRAM = 16
 # cache positions per step of a program's walk: one [TILE, D] key and value tile
 TILE_GQA = 32
 TILE_MLA = 16  # MLA's key rows are kv_lora_rank + rope wide (576 for DeepSeek)
+# warps of an MLA program: with 4, ptxas (sm90) spills its [16, 512] accumulator and tiles
+NUM_WARPS_MLA = 8
 
 
 def triton_unavailable_reason() -> str | None:
@@ -65,8 +67,8 @@ def _triton_unavailable_reason() -> str | None:
 
 
 def launch(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
-    """``kernel[grid](**kwargs)``: every Triton launch of this module goes through here (tests
-    count them)."""
+    """``kernel[grid](**kwargs)`` (``num_warps`` among them): every Triton launch of this module
+    goes through here (tests count them, or compile them for a GPU)."""
     kernel[grid](**kwargs)
 
 
@@ -232,6 +234,7 @@ def _attend(
         BLOCK_M=block_m,
         V_IS_K=v_is_k,
         ACC_DTYPE=kernels.tl.float64 if q.dtype == torch.float64 else kernels.tl.float32,
+        num_warps=4 if rope_dim == 0 else NUM_WARPS_MLA,
     )
 
 

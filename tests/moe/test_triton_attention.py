@@ -176,3 +176,79 @@ def test_model_forward_reads_nothing_on_the_host(tmp_path, monkeypatch, model_ty
                 assert reads == []
     finally:
         set_current_platform(None)
+
+
+_POINTEE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+def _compile_for_sm90(compiled: list[str]):
+    """A ``triton_attention.launch`` that compiles the launch's kernel for sm90 (Hopper) down to
+    a cubin with Triton's bundled ptxas, no GPU needed, instead of running it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_launch(kernel, grid, *, num_warps=4, **kwargs):
+        constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
+        signature, constants = {}, {}
+        for name in kernel.arg_names:
+            value = kwargs[name]
+            if name in constexprs:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _POINTEE[value.dtype]
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        source = ASTSource(kernel, signature, constants)
+        binary = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+        )
+        assert binary.asm["cubin"]
+        compiled.append(kernel.__name__)
+
+    return compile_launch
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("gqa", torch.bfloat16), ("gqa", torch.float64), ("mla", torch.bfloat16)],
+)
+def test_kernels_compile_for_sm90(monkeypatch, case, dtype):
+    """What TRITON_ATTN would launch on a Hopper GPU compiles for sm90 (Triton's NVIDIA backend:
+    TTIR, TTGIR, LLVM, PTX, ptxas), without a GPU: the launcher's own arguments for a GQA layer
+    (head_dim 128, 4 query heads per KV head) and an MLA layer (DeepSeek's 128 heads over the
+    512 + 64 latent)."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    from triton import knobs
+
+    if knobs.runtime.interpret:
+        pytest.skip("Triton was imported under TRITON_INTERPRET=1: its kernels are interpreted")
+    compiled: list[str] = []
+    monkeypatch.setattr(triton_attention, "launch", _compile_for_sm90(compiled))
+    metadata, num_blocks = CommonAttentionMetadata.for_requests([(0, 5), (7, 1)], 16)
+    num_tokens = metadata.num_tokens
+    if case == "gqa":
+        query = torch.zeros(num_tokens, 8, 128, dtype=dtype)
+        kv_cache = torch.zeros(2, num_blocks, 16, 2, 128, dtype=dtype)
+        triton_attention.triton_write_kv_cache(query[:, :2], query[:, :2], kv_cache, metadata)
+        triton_attention.triton_paged_attention(query, kv_cache, metadata, scale=0.1)
+    else:
+        q_nope = torch.zeros(num_tokens, 128, 128, dtype=dtype)
+        q_pe = torch.zeros(num_tokens, 128, 64, dtype=dtype)
+        kv_c, k_pe = torch.zeros(num_tokens, 512, dtype=dtype), q_pe[:, 0]
+        w = torch.zeros(128 * 256, 512, dtype=dtype)
+        kv_cache = torch.zeros(num_blocks, 16, 576, dtype=dtype)
+        triton_attention.triton_write_mla_cache(kv_c, k_pe, kv_cache, metadata)
+        triton_attention.triton_mla_attention(
+            q_nope, q_pe, w, kv_cache, metadata, kv_lora_rank=512, scale=0.1
+        )
+    assert compiled == ["cache_write_kernel", "paged_attention_kernel"]
