@@ -4,8 +4,7 @@ device's platform runs (``--attention-backend``: CPU_ATTN and TORCH_SDPA on a CP
 (``forward_native``). Prints ms per call, the loop and each other backend over the platform's
 default, and each backend's fraction of the memory roofline: the bytes a call must move (every
 request's cached K/V read, the new K/V written, the queries read, the output written) over the
-device's measured copy bandwidth. Speed claims live
-here, never in tests.
+device's measured copy bandwidth. Speed claims live here, never in tests.
 
     python -m launch.benchmarks.attention [--device cpu|cuda] [--dtype float32|bfloat16]
         [--threads 1] [--repeats 20]
