@@ -118,7 +118,7 @@ def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
     zeroed output. A Triton launch counts as one op; the kernels are not run here (their values
     are ``test_kernel_equals_forward_native``'s; nothing on this path reads a value on the host,
     so the ops do not depend on them). Measured: 77.75 ops per layer at both batch sizes, of
-    which the attention core is 3 (TORCH_SDPA: 92 and 166)."""
+    which the attention core is 3 (TORCH_SDPA, counted the same way: 93.25 and 158)."""
     transformers = pytest.importorskip("transformers")
     transformers.OlmoeConfig(**OLMOE_SHAPED).save_pretrained(tmp_path)
     counter = _CountOps()
