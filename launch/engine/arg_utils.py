@@ -427,8 +427,9 @@ def _add_model_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--attention-backend",
         default=None,
         help="paged attention implementation: CPU_ATTN (our CPU kernel; the CPU's default), "
-        "TORCH_SDPA (padded SDPA chunks; CUDA's default), FLEX_ATTENTION (torch's compiled "
-        "flex_attention over the cache in place; CUDA, GQA models)",
+        "TRITON_ATTN (our Triton kernel over the cache in place; CUDA's default with Triton), "
+        "TORCH_SDPA (padded SDPA chunks; CUDA's default without Triton), FLEX_ATTENTION "
+        "(torch's compiled flex_attention over the cache in place; CUDA, GQA models)",
     )
     add("--seed", type=int, default=d.seed, help="seed for random weights and sampling")
     add("--timeline-dir", default=None, help="write a Chrome-trace timeline per rank here")

@@ -32,6 +32,7 @@ from moe.layers.flex_attention import flex_paged_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding
+from moe.layers.triton_attention import triton_paged_attention, triton_write_kv_cache
 from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
@@ -62,12 +63,14 @@ def kv_write_slots(
     (``attn_metadata.derived``) and shared by every layer."""
 
     def build() -> tuple[Tensor | None, Tensor]:
-        slot_mapping = attn_metadata.slot_mapping[: attn_metadata.num_actual_tokens].to(device)
+        # decided where the metadata lives (the engine's: the host, so no device sync), then
+        # copied to the cache's device
+        slot_mapping = attn_metadata.slot_mapping[: attn_metadata.num_actual_tokens]
         valid = slot_mapping >= 0
-        if bool(valid.all()):  # host sync, once per (u)batch (free for CPU metadata)
-            return None, slot_mapping.long()
+        if bool(valid.all()):  # reads values once per (u)batch: free for host metadata
+            return None, slot_mapping.long().to(device)
         rows = valid.nonzero().flatten()
-        return rows, slot_mapping[rows].long()
+        return rows.to(device), slot_mapping[rows].long().to(device)
 
     return attn_metadata.derived(("kv_write_slots", device), build)
 
@@ -189,7 +192,8 @@ class PagedAttention(CustomOp):
     per-request reference (``paged_attention``); ``forward_cpu`` / ``forward_cuda`` run all
     requests at once with the attention backend selected when the op is built
     (``moe.layers.attention_backend``): ``batched_paged_attention`` (CPU_ATTN: our kernel up to
-    the measured cut; TORCH_SDPA: padded SDPA chunks) or ``flex_paged_attention``.
+    the measured cut; TORCH_SDPA: padded SDPA chunks), ``flex_paged_attention`` or, on CUDA,
+    ``triton_paged_attention`` (TRITON_ATTN).
     """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -273,7 +277,19 @@ class PagedAttention(CustomOp):
     def forward_cuda(
         self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
+        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+            return self._forward_triton(query, key, value, attn_metadata)
         return self._forward_batched(query, key, value, attn_metadata)
+
+    def _forward_triton(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
+    ) -> Tensor:
+        """TRITON_ATTN: the K/V write and the attention, one launch each, reading nothing on the
+        host (``moe.layers.triton_attention``)."""
+        q, k, v = self._heads(query, key, value)
+        triton_write_kv_cache(k, v, self.kv_cache, attn_metadata)
+        out = triton_paged_attention(q, self.kv_cache, attn_metadata, scale=self.scale)
+        return out.view(query.shape[0], self.num_heads * self.head_dim)
 
 
 class GQAAttention(nn.Module):

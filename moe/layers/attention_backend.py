@@ -4,6 +4,9 @@
   handed to SDPA past a cut measured once per machine (``moe.layers.attention_tuning``).
 - ``TORCH_SDPA``: the requests padded in chunks, one ``scaled_dot_product_attention`` call per
   chunk (``moe.layers.batched_attention``).
+- ``TRITON_ATTN``: our Triton kernel reading the paged cache in place, one launch per layer for
+  the whole (u)batch, GQA and MLA (``moe.layers.triton_attention``); CUDA's default where Triton
+  can launch.
 - ``FLEX_ATTENTION``: torch's compiled ``flex_attention`` over the cache in place, one call per
   (u)batch under a block mask built from the block table (``moe.layers.flex_attention``); GQA
   layers only, KV cache blocks a multiple of 16 tokens.
@@ -25,6 +28,7 @@ class AttentionBackendEnum(enum.Enum):
     """The attention implementations (vLLM's names where vLLM has the same one)."""
 
     CPU_ATTN = "CPU_ATTN"
+    TRITON_ATTN = "TRITON_ATTN"
     TORCH_SDPA = "TORCH_SDPA"
     FLEX_ATTENTION = "FLEX_ATTENTION"
 

@@ -36,6 +36,7 @@ from moe.layers.batched_mla import batched_mla_attention
 from moe.layers.linear import Linear
 from moe.layers.norm import RMSNorm
 from moe.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from moe.layers.triton_attention import triton_mla_attention, triton_write_mla_cache
 from moe.platforms.custom_op import CustomOp
 
 if TYPE_CHECKING:
@@ -70,14 +71,16 @@ class PagedMLACache(CustomOp):
     layer's ``Linear``, packed on the CPU), with which the batched paths expand prefill latents.
     ``forward_native`` loops over the requests (the reference); ``forward_cpu`` /
     ``forward_cuda`` run all requests at once (``batched_mla_attention``: our compiled kernel on
-    the CPU where it applies, else plain torch).
+    the CPU where it applies, else plain torch; with TRITON_ATTN on CUDA ``triton_mla_attention``,
+    every request in the absorbed form, in one launch).
     """
 
     def __init__(self, layout: MLALayout):
         super().__init__()
         self.layout = layout
         self.kv_cache: Tensor | None = None
-        self.use_kernel = _mla_uses_kernel(selected_attention_backend())
+        self.backend = selected_attention_backend()
+        self.use_kernel = _mla_uses_kernel(self.backend)
         # query rows up to which the expanded requests stay in our CPU kernel, past which they go
         # to SDPA: measured when a cache is bound (mla_expanded_cut)
         self.expanded_cut = math.inf
@@ -119,9 +122,13 @@ class PagedMLACache(CustomOp):
         self, kv_c: Tensor, k_pe: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> None:
         """``write`` of the real rows of kv_c [T, r], k_pe [T, rope] at the metadata's slots,
-        which are computed once per (u)batch (``kv_write_slots``): no layer reads the slots."""
+        which are computed once per (u)batch (``kv_write_slots``): no layer reads the slots.
+        TRITON_ATTN writes in one launch that skips slot -1 itself (nothing read on the host)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
+        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+            triton_write_mla_cache(kv_c, k_pe, self.kv_cache, attn_metadata)
+            return
         rows, slots = kv_write_slots(attn_metadata, self.kv_cache.device)
         if slots.numel() == 0:
             return
@@ -209,6 +216,16 @@ class PagedMLACache(CustomOp):
         )
 
     def forward_cuda(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):
+        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+            return triton_mla_attention(
+                q_nope,
+                q_pe,
+                kv_b_weight,
+                self.kv_cache,
+                attn_metadata,
+                kv_lora_rank=self.kv_lora_rank,
+                scale=scale,
+            )
         return self._forward_batched(
             q_nope, q_pe, kv_b_weight, attn_metadata, scale=scale, expand=expand
         )

@@ -275,7 +275,6 @@ class CudaPlatform(Platform):
     dispatch_key = "cuda"
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-    attention_backends = ("TORCH_SDPA", "FLEX_ATTENTION")
     # a launch costs the host more than a small decode step's kernels cost the device: graphs on
     # unless --enforce-eager (vLLM's default; 3.1x eager measured on an H200, docs/hardware.md)
     graph_modes = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
@@ -295,6 +294,15 @@ class CudaPlatform(Platform):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+
+    @property
+    def attention_backends(self) -> tuple[str, ...]:
+        """TRITON_ATTN first where Triton can launch its kernels (importable, and a CUDA device or
+        Triton's interpreter), then the padded SDPA chunks and flex_attention."""
+        from moe.layers.triton_attention import triton_unavailable_reason
+
+        fallback = ("TORCH_SDPA", "FLEX_ATTENTION")
+        return fallback if triton_unavailable_reason() else ("TRITON_ATTN", *fallback)
 
     def device_count(self) -> int:
         """Visible CUDA devices (tests override it to drive ``place_rank``)."""
