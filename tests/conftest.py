@@ -43,7 +43,7 @@ def platform_default_attention_backend():
     """Every test starts on its platform's default attention backend: an engine sets the
     process-wide one from ``--attention-backend`` (read when an op is built), and ops a later
     test builds directly must not inherit it."""
-    from moe.layers.attention_backend import set_attention_backend
+    from moe.layers.attention_selector import set_attention_backend
 
     yield
     set_attention_backend(None)

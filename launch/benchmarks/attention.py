@@ -19,8 +19,9 @@ import torch
 from launch.benchmarks.roofline import copy_bandwidth
 from launch.benchmarks.timing import device_timer
 from moe.layers.attention import PagedAttention
-from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
 from moe.layers.attention_metadata import CommonAttentionMetadata
+from moe.layers.attention_selector import set_attention_backend
 from moe.platforms import current_platform, set_current_platform
 from moe.platforms.plugins import BUILTIN_PLATFORMS
 

@@ -37,7 +37,8 @@ from moe import (
     set_custom_ops,
 )
 from moe.kernels import tuning as kernel_tuning
-from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
+from moe.layers.attention_selector import set_attention_backend
 from moe.platforms.plugins import current_platform, load_general_plugins
 
 

@@ -31,7 +31,7 @@ from launch.serving.json_decoding import (
     JsonDecoder,
     decode,
 )
-from launch.serving.openai_protocol import ProtocolError, error_body
+from launch.serving.openai_protocol import ProtocolError, ServerBusy, error_body
 
 logger = logging.getLogger("launch.serving")
 
@@ -142,8 +142,6 @@ async def read_json_body(
 
 async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
     """``decoder.decode``, its failures as the server's: ServerBusy (503) or 500."""
-    from launch.serving.serving_engine import ServerBusy
-
     try:
         return await decoder.decode(raw, charset)
     except DecoderUnavailable as e:
@@ -155,7 +153,6 @@ async def _decode_in_worker(decoder: JsonDecoder, raw: bytes, charset: str):
 async def _acquire_within(lock: asyncio.Lock, timeout_s: float) -> None:
     """``lock`` acquired within ``timeout_s``, or ServerBusy (503)."""
     from launch.serving.http_guard import wait_within
-    from launch.serving.serving_engine import ServerBusy
 
     try:  # blocking wait for the checks of the bodies before this one, with a timeout
         await wait_within(lock.acquire(), timeout_s)

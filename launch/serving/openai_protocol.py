@@ -28,6 +28,14 @@ class ProtocolError(ValueError):
         self.status = status
 
 
+class ServerBusy(ProtocolError):
+    """The server cannot take this request now (503 with ``Retry-After``): its queue is full, or
+    the engine loop is stuck."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503)
+
+
 # Sampling fields of OpenAI / vLLM this engine does not implement: refused unless at their
 # neutral value, so that a client never gets silently different sampling.
 UNSUPPORTED_SAMPLING = {

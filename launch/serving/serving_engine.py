@@ -23,18 +23,15 @@ from launch.engine.sampler import TokenLogprobs
 from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
 from launch.serving.http_guard import RETRY_AFTER_S, wait_within
-from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, error_body
+from launch.serving.openai_protocol import (
+    ProtocolError,
+    ServerBusy,
+    check_prompt_ids,
+    error_body,
+)
 from launch.serving.text_bound import check_prompt_text
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
-
-
-class ServerBusy(ProtocolError):
-    """The server cannot take this request now (503 with ``Retry-After``): its queue is full, or
-    the engine loop is stuck."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, status=503)
 
 
 def engine_unavailable_reason(bridge: EngineBridge, stall_timeout_s: float) -> str | None:

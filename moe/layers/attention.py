@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
-from moe.layers.attention_backend import AttentionBackendEnum, selected_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
+from moe.layers.attention_selector import selected_attention_backend
 from moe.layers.attention_tuning import kernel_cut
 from moe.layers.batched_attention import (
     KERNEL_EVERYWHERE,

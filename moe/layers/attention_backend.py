@@ -14,7 +14,8 @@
 Each platform lists the backends it runs (``Platform.attention_backends``, its default first);
 ``Platform.check_and_update_config`` refuses the others before any work. The setting is
 process-wide, like ``--custom-ops``, and read when an attention op is BUILT: set it
-(``set_attention_backend``) before building the model. ``forward_native`` is every backend's
+(``moe.layers.attention_selector.set_attention_backend``) before building the model. This module
+is the registry the platforms read; it imports no platform. ``forward_native`` is every backend's
 reference and ignores the setting.
 """
 
@@ -36,8 +37,6 @@ class AttentionBackendEnum(enum.Enum):
 # FLEX_ATTENTION's block mask takes the cache block as its KV block; flex_attention's GPU kernels
 # tile KV blocks by 16 tokens (vLLM's FlexAttention backend asks the same multiple).
 FLEX_BLOCK_SIZE_MULTIPLE = 16
-
-_selected: AttentionBackendEnum | None = None  # None: the platform's default
 
 
 def default_attention_backend(supported: Sequence[str]) -> AttentionBackendEnum:
@@ -71,18 +70,3 @@ def check_attention_backend(
             f"{FLEX_BLOCK_SIZE_MULTIPLE}, got {block_size}"
         )
     return backend
-
-
-def set_attention_backend(backend: AttentionBackendEnum | None) -> None:
-    """Set the backend of attention ops built from now on (None: the platform's default)."""
-    global _selected
-    _selected = backend
-
-
-def selected_attention_backend() -> AttentionBackendEnum:
-    """The backend set by ``set_attention_backend``, else the current platform's default."""
-    if _selected is not None:
-        return _selected
-    from moe.platforms.plugins import current_platform
-
-    return default_attention_backend(current_platform().attention_backends)

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
 from moe.layers.attention import iter_request_spans, kv_write_slots
-from moe.layers.attention_backend import AttentionBackendEnum, selected_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
+from moe.layers.attention_selector import selected_attention_backend
 from moe.layers.attention_tuning import MLALayout, mla_expanded_cut
 from moe.layers.batched_mla import batched_mla_attention
 from moe.layers.linear import Linear

@@ -16,10 +16,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from launch.engine.arg_utils import EngineArgs
-from moe.layers import attention_backend
+from moe.layers import attention_selector
 from moe.layers import flex_attention as flex_module
-from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
 from moe.layers.attention_metadata import CommonAttentionMetadata
+from moe.layers.attention_selector import set_attention_backend
 from moe.layers.mla import PagedMLACache
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform
 from tests.helpers.host_reads import recording_host_reads
@@ -284,7 +285,7 @@ def platform_reset():
 def test_each_platform_names_its_default_and_refuses_the_others(platform_reset):
     set_current_platform(CpuPlatform())
     assert EngineArgs(dtype="float32").attention_backend == "CPU_ATTN"
-    assert attention_backend.selected_attention_backend() is AttentionBackendEnum.CPU_ATTN
+    assert attention_selector.selected_attention_backend() is AttentionBackendEnum.CPU_ATTN
     with pytest.raises(ValueError, match="FLEX_ATTENTION does not run on this platform; choose "):
         EngineArgs(dtype="float32", attention_backend="FLEX_ATTENTION")
     with pytest.raises(ValueError, match=r"'flash' is not one of \['CPU_ATTN'"):

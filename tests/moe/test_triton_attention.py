@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from moe import build_model, init_random_weights, load_config  # noqa: E402
 from moe.layers import triton_attention  # noqa: E402
-from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend  # noqa: E402
+from moe.layers.attention_backend import AttentionBackendEnum  # noqa: E402
 from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
+from moe.layers.attention_selector import set_attention_backend  # noqa: E402
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform  # noqa: E402
 from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
 

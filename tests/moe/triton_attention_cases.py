@@ -15,8 +15,9 @@ import sys
 import torch
 
 from moe.layers.attention import PagedAttention
-from moe.layers.attention_backend import AttentionBackendEnum, set_attention_backend
+from moe.layers.attention_backend import AttentionBackendEnum
 from moe.layers.attention_metadata import CommonAttentionMetadata
+from moe.layers.attention_selector import set_attention_backend
 from moe.layers.attention_tuning import MLALayout
 from moe.layers.mla import PagedMLACache
 from moe.platforms import CudaPlatform, set_current_platform
