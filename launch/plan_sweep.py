@@ -23,7 +23,6 @@ import contextlib
 import io
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from launch.engine.arg_utils import OneLineErrorParser, bounded_number, parse_link
+from launch.process_tree import DEFAULT_GRACE_S, ProcessTree
 
 PROG = "launch.plan_sweep"
 CALIBRATION_BATCHES = "decode:32,decode:128,decode:512,prefill:768,prefill:2048"
@@ -39,6 +39,7 @@ BENCH_ARGS = (
     "--dtype float32 --num-layers 12 --num-gpu-blocks-override 4096 "
     "--max-num-batched-tokens 4096 --reps 7 --warmup 1"
 )
+STOP_GRACE_S = DEFAULT_GRACE_S  # a stopped bench run's SIGTERM -> SIGKILL
 # launch.bench flags the sweep sets itself
 RESERVED = (
     "--batches",
@@ -202,18 +203,11 @@ def run_bench(cmd: list[str], log_path: Path, timeout_s: float) -> float:
     }
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        # its own process group: torchrun and its ranks end together on a timeout or an interrupt
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            failed = proc.wait(timeout=timeout_s) != 0  # blocking wait for the whole run
-        except subprocess.TimeoutExpired:
-            failed = True
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # its own session; torchrun's ranks (in sessions of their own) end with it on a timeout,
+        # an error, Ctrl-C, SIGTERM or this process's exit
+        cmd_env = {"stdout": log, "stderr": subprocess.STDOUT, "env": env}
+        with ProcessTree(cmd, grace_s=STOP_GRACE_S, **cmd_env) as tree:
+            failed = tree.wait(timeout_s) != 0  # None (still running) counts as failed
     if failed:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{shlex.join(cmd)} failed (log {log_path}):\n{tail}")

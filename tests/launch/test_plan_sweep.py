@@ -1,10 +1,13 @@
 """``launch.plan_sweep``: the grid of links, the rows, table and summary on fixed inputs, the
-command line's errors, and a tiny sweep end to end (calibration, two links, one repeat)."""
+command line's errors, a bench run's processes ended with it (timeout, failure, SIGTERM, Ctrl-C),
+and a tiny sweep end to end (calibration, two links, one repeat)."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 
@@ -219,6 +222,48 @@ def test_a_bench_run_that_fails_or_hangs_ends_with_its_log(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+# torchrun's shape: a parent whose "rank" runs in a session of its own (and, here, ignores
+# SIGTERM, so only the SIGKILL after the grace period ends it); both pids printed
+TORCHRUN_LIKE = (
+    "import signal, subprocess, sys, time\n"
+    "rank = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'\n"
+    "c = subprocess.Popen([sys.executable, '-c', rank], start_new_session=True)\n"
+    "print(c.pid, flush=True); time.sleep(120)\n"
+)
+SWEEP_DRIVER = (
+    "import sys\nfrom pathlib import Path\nfrom launch import plan_sweep\n"
+    "plan_sweep.STOP_GRACE_S = 1.0\n"
+    "plan_sweep.run_bench([sys.executable, '-c', sys.argv[2]], Path(sys.argv[1]), 600)\n"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_sweep_ends_its_bench_run_and_the_ranks(tmp_path, sig):
+    log = tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", SWEEP_DRIVER, str(log), TORCHRUN_LIKE], env=env, cwd=REPO
+    )
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while rank is None and time.monotonic() < deadline:
+            text = log.read_text() if log.exists() else ""
+            rank = int(text.split()[0]) if text.strip() else None
+            time.sleep(0.1)
+        assert rank is not None and _alive(rank), "the bench run did not start"
+        driver.send_signal(sig)
+        driver.wait(timeout=30)  # bounded: the grace period is 1 s
+        deadline = time.monotonic() + 10
+        while _alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank), f"the rank (pid {rank}) outlived the sweep"
+    finally:
+        driver.kill()
+        if rank is not None and _alive(rank):
+            os.kill(rank, signal.SIGKILL)
 
 
 @pytest.mark.slow
