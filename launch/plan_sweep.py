@@ -151,7 +151,8 @@ def check_args(ns) -> dict:
         parse_link(sweep.link_arg(spec), "--latency-factors x --gbps-factors grid link")
     shapes = [(s.kind, s.num_tokens_per_rank) for s in parse_batches(ns.batches)]
     calibration_shapes = [
-        (s.kind, s.num_tokens_per_rank) for s in parse_batches(ns.calibration_batches)
+        (s.kind, s.num_tokens_per_rank)
+        for s in parse_batches(ns.calibration_batches, "--calibration-batches")
     ]
     bench_args = shlex.split(ns.bench_args)
     link = sweep.link_arg(calibration)

@@ -173,6 +173,7 @@ def test_bench_args_give_the_steps_per_arm():
         ),
         (["--calibration-link", "gbps=1"], "missing ['latency_us']"),
         (["--batches", "mixed:4"], "bad entry 'mixed:4'"),
+        (["--calibration-batches", "prefill:-5"], "--calibration-batches 'prefill:-5': bad entry"),
         (["--bench-args", "--output x.json"], "['--output'] are set by the sweep"),
         (["--bench-args", "--reps abc"], "--bench-args: launch.bench: error: argument --reps"),
         (["--error-points", "-1"], "--error-points: expected a finite number in [0, 100)"),
