@@ -77,7 +77,8 @@ class ProcessTree:
 
     While the ``with`` block runs in the main thread, SIGTERM and SIGHUP raise ``SystemExit(128 +
     signal)`` in it (their default would end this process without stopping the tree); Ctrl-C's
-    ``KeyboardInterrupt`` stops it likewise. The tree is stopped at interpreter exit too.
+    ``KeyboardInterrupt`` stops it likewise, and further signals are ignored while it stops. The
+    tree is stopped at interpreter exit too.
 
     Raises:
         ValueError: ``grace_s`` not finite and > 0. OSError: as ``Popen``.
@@ -98,8 +99,12 @@ class ProcessTree:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._previous:  # the main thread: a second Ctrl-C or SIGTERM must not cut the stop
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                previous = signal.signal(sig, signal.SIG_IGN)
+                self._previous.setdefault(sig, previous)  # the one from before __enter__
         try:
-            self.stop()
+            self.stop()  # bounded: about twice grace_s
         finally:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
