@@ -139,7 +139,7 @@ def check_args(ns) -> dict:
     from launch.planning import planner, sweep
 
     try:
-        calibration = parse_link(ns.calibration_link, "--calibration-link")
+        calibration = parse_link(ns.calibration_link, "link")
     except ValueError as e:
         raise ValueError(f"--calibration-link: {e}") from None
     links = sweep.grid_links(
