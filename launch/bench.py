@@ -268,27 +268,41 @@ def resolve_run(ns, rank: int, world_size: int):
     """Check the command line before any work starts; the engine args and the model to build.
     Exits with one line naming the bad value (``fail``)."""
     try:
-        specs = parse_batches(ns.batches)
-        if len(set(ns.ubatch_sizes)) != len(ns.ubatch_sizes):
-            raise ValueError(f"--ubatch-size {ns.ubatch_sizes}: each count once")
-        arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
-        if ns.warmup < 0 or ns.reps < 1:
-            raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
-        limits = Workload.limits(specs, num_workload_steps(arms, ns))
-        ns.enable_dbo = True  # the benchmark switches DBO per step
-        ns.ubatch_size = ns.ubatch_sizes[0]  # the engine's count; the on arms set theirs
-        ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])
-        ns.max_num_batched_tokens = max(ns.max_num_batched_tokens, limits["max_num_batched_tokens"])
-        ns.max_model_len = ns.max_model_len or limits["max_model_len"]
-        args = engine_args_from_namespace(ns)
-        for n in ns.ubatch_sizes[1:]:
-            dataclasses.replace(args, ubatch_size=n)  # ValueError for a count out of range
-        args.check_world_size(world_size)
+        checked = check_run(ns, world_size)
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
-        check_output_paths(args, {"--output": ns.output})
-        return specs, arms, args, resolve_bench_model(args, model_overrides(ns))
+        return checked
     except (ValueError, OSError) as e:
         fail(PROG, rank, e)
+
+
+def check_run(ns, world_size: int):
+    """The command line's checks (``resolve_run``'s, without the torchrun environment; also what
+    ``launch.plan_sweep`` runs on the flags it passes on): (batch specs, arms, engine args, model).
+    Adjusts ``ns`` (the engine limits the batches need).
+
+    Raises:
+        ValueError: naming the bad flag and value. OSError: an unreadable ``--model``.
+    """
+    if ns.num_threads is not None and ns.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {ns.num_threads}")
+    specs = parse_batches(ns.batches)
+    if len(set(ns.ubatch_sizes)) != len(ns.ubatch_sizes):
+        raise ValueError(f"--ubatch-size {ns.ubatch_sizes}: each count once")
+    arms = expand_arms(parse_arms(ns.arms), tuple(ns.ubatch_sizes))
+    if ns.warmup < 0 or ns.reps < 1:
+        raise ValueError(f"need --warmup >= 0 and --reps >= 1, got {ns.warmup}, {ns.reps}")
+    limits = Workload.limits(specs, num_workload_steps(arms, ns))
+    ns.enable_dbo = True  # the benchmark switches DBO per step
+    ns.ubatch_size = ns.ubatch_sizes[0]  # the engine's count; the on arms set theirs
+    ns.max_num_seqs = max(ns.max_num_seqs, limits["max_num_seqs"])
+    ns.max_num_batched_tokens = max(ns.max_num_batched_tokens, limits["max_num_batched_tokens"])
+    ns.max_model_len = ns.max_model_len or limits["max_model_len"]
+    args = engine_args_from_namespace(ns)
+    for n in ns.ubatch_sizes[1:]:
+        dataclasses.replace(args, ubatch_size=n)  # ValueError for a count out of range
+    args.check_world_size(world_size)
+    check_output_paths(args, {"--output": ns.output})
+    return specs, arms, args, resolve_bench_model(args, model_overrides(ns))
 
 
 def run_all_batches(engine, specs, arms, ns, args, model, rank: int) -> list[list[dict]]:

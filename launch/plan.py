@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from launch.engine.arg_utils import OneLineErrorParser
+from launch.engine.arg_utils import OneLineErrorParser, bounded_number
 
 PROG = "launch.plan"
 
@@ -54,9 +54,20 @@ def _add_deployment_args(add) -> None:
         choices=("deepep-ll", "deepep-ht"),
         help="DeepEP table preset",
     )
-    add("--link-latency-us", type=float, default=None, help="custom link: latency per transfer, µs")
-    add("--link-gbps", type=float, default=None, help="custom link: bandwidth, Gbit/s")
-    add("--ep-size", type=int, default=64, help="expert-parallel ranks")
+    # every numeric flag is finite and in range at parse time (a latency of 0 is a valid link)
+    add(
+        "--link-latency-us",
+        type=bounded_number(low=0, unit="µs"),
+        default=None,
+        help="custom link: latency per transfer, µs",
+    )
+    add(
+        "--link-gbps",
+        type=bounded_number(low=0, low_inclusive=False, unit="Gbit/s"),
+        default=None,
+        help="custom link: bandwidth, Gbit/s",
+    )
+    add("--ep-size", type=bounded_number(int, low=2), default=64, help="expert-parallel ranks")
     add(
         "--weight-dtype",
         default="fp8",
@@ -73,14 +84,24 @@ def _add_workload_args(add) -> None:
         default=[16, 32, 64, 128, 256, 512],
         help="decode tokens per device",
     )
-    add("--context-len", type=int, default=2000, help="cached tokens per decode request")
+    add(
+        "--context-len",
+        type=bounded_number(int, low=1),
+        default=2000,
+        help="cached tokens per decode request",
+    )
     add(
         "--prefill-tokens",
         type=_int_list,
         default=[1024, 4096, 16384],
         help="prefill tokens per device",
     )
-    add("--prompt-len", type=int, default=2000, help="tokens per prefill request")
+    add(
+        "--prompt-len",
+        type=bounded_number(int, low=1),
+        default=2000,
+        help="tokens per prefill request",
+    )
     add(
         "--num-ubatches",
         type=_int_list,
@@ -119,7 +140,7 @@ def _add_calibration_args(add) -> None:
     )
     add(
         "--error-points",
-        type=float,
+        type=bounded_number(low=0, high=100, unit="points"),
         default=None,
         help="the predictions' error bar in points of speedup (default 10, or the largest "
         "--compare difference if larger): shapes predicted within it of 1.0x stay below the "
@@ -133,8 +154,6 @@ def check_args(ns) -> None:
     """Refuse bad combinations before any work (one line, via ``parser.error``)."""
     if (ns.link_latency_us is None) != (ns.link_gbps is None):
         raise ValueError("--link-latency-us and --link-gbps go together")
-    if ns.ep_size < 2:
-        raise ValueError(f"--ep-size must be >= 2, got {ns.ep_size}")
     if ns.num_ubatches is None:
         ns.num_ubatches = [2] if ns.schedule == "sglang" else [2, 3, 4]
     if min(ns.num_ubatches) < 2:
@@ -149,10 +168,6 @@ def check_args(ns) -> None:
             "--schedule sglang needs a preset model (its stages are priced from the model's "
             "shapes); a calibration fits this engine's ring schedule"
         )
-    if ns.context_len < 1 or ns.prompt_len < 1:
-        raise ValueError("--context-len and --prompt-len must be >= 1")
-    if ns.error_points is not None and not 0 <= ns.error_points < 100:
-        raise ValueError(f"--error-points must be in [0, 100), got {ns.error_points}")
 
 
 def resolve(ns):

@@ -23,14 +23,14 @@ import contextlib
 import io
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from launch.engine.arg_utils import OneLineErrorParser
+from launch.engine.arg_utils import OneLineErrorParser, bounded_number, parse_link
+from launch.process_tree import DEFAULT_GRACE_S, ProcessTree
 
 PROG = "launch.plan_sweep"
 CALIBRATION_BATCHES = "decode:32,decode:128,decode:512,prefill:768,prefill:2048"
@@ -39,6 +39,7 @@ BENCH_ARGS = (
     "--dtype float32 --num-layers 12 --num-gpu-blocks-override 4096 "
     "--max-num-batched-tokens 4096 --reps 7 --warmup 1"
 )
+STOP_GRACE_S = DEFAULT_GRACE_S  # a stopped bench run's SIGTERM -> SIGKILL
 # launch.bench flags the sweep sets itself
 RESERVED = (
     "--batches",
@@ -66,18 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gbps-factors", default="0.1,1,10", help="grid: the calibration bandwidth times each")
     add("--calibration-batches", default=CALIBRATION_BATCHES, help="launch.bench --batches to fit")
     add("--batches", default=BATCHES, help="launch.bench --batches compared on every grid link")
-    add("--repeats", type=int, default=3, help="bench runs per grid link (the spread)")
-    add("--nproc", type=int, default=2, help="DP ranks (expert parallel across them)")
+    # every numeric flag is finite and in range at parse time; the links and --bench-args (passed
+    # on to launch.bench) are checked by check_args, before anything starts
+    add(
+        "--repeats",
+        type=bounded_number(int, low=1),
+        default=3,
+        help="bench runs per grid link (the spread)",
+    )
+    add(
+        "--nproc",
+        type=bounded_number(int, low=2),
+        default=2,
+        help="DP ranks (expert parallel across them)",
+    )
     add("--bench-args", default=BENCH_ARGS, help="further launch.bench flags (model, reps, ...)")
     add(
         "--error-points",
-        type=float,
+        type=bounded_number(low=0, high=100, unit="points"),
         default=None,
         help="the planner's error bar in points (default: planner.DEFAULT_ERROR, 10)",
     )
     add(
         "--max-run-s",
-        type=float,
+        type=bounded_number(low=0, low_inclusive=False, unit="s"),
         default=600.0,
         help="skip grid links whose bench run is estimated longer (s); a run is stopped after "
         "3x this",
@@ -87,11 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def steps_per_arm(bench_args: list[str]) -> int:
-    """Warm-up + measured steps per arm and shape of ``bench_args`` (``launch.bench``'s flags).
+def check_bench_args(ns, bench_args: list[str], link: str, batches: str) -> int:
+    """Check a bench run's flags as ``launch.bench`` itself does (its parser and its checks,
+    ``bench.check_run``: ranges, the engine flags, the model), before anything starts; the
+    warm-up + measured steps per arm and shape.
 
     Raises:
-        ValueError: flags ``launch.bench`` refuses (its message), or one the sweep sets itself.
+        ValueError: flags ``launch.bench`` refuses (its message, prefixed ``--bench-args:``), or
+            one the sweep sets itself.
     """
     from launch import bench
 
@@ -101,9 +117,14 @@ def steps_per_arm(bench_args: list[str]) -> int:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parsed = bench.build_parser().parse_args(bench_args)
+            parsed = bench.build_parser().parse_args(
+                bench_flags(ns, bench_args, link, batches, output=None)
+            )
+        bench.check_run(parsed, world_size=ns.nproc)
     except SystemExit:
         raise ValueError(f"--bench-args: {err.getvalue().strip()}") from None
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--bench-args: launch.bench refuses them: {e}") from None
     return parsed.warmup + parsed.reps
 
 
@@ -114,34 +135,35 @@ def check_args(ns) -> dict:
     Raises:
         ValueError: naming the bad value.
     """
-    from distributed.link_emulation import LinkSpec
     from launch.benchmarks.workload import parse_batches
     from launch.planning import planner, sweep
 
-    if ns.repeats < 1 or ns.nproc < 2:
-        raise ValueError(f"need --repeats >= 1 and --nproc >= 2, got {ns.repeats}, {ns.nproc}")
-    if ns.max_run_s <= 0:
-        raise ValueError(f"--max-run-s must be > 0, got {ns.max_run_s}")
-    if ns.error_points is not None and not 0 <= ns.error_points < 100:
-        raise ValueError(f"--error-points must be in [0, 100), got {ns.error_points}")
     try:
-        calibration = LinkSpec.parse(ns.calibration_link)
+        calibration = parse_link(ns.calibration_link, "link")
     except ValueError as e:
         raise ValueError(f"--calibration-link: {e}") from None
+    links = sweep.grid_links(
+        calibration,
+        sweep.parse_factors(ns.latency_factors, "--latency-factors"),
+        sweep.parse_factors(ns.gbps_factors, "--gbps-factors"),
+    )
+    for spec in links:  # a product of finite values may still overflow
+        parse_link(sweep.link_arg(spec), "--latency-factors x --gbps-factors grid link")
+    shapes = [(s.kind, s.num_tokens_per_rank) for s in parse_batches(ns.batches)]
+    calibration_shapes = [
+        (s.kind, s.num_tokens_per_rank)
+        for s in parse_batches(ns.calibration_batches, "--calibration-batches")
+    ]
     bench_args = shlex.split(ns.bench_args)
+    link = sweep.link_arg(calibration)
+    check_bench_args(ns, bench_args, link, ns.batches)
     return {
         "calibration": calibration,
-        "links": sweep.grid_links(
-            calibration,
-            sweep.parse_factors(ns.latency_factors, "--latency-factors"),
-            sweep.parse_factors(ns.gbps_factors, "--gbps-factors"),
-        ),
-        "shapes": [(s.kind, s.num_tokens_per_rank) for s in parse_batches(ns.batches)],
-        "calibration_shapes": [
-            (s.kind, s.num_tokens_per_rank) for s in parse_batches(ns.calibration_batches)
-        ],
+        "links": links,
+        "shapes": shapes,
+        "calibration_shapes": calibration_shapes,
         "bench_args": bench_args,
-        "steps_per_arm": steps_per_arm(bench_args),
+        "steps_per_arm": check_bench_args(ns, bench_args, link, ns.calibration_batches),
         "error": planner.DEFAULT_ERROR if ns.error_points is None else ns.error_points / 100,
     }
 
@@ -151,10 +173,21 @@ def bench_command(ns, bench_args: list[str], link: str, batches: str, output: Pa
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         *(f"--nproc-per-node={ns.nproc}", "-m", "launch.bench"),
+        *bench_flags(ns, bench_args, link, batches, output),
+    ]
+
+
+def bench_flags(
+    ns, bench_args: list[str], link: str, batches: str, output: Path | None
+) -> list[str]:
+    """``launch.bench``'s flags of one sweep run (``--output`` only where given)."""
+    return [
         *(f"--data-parallel-size={ns.nproc}", "--enable-expert-parallel", "--arms", "off,on"),
         # thresholds of 2: the DBO arm microbatches every shape
         *("--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "2"),
-        *("--batches", batches, "--emulate-link", link, "--output", str(output), *bench_args),
+        *("--batches", batches, "--emulate-link", link),
+        *(("--output", str(output)) if output is not None else ()),
+        *bench_args,
     ]
 
 
@@ -171,18 +204,11 @@ def run_bench(cmd: list[str], log_path: Path, timeout_s: float) -> float:
     }
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        # its own process group: torchrun and its ranks end together on a timeout or an interrupt
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            failed = proc.wait(timeout=timeout_s) != 0  # blocking wait for the whole run
-        except subprocess.TimeoutExpired:
-            failed = True
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # its own session; torchrun's ranks (in sessions of their own) end with it on a timeout,
+        # an error, Ctrl-C, SIGTERM or this process's exit
+        cmd_env = {"stdout": log, "stderr": subprocess.STDOUT, "env": env}
+        with ProcessTree(cmd, grace_s=STOP_GRACE_S, **cmd_env) as tree:
+            failed = tree.wait(timeout_s) != 0  # None (still running) counts as failed
     if failed:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{shlex.join(cmd)} failed (log {log_path}):\n{tail}")

@@ -24,7 +24,7 @@ from moe.model_loader.loader import (
 from moe.models.architectures import ARCHITECTURES, supported_architectures
 from moe.models.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
 from moe.models.config import MoEModelConfig
-from moe.models.registry import build_model, make_prepare_finalize
+from moe.models.registry import build_model, config_parameter_bytes, make_prepare_finalize
 from moe.models.spec import ArchitectureSpec
 from moe.platforms.custom_op import CustomOp, get_custom_ops, parse_custom_ops, set_custom_ops
 from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
@@ -58,6 +58,7 @@ __all__ = [
     "SiluAndMul",
     "TorchExperts",
     "build_model",
+    "config_parameter_bytes",
     "check_checkpoint",
     "checkpoint_targets",
     "current_platform",

@@ -40,11 +40,11 @@ class BatchSpec:
         return f"{self.kind}:{self.num_tokens_per_rank}"
 
 
-def parse_batches(text: str) -> list[BatchSpec]:
+def parse_batches(text: str, flag: str = "--batches") -> list[BatchSpec]:
     """``"decode:16,prefill:1024"`` -> BatchSpecs (a bare number means ``decode:N``).
 
     Raises:
-        ValueError: naming the malformed entry.
+        ValueError: naming ``flag`` and the malformed entry.
     """
     specs = []
     for part in text.split(","):
@@ -52,7 +52,7 @@ def parse_batches(text: str) -> list[BatchSpec]:
         try:
             specs.append(BatchSpec(kind=kind if sep else "decode", num_tokens_per_rank=int(count)))
         except ValueError as e:
-            raise ValueError(f"--batches {text!r}: bad entry {part!r} ({e})") from None
+            raise ValueError(f"{flag} {text!r}: bad entry {part!r} ({e})") from None
     return specs
 
 

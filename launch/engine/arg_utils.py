@@ -54,6 +54,60 @@ def dbo_threshold(text: str) -> int | str:
         ) from None
 
 
+def bounded_number(
+    kind: type = float,
+    *,
+    low: float,
+    low_inclusive: bool = True,
+    high: float | None = None,
+    unit: str = "",
+):
+    """An argparse type: a finite ``kind`` (float or int) in ``[low, high)`` (``(low, high)``
+    without ``low_inclusive``; no upper bound when ``high`` is None). nan, inf and values out of
+    range are refused there, so a flag's value is checked before any work starts.
+
+    Returns:
+        The type function; its ``ArgumentTypeError`` names the accepted range and the text
+        (argparse prefixes the flag): ``argument --link-gbps: expected a finite number > 0
+        (Gbit/s), got 'inf'``.
+    """
+    what = "an integer" if kind is int else "a finite number"
+    bound = f"{'>=' if low_inclusive else '>'} {low:g}"
+    if high is not None:
+        bound = f"in {'[' if low_inclusive else '('}{low:g}, {high:g})"
+    accepted = f"{what} {bound}" + (f" ({unit})" if unit else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        above = value >= low if low_inclusive else value > low
+        if not (math.isfinite(value) and above and (high is None or value < high)):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    parse.__name__ = accepted  # argparse's "invalid <name> value" fallback names the range
+    return parse
+
+
+def parse_link(text: str, flag: str = "--emulate-link"):
+    """``distributed.LinkSpec.parse(text)`` with finite values only (``latency_us`` >= 0 and
+    ``gbps`` > 0, both finite: an infinite link would never deliver).
+
+    Raises:
+        ValueError: as ``LinkSpec.parse``, or naming ``flag``, the text and the accepted range.
+    """
+    from distributed.link_emulation import LinkSpec  # torch-free module, but keep it lazy
+
+    spec = LinkSpec.parse(text)
+    if not (math.isfinite(spec.latency_us) and math.isfinite(spec.gbps)):
+        raise ValueError(
+            f"{flag} {text!r}: expected finite latency_us >= 0 (µs) and gbps > 0 (Gbit/s)"
+        )
+    return spec
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
     """What the engine needs, whatever the entry point (generate, serve, bench).
@@ -277,9 +331,7 @@ class EngineArgs:
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
         if self.emulate_link is None:
             return None
-        from distributed.link_emulation import LinkSpec  # torch-free module, but keep it lazy
-
-        return LinkSpec.parse(self.emulate_link)
+        return parse_link(self.emulate_link)
 
     def _resolve_cudagraph_mode(self) -> None:
         """``cudagraph_mode`` resolved (vLLM's rules): NONE with ``--enforce-eager``; when not

@@ -30,6 +30,7 @@ from moe import (
     MoEModelConfig,
     build_model,
     check_checkpoint,
+    config_parameter_bytes,
     init_random_weights,
     load_checkpoint,
     load_config,
@@ -81,6 +82,44 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
     return ResolvedModel(
         config=config, checkpoint_dir=args.model, max_model_len=max_model_len, seed=args.seed
     )
+
+
+def check_parameter_memory(
+    args: EngineArgs, config: MoEModelConfig, *, ep_size: int, dtype, available_bytes: int
+) -> None:
+    """Refuse a model whose parameters on one rank (its share of the routed experts, in
+    ``dtype``: ``moe.config_parameter_bytes``, the start-up memory line's count) exceed
+    ``available_bytes`` (the platform's ``available_memory`` of the rank's device), before
+    anything is allocated.
+
+    Raises:
+        ValueError: one line naming the bytes needed, the config's sizes and the bytes available.
+    """
+    need = sum(config_parameter_bytes(config, ep_size=ep_size, dtype=dtype).values())
+    if need <= available_bytes:
+        return
+    if args.model is None:
+        what, source = "the embedded model", "embedded config"
+    else:
+        what = "--load-format dummy" if args.load_format == "dummy" else f"--model {args.model}"
+        source = "config.json" if Path(args.model).is_dir() else f"preset {args.model}"
+    sizes = (
+        f"{config.num_experts} experts over {ep_size} EP rank(s), {config.num_hidden_layers} "
+        f"layers, hidden_size {config.hidden_size}, vocab_size {config.vocab_size}; "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
+    raise ValueError(
+        f"{what}: the parameters need {format_bytes(need)} per rank ({source}: {sizes}), more "
+        f"than the {format_bytes(available_bytes)} available"
+    )
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``3.7 TiB``, ``22.1 GiB``, ``12.0 MiB`` (binary units, one decimal)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _dummy_config(model: str) -> MoEModelConfig:
@@ -235,6 +274,14 @@ class LLMEngine:
             engine_args.profiler(), rank=groups.rank, platform=platform
         )
         dtype = self._compute_dtype(platform)
+        # before any allocation: a config too large for this rank's memory fails in seconds
+        check_parameter_memory(
+            engine_args,
+            model.config,
+            ep_size=groups.ep_size,
+            dtype=dtype,
+            available_bytes=platform.available_memory(groups.device),
+        )
         self.all2all_backend = _make_all2all_backend(engine_args, groups, model.config)
         self.model = self._build_model(model.config, dtype)
         self.max_num_blocks_per_req = math.ceil(model.max_model_len / engine_args.block_size)

@@ -10,6 +10,7 @@ of the planner's acceptance (docs/planner.md).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,14 +27,14 @@ def parse_factors(text: str, option: str) -> tuple[float, ...]:
 
     Raises:
         ValueError: naming ``option`` and the text, for an empty list, a non-number or a factor
-            <= 0.
+            <= 0 or not finite.
     """
     try:
         factors = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise ValueError(f"{option} {text!r}: expected comma-separated numbers") from None
-    if not factors or min(factors) <= 0:
-        raise ValueError(f"{option} {text!r}: expected factors > 0")
+    if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ValueError(f"{option} {text!r}: expected finite factors > 0")
     return factors
 
 

@@ -60,12 +60,15 @@ Kernels (the module's functions):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -181,22 +184,129 @@ def prepare_cpu_kernels(isa: str | None) -> str:
         return "not built (no AVX2 or AVX-512 to build for): plain torch paths"
     module = cpu_kernels(isa)
     if module is None:
-        return f"not built ({ISA_LABELS[isa]} build failed): plain torch paths"
+        why = _failures.get(isa, f"{ISA_LABELS[isa]} build failed")
+        return f"not built ({why}): plain torch paths"
     return f"ready ({ISA_LABELS[module.isa()]}) in {_seconds[isa]:.1f} s"
 
 
-# torch's build lock (a file another process holds while it compiles) is waited on without a
-# timeout; a process killed mid-build leaves it behind, so one older than any build is removed.
+# Build locks. torch's own (``<build directory>/lock``, ``torch.utils.file_baton.FileBaton``) is
+# waited on without a timeout and names no owner, so a build killed mid-way would leave every later
+# start waiting forever. Every build here first takes ours (``BUILD_LOCK`` beside it, holding
+# "<pid> <host>"): a waiter sees who holds it, takes it over from a dead owner at once (from an
+# owner it cannot check, another host's, once the lock is ``STALE_LOCK_SECONDS`` old) and gives up
+# after ``BUILD_LOCK_TIMEOUT_S`` (the plain torch paths run, and the line says why). Whoever holds
+# ours holds the only live build of that directory, so a torch lock found then is a dead build's.
+BUILD_LOCK = "moe_dbo_build.lock"
 STALE_LOCK_SECONDS = 300
+BUILD_LOCK_TIMEOUT_S = 300.0  # the longest a start waits for another process's build
+LOCK_REPORT_EVERY_S = 10.0  # a waiting line at once, then this often
+_LOCK_POLL_S = 0.1
+_failures: dict[str, str] = {}  # isa -> why its build did not happen (for the start-up line)
 
 
-def _remove_stale_lock(lock: Path) -> None:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockHolder:
+    """Who holds a build lock: ``is_alive`` None where it cannot be checked (another host's pid,
+    or a lock without an owner written in it); ``age_s`` since the lock was written."""
+
+    description: str  # e.g. "pid 123 (alive)"
+    is_alive: bool | None
+    age_s: float
+
+    @property
+    def is_stale(self) -> bool:
+        """A dead owner's, or one that cannot be checked and is ``STALE_LOCK_SECONDS`` old."""
+        if self.is_alive is None:
+            return self.age_s > STALE_LOCK_SECONDS
+        return not self.is_alive
+
+
+def _lock_holder(lock: Path) -> LockHolder | None:
+    """The holder of ``lock`` (its "<pid> <host>"), or None when there is no lock."""
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            logger.warning("moe-dbo: removing a stale CPU-kernel build lock %s", lock)
-            lock.unlink()
+        age_s = time.time() - lock.stat().st_mtime
+        pid_text, _, host = lock.read_text().strip().partition(" ")
     except FileNotFoundError:
-        pass
+        return None
+    if not pid_text.isdigit():  # just created, its owner not written yet, or not ours
+        return LockHolder(description="an unknown process", is_alive=None, age_s=age_s)
+    if host != socket.gethostname():
+        where = host or "an unknown host"
+        return LockHolder(description=f"pid {pid_text} on {where}", is_alive=None, age_s=age_s)
+    is_alive = _is_running(int(pid_text))
+    state = "alive" if is_alive else "dead"
+    return LockHolder(description=f"pid {pid_text} ({state})", is_alive=is_alive, age_s=age_s)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    try:  # a zombie (dead, not yet reaped) holds nothing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _acquire_build_lock(directory: Path, timeout_s: float) -> str | None:
+    """Take ``directory/BUILD_LOCK`` (written "<pid> <host>"), waiting at most ``timeout_s`` for a
+    live holder, and removing a dead or stale one. A line every ``LOCK_REPORT_EVERY_S`` while it
+    waits. Returns None once held, else why it gave up (for the start-up line)."""
+    lock = directory / BUILD_LOCK
+    start = time.monotonic()
+    next_report = start
+    while True:  # bounded by timeout_s
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()} {socket.gethostname()}\n")
+            return None
+        holder = _lock_holder(lock)
+        if holder is None:
+            continue  # released meanwhile: try again
+        who, age = holder.description, holder.age_s
+        if holder.is_stale:
+            logger.warning(
+                "moe-dbo: removing the CPU kernel build lock %s of %s (%.0f s old)", lock, who, age
+            )
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            continue
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            return f"gave up after {waited:.0f} s waiting for the build lock {lock} held by {who}"
+        if time.monotonic() >= next_report:
+            logger.warning(
+                "moe-dbo: waiting for the CPU kernel build lock %s held by %s for %.0f s",
+                lock,
+                who,
+                age,
+            )
+            next_report += LOCK_REPORT_EVERY_S
+        time.sleep(_LOCK_POLL_S)
+
+
+def _release_build_lock(directory: Path) -> None:
+    """Remove ``directory/BUILD_LOCK`` if this process holds it."""
+    lock = directory / BUILD_LOCK
+    with contextlib.suppress(FileNotFoundError):
+        if lock.read_text().split(" ")[0] == str(os.getpid()):
+            lock.unlink()
+
+
+def _remove_dead_torch_lock(directory: Path) -> None:
+    """Under our lock: torch's lock there was left by a build that died holding it."""
+    lock = directory / "lock"
+    if lock.exists():
+        logger.warning("moe-dbo: removing torch's build lock %s, left by a killed build", lock)
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
 
 
 def build_root() -> Path:
@@ -208,29 +318,53 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
+def build_directory(isa: str) -> Path:
+    """Where ``isa``'s build goes: ``build_root()`` / ``<extension name>_<hash>``, the hash over the
+    sources and headers, their directory, the flags and torch's and Python's versions.
+
+    Raises:
+        ValueError: ``isa`` not a key of ``ISA_FLAGS``.
+    """
+    import torch
+
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa={isa!r}: expected one of {sorted(ISA_FLAGS)}")
+    flags = [*CFLAGS, *ISA_FLAGS[isa]]
+    # the sources' directory too: torch's ninja file names the source paths, so two checkouts
+    # sharing one directory would rebuild each time the other one built last
+    digest = hashlib.sha256(repr((flags, torch.__version__, sys.version, str(CSRC))).encode())
+    for source in [*sorted(CSRC.glob("*.cpp")), *sorted(CSRC.glob("*.h"))]:  # no dependency scan
+        digest.update(source.read_bytes())
+    return build_root() / f"{EXTENSION_PREFIX}_{isa}_{digest.hexdigest()[:16]}"
+
+
 def _build(isa: str) -> ModuleType | None:
     name = f"{EXTENSION_PREFIX}_{isa}"
-    flags = [*CFLAGS, *ISA_FLAGS[isa]]
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
-        sources = sorted(CSRC.glob("*.cpp"))
-        # the sources' directory too: torch's ninja file names the source paths, so two checkouts
-        # sharing one directory would rebuild each time the other one built last
-        digest = hashlib.sha256(repr((flags, torch.__version__, sys.version, str(CSRC))).encode())
-        for source in [*sources, *sorted(CSRC.glob("*.h"))]:  # headers too: no dependency scan
-            digest.update(source.read_bytes())
-        build_directory = build_root() / f"{name}_{digest.hexdigest()[:16]}"
-        build_directory.mkdir(parents=True, exist_ok=True)
-        _remove_stale_lock(build_directory / "lock")
-        module = load(
-            name=name,
-            sources=[str(p) for p in sources],
-            extra_cflags=flags,
-            build_directory=str(build_directory),
-            verbose=False,
-        )
+        directory = build_directory(isa)
+        directory.mkdir(parents=True, exist_ok=True)
+        gave_up = _acquire_build_lock(directory, BUILD_LOCK_TIMEOUT_S)
+        if gave_up is not None:  # a start must not hang on another process's build
+            _failures[isa] = gave_up
+            logger.warning(
+                "moe-dbo: CPU kernels (%s) not built (%s); the plain torch paths run instead",
+                isa,
+                gave_up,
+            )
+            return None
+        try:
+            _remove_dead_torch_lock(directory)
+            module = load(
+                name=name,
+                sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))],
+                extra_cflags=[*CFLAGS, *ISA_FLAGS[isa]],
+                build_directory=str(directory),
+                verbose=False,
+            )
+        finally:
+            _release_build_lock(directory)
     except Exception as exc:  # no compiler / ninja, or a build error: keep the torch path
         logger.warning(
             "moe-dbo: CPU kernels (%s) not built (%s: %s); the plain torch paths run instead",

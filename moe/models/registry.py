@@ -4,6 +4,7 @@ spec (``moe.models.architectures``), with the prepare/finalize wired in."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from distributed import FusedMoEPrepareAndFinalize, NoEPPrepareAndFinalize
 from moe.layers.linear import Linear
-from moe.models.causal_lm import MoEForCausalLM
+from moe.models.causal_lm import MoEForCausalLM, parameter_bytes
 from moe.models.config import MoEModelConfig
 
 
@@ -100,3 +101,44 @@ def build_model(
             dtype=dtype,
             device=device,
         )
+
+
+def config_parameter_bytes(
+    config: MoEModelConfig, *, ep_size: int = 1, dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
+    """``parameter_bytes`` of the model ``build_model(config, ep_size=ep_size, dtype=dtype)``
+    builds on one rank (this rank's share of the routed experts), without allocating anything:
+    measured on the meta device on models of one and two layers and scaled to the layer counts
+    (all sparse layers have one shape, all dense ones another), so a config of any size costs three
+    small builds.
+
+    Returns:
+        Bytes per ``PARAM_CATEGORIES`` entry.
+
+    Raises:
+        ValueError: as ``build_model`` (e.g. num_experts not divisible by ep_size).
+    """
+    num_sparse = sum(config.moe_layers)
+    counts = {True: num_sparse, False: config.num_hidden_layers - num_sparse}
+    first = num_sparse > 0  # the kind measured twice: one present in the config
+
+    def measure(moe_layers: tuple[bool, ...]) -> dict[str, int]:
+        shape = dataclasses.replace(
+            config, num_hidden_layers=len(moe_layers), moe_layers=moe_layers
+        )
+        # only its count of local experts shapes the model: no process group needed
+        local = NoEPPrepareAndFinalize(num_experts=config.num_experts // ep_size)
+        model = build_model(
+            shape, ep_size=ep_size, prepare_finalize=local, dtype=dtype, device="meta"
+        )
+        return parameter_bytes(model)
+
+    one, two = measure((first,)), measure((first, first))
+    per_layer = {first: {k: two[k] - one[k] for k in one}}
+    base = {k: one[k] - per_layer[first][k] for k in one}  # embeddings, final norm, lm_head
+    if counts[not first]:
+        other = measure((not first,))
+        per_layer[not first] = {k: other[k] - base[k] for k in one}
+    return {
+        k: base[k] + sum(n * per_layer[kind][k] for kind, n in counts.items() if n) for k in one
+    }

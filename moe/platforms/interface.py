@@ -27,6 +27,8 @@ questions:
   (``launch.engine.profiler``, ``--profiler-config``).
 - ``prepare_kernels()``: build or load the platform's own kernels, or choose torch's, before the
   first step; the start-up line, or None where there is nothing to prepare.
+- ``available_memory(device)``: the bytes that can be allocated there now (the host's available
+  RAM, a GPU's free memory), so a model too large for it is refused before any allocation.
 - ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
   with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
   float32: its weights are upcast exactly, once, at load).
@@ -40,10 +42,13 @@ questions:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,6 +169,12 @@ class Platform:
         """Build or load this platform's kernels now; the start-up line, or None if it has none."""
         return None
 
+    def available_memory(self, device: torch.device) -> int:
+        """Bytes that can be allocated on ``device`` now (here: the host's,
+        ``host_available_memory``), for the checks that refuse a model too large before anything
+        is allocated."""
+        return host_available_memory()
+
     def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
         """The dtype ``dtype`` runs in here.
 
@@ -209,6 +220,27 @@ class Platform:
     def float32_pack_limits(self) -> Float32PackLimits:
         """Where float32 GEMMs use a prepacked oneDNN weight (CPU platforms)."""
         return Float32PackLimits(max_rows=256, min_elements=1 << 20)
+
+
+def host_available_memory() -> int:
+    """Bytes the host can give this process now: ``MemAvailable`` (``/proc/meminfo``: free memory
+    plus what the kernel can reclaim), capped by a cgroup v2 limit (``memory.max`` less
+    ``memory.current``) where one is set; ``os.sysconf``'s free pages where there is no
+    ``/proc``."""
+    available = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # kB
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            available = min(available, max(int(limit) - used, 0))
+    return available
 
 
 @functools.cache
@@ -339,6 +371,12 @@ class CudaPlatform(Platform):
     def pin_host_memory(self, device: torch.device) -> bool:
         # an unpinned source makes cudaMemcpyAsync copy through a staging buffer and block
         return device.type == "cuda"
+
+    def available_memory(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return super().available_memory(device)
+        free, _total = torch.cuda.mem_get_info(device)  # free on the device, other processes' use
+        return free
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         from dbo.cuda_streams import make_ubatch_streams

@@ -39,6 +39,12 @@ from launch.generate import build_parser, check_prompts, load_prompts
         ),
         ({"ubatch_size": 17}, r"--ubatch-size .* got 17"),
         ({"max_model_len": 0}, r"--max-model-len must be >= 1"),
+        (
+            {"emulate_link": "latency_us=inf,gbps=1"},
+            r"--emulate-link 'latency_us=inf,gbps=1': expected finite latency_us >= 0 \(µs\) "
+            r"and gbps > 0 \(Gbit/s\)",
+        ),
+        ({"emulate_link": "latency_us=1,gbps=inf"}, r"expected finite latency_us"),
     ],
 )
 def test_bad_engine_args(kwargs, pattern):

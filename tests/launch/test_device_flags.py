@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,35 @@ def test_a_config_json_alone_runs_with_load_format_dummy(tiny_mixtral_dir, tmp_p
     other = single_rank_engine(str(tmp_path), load_format="dummy", seed=8)
     w = [e.model.lm_head.weight for e in (engine, again, other)]
     assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+
+
+def test_a_config_too_large_for_the_rank_is_refused_before_any_allocation(
+    tiny_mixtral_dir, tmp_path, monkeypatch
+):
+    """The parameter bytes per rank are known from config.json: a config no machine holds fails
+    in one line naming them, before the model is built (10**9 experts used to fail only in torch's
+    allocator, 10**6 after minutes of drawing weights); the real loader is checked alike."""
+    import re
+
+    from moe.platforms import current_platform
+    from tests.helpers.single_rank import single_rank_engine
+
+    config = json.loads((Path(tiny_mixtral_dir) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_local_experts": 10**9}))
+    with pytest.raises(ValueError) as refused:
+        single_rank_engine(str(tmp_path), load_format="dummy")
+    assert re.fullmatch(
+        r"--load-format dummy: the parameters need [\d.]+ TiB per rank \(config\.json: 1000000000 "
+        r"experts over 1 EP rank\(s\), 2 layers, hidden_size 32, vocab_size 128; float32\), "
+        r"more than the [\d.]+ [KMGT]iB available",
+        str(refused.value),
+    )
+    monkeypatch.setattr(type(current_platform()), "available_memory", lambda self, device: 2048)
+    with pytest.raises(ValueError) as refused:
+        single_rank_engine(tiny_mixtral_dir)
+    message = str(refused.value)
+    assert message.startswith(f"--model {tiny_mixtral_dir}: the parameters need ")
+    assert message.endswith("; float32), more than the 2.0 KiB available")
 
 
 def test_graph_mode_pieces_return_tuples_on_this_torch():

@@ -257,3 +257,18 @@ def test_two_ranks_sharing_one_device_with_dbo_equal_dbo_off_and_transformers(
         for index, on in results[True][0].items():
             off = results[False][0][index]
             assert_same_sums(on, off, msg=f"prompt {index}")
+
+
+@pytest.mark.parametrize("device_type", DEVICE_TYPES)
+def test_available_memory_is_what_the_device_can_give(device_type):
+    """The memory check's answer (``Platform.available_memory``): on a GPU its free memory, at
+    most its total; on the host (and for host tensors of a CUDA process) the host's."""
+    import os
+
+    platform = builtin_platform(device_type)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    free = platform.available_memory(device)
+    if device_type == "cuda":
+        assert 0 < free <= torch.cuda.get_device_properties(device).total_memory
+    host = platform.available_memory(torch.device("cpu"))
+    assert 0 < host <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

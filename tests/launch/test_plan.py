@@ -260,13 +260,30 @@ def test_cli_sglang_schedule(capsys):
         (["--link-gbps", "1"], "--link-latency-us and --link-gbps go together"),
         (["--model", "nope"], "--model 'nope': not a preset"),
         (["--num-ubatches", "1,2"], "--num-ubatches values must be >= 2"),
-        (["--ep-size", "1"], "--ep-size must be >= 2"),
+        (["--ep-size", "1"], "argument --ep-size: expected an integer >= 2, got '1'"),
         (["--decode-tokens", "a"], "expected comma-separated integers"),
         (["--device", "tpu"], "--device 'tpu': unknown"),
-        (["--link-latency-us", "-1", "--link-gbps", "1"], "link latency must be >= 0"),
+        (
+            ["--link-latency-us", "-1", "--link-gbps", "1"],
+            "argument --link-latency-us: expected a finite number >= 0 (µs), got '-1'",
+        ),
+        # non-finite values: refused at parse time, before any prediction (they made every
+        # speedup nan and still recommended thresholds)
+        (
+            ["--link-latency-us", "inf", "--link-gbps", "100"],
+            "argument --link-latency-us: expected a finite number >= 0 (µs), got 'inf'",
+        ),
+        (
+            ["--link-latency-us", "5", "--link-gbps", "nan"],
+            "argument --link-gbps: expected a finite number > 0 (Gbit/s), got 'nan'",
+        ),
+        (["--link-latency-us", "5", "--link-gbps", "0"], "finite number > 0 (Gbit/s), got '0'"),
+        (["--context-len", "0"], "argument --context-len: expected an integer >= 1, got '0'"),
+        (["--prompt-len", "-3"], "argument --prompt-len: expected an integer >= 1, got '-3'"),
+        (["--error-points", "nan"], "expected a finite number in [0, 100) (points), got 'nan'"),
         (["--schedule", "sglang", "--num-ubatches", "2,3"], "--num-ubatches must be 2"),
         (["--schedule", "sglang", "--calibrate", "x"], "--schedule sglang needs a preset model"),
-        (["--error-points", "100"], "--error-points must be in [0, 100), got 100.0"),
+        (["--error-points", "100"], "--error-points: expected a finite number in [0, 100)"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):

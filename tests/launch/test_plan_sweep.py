@@ -1,10 +1,13 @@
 """``launch.plan_sweep``: the grid of links, the rows, table and summary on fixed inputs, the
-command line's errors, and a tiny sweep end to end (calibration, two links, one repeat)."""
+command line's errors, a bench run's processes ended with it (timeout, failure, SIGTERM, Ctrl-C),
+and a tiny sweep end to end (calibration, two links, one repeat)."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 
@@ -42,7 +45,7 @@ def test_grid_spans_the_factors_around_the_calibration_link():
     assert link_label("latency_us=5,gbps=0.05") == "5 µs, 0.05 Gbit/s"
     assert link_label("loopback") == "loopback"
     assert parse_factors("0.1, 1,10", "--gbps-factors") == (0.1, 1.0, 10.0)
-    for bad in ("", "a", "0,1"):
+    for bad in ("", "a", "0,1", "nan", "1,inf"):
         with pytest.raises(ValueError, match="--gbps-factors"):
             parse_factors(bad, "--gbps-factors")
 
@@ -145,22 +148,45 @@ def test_estimate_counts_the_steps_and_the_overhead():
 
 
 def test_bench_args_give_the_steps_per_arm():
-    assert plan_sweep.steps_per_arm(["--reps", "7", "--warmup", "1"]) == 8
+    ns = plan_sweep.build_parser().parse_args([])
+    steps = plan_sweep.check_bench_args(ns, ["--reps", "7", "--warmup", "1"], CAL, "decode:32")
+    assert steps == 8
     assert plan_sweep.check_args(plan_sweep.build_parser().parse_args([]))["steps_per_arm"] == 8
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--repeats", "0"], "need --repeats >= 1 and --nproc >= 2"),
+        (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+        (["--nproc", "1"], "argument --nproc: expected an integer >= 2, got '1'"),
         (["--latency-factors", "a"], "--latency-factors 'a': expected comma-separated numbers"),
-        (["--gbps-factors", "0,1"], "--gbps-factors '0,1': expected factors > 0"),
+        (["--gbps-factors", "0,1"], "--gbps-factors '0,1': expected finite factors > 0"),
+        (["--latency-factors", "nan"], "--latency-factors 'nan': expected finite factors > 0"),
+        (
+            ["--calibration-link", "latency_us=inf,gbps=1"],
+            "expected finite latency_us >= 0 (µs) and gbps > 0 (Gbit/s)",
+        ),
+        (
+            ["--calibration-link", "latency_us=1e300,gbps=1", "--latency-factors", "1e10"]
+            + ["--gbps-factors", "1"],
+            "--latency-factors x --gbps-factors grid link 'latency_us=inf,gbps=1'",
+        ),
         (["--calibration-link", "gbps=1"], "missing ['latency_us']"),
         (["--batches", "mixed:4"], "bad entry 'mixed:4'"),
+        (["--calibration-batches", "prefill:-5"], "--calibration-batches 'prefill:-5': bad entry"),
         (["--bench-args", "--output x.json"], "['--output'] are set by the sweep"),
         (["--bench-args", "--reps abc"], "--bench-args: launch.bench: error: argument --reps"),
-        (["--error-points", "-1"], "--error-points must be in [0, 100)"),
-        (["--max-run-s", "0"], "--max-run-s must be > 0"),
+        (["--error-points", "-1"], "--error-points: expected a finite number in [0, 100)"),
+        (["--max-run-s", "0"], "argument --max-run-s: expected a finite number > 0 (s), got '0'"),
+        # nan ran the calibration without a timeout and planned 0 runs
+        (["--max-run-s", "nan"], "argument --max-run-s: expected a finite number > 0 (s)"),
+        (["--max-run-s", "inf"], "argument --max-run-s: expected a finite number > 0 (s)"),
+        # flags passed on to launch.bench are checked by the bench's own checks, up front
+        (["--bench-args", "--reps -1"], "need --warmup >= 0 and --reps >= 1, got 2, -1"),
+        (["--bench-args", "--hidden-size 0"], "--bench-args: launch.bench refuses them"),
+        (["--bench-args", "--num-threads 0"], "--num-threads must be >= 1, got 0"),
+        (["--bench-args", "--distributed-timeout nan"], "--distributed-timeout"),
+        (["--bench-args", "--emulate-link x"], "['--emulate-link'] are set by the sweep"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
@@ -197,6 +223,48 @@ def test_a_bench_run_that_fails_or_hangs_ends_with_its_log(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+# torchrun's shape: a parent whose "rank" runs in a session of its own (and, here, ignores
+# SIGTERM, so only the SIGKILL after the grace period ends it); both pids printed
+TORCHRUN_LIKE = (
+    "import signal, subprocess, sys, time\n"
+    "rank = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'\n"
+    "c = subprocess.Popen([sys.executable, '-c', rank], start_new_session=True)\n"
+    "print(c.pid, flush=True); time.sleep(120)\n"
+)
+SWEEP_DRIVER = (
+    "import sys\nfrom pathlib import Path\nfrom launch import plan_sweep\n"
+    "plan_sweep.STOP_GRACE_S = 1.0\n"
+    "plan_sweep.run_bench([sys.executable, '-c', sys.argv[2]], Path(sys.argv[1]), 600)\n"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_sweep_ends_its_bench_run_and_the_ranks(tmp_path, sig):
+    log = tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", SWEEP_DRIVER, str(log), TORCHRUN_LIKE], env=env, cwd=REPO
+    )
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while rank is None and time.monotonic() < deadline:
+            text = log.read_text() if log.exists() else ""
+            rank = int(text.split()[0]) if text.strip() else None
+            time.sleep(0.1)
+        assert rank is not None and _alive(rank), "the bench run did not start"
+        driver.send_signal(sig)
+        driver.wait(timeout=30)  # bounded: the grace period is 1 s
+        deadline = time.monotonic() + 10
+        while _alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank), f"the rank (pid {rank}) outlived the sweep"
+    finally:
+        driver.kill()
+        if rank is not None and _alive(rank):
+            os.kill(rank, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ none`` (every op on forward_native) and ``all`` (CPU paths, cached RoPE table) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from distributed import NoEPPrepareAndFinalize  # noqa: E402
 from moe import (  # noqa: E402
     MoEModelConfig,
     build_model,
+    config_parameter_bytes,
     load_checkpoint,
     load_config,
     parameter_bytes,
@@ -195,6 +197,29 @@ def test_each_rank_reads_only_its_routed_experts_and_holds_1_over_ep_bytes(check
             assert per_rank["routed_experts"] * ep_size == full_bytes["routed_experts"] > 0
             for category in ("attention", "dense", "shared_experts", "router", "embedding"):
                 assert per_rank[category] == full_bytes[category]
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_config_parameter_bytes_equal_the_built_models(checkpoints, model_type):
+    """The bytes a config's model holds per rank, known before anything is built (the memory
+    check of ``--load-format dummy`` and the loader), equal the built model's count, with EP
+    sharding, in each dtype, and with other numbers and orders of dense and sparse layers."""
+    config = load_config(checkpoints[model_type][0])
+    n = config.num_hidden_layers
+    mixed = (False, True, True, False, True)
+    for shape in (
+        config,
+        dataclasses.replace(config, num_hidden_layers=5, moe_layers=mixed),
+        dataclasses.replace(config, num_hidden_layers=3, moe_layers=(False,) * 3),
+        dataclasses.replace(config, num_hidden_layers=n + 1, moe_layers=(True,) * (n + 1)),
+    ):
+        for ep_size, dtype in ((1, torch.float32), (2, torch.bfloat16), (4, torch.float64)):
+            local = _FakePrepareFinalize(num_experts=shape.num_experts // ep_size)
+            built = build_model(
+                shape, ep_size=ep_size, prepare_finalize=local, dtype=dtype, device="meta"
+            )
+            predicted = config_parameter_bytes(shape, ep_size=ep_size, dtype=dtype)
+            assert predicted == parameter_bytes(built)
 
 
 def test_kv_bytes_per_token_mla_stores_latent_and_rope_key(checkpoints):

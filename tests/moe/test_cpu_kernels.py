@@ -16,8 +16,16 @@ the tests of the cut itself.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -308,20 +316,110 @@ def test_without_kernels_the_torch_path_equals_native(monkeypatch):
     )
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    """torch waits on its build lock without a timeout; a lock left by a killed build is removed."""
-    import os
-    import time
+def _sleeper() -> subprocess.Popen:
+    """A live process to hold a lock (killed by the caller)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
-    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
-    stale.touch()
-    fresh.touch()
-    old = time.time() - kernels.STALE_LOCK_SECONDS - 10
-    os.utime(stale, (old, old))
-    kernels._remove_stale_lock(stale)
-    kernels._remove_stale_lock(fresh)
-    kernels._remove_stale_lock(tmp_path / "absent")
-    assert not stale.exists() and fresh.exists()
+
+def _write_lock(path: Path, pid: int, host: str | None = None, age_s: float = 0.0) -> None:
+    path.write_text(f"{pid} {host or socket.gethostname()}\n")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def test_a_build_lock_of_a_live_owner_is_waited_on_with_a_bound_and_a_line(tmp_path, caplog):
+    """A start waits for another process's build, saying for whom, and gives up after the bound
+    (the plain torch paths run) instead of waiting forever."""
+    owner = _sleeper()
+    try:
+        _write_lock(tmp_path / kernels.BUILD_LOCK, owner.pid, age_s=12)
+        with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+            gave_up = kernels._acquire_build_lock(tmp_path, timeout_s=0.5)
+    finally:
+        owner.kill()
+        owner.wait()
+    lock = tmp_path / kernels.BUILD_LOCK
+    assert re.fullmatch(
+        rf"gave up after \d+ s waiting for the build lock {re.escape(str(lock))} held by pid "
+        rf"{owner.pid} \(alive\)",
+        gave_up,
+    )
+    waiting = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert waiting == [
+        f"moe-dbo: waiting for the CPU kernel build lock {lock} held by pid {owner.pid} (alive) "
+        "for 12 s"
+    ]
+    assert lock.read_text().split()[0] == str(owner.pid)  # a live owner's lock is kept
+
+
+def test_a_build_lock_of_a_dead_or_stale_owner_is_taken_over_at_once(tmp_path):
+    dead = _sleeper()
+    dead.kill()
+    dead.wait()
+    lock = tmp_path / kernels.BUILD_LOCK
+    for pid, host, age_s in (
+        (dead.pid, None, 0.0),  # this host's dead pid: at once, whatever its age
+        (1, "another-host", kernels.STALE_LOCK_SECONDS + 10),  # not checkable: by its age
+    ):
+        _write_lock(lock, pid, host, age_s)
+        start = time.monotonic()
+        assert kernels._acquire_build_lock(tmp_path, timeout_s=30) is None
+        assert time.monotonic() - start < 5
+        assert lock.read_text().split() == [str(os.getpid()), socket.gethostname()]
+        kernels._release_build_lock(tmp_path)
+        assert not lock.exists()
+    # another host's fresh lock cannot be checked: waited on up to the bound
+    _write_lock(lock, 1, "another-host", 1.0)
+    assert "held by pid 1 on another-host" in kernels._acquire_build_lock(tmp_path, timeout_s=0.2)
+
+
+def test_a_killed_builds_torch_lock_does_not_hang_the_next_start(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's lock (no owner in it) behind; torch waits on it
+    without a timeout. The next start takes our lock and removes torch's, then builds: here with a
+    stand-in for torch's ``load`` that waits on its lock exactly as torch does."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    def load(*, name, sources, extra_cflags, build_directory, verbose):
+        baton = FileBaton(os.path.join(build_directory, "lock"))
+        if not baton.try_acquire():
+            baton.wait()  # torch's: no timeout
+            return None
+        baton.release()
+        return types.SimpleNamespace(isa=lambda: "avx2", name=name)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    directory = kernels.build_directory("avx2")
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # fresh: the old age check (300 s) kept it
+    result = []
+    builder = threading.Thread(target=lambda: result.append(kernels._build("avx2")), daemon=True)
+    builder.start()
+    builder.join(timeout=30)
+    hung = builder.is_alive()
+    (directory / "lock").unlink(missing_ok=True)  # lets a hung builder end
+    assert not hung, "the start waited on a dead build's lock"
+    assert result[0].name == "moe_dbo_cpu_kernels_avx2"
+    assert not (directory / kernels.BUILD_LOCK).exists()  # released after the build
+
+
+def test_a_start_that_gives_up_on_the_lock_runs_the_plain_paths_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "BUILD_LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_failures", {})
+    directory = kernels.build_directory("avx2")
+    directory.mkdir(parents=True)
+    owner = _sleeper()
+    try:
+        _write_lock(directory / kernels.BUILD_LOCK, owner.pid)
+        line = kernels.prepare_cpu_kernels("avx2")
+    finally:
+        owner.kill()
+        owner.wait()
+    assert line.startswith("not built (gave up after 0 s waiting for the build lock ")
+    assert line.endswith(f"held by pid {owner.pid} (alive)): plain torch paths")
 
 
 def test_builds_go_where_torch_extensions_dir_says(monkeypatch, tmp_path):
