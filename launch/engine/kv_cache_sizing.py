@@ -53,19 +53,31 @@ class KVCacheSizing:
 
 
 def device_memory_budget(
-    memory: DeviceMemory, *, gpu_memory_utilization: float, profile_num_tokens: int
+    memory: DeviceMemory,
+    *,
+    gpu_memory_utilization: float,
+    profile_num_tokens: int,
+    num_ranks_on_device: int = 1,
 ) -> tuple[int, str]:
     """(budget in bytes, how it was derived): ``gpu_memory_utilization`` of the device's total
-    memory minus what is in use after the profile step of ``profile_num_tokens`` tokens.
+    memory minus what is in use after the profile step of ``profile_num_tokens`` tokens. With
+    ``num_ranks_on_device`` > 1 ranks sharing the device, each takes its 1/n of that fraction minus
+    its own allocator's peak only (the others' memory is in their own shares; the CUDA contexts
+    fit in the rest of the device).
 
     Raises:
         ValueError: if nothing is left (the message names the numbers and the flags to change).
     """
-    requested = int(gpu_memory_utilization * memory.total_bytes)
-    budget = requested - memory.in_use_bytes
+    requested = int(gpu_memory_utilization * memory.total_bytes) // num_ranks_on_device
+    share = f"{gpu_memory_utilization:.2f} x {memory.total_bytes / GIB:.1f} GiB"
+    if num_ranks_on_device == 1:
+        in_use, what = memory.in_use_bytes, "in use"
+    else:
+        share += f" / {num_ranks_on_device} ranks on the device"
+        in_use, what = memory.torch_peak_bytes, "this rank's peak"
+    budget = requested - in_use
     source = (
-        f"{gpu_memory_utilization:.2f} x {memory.total_bytes / GIB:.1f} GiB - "
-        f"{memory.in_use_bytes / GIB:.1f} GiB in use after a profile step at "
+        f"{share} - {in_use / GIB:.1f} GiB {what} after a profile step at "
         f"{profile_num_tokens} tokens"
     )
     if budget <= 0:

@@ -136,6 +136,7 @@ def init_parallel_groups(args: EngineArgs):
         backend=placement.dist_backend,
         device=placement.device,
         env=env,
+        num_ranks_on_device=placement.num_ranks_on_device,
     )
 
 
@@ -312,6 +313,7 @@ class LLMEngine:
             platform.device_memory(device),
             gpu_memory_utilization=args.gpu_memory_utilization,
             profile_num_tokens=args.max_num_batched_tokens,
+            num_ranks_on_device=self.groups.num_ranks_on_device,
         )
         return self._size_kv_cache(dtype, max_model_len, device_budget=budget)
 

@@ -77,13 +77,18 @@ class ConfigUpdate:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceMemory:
     """A device's memory in bytes, as vLLM's ``determine_available_memory`` reads it after a
-    profile step: ``total_bytes``; ``in_use_bytes`` = everything on the device that is not this
-    process's torch allocator (other processes, the CUDA context, NCCL buffers) plus the
-    allocator's peak since ``reset_peak_memory`` (the weights and the profile step's
-    activations)."""
+    profile step: ``total_bytes``; ``not_torch_bytes``, everything on the device that is not this
+    process's torch allocator (other processes, the CUDA context, NCCL buffers);
+    ``torch_peak_bytes``, the allocator's peak since ``reset_peak_memory`` (the weights and the
+    profile step's activations)."""
 
     total_bytes: int
-    in_use_bytes: int
+    not_torch_bytes: int
+    torch_peak_bytes: int
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.not_torch_bytes + self.torch_peak_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,9 +315,10 @@ class CudaPlatform(Platform):
         if device.type != "cuda":  # host tensors of a CUDA process: the host's sizing
             return None
         free, total = torch.cuda.mem_get_info(device)
-        not_torch = (total - free) - torch.cuda.memory_reserved(device)
         return DeviceMemory(
-            total_bytes=total, in_use_bytes=not_torch + torch.cuda.max_memory_allocated(device)
+            total_bytes=total,
+            not_torch_bytes=(total - free) - torch.cuda.memory_reserved(device),
+            torch_peak_bytes=torch.cuda.max_memory_allocated(device),
         )
 
     def reset_peak_memory(self, device: torch.device) -> None:

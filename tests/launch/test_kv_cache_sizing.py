@@ -110,7 +110,7 @@ def test_engine_allocates_the_budget_and_fails_early_below_one_request(tiny_mixt
 
 
 def test_device_budget_is_the_utilization_of_total_minus_in_use():
-    memory = DeviceMemory(total_bytes=100 * GIB, in_use_bytes=18 * GIB)
+    memory = DeviceMemory(total_bytes=100 * GIB, not_torch_bytes=2 * GIB, torch_peak_bytes=16 * GIB)
     budget, source = device_memory_budget(
         memory, gpu_memory_utilization=0.9, profile_num_tokens=8192
     )
@@ -132,8 +132,24 @@ def test_device_budget_is_the_utilization_of_total_minus_in_use():
     assert on_device.num_blocks == budget >> 20
 
 
+def test_ranks_sharing_a_device_take_their_share_minus_their_own_peak():
+    # two ranks on a 100 GiB device: 45 GiB each, minus this rank's 16 GiB peak; the other
+    # rank's memory (in not_torch_bytes) is in its own share
+    memory = DeviceMemory(
+        total_bytes=100 * GIB, not_torch_bytes=40 * GIB, torch_peak_bytes=16 * GIB
+    )
+    budget, source = device_memory_budget(
+        memory, gpu_memory_utilization=0.9, profile_num_tokens=64, num_ranks_on_device=2
+    )
+    assert budget == int(0.9 * 100 * GIB) // 2 - 16 * GIB
+    assert source == (
+        "0.90 x 100.0 GiB / 2 ranks on the device - 16.0 GiB this rank's peak after a profile "
+        "step at 64 tokens"
+    )
+
+
 def test_device_budget_refuses_when_nothing_or_too_little_is_left():
-    full = DeviceMemory(total_bytes=80 * GIB, in_use_bytes=75 * GIB)
+    full = DeviceMemory(total_bytes=80 * GIB, not_torch_bytes=5 * GIB, torch_peak_bytes=70 * GIB)
     with pytest.raises(
         ValueError,
         match=r"no memory left for the KV cache: 0\.90 x 80\.0 GiB - 75\.0 GiB in use after a "
@@ -141,7 +157,7 @@ def test_device_budget_refuses_when_nothing_or_too_little_is_left():
     ):
         device_memory_budget(full, gpu_memory_utilization=0.9, profile_num_tokens=2048)
     # 6 blocks left where one max_model_len request needs 7
-    tight = DeviceMemory(total_bytes=10 * 16384, in_use_bytes=4 * 16384)
+    tight = DeviceMemory(total_bytes=10 * 16384, not_torch_bytes=16384, torch_peak_bytes=3 * 16384)
     budget = device_memory_budget(tight, gpu_memory_utilization=1.0, profile_num_tokens=16)
     with pytest.raises(
         ValueError, match=r"holds 6 blocks .*needs 7 blocks.*or --gpu-memory-utilization"
@@ -156,7 +172,10 @@ def test_cuda_platform_reads_free_memory_and_the_allocator_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 16 * GIB)
     memory = CudaPlatform().device_memory(torch.device("cuda", 0))
-    assert memory == DeviceMemory(total_bytes=100 * GIB, in_use_bytes=26 * GIB)
+    assert memory == DeviceMemory(
+        total_bytes=100 * GIB, not_torch_bytes=10 * GIB, torch_peak_bytes=16 * GIB
+    )
+    assert memory.in_use_bytes == 26 * GIB
     # host tensors of a CUDA process, and the CPU platform: the host's default sizing
     assert CudaPlatform().device_memory(torch.device("cpu")) is None
     assert CpuPlatform().device_memory(torch.device("cpu")) is None
@@ -205,7 +224,9 @@ def test_engine_sizes_the_cache_from_reported_memory_after_a_profile_step(
     monkeypatch.setattr(llm_engine, "profile_run", spy)
     probe = single_rank_engine(tiny_mixtral_dir, num_gpu_blocks_override=1)
     block_bytes = probe.kv_cache_sizing.block_bytes
-    platform = _MemoryReportingCpu(DeviceMemory(total_bytes=100 * block_bytes, in_use_bytes=0))
+    platform = _MemoryReportingCpu(
+        DeviceMemory(total_bytes=100 * block_bytes, not_torch_bytes=0, torch_peak_bytes=0)
+    )
     set_current_platform(platform)
     try:
         capsys.readouterr()
@@ -225,7 +246,9 @@ def test_engine_sizes_the_cache_from_reported_memory_after_a_profile_step(
         flagged = single_rank_engine(tiny_mixtral_dir, kv_cache_memory_bytes=20 * block_bytes)
         assert flagged.kv_cache_manager.num_blocks == 20 and "reset" not in platform.calls
         # too little left for one max_model_len (64 tokens = 16 blocks) request
-        platform.memory = DeviceMemory(total_bytes=30 * block_bytes, in_use_bytes=0)
+        platform.memory = DeviceMemory(
+            total_bytes=30 * block_bytes, not_torch_bytes=0, torch_peak_bytes=0
+        )
         with pytest.raises(ValueError, match=r"holds 15 blocks .*needs 16 blocks"):
             single_rank_engine(tiny_mixtral_dir, gpu_memory_utilization=0.5)
     finally:
