@@ -107,7 +107,8 @@ class ParallelGroups:
     ``timeout`` is the limit applied to every collective and every blocking wait on these groups.
     ``dp_rank_of_ep_rank`` (``[ep_size]``) names the DP rank whose tokens each EP rank dispatches,
     so DP token counts map to EP counts without assuming ``ep_size == dp_size``; None when the
-    layout is not known (the all-to-all then exchanges its counts).
+    layout is not known (the all-to-all then exchanges its counts). ``num_ranks_on_device``: the
+    ranks of this node computing on ``device`` (> 1: shared, ``RankPlacement``'s).
     """
 
     rank: int
@@ -121,8 +122,11 @@ class ParallelGroups:
     device: torch.device
     timeout: datetime.timedelta
     dp_rank_of_ep_rank: tuple[int, ...] | None = None
+    num_ranks_on_device: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_ranks_on_device < 1:
+            raise ValueError(f"num_ranks_on_device must be >= 1, got {self.num_ranks_on_device}")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
         if not 0 <= self.ep_rank < self.ep_size:
@@ -165,6 +169,7 @@ def init_distributed(
     backend: str = "gloo",
     device: torch.device | None = None,
     env: TorchrunEnv | None = None,
+    num_ranks_on_device: int = 1,
 ) -> ParallelGroups:
     """Initialise the default process group (if needed) and build the DP and EP groups.
 
@@ -179,6 +184,7 @@ def init_distributed(
         device: where this rank computes (the platform's ``RankPlacement.device``; default cpu).
             An NCCL group needs it to be this rank's CUDA device.
         env: the rank layout; parsed from ``os.environ`` when None.
+        num_ranks_on_device: ranks of this node on ``device`` (``RankPlacement``'s; >= 1).
 
     Raises:
         ValueError: if ``data_parallel_size != world_size``, ``timeout_s <= 0``, the backend is
@@ -212,6 +218,7 @@ def init_distributed(
         timeout=timeout,
         # the EP group spans the DP ranks in order (TP = 1); without EP the one EP rank is this one
         dp_rank_of_ep_rank=tuple(all_ranks) if ep_size > 1 else (env.rank,),
+        num_ranks_on_device=num_ranks_on_device,
     )
 
 

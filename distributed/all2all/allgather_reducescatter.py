@@ -2,9 +2,11 @@
 
 Dispatch: all-gather the token counts (blocking, small; skipped when the DP ranks agreed on
 them, as under DBO), then every rank's packed rows padded to the largest count in ONE all-gather;
-a rank keeps the rows with an expert of its own (ids made local). Combine: the expert outputs
-scattered into a zeroed ``[ep_size * max_tokens, hidden_size]`` float32 (float64) buffer,
-reduce-scattered (summed over ranks), this rank's ``num_tokens`` rows kept.
+a rank keeps EVERY gathered row, its ids made local (-1 where the expert lives elsewhere and on
+padding rows), as vLLM's naive all-gather dispatch does: selecting the rows with a local expert
+would be a value-dependent shape, a host read inside the ubatch ping-pong. Combine: the
+``[ep_size * max_tokens, hidden_size]`` expert outputs (0 on rows without a local expert) in
+float32 (float64), reduce-scattered (summed over ranks), this rank's ``num_tokens`` rows kept.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ class AllGatherDispatchMetadata(StandardDispatchMetadata):
     """Routing of one ``allgather_reducescatter`` dispatch."""
 
     max_tokens_across_ep: int  # rows per rank block in the gathered (padded) buffer
-    # [num_recv_tokens] int64, each kept row's place in the gathered [ep_size * max_tokens] rows
-    kept_row_idx: Tensor
 
 
 class AllGatherReduceScatterBackend(FusedMoEPrepareAndFinalize):
@@ -73,28 +73,25 @@ class AllGatherReduceScatterBackend(FusedMoEPrepareAndFinalize):
         )
 
     def _kept_rows(self, gathered: Tensor, request: DispatchRequest, counts) -> DispatchResult:
-        """The gathered ``[ep_size * max(counts), row_bytes]`` uint8 rows with an expert on this
-        rank (padding rows dropped), ids made local."""
-        max_tokens = max(counts)
+        """The gathered ``[ep_size * max(counts), row_bytes]`` uint8 rows, ids made local: -1
+        where the expert lives elsewhere and on padding rows (weights 0 there)."""
+        max_tokens, device = max(counts), gathered.device
         ids, weights, hidden = unpack_rows(gathered, request.layout)
         local_ids, local_weights = localize_topk(
             ids, weights, self.ep_rank, num_local_experts=self.num_local_experts
         )
-        is_real = torch.cat(
-            [torch.arange(max_tokens, device=gathered.device) < count for count in counts]
-        )
-        kept = ((local_ids >= 0).any(dim=1) & is_real).nonzero().squeeze(1)
+        num_real = torch.tensor(counts, device=device).unsqueeze(1)  # host-to-device, no read
+        is_real = (torch.arange(max_tokens, device=device) < num_real).view(-1, 1)
         metadata = self._metadata(
             AllGatherDispatchMetadata,
             request,
-            num_recv_tokens=kept.numel(),
+            num_recv_tokens=gathered.shape[0],
             max_tokens_across_ep=max_tokens,
-            kept_row_idx=kept,
         )
         return DispatchResult(
-            hidden_states=hidden[kept],
-            topk_ids=local_ids[kept],
-            topk_weights=local_weights[kept],
+            hidden_states=hidden.contiguous(),
+            topk_ids=torch.where(is_real, local_ids, -1),
+            topk_weights=torch.where(is_real, local_weights, 0.0),
             metadata=metadata,
         )
 
@@ -126,8 +123,7 @@ class AllGatherReduceScatterBackend(FusedMoEPrepareAndFinalize):
         device = expert_output.device
         # the reduction over ranks accumulates in this buffer (gloo reduces fp32, fp64, not bf16)
         acc_dtype = accumulation_dtype(metadata.dtype)
-        padded = torch.zeros(self.ep_size * max_tokens, hidden_size, dtype=acc_dtype, device=device)
-        padded.index_copy_(0, metadata.kept_row_idx.to(device), expert_output.to(acc_dtype))
+        padded = expert_output.to(acc_dtype).contiguous()  # every gathered row, in rank blocks
         out = torch.empty(max_tokens, hidden_size, dtype=acc_dtype, device=device)
         issued_at_ns = time.perf_counter_ns()
         pending = reduce_scatter_sum(out, padded, group=self.ep_group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import enum
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -34,6 +35,13 @@ T = TypeVar("T")
 
 # ``implementation`` of DeepEP's own kernels: their completion is on the GPU stream
 DEEPEP_KERNELS = "deep_ep kernels"
+# "1": every dispatch checks its expert ids on the host (a device sync per dispatch)
+DEBUG_CHECKS_ENV = "MOE_DBO_DEBUG_CHECKS"
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``MOE_DBO_DEBUG_CHECKS`` asks for the host-synced checks (read at call time)."""
+    return os.environ.get(DEBUG_CHECKS_ENV, "0").strip().lower() in ("1", "true", "yes")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -191,6 +199,10 @@ class FusedMoEPrepareAndFinalize(ABC):
         ep_rank, ep_size: this rank and the number of EP ranks.
         num_experts: global experts; rank ``r`` holds ``[r * num_local_experts, (r+1) * ...)``.
         timeout: limit of every blocking wait.
+        check_topk_ids: check every dispatch's ``topk_ids`` against ``[0, num_experts)`` (ValueError
+            naming the values found). It reads them to the host, a device sync inside the ubatch
+            ping-pong, so it is off by default: the router makes ids in range by construction.
+            None: on when ``MOE_DBO_DEBUG_CHECKS=1`` (``debug_checks_enabled``).
 
     Raises:
         ValueError: ``num_experts`` not a positive multiple of ``ep_size``, ``ep_rank`` outside
@@ -201,7 +213,7 @@ class FusedMoEPrepareAndFinalize(ABC):
     activation_format: ClassVar[FusedMoEActivationFormat]
     # constructor arguments only this class takes; make_all2all_backend passes them to it alone
     extra_options: ClassVar[tuple[str, ...]] = ()
-    # False only without expert parallelism: nothing moves, so no host-synced id check
+    # False only without expert parallelism: nothing moves
     moves_tokens: ClassVar[bool] = True
     # whether dispatch blocks on a count exchange even when num_tokens_across_ep is given
     blocks_under_dbo: ClassVar[bool] = False
@@ -217,6 +229,7 @@ class FusedMoEPrepareAndFinalize(ABC):
         ep_size: int,
         num_experts: int,
         timeout: datetime.timedelta,
+        check_topk_ids: bool | None = None,
     ) -> None:
         if ep_size < 1 or not 0 <= ep_rank < ep_size:
             raise ValueError(f"need ep_size >= 1 and ep_rank in [0, {ep_size}), got {ep_rank}")
@@ -234,6 +247,7 @@ class FusedMoEPrepareAndFinalize(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
+        self.check_topk_ids = debug_checks_enabled() if check_topk_ids is None else check_topk_ids
 
     def __repr__(self) -> str:
         return type(self).__name__
@@ -359,7 +373,7 @@ class FusedMoEPrepareAndFinalize(ABC):
                 f"topk_weights must be floating {list(topk_ids.shape)}, got "
                 f"{list(topk_weights.shape)} {topk_weights.dtype}"
             )
-        if self.moves_tokens and num_tokens and not self._ids_in_range(topk_ids):
+        if self.check_topk_ids and num_tokens and not self._ids_in_range(topk_ids):
             raise ValueError(
                 f"topk_ids must be in [0, {self.num_experts}) or -1, got values in "
                 f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
@@ -371,7 +385,7 @@ class FusedMoEPrepareAndFinalize(ABC):
         )
 
     def _ids_in_range(self, topk_ids: Tensor) -> bool:
-        # host sync (small): the routing needs counts on the host anyway
+        # host sync (small): only with check_topk_ids (debug)
         return not bool(((topk_ids < -1) | (topk_ids >= self.num_experts)).any())
 
     def _check_counts(

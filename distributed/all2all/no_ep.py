@@ -21,7 +21,8 @@ from distributed.comm_handle import CommHandle, CompletedHandle
 
 class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """ep_size 1: global expert ids are the local ones; the tokens and the expert outputs pass
-    through unchanged (``moves_tokens`` False: no host-synced id check, the experts check theirs).
+    through unchanged (``moves_tokens`` False; no host-synced id check even under
+    ``MOE_DBO_DEBUG_CHECKS``: the experts check theirs).
 
     Raises:
         ValueError: ``num_experts < 1`` or ``ep_size != 1``.
@@ -43,7 +44,12 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         if ep_size != 1:
             raise ValueError(f"no_ep serves ep_size 1 only, got ep_size={ep_size}")
         super().__init__(
-            ep_group=None, ep_rank=0, ep_size=1, num_experts=num_experts, timeout=timeout
+            ep_group=None,
+            ep_rank=0,
+            ep_size=1,
+            num_experts=num_experts,
+            timeout=timeout,
+            check_topk_ids=False,
         )
 
     def prepare(self, request: DispatchRequest) -> CommHandle[DispatchResult]:

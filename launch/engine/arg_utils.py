@@ -133,6 +133,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None  # KV cache blocks per rank (wins over the budget)
     # KV cache budget per rank in bytes (default: launch.engine.kv_cache_sizing's)
     kv_cache_memory_bytes: int | None = None
+    # fraction of a GPU's memory the rank may use, the KV cache taking what the weights and a
+    # profile step leave (launch.engine.kv_cache_sizing); the host keeps its default budget
+    gpu_memory_utilization: float = 0.9
     data_parallel_size: int = 1
     share_gpus: bool = False  # more ranks than GPUs on a node: share them (else refused)
     enable_expert_parallel: bool = False
@@ -217,8 +220,9 @@ class EngineArgs:
             )
 
     def _check_optional_limits(self) -> None:
-        """The KV cache overrides, ``--max-model-len`` (each >= 1 when given) and
-        ``--distributed-timeout`` (finite, in (0, a day]); ValueError naming the value."""
+        """The KV cache overrides and ``--max-model-len`` (each >= 1 when given),
+        ``--gpu-memory-utilization`` (in (0, 1]) and ``--distributed-timeout`` (finite, in (0, a
+        day]); ValueError naming the value."""
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
@@ -226,6 +230,10 @@ class EngineArgs:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:  # NaN fails too
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
@@ -519,9 +527,18 @@ def _add_cache_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         type=human_readable_int,
         default=None,
         metavar="BYTES",
-        help="KV cache budget per rank, e.g. 4G (2**30), 500m (10**6) or bytes (default: "
-        "VLLM_CPU_KVCACHE_SPACE GiB if set, else 4 GiB; never more than --max-num-seqs "
-        "full-length requests use; it must hold one --max-model-len request)",
+        help="KV cache budget per rank, e.g. 4G (2**30), 500m (10**6) or bytes (default: on a "
+        "GPU, what --gpu-memory-utilization leaves; on the host VLLM_CPU_KVCACHE_SPACE GiB if "
+        "set, else 4 GiB; never more than --max-num-seqs full-length requests use; it must hold "
+        "one --max-model-len request)",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction in (0, 1] of a GPU's memory this rank may use: the KV cache gets it minus "
+        "what is in use after a profile step at --max-num-batched-tokens (ignored on the host "
+        "and under --kv-cache-memory-bytes or --num-gpu-blocks-override)",
     )
 
 

@@ -242,15 +242,19 @@ class InputBatch:
         return torch.from_numpy(array).to(self.device)
 
     def _sampling_metadata(self, sampled_rows: np.ndarray) -> SamplingMetadata:
-        """The sampling parameters of the persistent rows ``sampled_rows``, in that order."""
+        """The sampling parameters of the persistent rows ``sampled_rows``, in that order; the
+        sampler's decisions (greedy only, nucleus) from the host copies, so it reads no device
+        value."""
         temperature = self.temperature[sampled_rows]
+        top_p = self.top_p[sampled_rows]
         return SamplingMetadata(
             temperature=self._to_device(temperature),
-            top_p=self._to_device(self.top_p[sampled_rows]),
+            top_p=self._to_device(top_p),
             seeds=self._to_device(self.seeds[sampled_rows]),
             output_positions=self._to_device(
                 self.num_tokens[sampled_rows] - self.num_prompt_tokens[sampled_rows]
             ),
-            num_logprobs=self._to_device(self.num_logprobs[sampled_rows]),
+            num_logprobs=tuple(self.num_logprobs[sampled_rows].tolist()),
             is_all_greedy=not temperature.any(),
+            has_top_p=bool(((temperature > 0) & (top_p < 1)).any()),
         )

@@ -1,16 +1,20 @@
-"""How many KV cache blocks a rank allocates: a memory budget, as vLLM's CPU backend sizes it.
+"""How many KV cache blocks a rank allocates: a memory budget, as vLLM sizes it.
 
 Order (vLLM's): ``--num-gpu-blocks-override`` when given; else ``--kv-cache-memory-bytes`` (vLLM's
-flag; its CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` in GiB is read when the flag is absent);
-else ``DEFAULT_KV_CACHE_MEMORY_BYTES``. A budget buys ``budget // block_bytes`` blocks, never more
-than ``--max-num-seqs`` full-length requests can use, and must hold one request of
-``max_model_len`` tokens.
+flag); else, on a device whose platform reports its memory (``Platform.device_memory``: a GPU),
+``--gpu-memory-utilization`` of its total memory minus what is in use after a profile step at the
+largest batch (``device_memory_budget``, vLLM's ``determine_available_memory``); else, on the
+host, vLLM's CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` in GiB when set; else
+``DEFAULT_KV_CACHE_MEMORY_BYTES``. A budget buys ``budget // block_bytes`` blocks, never more than
+``--max-num-seqs`` full-length requests can use, and must hold one request of ``max_model_len``
+tokens.
 
-Why a fixed default rather than vLLM 0.32's (``--gpu-memory-utilization`` 0.92 of the NUMA node's
-memory minus the worker's RSS, ``vllm/v1/worker/cpu_worker.py``): our DP ranks are processes on one
-host, and each would claim 92 % of the machine. The default is the 4 GiB that vLLM's CPU backend
-documented for ``VLLM_CPU_KVCACHE_SPACE`` (``vllm/envs.py``); before it the engine allocated
-max-num-seqs full-length requests, 18-34 GB per rank on the medium checkpoint.
+Why a fixed default on the host rather than vLLM 0.32's (``--gpu-memory-utilization`` 0.92 of
+the NUMA node's memory minus the worker's RSS, ``vllm/v1/worker/cpu_worker.py``): our DP ranks
+are processes on one host, and each would claim 92 % of the machine. The default is the 4 GiB
+that vLLM's CPU backend documented for ``VLLM_CPU_KVCACHE_SPACE`` (``vllm/envs.py``); before it
+the engine allocated max-num-seqs full-length requests, 18-34 GB per rank on the medium
+checkpoint. On a GPU, a fixed 4 GiB would leave most of a 140 GiB device idle.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from moe.platforms import DeviceMemory
 
 GIB = 1 << 30
 DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * GIB
@@ -46,17 +52,58 @@ class KVCacheSizing:
         )
 
 
-def kv_cache_budget(
-    kv_cache_memory_bytes: int | None, environ: Mapping[str, str] | None = None
+def device_memory_budget(
+    memory: DeviceMemory,
+    *,
+    gpu_memory_utilization: float,
+    profile_num_tokens: int,
+    num_ranks_on_device: int = 1,
 ) -> tuple[int, str]:
-    """(budget in bytes, where it came from): the flag, else ``VLLM_CPU_KVCACHE_SPACE`` (GiB),
-    else the default.
+    """(budget in bytes, how it was derived): ``gpu_memory_utilization`` of the device's total
+    memory minus what is in use after the profile step of ``profile_num_tokens`` tokens. With
+    ``num_ranks_on_device`` > 1 ranks sharing the device, each takes its 1/n of that fraction minus
+    its own allocator's peak only (the others' memory is in their own shares; the CUDA contexts
+    fit in the rest of the device).
+
+    Raises:
+        ValueError: if nothing is left (the message names the numbers and the flags to change).
+    """
+    requested = int(gpu_memory_utilization * memory.total_bytes) // num_ranks_on_device
+    share = f"{gpu_memory_utilization:.2f} x {memory.total_bytes / GIB:.1f} GiB"
+    if num_ranks_on_device == 1:
+        in_use, what = memory.in_use_bytes, "in use"
+    else:
+        share += f" / {num_ranks_on_device} ranks on the device"
+        in_use, what = memory.torch_peak_bytes, "this rank's peak"
+    budget = requested - in_use
+    source = (
+        f"{share} - {in_use / GIB:.1f} GiB {what} after a profile step at "
+        f"{profile_num_tokens} tokens"
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: {source} leaves {budget / GIB:.2f} GiB; raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens, or give "
+            "--kv-cache-memory-bytes"
+        )
+    return budget, source
+
+
+def kv_cache_budget(
+    kv_cache_memory_bytes: int | None,
+    environ: Mapping[str, str] | None = None,
+    device_budget: tuple[int, str] | None = None,
+) -> tuple[int, str]:
+    """(budget in bytes, where it came from): the flag, else ``device_budget`` (the
+    ``device_memory_budget`` of a device), else ``VLLM_CPU_KVCACHE_SPACE`` (GiB), else the default.
 
     Raises:
         ValueError: a ``VLLM_CPU_KVCACHE_SPACE`` that is not a positive integer.
     """
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, f"--kv-cache-memory-bytes {kv_cache_memory_bytes}"
+    if device_budget is not None:
+        return device_budget
     environ = os.environ if environ is None else environ
     text = environ.get(KVCACHE_SPACE_ENV, "")
     if text.strip():
@@ -79,6 +126,7 @@ def size_kv_cache(
     num_gpu_blocks_override: int | None = None,
     kv_cache_memory_bytes: int | None = None,
     environ: Mapping[str, str] | None = None,
+    device_budget: tuple[int, str] | None = None,
 ) -> KVCacheSizing:
     """The number of blocks this rank allocates (see the module docstring).
 
@@ -87,6 +135,7 @@ def size_kv_cache(
         block_size, max_model_len, max_num_seqs: the engine's.
         num_gpu_blocks_override, kv_cache_memory_bytes: the flags (None: not given).
         environ: where to read ``VLLM_CPU_KVCACHE_SPACE`` (default ``os.environ``).
+        device_budget: ``device_memory_budget``'s result on a device (None on the host).
 
     Raises:
         ValueError: the budget cannot hold one request of ``max_model_len`` tokens (the message
@@ -100,7 +149,7 @@ def size_kv_cache(
             block_bytes=block_bytes,
             source=f"--num-gpu-blocks-override {num_gpu_blocks_override}",
         )
-    budget, source = kv_cache_budget(kv_cache_memory_bytes, environ)
+    budget, source = kv_cache_budget(kv_cache_memory_bytes, environ, device_budget)
     blocks_per_request = math.ceil(max_model_len / block_size)
     num_blocks = budget // block_bytes
     if num_blocks < blocks_per_request:
@@ -109,8 +158,8 @@ def size_kv_cache(
             f"the KV cache budget ({source}: {budget} bytes = {budget / GIB:.3f} GiB) holds "
             f"{num_blocks} blocks of {block_size} tokens ({block_bytes} bytes each), but one "
             f"request of max_model_len={max_model_len} tokens needs {blocks_per_request} blocks "
-            f"({need} bytes = {need / GIB:.3f} GiB); raise --kv-cache-memory-bytes or lower "
-            "--max-model-len"
+            f"({need} bytes = {need / GIB:.3f} GiB); raise --kv-cache-memory-bytes"
+            f"{' or --gpu-memory-utilization' if device_budget else ''} or lower --max-model-len"
         )
     usable = max_num_seqs * blocks_per_request
     if num_blocks > usable:

@@ -20,8 +20,9 @@ from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.engine.graph_mode import build_graph_mode
 from launch.engine.kv_cache_manager import KVCacheManager
-from launch.engine.kv_cache_sizing import size_kv_cache
+from launch.engine.kv_cache_sizing import KVCacheSizing, device_memory_budget, size_kv_cache
 from launch.engine.model_runner import ModelRunner
+from launch.engine.profile_run import profile_run
 from launch.engine.profiler import make_step_profiler, step_annotation
 from launch.engine.request import Request
 from launch.engine.scheduler import Scheduler
@@ -175,6 +176,7 @@ def init_parallel_groups(args: EngineArgs):
         backend=placement.dist_backend,
         device=placement.device,
         env=env,
+        num_ranks_on_device=placement.num_ranks_on_device,
     )
 
 
@@ -285,16 +287,17 @@ class LLMEngine:
         self.all2all_backend = _make_all2all_backend(engine_args, groups, model.config)
         self.model = self._build_model(model.config, dtype)
         self.max_num_blocks_per_req = math.ceil(model.max_model_len / engine_args.block_size)
-        # before the checkpoint load: a budget too small for one request fails in seconds
-        self.kv_cache_sizing = size_kv_cache(
-            bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
-            block_size=engine_args.block_size,
-            max_model_len=model.max_model_len,
-            max_num_seqs=engine_args.max_num_seqs,
-            num_gpu_blocks_override=engine_args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=engine_args.kv_cache_memory_bytes,
+        # On a device that reports its memory and without a KV flag, the cache gets what the
+        # weights and a profile step leave (sized after the load); otherwise it is sized before
+        # the checkpoint load: a budget too small for one request fails in seconds.
+        sizes_from_memory = (
+            engine_args.num_gpu_blocks_override is None
+            and engine_args.kv_cache_memory_bytes is None
+            and platform.device_memory(groups.device) is not None
         )
-        self._log(self.kv_cache_sizing.summary())
+        if not sizes_from_memory:
+            self.kv_cache_sizing = self._size_kv_cache(dtype, model.max_model_len)
+            self._log(self.kv_cache_sizing.summary())
         if model.checkpoint_dir is None or engine_args.load_format == "dummy":
             # dummy weights (real shapes, e.g. 30B parameters) are drawn on the device; the
             # embedded default's on the host, alike on every device
@@ -302,6 +305,11 @@ class LLMEngine:
             init_random_weights(self.model, seed=engine_args.seed, on_device=is_dummy)
         else:
             load_checkpoint(self.model, model.checkpoint_dir)
+        if sizes_from_memory:
+            self.kv_cache_sizing = self._size_kv_cache_from_memory(
+                platform, dtype, model.max_model_len
+            )
+            self._log(self.kv_cache_sizing.summary())
         self._allocate_kv_cache(dtype)
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
@@ -315,6 +323,47 @@ class LLMEngine:
         if cuts is not None:
             self._log(cuts)
         freeze_gc_heap()  # the start-up heap is static from here on (vLLM's EngineCore does this)
+
+    def _size_kv_cache(
+        self, dtype, max_model_len: int, device_budget: tuple[int, str] | None = None
+    ) -> KVCacheSizing:
+        """``size_kv_cache`` for this engine's model and flags (ValueError as it raises)."""
+        args = self.args
+        return size_kv_cache(
+            bytes_per_token=self.model.kv_cache_bytes_per_token(dtype),
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            device_budget=device_budget,
+        )
+
+    def _size_kv_cache_from_memory(self, platform, dtype, max_model_len: int) -> KVCacheSizing:
+        """The profile step at ``--max-num-batched-tokens`` (``profile_run``), then the sizing
+        from ``--gpu-memory-utilization`` of the device's memory minus what is in use.
+
+        Raises:
+            ValueError: no memory left, or not enough for one request (``size_kv_cache``).
+        """
+        args, device = self.args, self.groups.device
+        platform.reset_peak_memory(device)
+        profile_run(
+            self.model,
+            num_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            dtype=dtype,
+            groups=self.groups,
+        )
+        budget = device_memory_budget(
+            platform.device_memory(device),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            profile_num_tokens=args.max_num_batched_tokens,
+            num_ranks_on_device=self.groups.num_ranks_on_device,
+        )
+        return self._size_kv_cache(dtype, max_model_len, device_budget=budget)
 
     def _build_model(self, config: MoEModelConfig, dtype):
         """The model of ``config`` in ``dtype`` with this rank's experts, over the all-to-all

@@ -45,7 +45,14 @@ from distributed.comm_handle import comm_error
 from launch.engine.arg_utils import AUTO, MIN_DBO_THRESHOLD, EngineArgs
 from launch.engine.input_batch import InputBatch, ModelInputs
 from launch.engine.kv_cache_manager import KVCacheManager
-from launch.engine.sampler import Sampler, SamplingMetadata, TokenLogprobs, compute_logprobs
+from launch.engine.sampler import (
+    SampledResults,
+    Sampler,
+    SamplingMetadata,
+    TokenLogprobs,
+    logprob_values,
+    unpack_logprobs,
+)
 from launch.engine.scheduler import SchedulerOutput
 from moe.layers.attention_metadata import split_attn_metadata
 from moe.platforms import current_platform
@@ -306,7 +313,11 @@ class ModelRunner:
             )
 
     def _end_step_timing(self, start_ns: int, decision: DPMicrobatchDecision) -> None:
-        """Keep this step's time for the next vote; mark an exploration step on the timeline."""
+        """Keep this step's time for the next vote; mark an exploration step on the timeline.
+        Only while the adaptive policy runs (a threshold ``auto``): otherwise nothing reads the
+        time, and the step neither times itself nor synchronises the device."""
+        if not (self.args.enable_dbo and self.args.adaptive_dbo_kinds):
+            return  # _prev_step_us stays 0: "not measured"
         # host-device sync where ops are asynchronous (CUDA): else the policy would time launches
         self.platform.synchronize(self.groups.device)
         end_ns = self.clock_ns()
@@ -331,35 +342,43 @@ class ModelRunner:
         logits, the sampler on its row) fails that request alone: NaN rows are checked for every
         step, and only when the batched call raises are the rows sampled one by one to find the
         ones at fault. The step goes on for every other request, so the DP lockstep is never
-        broken by one request's data.
+        broken by one request's data. The tokens, the NaN flags and the logprob rows come back in
+        ONE device-to-host copy (``SampledResults``); nothing else is read.
         """
         if not inputs.sampled_request_ids:
             return {}, {}, {}
+        metadata = inputs.sampling_metadata
         with torch.inference_mode(), timeline_span("sample"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-            metadata = inputs.sampling_metadata
             # a row's max is NaN iff the row has a NaN (max propagates NaN): one reduction, no
             # [rows, vocab] bool temporary (several times cheaper than isnan(logits).any(-1))
-            nan_rows = torch.isnan(logits.amax(dim=-1)).nonzero().flatten().tolist()
-            errors = dict.fromkeys(nan_rows, "the model produced NaN logits for this request")
-            tokens, sample_errors = self._sample_isolating_failures(logits, metadata)
-            errors.update(sample_errors)
+            is_nan = torch.isnan(logits.amax(dim=-1))
+            tokens, errors = self._sample_isolating_failures(logits, metadata)
+            # rows whose request asked for logprobs, from the host-side parameters
+            logprob_rows = [row for row, n in enumerate(metadata.num_logprobs) if n >= 0]
+            num_top = [metadata.num_logprobs[row] for row in logprob_rows]
+            logprobs = None
+            if logprob_rows:
+                with timeline_span("logprobs"):
+                    logprobs = logprob_values(logits[logprob_rows], tokens[logprob_rows], num_top)
+            results = SampledResults.read(tokens, is_nan, logprobs)
         ids = inputs.sampled_request_ids
+        nan_error = "the model produced NaN logits for this request"
+        errors = {**dict.fromkeys(results.nan_rows, nan_error), **errors}
         failed = {ids[row]: error for row, error in errors.items()}
-        token_list = tokens.tolist()  # host sync: one per step for all rows
-        sampled = {r: token_list[row] for row, r in enumerate(ids) if row not in errors}
-        logprob_rows = (metadata.num_logprobs >= 0).nonzero().flatten().tolist()
-        wanted_rows = [row for row in logprob_rows if row not in errors]
-        if not wanted_rows:
+        tokens_list = results.token_ids
+        sampled = {r: tokens_list[row] for row, r in enumerate(ids) if row not in errors}
+        if not logprob_rows:
             return sampled, {}, failed
-        with timeline_span("logprobs"):
-            logprobs = compute_logprobs(
-                logits[wanted_rows],
-                tokens[wanted_rows],
-                metadata.num_logprobs[wanted_rows].tolist(),
-            )
-        wanted = [ids[row] for row in wanted_rows]
-        return sampled, dict(zip(wanted, logprobs, strict=True)), failed
+        per_row = unpack_logprobs(
+            results.logprob_values, [tokens_list[row] for row in logprob_rows], num_top
+        )
+        wanted = {
+            ids[row]: row_logprobs
+            for row, row_logprobs in zip(logprob_rows, per_row, strict=True)
+            if row not in errors
+        }
+        return sampled, wanted, failed
 
     def _sample_isolating_failures(
         self, logits: torch.Tensor, metadata: SamplingMetadata

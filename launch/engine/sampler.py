@@ -65,35 +65,88 @@ def apply_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
-) -> list[TokenLogprobs]:
-    """Raw logprobs of the sampled tokens and of each row's ``num_top[i]`` most likely tokens.
+def logprob_values(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> Tensor:
+    """Raw logprobs of the sampled tokens and of each row's ``num_top[i]`` most likely tokens, on
+    the logits' device and packed for one read with the step's other results (``unpack_logprobs``).
 
     Args:
         logits: ``[num_rows, vocab_size]`` float32 or float64 (bfloat16 is computed in float32).
         token_ids: ``[num_rows]`` int64, the token sampled in each row.
-        num_top: per row, in [0, MAX_LOGPROBS].
+        num_top: per row, in [0, MAX_LOGPROBS] (host ints: they size the result).
 
     Returns:
-        One ``TokenLogprobs`` per row.
+        ``[num_rows, 1 + 2 * max(num_top)]`` float64: per row the sampled token's logprob, the top
+        logprobs (descending; ties: lower id first, as ``torch.topk``), then their token ids
+        (exact in float64: ids are far below 2**53).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 models stay float64
     logprobs = torch.log_softmax(logits.to(dtype), dim=-1)
-    sampled = logprobs.gather(-1, token_ids.view(-1, 1)).view(-1).tolist()
+    sampled = logprobs.gather(-1, token_ids.view(-1, 1))
     k = max(num_top, default=0)
-    top_values, top_ids = torch.topk(logprobs, k, dim=-1) if k else (None, None)
-    values = top_values.tolist() if k else None
-    ids = top_ids.tolist() if k else None
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)
+    return torch.cat([sampled, top_values, top_ids.to(dtype)], dim=1).to(torch.float64)
+
+
+def unpack_logprobs(
+    values: list[float], token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprobs]:
+    """One ``TokenLogprobs`` per row from ``logprob_values(...)`` read to the host and flattened
+    (``values``), the rows' sampled ``token_ids`` and their ``num_top``."""
+    k = max(num_top, default=0)
+    width = 1 + 2 * k
+    rows = [values[i * width : (i + 1) * width] for i in range(len(num_top))]
     return [
         TokenLogprobs(
-            token_id=int(token_ids[i]),
-            logprob=sampled[i],
-            top_token_ids=tuple(ids[i][: num_top[i]]) if k else (),
-            top_logprobs=tuple(values[i][: num_top[i]]) if k else (),
+            token_id=token_id,
+            logprob=row[0],
+            top_token_ids=tuple(int(t) for t in row[1 + k : 1 + k + n]),
+            top_logprobs=tuple(row[1 : 1 + n]),
         )
-        for i in range(len(num_top))
+        for row, token_id, n in zip(rows, token_ids, num_top, strict=True)
     ]
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """``logprob_values`` read to the host (one device-to-host copy) and unpacked: one
+    ``TokenLogprobs`` per row (shapes and dtypes as ``logprob_values``)."""
+    values = logprob_values(logits, token_ids, num_top)
+    is_nan = torch.zeros_like(token_ids, dtype=torch.bool)
+    results = SampledResults.read(token_ids, is_nan, values)
+    return unpack_logprobs(results.logprob_values, results.token_ids, num_top)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampledResults:
+    """A step's sampling results on the host, read from the device in ONE copy (``read``).
+
+    Fields:
+        token_ids: per sampled row, its token.
+        nan_rows: the rows whose logits hold a NaN (their tokens are meaningless).
+        logprob_values: ``logprob_values(...)`` of the logprob rows, flattened (empty if none).
+    """
+
+    token_ids: list[int]
+    nan_rows: list[int]
+    logprob_values: list[float]
+
+    @classmethod
+    def read(cls, token_ids: Tensor, is_nan: Tensor, logprobs: Tensor | None) -> SampledResults:
+        """Pack ``token_ids`` ``[num_rows]`` int64, ``is_nan`` ``[num_rows]`` bool and
+        ``logprobs`` (``logprob_values``'s ``[num_logprob_rows, width]`` float64, or None) into one
+        float64 tensor on their device and read it (token ids are exact in float64)."""
+        parts = [token_ids.to(torch.float64), is_nan.to(torch.float64)]
+        if logprobs is not None:
+            parts.append(logprobs.flatten())
+        values = torch.cat(parts).tolist()  # host sync: the step's one read of its results
+        num_rows = token_ids.shape[0]
+        flags = values[num_rows : 2 * num_rows]
+        return cls(
+            token_ids=[int(t) for t in values[:num_rows]],
+            nan_rows=[row for row, flag in enumerate(flags) if flag],
+            logprob_values=values[2 * num_rows :],
+        )
 
 
 _MASK32 = 0xFFFFFFFF
@@ -140,27 +193,34 @@ class SamplingMetadata:
         seeds: [num_rows] int64, the request's seed (used only where temperature > 0).
         output_positions: [num_rows] int64, index of the token being sampled among the request's
             output tokens (0 for the first generated token).
-        num_logprobs: [num_rows] int64, top logprobs the request asked for; -1 = no logprobs.
+        num_logprobs: per row (host ints), top logprobs the request asked for; -1 = no logprobs.
         is_all_greedy: True if every temperature is 0 (skips the random path).
+        has_top_p: True if a row with a temperature has a top_p below 1 (else no nucleus sort).
+    The two flags and ``num_logprobs`` come from the host-side request parameters, so that the
+    sampler decides its path without reading the device tensors.
     """
 
     temperature: Tensor
     top_p: Tensor
     seeds: Tensor
     output_positions: Tensor
-    num_logprobs: Tensor
+    num_logprobs: tuple[int, ...]
     is_all_greedy: bool
+    has_top_p: bool
 
     def select(self, rows: list[int]) -> SamplingMetadata:
-        """The metadata of ``rows`` only (in that order)."""
+        """The metadata of ``rows`` only (in that order). Reads the device values of ``rows``
+        (host sync): for the sampler's failure path only, never in a normal step."""
         temperature = self.temperature[rows]
+        top_p = self.top_p[rows]
         return SamplingMetadata(
             temperature=temperature,
-            top_p=self.top_p[rows],
+            top_p=top_p,
             seeds=self.seeds[rows],
             output_positions=self.output_positions[rows],
-            num_logprobs=self.num_logprobs[rows],
+            num_logprobs=tuple(self.num_logprobs[row] for row in rows),
             is_all_greedy=bool((temperature == 0).all()),
+            has_top_p=bool(((temperature > 0) & (top_p < 1)).any()),
         )
 
 
@@ -180,7 +240,12 @@ def top_p_mask(scores: Tensor, top_p: Tensor) -> Tensor:
 
 
 class Sampler:
-    """logits [num_rows, vocab_size] (float32) + SamplingMetadata -> token ids [num_rows] int64."""
+    """logits [num_rows, vocab_size] (float32) + SamplingMetadata -> token ids [num_rows] int64.
+
+    Reads nothing to the host: the path (greedy only, nucleus or not) is chosen from the
+    metadata's host-side flags, and a batch with any temperature samples every row on the random
+    path and keeps the greedy token where the temperature is 0 (as vLLM's sampler does), instead
+    of selecting the random rows (a value-dependent shape)."""
 
     def __call__(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         # max's indices are argmax's (the first maximal value per row, as documented for both;
@@ -188,14 +253,12 @@ class Sampler:
         tokens = logits.max(dim=-1).indices
         if metadata.is_all_greedy:
             return tokens
-        random_rows = (metadata.temperature > 0).nonzero().flatten()
-        temperature = metadata.temperature[random_rows].to(torch.float64)
-        scores = logits[random_rows].to(torch.float64) / temperature[:, None]
-        top_p = metadata.top_p[random_rows]
-        if bool((top_p < 1).any()):
-            scores = top_p_mask(scores, top_p)
-        uniform = hash_uniform(
-            metadata.seeds[random_rows], metadata.output_positions[random_rows], logits.shape[-1]
-        )
-        tokens[random_rows] = (scores - torch.log(-torch.log(uniform))).argmax(dim=-1)
-        return tokens
+        temperature = metadata.temperature.to(torch.float64)
+        is_random = temperature > 0
+        # greedy rows divide by 1: their scores are computed, then discarded below
+        scores = logits.to(torch.float64) / torch.where(is_random, temperature, 1.0)[:, None]
+        if metadata.has_top_p:
+            scores = top_p_mask(scores, metadata.top_p)
+        uniform = hash_uniform(metadata.seeds, metadata.output_positions, logits.shape[-1])
+        sampled = (scores - torch.log(-torch.log(uniform))).argmax(dim=-1)
+        return torch.where(is_random, sampled, tokens)

@@ -10,6 +10,7 @@ from moe.platforms.interface import (
     ConfigUpdate,
     CpuPlatform,
     CudaPlatform,
+    DeviceMemory,
     Float32PackLimits,
     Platform,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "CpuPlatform",
     "CudaPlatform",
     "CustomOp",
+    "DeviceMemory",
     "Float32PackLimits",
     "Platform",
     "current_platform",

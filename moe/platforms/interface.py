@@ -13,6 +13,9 @@ questions:
   (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
   the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
   then runs the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order is kept.
+- ``device_memory(device)``: the device's total memory and what is in use (``DeviceMemory``), for
+  sizing the KV cache from free memory after a profile step (``reset_peak_memory`` before it), or
+  None where the KV cache keeps a fixed default budget (the host).
 - ``device_clock(device)``: the clock that times the timeline's compute spans on the device
   (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
 - ``graph_backend()``: the class that compiles or captures one graph-mode piece
@@ -82,6 +85,23 @@ class ConfigUpdate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceMemory:
+    """A device's memory in bytes, as vLLM's ``determine_available_memory`` reads it after a
+    profile step: ``total_bytes``; ``not_torch_bytes``, everything on the device that is not this
+    process's torch allocator (other processes, the CUDA context, NCCL buffers);
+    ``torch_peak_bytes``, the allocator's peak since ``reset_peak_memory`` (the weights and the
+    profile step's activations)."""
+
+    total_bytes: int
+    not_torch_bytes: int
+    torch_peak_bytes: int
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.not_torch_bytes + self.torch_peak_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Float32PackLimits:
     """Where a float32 GEMM uses a prepacked oneDNN weight (``moe.layers.linear``): batches of at
     most ``max_rows`` rows, weights of at least ``min_elements`` elements (per expert matrix)."""
@@ -127,6 +147,14 @@ class Platform:
     def describe_device(self, device: torch.device) -> str:
         """The device for the start-up line, e.g. ``cpu`` or ``cuda:0 (NVIDIA H200, 139.8 GiB)``."""
         return str(device)
+
+    def device_memory(self, device: torch.device) -> DeviceMemory | None:
+        """``device``'s memory after a profile step (``DeviceMemory``), or None where the KV cache
+        is not sized from free memory (the host: ``launch.engine.kv_cache_sizing``'s budget)."""
+        return None
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        """Start a new peak for ``device_memory``'s ``in_use_bytes`` (before the profile step)."""
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         """Per-ubatch streams and events on ``device`` (``dbo.cuda_streams.UBatchStreams``), or
@@ -377,6 +405,20 @@ class CudaPlatform(Platform):
             return super().available_memory(device)
         free, _total = torch.cuda.mem_get_info(device)  # free on the device, other processes' use
         return free
+
+    def device_memory(self, device: torch.device) -> DeviceMemory | None:
+        if device.type != "cuda":  # host tensors of a CUDA process: the host's sizing
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(
+            total_bytes=total,
+            not_torch_bytes=(total - free) - torch.cuda.memory_reserved(device),
+            torch_peak_bytes=torch.cuda.max_memory_allocated(device),
+        )
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
         from dbo.cuda_streams import make_ubatch_streams

@@ -106,12 +106,19 @@ def _check_received(result, case, ep_rank, backend) -> int:
             assert torch.equal(rows, exp)
         return int(result.expert_num_tokens.sum())
     exp_x, exp_ids, exp_w = _expected_rows(case, ep_rank, backend.num_local_experts)
-    assert result.hidden_states.dtype == dtype and result.topk_ids.dtype == torch.int64
-    assert result.topk_weights.dtype == torch.float32
-    assert torch.equal(result.hidden_states, exp_x)
-    assert torch.equal(result.topk_ids, exp_ids)
-    assert torch.equal(result.topk_weights, exp_w)
-    return result.metadata.num_recv_tokens
+    hidden, ids, weights = result.hidden_states, result.topk_ids, result.topk_weights
+    assert hidden.dtype == dtype and ids.dtype == torch.int64 and weights.dtype == torch.float32
+    if backend.name == "allgather_reducescatter":
+        # every gathered row comes back (no value-dependent shape): max(counts) per rank, the
+        # rows without a local expert (padding included) with ids -1 and weights 0
+        assert hidden.shape[0] == len(case["counts"]) * max(case["counts"])
+        has_local = (ids >= 0).any(dim=1)
+        assert not weights[~has_local].any()
+        hidden, ids, weights = hidden[has_local], ids[has_local], weights[has_local]
+    assert torch.equal(hidden, exp_x)
+    assert torch.equal(ids, exp_ids)
+    assert torch.equal(weights, exp_w)
+    return hidden.shape[0]
 
 
 def _run_case(backend, case, ep_rank) -> dict:

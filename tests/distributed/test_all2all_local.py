@@ -16,6 +16,7 @@ from distributed import (
     FusedMoEActivationFormat,
     make_all2all_backend,
 )
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from distributed.all2all.token_packing import (
     RowLayout,
     localize_topk,
@@ -96,11 +97,16 @@ def test_backend_rejects_bad_construction():
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_dispatch_and_combine_reject_bad_inputs(name):
+def test_dispatch_and_combine_reject_bad_inputs(name, monkeypatch):
     backend = _local_backend(name)
     x, ids, w = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\) or -1"):
-        backend.dispatch(x, ids + 4, w)
+    assert not backend.check_topk_ids  # a host read per dispatch: debug only
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    for checking in (_local_backend(name), _local_backend(name, check_topk_ids=True)):
+        assert checking.check_topk_ids
+        expected = r"topk_ids must be in \[0, 4\) or -1, got values in \[4, 4\]"
+        with pytest.raises(ValueError, match=expected):
+            checking.dispatch(x, ids + 4, w)
     with pytest.raises(TypeError, match=r"topk_ids must be int64"):
         backend.dispatch(x, ids.int(), w)
     with pytest.raises(TypeError, match=r"hidden_states must be a 2-D floating tensor"):

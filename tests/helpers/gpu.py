@@ -63,6 +63,7 @@ def placed_groups(platform, rank: int, world_size: int, *, timeout_s: float):
         timeout_s=timeout_s,
         backend=placement.dist_backend,
         device=placement.device,
+        num_ranks_on_device=placement.num_ranks_on_device,
     )
     return placement, groups
 

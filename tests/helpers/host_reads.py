@@ -2,7 +2,8 @@
 a host-device synchronisation (and breaks CUDA-graph capture), so a test on CPU tensors that
 records none proves the same code reads nothing on the GPU.
 
-Two nets: the ``Tensor`` methods that hand values to Python (``item``, ``tolist``, ``cpu``,
+Two nets, in the calling thread and in every thread started inside the block (the DBO ubatch
+threads): the ``Tensor`` methods that hand values to Python (``item``, ``tolist``, ``cpu``,
 ``numpy``, ``bool()``, ``int()``, ``float()``, ``index()``), and, through a ``TorchDispatchMode``,
 the aten ops whose output shape or result depends on tensor values (``nonzero``, boolean-mask
 indexing, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``, ...). Reads
@@ -11,9 +12,11 @@ inside C++ code that dispatches nothing cannot be seen.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,14 +91,28 @@ def recording_host_reads() -> Iterator[list[str]]:
 
         return method
 
+    # a dispatch mode is per thread: threads started in the block enter their own
+    thread_run = threading.Thread.run
+
+    def run(self):
+        with _OpRecorder(reads):
+            thread_run(self)
+
     for name in _METHODS:
         setattr(torch.Tensor, name, wrap(name))
+    threading.Thread.run = run
     try:
         with _OpRecorder(reads):
             yield reads
     finally:
+        threading.Thread.run = thread_run
         for name, original in saved.items():
             if original is None:
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, original)
+
+
+def reads_per_file(reads: Iterable[str]) -> dict[str, int]:
+    """``recording_host_reads``' entries counted per ``dir/file`` (e.g. ``engine/sampler.py``)."""
+    return dict(collections.Counter(r.split(" at ")[1].rsplit(":", 1)[0] for r in reads))

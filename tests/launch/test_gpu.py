@@ -2,7 +2,8 @@
 the KV cache on the device and no matrix product on the host; float64 and float32 logits equal
 transformers' for Mixtral, DeepSeek-V3 and Qwen2-MoE; CUDA graphs equal eager; two ranks sharing
 one GPU with DP+EP+DBO equal DBO off and transformers; a bfloat16 decode step attends without
-cuDNN's per-shape attention; a profile records the CUDA kernels. The logits, profile and
+cuDNN's per-shape attention; a profile records the CUDA kernels; without a KV flag the cache takes
+the free memory a profile step leaves. The logits, profile and
 shared-device tests run on the CPU too (the same code with the CPU platform), so CI checks their
 own logic; the op recorders are checked on the CPU, where they must find the host's products and
 SDPA's CPU kernel. FLEX_ATTENTION's logits equal transformers' on the GPU, compiled (its CPU
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.engine.kv_cache_sizing import DEFAULT_KV_CACHE_MEMORY_BYTES
 from tests.helpers.engine import NUM_DECODE_STEPS, run_engine_steps
 from tests.helpers.gpu import attention_ops, builtin_platform, device_platform, host_matmuls
 from tests.helpers.precision import (
@@ -41,6 +43,9 @@ def _engine(model_dir: str, device: torch.device, **overrides):
             "dtype": "float32",
             "max_model_len": 64,
             "block_size": 4,
+            # several engines live in one test process (the start-up freezes the heap): with the
+            # free-memory rule the first would take the device (tested alone below)
+            "kv_cache_memory_bytes": DEFAULT_KV_CACHE_MEMORY_BYTES,
             **overrides,
         }
     )
@@ -96,6 +101,30 @@ def test_everything_lives_on_the_gpu_and_a_decode_step_multiplies_nothing_on_the
         assert {c.device.type for c in caches} == {"cuda"}
         _one_decode_step(engine)
         assert host_matmuls(engine.step) == []
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_the_kv_cache_takes_the_free_memory_a_profile_step_leaves(tiny_mixtral_dir):
+    """Without a KV flag the cache gets --gpu-memory-utilization of the device minus what is in
+    use after the profile step (a small fraction here: the engine outlives the test)."""
+    with device_platform():
+        device = torch.device("cuda", 0)
+        total = torch.cuda.mem_get_info(device)[1]
+        engine = _engine(
+            tiny_mixtral_dir,
+            device,
+            kv_cache_memory_bytes=None,
+            gpu_memory_utilization=0.05,
+            max_num_seqs=100_000,  # no cap: the memory decides
+            max_num_batched_tokens=1024,
+        )
+        sizing = engine.kv_cache_sizing
+        assert "in use after a profile step at 1024 tokens" in sizing.source
+        assert 0 < sizing.num_bytes <= 0.05 * total
+        assert engine.memory.kv_cache_bytes == sizing.num_bytes
+        assert torch.cuda.max_memory_allocated(device) <= 0.05 * total
+        _one_decode_step(engine)
 
 
 @pytest.mark.parametrize("device_type", DEVICE_TYPES)
@@ -222,7 +251,13 @@ def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
     placement, groups = placed_groups(platform, rank, world_size, timeout_s=60)
     results = {}
     for enable_dbo in (True, False):
-        args = dbo_test_engine_args(model_dir, world_size, enable_dbo, dtype="float64")
+        args = dbo_test_engine_args(
+            model_dir,
+            world_size,
+            enable_dbo,
+            dtype="float64",
+            kv_cache_memory_bytes=DEFAULT_KV_CACHE_MEMORY_BYTES,  # two engines per process
+        )
         engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
         results[enable_dbo] = run_engine_steps(engine, prompts, groups.dp_rank, groups.dp_size)
     return placement.dist_backend, str(placement.device), results

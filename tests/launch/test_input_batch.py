@@ -134,7 +134,7 @@ def test_sampling_metadata_per_request():
     assert meta.temperature.tolist() == [0.5, 0.0] and not meta.is_all_greedy
     assert meta.seeds.tolist() == [11, 0 + 4]  # default seed + request id
     assert meta.top_p.tolist() == [pytest.approx(0.9), 1.0]
-    assert meta.num_logprobs.tolist() == [2, -1]
+    assert meta.num_logprobs == (2, -1) and meta.has_top_p
     assert meta.output_positions.tolist() == [0, 0]
     sched.update_from_output(out, {3: 9, 4: 9})
     meta = batch.prepare_inputs(sched.schedule(), num_rows=2).sampling_metadata

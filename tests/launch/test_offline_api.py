@@ -209,10 +209,11 @@ def test_sampling_params_refuse(kwargs, error, pattern):
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
+        ({"swap_space": 4}, TypeError, r"unexpected keyword argument 'swap_space'"),
         (
-            {"gpu_memory_utilization": 0.9},
-            TypeError,
-            r"unexpected keyword argument 'gpu_memory_utilization'",
+            {"gpu_memory_utilization": 1.5},
+            ValueError,
+            r"--gpu-memory-utilization must be in \(0, 1\], got 1.5",
         ),
         ({"max_num_seqs": "8"}, TypeError, r"max_num_seqs='8' must be int"),
         ({"max_num_seqs": 0}, ValueError, r"--max-num-seqs must be >= 1, got 0"),

@@ -31,15 +31,15 @@ def lowbias32(x: int) -> int:
 
 
 def metadata(temperature, seeds, positions, top_p=None) -> SamplingMetadata:
-    temperature = torch.tensor(temperature, dtype=torch.float32)
     top_p = [1.0] * len(seeds) if top_p is None else top_p
     return SamplingMetadata(
-        temperature=temperature,
+        temperature=torch.tensor(temperature, dtype=torch.float32),
         top_p=torch.tensor(top_p, dtype=torch.float32),
-        num_logprobs=torch.full((len(seeds),), -1, dtype=torch.int64),
+        num_logprobs=(-1,) * len(seeds),
         seeds=torch.tensor(seeds, dtype=torch.int64),
         output_positions=torch.tensor(positions, dtype=torch.int64),
-        is_all_greedy=not bool(temperature.any()),
+        is_all_greedy=not any(temperature),
+        has_top_p=any(t > 0 and p < 1 for t, p in zip(temperature, top_p, strict=True)),
     )
 
 

@@ -4,7 +4,9 @@ forced on CPU tensors: the code is pure torch, so what it reads here it would re
 The MoE layer (router + experts + shared expert, no EP) reads nothing. A whole model reads only
 while its first layer builds the (u)batch's attention plan from the metadata (padding plan, KV
 write slots: host values the model runner's metadata already holds on the CPU), and nothing in a
-forward that reuses it: no layer reads anything.
+forward that reuses it: no layer reads anything. A whole engine step with two EP ranks under DBO
+reads, per module, only its results (once), the DP vote, the host metadata, and inside the expert
+all-to-all only where a backend needs counts on the host.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from moe.fused_moe.grouped_experts import grouped_mm_unavailable
 from moe.platforms import CudaPlatform, set_current_platform
 from tests.conftest import TINY_CONFIGS
 from tests.helpers.attention_metadata import BLOCK_SIZE, make_paged_metadata
-from tests.helpers.host_reads import recording_host_reads
+from tests.helpers.distributed import run_distributed
+from tests.helpers.engine import dbo_test_engine_args
+from tests.helpers.host_reads import reads_per_file, recording_host_reads
 
 # where the per-(u)batch attention plan is built from the metadata (once per (u)batch)
 PLAN_BUILDERS = ("layers/batched_attention.py", "layers/attention.py")
@@ -134,3 +138,93 @@ def test_model_forward_reads_only_the_per_batch_metadata(tiny_arch_dirs, model_t
             out = model(input_ids, positions, metadata)
         assert again == []
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+ENGINE_BACKENDS = ("allgather_reducescatter", "all_to_all", "deepep_low_latency")
+# what a step may read outside the model's layers and the all-to-all, once each
+STEP_READS = {
+    "engine/sampler.py": 1,  # the step's results: tokens, NaN flags, logprobs in ONE copy
+    "dbo/dp_coordination.py": 1,  # the DP vote's table (a collective deciding the step's shape)
+    "dbo/ubatch_slicing.py": 1,  # the cut points, from the host's query_start_loc (no sync)
+}
+# where each backend may read (an uneven all_to_all needs its split sizes on the host)
+ALL2ALL_READS = {
+    "allgather_reducescatter": set(),  # under DBO the agreed counts spare its exchange
+    # the in-band row counts of its padded dispatch (or the count exchange) and the rows they size
+    "all_to_all": {"all2all/all_to_all.py", "all2all/token_packing.py"},
+    # our torch.distributed emulation of DeepEP's protocol (uneven combine splits, the emulated
+    # link's byte bill); DeepEP's own kernels read nothing
+    "deepep_low_latency": {"all2all/deepep_low_latency_protocol.py"},
+}
+
+
+def _engine_step_reads(rank, world_size, model_dir, prompts):
+    """Per backend: a decode step of this rank's share of ``prompts`` (greedy, seeded top-p and
+    logprobs requests) under DBO on the CUDA op paths, recorded; (reads, ubatches, step output).
+    No step synchronises the device (static thresholds: no adaptive policy to time)."""
+    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.request import Request, SamplingParams
+    from tests.helpers.gpu import placed_groups
+    from tests.launch.test_cuda_paths_on_cpu import _cuda_ops_on_cpu
+
+    _, groups = placed_groups(_cuda_ops_on_cpu(), rank, world_size, timeout_s=60)
+    results = {}
+    for backend in ENGINE_BACKENDS:
+        args = dbo_test_engine_args(
+            model_dir, world_size, True, all2all_backend=backend, num_gpu_blocks_override=64
+        )
+        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+        syncs = []  # the step clock's device syncs: none without an "auto" threshold
+        engine.model_runner.platform.synchronize = syncs.append
+        for i in range(rank, len(prompts), world_size):
+            params = SamplingParams(
+                max_tokens=4,
+                temperature=0.0 if i % 2 else 0.8,
+                top_p=0.9 if i % 4 == 0 else 1.0,
+                seed=i,
+                logprobs=2 if i % 3 == 0 else None,
+            )
+            engine.add_request(
+                Request(request_id=i, prompt_token_ids=prompts[i], sampling_params=params)
+            )
+        for _ in range(3):  # prefill, a warm-up decode, the recorded decode
+            scheduler_output = engine.scheduler.schedule()
+            with recording_host_reads() as reads:
+                output = engine.model_runner.execute_model(scheduler_output)
+            engine.scheduler.update_from_output(
+                scheduler_output, output.sampled_token_ids, output.failed_request_ids
+            )
+        assert syncs == [], syncs
+        results[backend] = (
+            list(reads),
+            output.num_ubatches,
+            sorted(output.sampled_token_ids),
+            sorted(output.sampled_logprobs),
+        )
+    return results
+
+
+@pytest.mark.slow
+def test_engine_step_with_ep_and_dbo_reads_only_its_results(tiny_mixtral_dir, tiny_prompts):
+    per_rank = run_distributed(_engine_step_reads, 2, tiny_mixtral_dir, tiny_prompts, timeout_s=280)
+    for rank, results in enumerate(per_rank):
+        own = list(range(rank, len(tiny_prompts), 2))
+        for backend, (reads, num_ubatches, sampled, with_logprobs) in results.items():
+            label = f"rank {rank} {backend}: {reads}"
+            assert num_ubatches == 2, label
+            assert sampled == own and with_logprobs == [i for i in own if i % 3 == 0], label
+            per_file = reads_per_file(reads)
+            # Owned by the attention change (moe/layers/attention.py's KV write slots read
+            # bool(valid.all()) once per ubatch: a __bool__ and its aten.is_nonzero, 2 ubatches);
+            # 0 once that change lands.
+            assert per_file.pop("layers/attention.py", 0) == 4, label
+            # the per-(u)batch attention plan from the host metadata (no sync: CPU by design)
+            for plan in ("layers/batched_attention.py", "layers/attention_metadata.py"):
+                per_file.pop(plan, None)
+            all2all = {f for f in per_file if f.startswith("all2all/")}
+            assert all2all == ALL2ALL_READS[backend] or (
+                backend == "all_to_all" and all2all and all2all <= ALL2ALL_READS[backend]
+            ), label
+            for f in all2all:
+                del per_file[f]
+            assert per_file == STEP_READS, label
