@@ -1,7 +1,9 @@
 """Our Triton fused-MoE kernels (``moe.fused_moe.triton_experts``, ``forward_cuda`` with
 ``MOE_DBO_CUDA_EXPERTS=triton``) against ``forward_native``: on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1``, set by tests/moe/conftest.py where there is no GPU), on CUDA
-in the ``gpu`` tests. Skipped with the reason where triton is not installed; the package itself
+interpreter (``TRITON_INTERPRET=1``; where there is no GPU,
+``test_interpreted_kernels_in_a_fresh_process`` runs this module's interpreted tests in a process
+of their own), on CUDA in the ``gpu`` tests. Skipped with the reason where triton is not
+installed; the package itself
 imports and runs without it (``test_the_package_imports_and_runs_the_cuda_paths_without_triton``).
 
 Bounds as tests/moe/test_grouped_experts.py: each dtype against the float64 reference, within 4x
@@ -12,6 +14,8 @@ magnitude. Small shapes (a few hundred programs), so the interpreter takes secon
 from __future__ import annotations
 
 import importlib
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,11 +39,14 @@ def _restore_platform():
 def _kernels_module(*, interpreted: bool):
     """``moe.fused_moe.triton_kernels``, skipping the test unless triton is installed and runs
     as wanted: in its interpreter (CPU tensors) or compiled (CUDA). Triton reads
-    ``TRITON_INTERPRET`` when it is imported: tests/moe/conftest.py sets it where there is no
-    GPU."""
+    ``TRITON_INTERPRET`` when its kernels are defined, and setting it for the whole test process
+    would make the CUDA platform's default attention the interpreted Triton one in every other
+    test: the interpreted tests run in a fresh process of their own."""
     pytest.importorskip("triton", reason="triton is not installed")
     module = importlib.import_module("moe.fused_moe.triton_kernels")
     if module.is_interpreted() != interpreted:
+        if interpreted and not torch.cuda.is_available():
+            pytest.skip("interpreted in a process of its own (fresh_process test)")
         pytest.skip(f"triton {'compiles' if interpreted else 'interprets'} its kernels here")
     return module
 
@@ -199,3 +206,33 @@ def test_triton_experts_on_a_gpu_equal_native_without_a_sync(monkeypatch, dtype,
         native = experts.forward_native(x, ids, weights)
         reference = exact.forward_native(x.double(), ids, weights.double())
     _assert_matches_reference(fast, native, reference, dtype)
+
+
+def test_interpreted_kernels_in_a_fresh_process():
+    """This module's interpreted tests, in a process started under ``TRITON_INTERPRET=1`` (where
+    this one compiles, or has no triton, they skip)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels run in this process (compiled on the GPU, or interpreted here)")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "not fresh_process",
+        ],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    passed = re.search(r"(\d+) passed", output)
+    # 10 equal-native cases, split gate/up, float64 and empty batches, and the host-side tests
+    assert passed and int(passed.group(1)) >= 12, output[-3000:]
