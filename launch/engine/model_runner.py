@@ -290,7 +290,7 @@ class ModelRunner:
                 num_tokens=num_tokens,
                 has_work=has_work,
                 vote=vote,
-                dp_group=g.dp_group,
+                dp_group=g.dp_comm,
                 dp_rank=g.dp_rank,
                 dp_size=g.dp_size,
                 is_decode_only=scheduler_output.is_decode_only or not has_work,
