@@ -320,8 +320,10 @@ def create_communicator(
             error = f"rank {group.rank()}: {exc}"
     errors: list = [None] * group.size()
     dist.all_gather_object(errors, error, group=group)  # blocking: every local rank has mapped it
-    if name is not None:
-        kernels.ShmComm.unlink(name)  # nothing stays in /dev/shm, even after SIGKILL
+    if leader_name is not None and len(local_ranks) > 1:
+        # every local rank: the name is gone when create returns anywhere (ENOENT is fine), so
+        # nothing stays in /dev/shm, even after SIGKILL
+        kernels.ShmComm.unlink(leader_name)
     failures = [e for e in errors if e is not None]
     if failures:
         if native is not None:

@@ -384,9 +384,10 @@ class ModelRunner:
 
 @contextlib.contextmanager
 def _naming_dp_vote_errors(groups):
-    """Re-raise a failed DP vote naming it (gloo's timeout names no collective)."""
+    """Re-raise a failed DP vote naming it (gloo's timeout names no collective; shared memory's
+    raises TimeoutError naming the rank)."""
     try:
         yield
-    except RuntimeError as exc:
+    except (RuntimeError, TimeoutError) as exc:
         op = "the DP vote (all_to_all over the DP group)"
         raise comm_error(op, groups.rank, groups.timeout, exc) from exc

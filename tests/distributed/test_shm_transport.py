@@ -102,30 +102,44 @@ def _check_op(op: str, dtype, n: int, comms, rank: int, world: int, salt: int) -
 OPS = ("all_to_all_single", "all_gather_into", "reduce_scatter_sum", "all_reduce_sum")
 
 
-def _collectives_rank(rank: int, world: int, capacity_bytes: int | None) -> int:
-    kwargs = {} if capacity_bytes is None else {"capacity_bytes": capacity_bytes}
-    _, shm, gloo = _communicators(30.0, **kwargs)
-    salt = 0
-    for dtype in DTYPES:
-        for size in SIZES:
-            n = (1 << 20) // dtype.itemsize if size is None else size
-            for op in OPS:
-                salt += 1
-                _check_op(op, dtype, n, (shm, gloo), rank, world, salt)
+def _collectives_rank(rank: int, world: int, capacities: tuple[int | None, ...]) -> int:
+    from distributed.shm_transport import create_communicator
+
+    groups, shm, gloo = _communicators(30.0)
+    from distributed import TorchrunEnv
+
+    env = TorchrunEnv.from_environ()
+    num_checked = 0
+    for capacity in capacities:
+        comm = shm
+        if capacity is not None:  # a small slot: 1 MiB takes many rounds
+            comm = create_communicator(
+                groups.ep_group,
+                kernels=_kernels(),
+                node_rank=env.node,
+                job_id=env.job_id,
+                timeout=groups.timeout,
+                capacity_bytes=capacity,
+            )
+        for dtype in DTYPES:
+            for size in SIZES:
+                n = (1 << 20) // dtype.itemsize if size is None else size
+                for op in OPS:
+                    num_checked += 1
+                    _check_op(op, dtype, n, (comm, gloo), rank, world, num_checked)
+        comm.close()
     shm.close()
-    return salt
+    return num_checked
 
 
 @pytest.mark.parametrize(
-    ("world", "capacity_bytes"),
-    [(2, None), (2, 64 << 10), (3, 64 << 10)],
-    ids=["2ranks", "2ranks-rounds", "3ranks-rounds"],
+    ("world", "capacities"), [(2, (None, 64 << 10)), (3, (64 << 10,))], ids=["2ranks", "3ranks"]
 )
-def test_collectives_equal_gloo(world, capacity_bytes):
+def test_collectives_equal_gloo(world, capacities):
     """Every op, dtype and size (0, 1, odd, 1 MiB) gives gloo's result; a small capacity makes
     1 MiB take many rounds; 3 ranks cut per-destination blocks."""
-    counts = run_distributed(_collectives_rank, world, capacity_bytes, timeout_s=240)
-    assert counts == [len(DTYPES) * len(SIZES) * len(OPS)] * world
+    counts = run_distributed(_collectives_rank, world, capacities, timeout_s=240)
+    assert counts == [len(capacities) * len(DTYPES) * len(SIZES) * len(OPS)] * world
 
 
 def _two_threads_rank(rank: int, world: int) -> bool:

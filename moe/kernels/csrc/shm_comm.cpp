@@ -18,6 +18,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -46,10 +47,16 @@ int64_t now_ns() {
   return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
-inline void cpu_relax() {
+// One step of a spin: a pause at first, then a yield, so that a thread that spins on a busy core
+// (2 cores, 2 ranks, each with a caller and a channel thread) hands it to a runnable peer thread.
+inline void relax(int64_t& step) {
+  if (step++ < 64) {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #endif
+  } else {
+    sched_yield();
+  }
 }
 
 // Futexes: ``shared`` words live in the segment (other processes wake them).
@@ -192,7 +199,8 @@ std::string ShmWork::wait(double timeout_s) {
   ShmOp& op = *op_;
   const int64_t start = now_ns();
   const int64_t deadline = start + int64_t(timeout_s * 1e9);
-  while (op.state.load(std::memory_order_acquire) == 0 && now_ns() - start < kSpinNs) cpu_relax();
+  int64_t step = 0;
+  while (op.state.load(std::memory_order_acquire) == 0 && now_ns() - start < kSpinNs) relax(step);
   while (op.state.load(std::memory_order_acquire) == 0) {
     const int64_t remaining = deadline - now_ns();
     if (remaining <= 0) {
@@ -330,7 +338,8 @@ void ShmComm::run_channel(Channel* channel) {
   while (true) {
     std::shared_ptr<ShmOp> op;
     const int64_t spin_until = now_ns() + kWorkerSpinNs;
-    while (channel->num_queued.load() == 0 && now_ns() < spin_until) cpu_relax();
+    int64_t step = 0;
+    while (channel->num_queued.load() == 0 && now_ns() < spin_until) relax(step);
     {
       std::unique_lock<std::mutex> lock(channel->mutex);
       while (!channel->stop && channel->queue.empty()) {
@@ -371,10 +380,11 @@ std::string ShmComm::wait_word(std::atomic<uint32_t>* word, std::atomic<uint32_t
                                uint32_t target, int64_t peer, int64_t deadline_ns,
                                const char* what) {
   const int64_t spin_until = now_ns() + kSpinNs;
+  int64_t step = 0;
   while (!reached(word->load(std::memory_order_acquire), target)) {
     const int64_t now = now_ns();
     if (now < spin_until) {
-      cpu_relax();
+      relax(step);
       continue;
     }
     if (closing_.load()) return "the communicator was closed";
