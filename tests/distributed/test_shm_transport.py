@@ -3,6 +3,7 @@ threads issuing at once, a peer that dies mid-exchange, and no segment left in `
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -238,3 +239,48 @@ def test_peer_killed_mid_exchange_fails_every_rank_and_leaves_no_segment():
         assert f"rank {world - 1}" in message, message
         assert elapsed < 10.0, elapsed
         assert [name for name in os.listdir("/dev/shm") if job_id in name] == []
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_leaves_no_segment(tmp_path, tiny_mixtral_dir, tiny_prompts_file):
+    """SIGKILL of torchrun while its ranks run: /dev/shm holds none of the job's segments (they
+    were unlinked at start-up, once every rank had mapped them)."""
+    import signal
+    import subprocess
+
+    from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
+
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("moe_dbo_")}
+    launcher = subprocess.Popen(
+        torchrun_command(
+            2,
+            "launch.generate",
+            f"--model={tiny_mixtral_dir}",
+            f"--prompts={tiny_prompts_file}",
+            f"--output={tmp_path / 'out.jsonl'}",
+            "--max-tokens=400",
+            "--data-parallel-size=2",
+            "--enable-expert-parallel",
+        ),
+        cwd=REPO,
+        env={**os.environ, **TORCHRUN_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the ranks are killed after the check
+    )
+    try:
+        deadline = time.monotonic() + 240
+        for line in launcher.stderr:  # blocking reads, bounded by the deadline check
+            if "collectives over shm" in line or time.monotonic() > deadline:
+                break
+        assert "collectives over shm" in line, line
+        time.sleep(0.5)  # the ranks are stepping
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        left = {name for name in os.listdir("/dev/shm") if name.startswith("moe_dbo_")} - before
+        assert left == set(), left
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the orphaned ranks, if any are left
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
