@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dbo.adaptive_policy import AdaptiveDBOPolicy, Bucket, PolicyChoice
 from dbo.ubatch_slicing import max_num_ubatches
+from distributed.communicator import Communicator, as_communicator
 
 # columns of the gathered [dp_size, 7] int64 table
 _NUM_TOKENS, _VOTE, _HAS_WORK, _IS_DECODE_ONLY, _CAN_UBATCH, _PREV_STEP_US, _NUM_UBATCHES = range(7)
@@ -174,8 +174,8 @@ def decide_from_gathered(
     )
 
 
-def _collective_device(dp_group: ProcessGroup) -> torch.device:
-    if dist.get_backend(dp_group) == "nccl":
+def _collective_device(dp_comm: Communicator) -> torch.device:
+    if not dp_comm.is_host_transport:  # NCCL: the table lives on this rank's CUDA device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -185,7 +185,7 @@ def coordinate_batch_across_dp(
     num_tokens: int,
     has_work: bool,
     vote: bool,
-    dp_group: ProcessGroup | None,
+    dp_group: ProcessGroup | Communicator | None,
     dp_rank: int,
     dp_size: int,
     is_decode_only: bool = True,
@@ -199,7 +199,8 @@ def coordinate_batch_across_dp(
 
     One all-gather of every rank's row into a ``[dp_size, 7]`` int64 table over ``dp_group``, done
     as an ``all_to_all_single`` (each rank sends its row to every rank): on gloo, faster for a
-    table this small than the ``all_reduce`` of a zero-filled table it replaces. On an NCCL group
+    table this small than the ``all_reduce`` of a zero-filled table it replaces; ``dp_group`` is
+    the DP group's communicator (or the process group: torch.distributed's). On an NCCL group
     the table lives on the current CUDA device. ``dp_size == 1`` skips communication. Every rank
     gets the same ``should_ubatch``. ``can_ubatch`` (default: ``vote``) says whether this rank could
     microbatch at all, for the adaptive policy; ``prev_step_us`` is this rank's measured time of its
@@ -226,12 +227,16 @@ def coordinate_batch_across_dp(
     if dp_size > 1:
         if dp_group is None:
             raise ValueError(f"dp_group is required when dp_size={dp_size} > 1")
-        group_size = dist.get_world_size(dp_group)
-        if group_size != dp_size:
-            raise ValueError(f"dp_group has {group_size} ranks, expected dp_size={dp_size}")
-        device = _collective_device(dp_group)
+        comm = as_communicator(dp_group)
+        if comm.size != dp_size:
+            raise ValueError(f"dp_group has {comm.size} ranks, expected dp_size={dp_size}")
+        device = _collective_device(comm)
         mine = rows[dp_rank].to(device).expand(dp_size, NUM_VOTE_COLUMNS).contiguous()
         rows = torch.empty(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64, device=device)
-        # blocking wait (timeout: the group's timeout); row r of the result is rank r's row
-        dist.all_to_all_single(rows, mine, group=dp_group)
+        work, after = comm.all_to_all_single(
+            rows, mine, output_split_sizes=None, input_split_sizes=None
+        )
+        work.wait()  # blocking wait (timeout: the group's); row r of the result is rank r's row
+        if after is not None:
+            after()
     return decide_from_gathered(rows, dp_rank, policy=policy, adaptive_kinds=adaptive_kinds)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from distributed.communicator import Communicator
 
 _REQUIRED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -27,7 +29,9 @@ _REQUIRED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TorchrunEnv:
     """The rank layout torchrun hands to each process; ``local_world_size``: ranks on this node
-    (torchrun's ``LOCAL_WORLD_SIZE``; None: unknown, taken as ``world_size``).
+    (torchrun's ``LOCAL_WORLD_SIZE``; None: unknown, taken as ``world_size``); ``node_rank``:
+    this node (torchrun's ``GROUP_RANK``; None: unknown, taken as ``rank // num_local_ranks``);
+    ``job_id``: names this job's shared resources (torchrun's run id and master port).
 
     Raises:
         ValueError: if ``world_size < 1``, ``rank`` is outside ``[0, world_size)``,
@@ -38,6 +42,8 @@ class TorchrunEnv:
     world_size: int
     local_rank: int
     local_world_size: int | None = None
+    node_rank: int | None = None
+    job_id: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -56,6 +62,11 @@ class TorchrunEnv:
     def num_local_ranks(self) -> int:
         """Ranks on this node (``LOCAL_WORLD_SIZE``, else the world size)."""
         return self.world_size if self.local_world_size is None else self.local_world_size
+
+    @property
+    def node(self) -> int:
+        """This rank's node: ``GROUP_RANK``, else ``rank // num_local_ranks``."""
+        return self.rank // self.num_local_ranks if self.node_rank is None else self.node_rank
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
@@ -79,14 +90,18 @@ class TorchrunEnv:
         port = _parse_int(environ, "MASTER_PORT")
         if not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT must be in [1, 65535], got {port}")
-        local_world_size = None
+        local_world_size = node_rank = None
         if environ.get("LOCAL_WORLD_SIZE"):
             local_world_size = _parse_int(environ, "LOCAL_WORLD_SIZE")
+        if environ.get("GROUP_RANK"):
+            node_rank = _parse_int(environ, "GROUP_RANK")
         return cls(
             rank=values["RANK"],
             world_size=values["WORLD_SIZE"],
             local_rank=values["LOCAL_RANK"],
             local_world_size=local_world_size,
+            node_rank=node_rank,
+            job_id=f"{environ.get('TORCHELASTIC_RUN_ID', 'none')}-{port}",
         )
 
 
@@ -109,6 +124,10 @@ class ParallelGroups:
     so DP token counts map to EP counts without assuming ``ep_size == dp_size``; None when the
     layout is not known (the all-to-all then exchanges its counts). ``num_ranks_on_device``: the
     ranks of this node computing on ``device`` (> 1: shared, ``RankPlacement``'s).
+    ``dp_comm`` and ``ep_comm``
+    run the collectives of ``dp_group`` and ``ep_group`` (``distributed.communicator``: gloo,
+    NCCL, or shared memory within a node); None exactly when their group is None (left out:
+    torch.distributed's over the group).
     """
 
     rank: int
@@ -123,6 +142,8 @@ class ParallelGroups:
     timeout: datetime.timedelta
     dp_rank_of_ep_rank: tuple[int, ...] | None = None
     num_ranks_on_device: int = 1
+    dp_comm: Communicator | None = None
+    ep_comm: Communicator | None = None
 
     def __post_init__(self) -> None:
         if self.num_ranks_on_device < 1:
@@ -138,6 +159,12 @@ class ParallelGroups:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be > 0 s, got {self.timeout}")
+        for name in ("dp", "ep"):
+            group, comm = getattr(self, f"{name}_group"), getattr(self, f"{name}_comm")
+            if comm is None and group is not None:
+                object.__setattr__(self, f"{name}_comm", Communicator(group))
+            elif comm is not None and comm.group is not group:
+                raise ValueError(f"{name}_comm must run {name}_group's collectives, got {comm!r}")
         ranks = self.dp_rank_of_ep_rank
         if ranks is not None and (
             len(ranks) != self.ep_size
@@ -170,6 +197,7 @@ def init_distributed(
     device: torch.device | None = None,
     env: TorchrunEnv | None = None,
     num_ranks_on_device: int = 1,
+    make_communicator: Callable[[ProcessGroup], Communicator] | None = None,
 ) -> ParallelGroups:
     """Initialise the default process group (if needed) and build the DP and EP groups.
 
@@ -185,6 +213,8 @@ def init_distributed(
             An NCCL group needs it to be this rank's CUDA device.
         env: the rank layout; parsed from ``os.environ`` when None.
         num_ranks_on_device: ranks of this node on ``device`` (``RankPlacement``'s; >= 1).
+        make_communicator: builds each group's communicator, collectively (the platform's
+            ``make_communicator``: shared memory within a node); None: torch.distributed's.
 
     Raises:
         ValueError: if ``data_parallel_size != world_size``, ``timeout_s <= 0``, the backend is
@@ -205,6 +235,9 @@ def init_distributed(
     ep_group = None
     if ep_size > 1:
         ep_group = dist.new_group(all_ranks, timeout=timeout, backend=backend)
+    make_communicator = make_communicator or Communicator
+    dp_comm = make_communicator(dp_group)
+    ep_comm = None if ep_group is None else make_communicator(ep_group)
     return ParallelGroups(
         rank=env.rank,
         world_size=env.world_size,
@@ -219,6 +252,8 @@ def init_distributed(
         # the EP group spans the DP ranks in order (TP = 1); without EP the one EP rank is this one
         dp_rank_of_ep_rank=tuple(all_ranks) if ep_size > 1 else (env.rank,),
         num_ranks_on_device=num_ranks_on_device,
+        dp_comm=dp_comm,
+        ep_comm=ep_comm,
     )
 
 

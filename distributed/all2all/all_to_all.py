@@ -36,6 +36,7 @@ from distributed.all2all.token_packing import (
 )
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CommHandle, CommTiming
+from distributed.communicator import Communicator
 from distributed.link_emulation import EmulatedLink
 
 PADDED_DISPATCH_MAX_BYTES = 256 << 10
@@ -47,7 +48,7 @@ def issue_rows(
     send_counts: Sequence[int],
     recv_counts: Sequence[int],
     *,
-    group: ProcessGroup | None,
+    group: ProcessGroup | Communicator | None,
     rank: int,
     notify_ns: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Pending, CommTiming]:
@@ -77,7 +78,7 @@ def exchange_counts(
     layout: RowLayout,
     *,
     op: str,
-    group: ProcessGroup | None,
+    group: ProcessGroup | Communicator | None,
     rank: int,
     timeout: datetime.timedelta,
     link: EmulatedLink | None,
@@ -119,7 +120,7 @@ def issue_combine(
     recv_counts: Sequence[int],
     *,
     num_tokens: int,
-    group: ProcessGroup | None,
+    group: ProcessGroup | Communicator | None,
     rank: int,
 ) -> tuple[Pending, CommTiming, Callable[[], Tensor]]:
     """The reverse of a dispatch that sent ``send_counts`` rows and received ``recv_counts``:

@@ -29,6 +29,7 @@ from distributed.comm_handle import (
     CommHandle,
     CommTiming,
 )
+from distributed.communicator import Communicator, as_communicator
 from distributed.link_emulation import EmulatedLink
 
 T = TypeVar("T")
@@ -195,7 +196,8 @@ class FusedMoEPrepareAndFinalize(ABC):
     them in the same order, also with 0 tokens. Never mutated after ``__init__``.
 
     Args:
-        ep_group: the EP process group (None only when ``ep_size == 1``: local copies).
+        ep_group: the EP group's communicator, or its process group (torch.distributed's); None
+            only when ``ep_size == 1``: local copies.
         ep_rank, ep_size: this rank and the number of EP ranks.
         num_experts: global experts; rank ``r`` holds ``[r * num_local_experts, (r+1) * ...)``.
         timeout: limit of every blocking wait.
@@ -224,7 +226,7 @@ class FusedMoEPrepareAndFinalize(ABC):
     def __init__(
         self,
         *,
-        ep_group: ProcessGroup | None,
+        ep_group: ProcessGroup | Communicator | None,
         ep_rank: int,
         ep_size: int,
         num_experts: int,
@@ -241,7 +243,7 @@ class FusedMoEPrepareAndFinalize(ABC):
             raise ValueError(f"ep_group is required when ep_size > 1 (ep_size={ep_size})")
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout}")
-        self.ep_group = ep_group
+        self.ep_group = as_communicator(ep_group)  # its collectives (shared memory, gloo, NCCL)
         self.ep_rank = ep_rank
         self.ep_size = ep_size
         self.num_experts = num_experts

@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 from distributed.all2all.base import DEEPEP_KERNELS, FusedMoEPrepareAndFinalize
 from distributed.all2all.deepep_emulation import EmulatedTransfer, TorchDistributedBuffer
 from distributed.comm_handle import CommHandle, CommTiming
+from distributed.communicator import Communicator, process_group_of
 
 # NVLink buffer of the high-throughput mode (vLLM's default VLLM_DEEPEP_BUFFER_SIZE_MB is 1024)
 HIGH_THROUGHPUT_NVL_BYTES = 1 << 30
@@ -23,8 +24,9 @@ DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
 __all__ = ["DEEPEP_KERNELS", "DeepEPPrepareAndFinalize", "TorchDistributedBuffer"]
 
 
-def deepep_kernels_available(group: ProcessGroup | None) -> bool:
+def deepep_kernels_available(group: ProcessGroup | Communicator | None) -> bool:
     """Whether DeepEP's own kernels can run: CUDA, ``deep_ep`` importable, an NCCL EP group."""
+    group = process_group_of(group)
     if group is None or not torch.cuda.is_available():
         return False
     try:
@@ -39,7 +41,7 @@ def deepep_kernels_available(group: ProcessGroup | None) -> bool:
 def make_deepep_buffer(
     *,
     low_latency_mode: bool,
-    group: ProcessGroup | None,
+    group: ProcessGroup | Communicator | None,
     rank: int,
     num_ranks: int,
     timeout: datetime.timedelta,
@@ -60,6 +62,7 @@ def make_deepep_buffer(
         )
     import deep_ep
 
+    group = process_group_of(group)  # DeepEP's Buffer takes the torch process group
     if low_latency_mode:
         num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             num_max_dispatch_tokens_per_rank, hidden_size, num_ranks, num_experts

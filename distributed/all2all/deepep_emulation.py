@@ -32,6 +32,7 @@ from distributed.all2all.token_packing import (
 )
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CollectiveHandle, CommTiming
+from distributed.communicator import Communicator
 from distributed.link_emulation import EmulatedLink
 
 IMPLEMENTATION = "torch.distributed emulation of DeepEP's protocol"
@@ -102,7 +103,7 @@ class TorchDistributedBuffer:
 
     def __init__(
         self,
-        group: ProcessGroup | None,
+        group: ProcessGroup | Communicator | None,
         *,
         rank: int,
         num_ranks: int,

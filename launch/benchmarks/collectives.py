@@ -4,10 +4,12 @@ Per step the engine issues the DP vote (an ``all_to_all_single`` of a small int6
 MoE layer, a dispatch and a combine (``distributed.collectives``: ``all_to_all_single``,
 ``all_gather_into``, ``reduce_scatter_sum``; ``all_reduce`` is the last one's fallback). On one
 host, a collective's fixed cost sets how small a model can be before 2 ranks lose to 1; this
-prints it, per op and payload size, on the EP group ``init_distributed`` builds. Rank 0 prints
-microseconds per call (median of ``--rounds`` rounds of ``--calls`` back-to-back calls, each
-waited for as the engine waits, with its timeout), and the round trip of a plain TCP loopback
-socket between two threads of this process for scale.
+prints it, per op and payload size, on the EP group ``init_distributed`` builds, for gloo and for
+the platform's transport (shared memory between the ranks of a node, ``distributed.shm_transport``)
+side by side. Rank 0 prints microseconds per call (median of ``--rounds`` rounds of ``--calls``
+back-to-back calls, each waited for as the engine waits, with its timeout), gloo's time over the
+transport's, and the round trip of a plain TCP loopback socket between two threads of this
+process for scale.
 
     torchrun --standalone --nproc-per-node 2 -m launch.benchmarks.collectives \\
         [--sizes 64 10240 1048576] [--calls 200] [--rounds 5]
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import socket
 import statistics
 import threading
@@ -27,12 +30,13 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from distributed import collectives
 from distributed.all2all.base import complete_exchange
+from distributed.communicator import Communicator
 from distributed.parallel_state import TorchrunEnv, destroy_distributed, init_distributed
 from launch.benchmarks.timing import mean_seconds
+from moe.platforms import current_platform
 
 DEFAULT_SIZES = (64, 10_240, 1_048_576)
 TIMEOUT_S = 60.0  # of every wait, as the engine's --distributed-timeout
@@ -71,7 +75,7 @@ def _waited(
 
 
 def ops(
-    num_bytes: int, group: dist.ProcessGroup, timeout: datetime.timedelta
+    num_bytes: int, group: Communicator, timeout: datetime.timedelta
 ) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
     """One call of each collective on ``num_bytes`` of float32 per rank over ``group``, each
     waited for as the engine waits (``_waited``), and a check that raises ``AssertionError``
@@ -82,7 +86,7 @@ def ops(
         ValueError: ``num_bytes`` not a positive multiple of 4.
     """
     check_size(num_bytes)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group.size, group.rank
     rows = -(-(num_bytes // 4) // world) * world  # all_to_all and reduce_scatter split evenly
     ones, zeros = torch.ones(rows), torch.zeros(rows)
     received, gathered = torch.empty(rows), torch.empty(world * rows)
@@ -91,7 +95,7 @@ def ops(
     # op -> (issue one call, its output, the value every element of it must hold)
     table = {
         "all_reduce": (
-            lambda: (dist.all_reduce(reduced, group=group, async_op=True), None),
+            lambda: collectives.all_reduce_sum(reduced, group=group),
             reduced,
             0.0,
         ),
@@ -159,25 +163,28 @@ def tcp_round_trip_us(calls: int) -> float:
 
 def measure(
     sizes: list[int],
-    group: dist.ProcessGroup,
+    comms: dict[str, Communicator],
     timeout: datetime.timedelta,
     *,
     calls: int,
     rounds: int,
-) -> list[tuple[str, int, float]]:
-    """``(op, bytes, µs per call)`` for each op and size over ``group`` (collective: every rank
-    calls it), each size's results checked after its calls.
+) -> dict[tuple[str, int], dict[str, float]]:
+    """``(op, bytes) -> {transport: µs per call}`` for each op and size over each of ``comms``
+    (transport name -> communicator of one group; collective: every rank calls it), each size's
+    results checked after its calls.
 
     Raises:
         ValueError: a bad size (``check_size``).
     """
-    rows = []
+    table: dict[tuple[str, int], dict[str, float]] = {}
     for num_bytes in sizes:
-        calls_of, check = ops(num_bytes, group, timeout)
-        for name, fn in calls_of.items():
-            rows.append((name, num_bytes, median_us(fn, calls=calls, rounds=rounds)))
-        check()
-    return rows
+        for transport, comm in comms.items():
+            calls_of, check = ops(num_bytes, comm, timeout)
+            for name, fn in calls_of.items():
+                us = median_us(fn, calls=calls, rounds=rounds)
+                table.setdefault((name, num_bytes), {})[transport] = us
+            check()
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,18 +209,38 @@ def main(argv: list[str] | None = None) -> None:
         enable_expert_parallel=True,
         timeout_s=TIMEOUT_S,
         env=env,
+        make_communicator=functools.partial(
+            current_platform().make_communicator,
+            env=env,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        ),
     )
+    comms = {"gloo": Communicator(groups.ep_group)}
+    comms.setdefault(groups.ep_comm.backend, groups.ep_comm)  # the platform's transport
     try:
-        rows = measure(ns.sizes, groups.ep_group, groups.timeout, calls=ns.calls, rounds=ns.rounds)
+        table = measure(ns.sizes, comms, groups.timeout, calls=ns.calls, rounds=ns.rounds)
         if groups.rank == 0:
-            print(f"backend {dist.get_backend(groups.ep_group)}, {groups.world_size} ranks")
-            print("| op | bytes per rank | µs per call |\n| --- | --- | --- |")
-            for name, num_bytes, us in rows:
-                print(f"| {name} | {num_bytes:,} | {us:,.1f} |")
+            print(f"transports {', '.join(comms)}; {groups.world_size} ranks")
+            print(_format_table(table, list(comms)))
             print(f"TCP loopback round trip (8 bytes): {tcp_round_trip_us(ns.calls):.1f} µs")
     finally:
-        del groups
+        for comm in comms.values():
+            comm.close()
+        del groups, comms
         destroy_distributed()
+
+
+def _format_table(table: dict[tuple[str, int], dict[str, float]], transports: list[str]) -> str:
+    """A markdown table: op, bytes, µs per call for each transport, and gloo's over the last's."""
+    ratio = len(transports) > 1
+    head = ["op", "bytes per rank", *(f"{t} µs" for t in transports)]
+    head += [f"gloo / {transports[-1]}"] if ratio else []
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (name, num_bytes), times in table.items():
+        cells = [name, f"{num_bytes:,}", *(f"{times[t]:,.1f}" for t in transports)]
+        cells += [f"{times['gloo'] / times[transports[-1]]:.1f}x"] if ratio else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

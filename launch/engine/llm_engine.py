@@ -7,6 +7,8 @@ one at which no DP rank has work.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import math
 import os
 import sys
@@ -169,6 +171,7 @@ def init_parallel_groups(args: EngineArgs):
             file=sys.stderr,
             flush=True,
         )
+    timeout = datetime.timedelta(seconds=args.distributed_timeout_s)
     return init_distributed(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
@@ -177,6 +180,10 @@ def init_parallel_groups(args: EngineArgs):
         device=placement.device,
         env=env,
         num_ranks_on_device=placement.num_ranks_on_device,
+        # the platform's transport: shared memory between the ranks of a node on the CPU
+        make_communicator=functools.partial(
+            current_platform().make_communicator, env=env, timeout=timeout
+        ),
     )
 
 
@@ -231,7 +238,7 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
         return None
     backend = make_all2all_backend(
         engine_args.all2all_backend,
-        ep_group=groups.ep_group,
+        ep_group=groups.ep_comm,
         ep_rank=groups.ep_rank,
         ep_size=groups.ep_size,
         num_experts=config.num_experts,
@@ -417,6 +424,8 @@ class LLMEngine:
         self._log(platform.describe())
         self._log(f"device {platform.describe_device(self.groups.device)}")
         self._log(f"attention backend {self.args.attention_backend}")
+        if self.groups.dp_comm is not None:
+            self._log(f"collectives over {self.groups.dp_comm.backend}")
         for note in self.args.platform_notes:
             self._log(note)
         if chosen.reason is not None:

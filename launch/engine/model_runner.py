@@ -299,7 +299,7 @@ class ModelRunner:
                 num_tokens=num_tokens,
                 has_work=has_work,
                 vote=vote,
-                dp_group=g.dp_group,
+                dp_group=g.dp_comm,
                 dp_rank=g.dp_rank,
                 dp_size=g.dp_size,
                 is_decode_only=scheduler_output.is_decode_only or not has_work,
@@ -405,9 +405,10 @@ class ModelRunner:
 
 @contextlib.contextmanager
 def _naming_dp_vote_errors(groups):
-    """Re-raise a failed DP vote naming it (gloo's timeout names no collective)."""
+    """Re-raise a failed DP vote naming it (gloo's timeout names no collective; shared memory's
+    raises TimeoutError naming the rank)."""
     try:
         yield
-    except RuntimeError as exc:
+    except (RuntimeError, TimeoutError) as exc:
         op = "the DP vote (all_to_all over the DP group)"
         raise comm_error(op, groups.rank, groups.timeout, exc) from exc

@@ -9,6 +9,10 @@ questions:
   the model, KV cache and step tensors live on and the process-group backend that fits it;
   ``synchronize(device)``: wait for the work enqueued there (a no-op where ops are synchronous).
   ``dispatch_key``: which ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch).
+- ``make_communicator(group, env=, timeout=)``: the object that runs a process group's
+  collectives (``distributed.communicator``): torch.distributed's, or on the CPU shared memory
+  between the ranks of a node (``distributed.shm_transport``; ``MOE_DBO_HOST_TRANSPORT=gloo``
+  turns it off).
 - ``make_ubatch_streams(n, device)``: each DBO ubatch's comm stream and events
   (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
   the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
@@ -46,6 +50,7 @@ questions:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import sys
@@ -64,7 +69,27 @@ from moe.platforms.cpu_capability import (
 from moe.platforms.placement import RankPlacement, accelerator_index, host_placement
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from dbo.timeline.device_clock import DeviceClock
+    from distributed.communicator import Communicator
+    from distributed.parallel_state import TorchrunEnv
+
+HOST_TRANSPORT_VARIABLE = "MOE_DBO_HOST_TRANSPORT"
+HOST_TRANSPORTS = ("shm", "gloo")
+
+
+def host_transport() -> str:
+    """How ranks of one node exchange on the CPU: ``MOE_DBO_HOST_TRANSPORT``, ``"shm"`` (shared
+    memory, the default) or ``"gloo"``.
+
+    Raises:
+        ValueError: another value, naming the accepted ones.
+    """
+    value = os.environ.get(HOST_TRANSPORT_VARIABLE, "shm").strip().lower() or "shm"
+    if value not in HOST_TRANSPORTS:
+        raise ValueError(f"{HOST_TRANSPORT_VARIABLE}={value!r}: expected one of {HOST_TRANSPORTS}")
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +168,15 @@ class Platform:
 
     def synchronize(self, device: torch.device) -> None:
         """Block until the work enqueued on ``device`` is done (host-device synchronisation)."""
+
+    def make_communicator(
+        self, group: ProcessGroup, *, env: TorchrunEnv, timeout: datetime.timedelta
+    ) -> Communicator:
+        """The object that runs ``group``'s collectives; collective over ``group`` where a
+        platform's answer is (every rank of a job runs one platform). Here torch.distributed's."""
+        from distributed.communicator import Communicator
+
+        return Communicator(group)
 
     def describe_device(self, device: torch.device) -> str:
         """The device for the start-up line, e.g. ``cpu`` or ``cuda:0 (NVIDIA H200, 139.8 GiB)``."""
@@ -299,6 +333,20 @@ class CpuPlatform(Platform):
         from moe.kernels import prepare_cpu_kernels  # builds C++: only when asked
 
         return f"CPU kernels {prepare_cpu_kernels(self.cpu_capability().isa)}"
+
+    def make_communicator(
+        self, group: ProcessGroup, *, env: TorchrunEnv, timeout: datetime.timedelta
+    ) -> Communicator:
+        """Shared memory between the group's ranks on one node (our C++ kernels' ``ShmComm``),
+        gloo between nodes; gloo alone where the kernels did not build on some rank or
+        ``MOE_DBO_HOST_TRANSPORT=gloo`` (logged). Collective over ``group``."""
+        from distributed.shm_transport import create_communicator
+        from moe.kernels import cpu_kernels  # builds C++: only when asked
+
+        kernels = cpu_kernels(self.cpu_capability().isa) if host_transport() == "shm" else None
+        return create_communicator(
+            group, kernels=kernels, node_rank=env.node, job_id=env.job_id, timeout=timeout
+        )
 
     def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
         chosen = super().compute_dtype(dtype)

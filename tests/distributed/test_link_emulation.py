@@ -20,7 +20,8 @@ from distributed import (
     make_all2all_backend,
 )
 from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
-from tests.helpers.distributed import run_distributed
+from tests.helpers.cpu_kernels import needs_compiler
+from tests.helpers.distributed import platform_communicators, run_distributed
 
 
 def test_parse_and_validation():
@@ -161,14 +162,19 @@ def test_wrapper_refuses_deepep_kernels():
 LATENCY_US, GBPS = 3_000.0, 0.08  # 3 ms, 10 MB/s: ~0.4 ms per 4 KiB
 
 
-def _delayed_rank(rank: int, world_size: int) -> list[dict]:
-    groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
+def _delayed_rank(rank: int, world_size: int, transport: str) -> list[dict]:
+    groups = init_distributed(
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        make_communicator=platform_communicators(300) if transport == "shm" else None,
+    )
+    assert groups.ep_comm.backend == transport
     spec = LinkSpec(latency_us=LATENCY_US, gbps=GBPS)
     out = []
     for name in BACKENDS:  # DeepEP's protocols bill their transfers on the same link
         inner = make_all2all_backend(
             name,
-            ep_group=groups.ep_group,
+            ep_group=groups.ep_comm,
             ep_rank=groups.ep_rank,
             ep_size=groups.ep_size,
             num_experts=4,
@@ -199,8 +205,10 @@ def _delayed_rank(rank: int, world_size: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_collectives_complete_after_latency_plus_bytes_over_bandwidth():
-    for per_rank in run_distributed(_delayed_rank, 2, timeout_s=60):
+@pytest.mark.parametrize("transport", ["gloo", pytest.param("shm", marks=needs_compiler)])
+def test_collectives_complete_after_latency_plus_bytes_over_bandwidth(transport):
+    """The link delays gloo's and shared memory's transfers alike."""
+    for per_rank in run_distributed(_delayed_rank, 2, transport, timeout_s=60):
         for row in per_rank:
             assert row["billed"], row
             assert row["elapsed_ns"] >= row["min_ns"] > LATENCY_US * 1000, row

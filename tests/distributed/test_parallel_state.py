@@ -26,6 +26,17 @@ def test_from_environ_parses_torchrun_variables():
     assert (env.rank, env.world_size, env.local_rank) == (1, 4, 1)
 
 
+def test_node_is_torchruns_group_rank_and_job_id_names_the_run():
+    env = TorchrunEnv.from_environ({**GOOD_ENV, "LOCAL_WORLD_SIZE": "2"})
+    assert (env.node_rank, env.node, env.job_id) == (None, 0, "none-29500")
+    env = TorchrunEnv.from_environ(
+        {**GOOD_ENV, "GROUP_RANK": "3", "TORCHELASTIC_RUN_ID": "abc", "RANK": "3"}
+    )
+    assert (env.node_rank, env.node, env.job_id) == (3, 3, "abc-29500")
+    with pytest.raises(ValueError, match="GROUP_RANK must be an integer"):
+        TorchrunEnv.from_environ({**GOOD_ENV, "GROUP_RANK": "x"})
+
+
 def test_from_environ_reads_os_environ_at_call_time(monkeypatch):
     for key, value in GOOD_ENV.items():
         monkeypatch.setenv(key, value)

@@ -37,6 +37,30 @@ def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
     ]
 
 
+def platform_communicators(timeout_s: float):
+    """``init_distributed``'s ``make_communicator`` as the engine passes it: the platform's
+    transport (on the CPU, shared memory between the ranks of this node). Call in a rank."""
+    import datetime
+    import functools
+
+    from distributed import TorchrunEnv
+    from moe.platforms import current_platform
+
+    return functools.partial(
+        current_platform().make_communicator,
+        env=TorchrunEnv.from_environ(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def expected_transport() -> str:
+    """What the CPU platform's groups of one host run on: ``"shm"`` where a C++ compiler builds
+    the kernels, else ``"gloo"``."""
+    import shutil
+
+    return "shm" if shutil.which("c++") or shutil.which("g++") else "gloo"
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

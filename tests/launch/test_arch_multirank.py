@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import platform_communicators, run_distributed
 from tests.helpers.engine import (
     assert_dbo_on_equals_off_equals_reference,
     dbo_test_engine_args,
@@ -55,8 +55,11 @@ def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
     from distributed import init_distributed
     from launch.engine.llm_engine import LLMEngine, resolve_model
 
-    groups = init_distributed(
-        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    groups = init_distributed(  # the engine's transport: shared memory on one host
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=60,
+        make_communicator=platform_communicators(60),
     )
     results = {}
     for model_type in ARCHS:

@@ -1,5 +1,6 @@
 """``launch.benchmarks.collectives``: a 2-rank run prints every op at every size with a positive
-time and the results checked; bad sizes are refused before any rank starts."""
+time over gloo and over shared memory and the results checked; bad sizes are refused before any
+rank starts."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import subprocess
 import pytest
 
 from launch.benchmarks import collectives as bench
+from tests.helpers.cpu_kernels import needs_compiler
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 
 
 @pytest.mark.slow
+@needs_compiler
 def test_two_ranks_print_every_op_and_size():
     out = subprocess.run(
         torchrun_command(
@@ -35,13 +38,18 @@ def test_two_ranks_print_every_op_and_size():
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = re.findall(r"^\| (\w+) \| ([\d,]+) \| ([\d,.]+) \|$", out.stdout, re.M)
-    assert {(name, size) for name, size, _ in rows} == {
+    assert re.search(
+        r"^\| op \| bytes per rank \| gloo µs \| shm µs \| gloo / shm \|$", out.stdout, re.M
+    )
+    rows = re.findall(
+        r"^\| (\w+) \| ([\d,]+) \| ([\d,.]+) \| ([\d,.]+) \| ([\d.]+)x \|$", out.stdout, re.M
+    )
+    assert {(name, size) for name, size, *_ in rows} == {
         (name, size)
         for name in ("all_reduce", "all_to_all_single", "all_gather_into", "reduce_scatter_sum")
         for size in ("64", "4,100")
     }
-    assert all(float(us.replace(",", "")) > 0 for _, _, us in rows)
+    assert all(float(t.replace(",", "")) > 0 for row in rows for t in row[2:])
     assert re.search(r"^TCP loopback round trip \(8 bytes\): [\d.]+ µs$", out.stdout, re.M)
 
 

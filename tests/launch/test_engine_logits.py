@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import (
+    expected_transport,
+    platform_communicators,
+    run_distributed,
+)
 from tests.helpers.engine import (
     assert_dbo_on_equals_off_equals_reference,
     dbo_test_engine_args,
@@ -25,10 +29,13 @@ def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
     from distributed import init_distributed
     from launch.engine.llm_engine import LLMEngine, resolve_model
 
-    results = {}
-    groups = init_distributed(
-        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    groups = init_distributed(  # the engine's transport: shared memory on one host
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=60,
+        make_communicator=platform_communicators(60),
     )
+    results = {"transport": groups.ep_comm.backend}
     # one spawn for every backend and ubatch count: process start-up dominates the cost
     for backend in backends:
         for num_ubatches in (*NUM_UBATCHES, None):  # None: DBO off
@@ -86,6 +93,8 @@ def test_dbo_on_equals_off_equals_transformers(tiny_mixtral_dir, tiny_prompts, w
         "float64",
         timeout_s=400,
     )
+    # the engine's default transport on one host: shared memory wherever the C++ kernels build
+    assert [r["transport"] for r in per_rank] == [expected_transport()] * world_size
     reference = reference_model(tiny_mixtral_dir)
     cache: dict = {}  # transformers' logits per sequence, computed once for every engine
     for backend in ALL2ALL_BACKENDS:

@@ -24,7 +24,7 @@ from moe import (
     init_random_weights,
     select_experts,
 )
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import platform_communicators, run_distributed
 from tests.helpers.forward_context import context_forward, ubatch_scopes
 
 H, FF, E, K = 16, 24, 4, 2
@@ -364,8 +364,11 @@ def _metadata(query_lens, num_padding):
 def _ep_rank_main(rank, world_size, backend_names):
     from distributed import init_distributed
 
-    groups = init_distributed(
-        data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
+    groups = init_distributed(  # the engine's transport: shared memory on one host
+        data_parallel_size=world_size,
+        enable_expert_parallel=True,
+        timeout_s=60,
+        make_communicator=platform_communicators(60),
     )
     # one spawn for every backend: process start-up dominates the cost of this test
     return {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "shm_comm.h"
 #include "vec_common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,4 +22,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_batched", &moe_dbo_cpu::fused_moe_batched,
         py::call_guard<py::gil_scoped_release>(),
         "SwiGLU experts over the [E, M, H] batched layout, unweighted (CPU, packed weights)");
+  // Same-host collectives (shm_comm.h; distributed/shm_transport.py drives them).
+  py::class_<moe_dbo_cpu::ShmWork, std::shared_ptr<moe_dbo_cpu::ShmWork>>(m, "ShmWork")
+      .def("wait", &moe_dbo_cpu::ShmWork::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until done or timeout_s; '' when done, else the error")
+      .def("is_completed", &moe_dbo_cpu::ShmWork::is_completed);
+  py::class_<moe_dbo_cpu::ShmComm>(m, "ShmComm")
+      .def(py::init<const std::string&, bool, int64_t, int64_t, int64_t, int64_t,
+                    std::vector<int64_t>, std::vector<int64_t>>(),
+           py::call_guard<py::gil_scoped_release>())
+      .def_static("segment_bytes", &moe_dbo_cpu::ShmComm::segment_bytes)
+      .def_static("unlink", &moe_dbo_cpu::ShmComm::unlink)
+      .def("issue", &moe_dbo_cpu::ShmComm::issue,
+           "Queue one exchange on a channel; its ShmWork")
+      .def("close", &moe_dbo_cpu::ShmComm::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,93 @@
+// Same-host collectives through one shared-memory segment (shm_comm.cpp; the Python side is
+// distributed/shm_transport.py). After vLLM's CPU backend (csrc/cpu/shm.cpp): every local rank
+// owns one slot per channel, writes what it sends there once and publishes a round number; its
+// peers poll for it with acquire loads, copy (or sum) their part out and acknowledge. Per channel
+// a worker thread runs the operations in issue order, so a caller issues and later waits, as on a
+// gloo Work. Waits spin briefly, then sleep on a futex (the other processes wake it), so polling
+// does not starve compute on a machine with few cores.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moe_dbo_cpu {
+
+constexpr int kShmMaxLocalRanks = 16;
+
+// What one operation does with the bytes it receives (the reduce kinds sum them, in local rank
+// order, with the op's dtype).
+enum class ShmOpKind : uint32_t { kCopy = 1, kSum = 2 };
+
+struct ShmOp {
+  ShmOpKind kind;
+  at::Tensor output, input;  // held until the worker is done with them
+  // per local rank p: bytes of ``input`` p receives (offset, length), and where the bytes p
+  // sends land in ``output`` (offset, expected length)
+  std::vector<int64_t> send_offsets, send_lengths, recv_offsets, recv_lengths;
+  int64_t deadline_ns = 0;  // CLOCK_MONOTONIC
+  std::atomic<uint32_t> state{0};  // 0 pending, 1 done, 2 failed (futex word)
+  std::atomic<uint32_t> waiters{0};
+  std::string error;
+};
+
+// One operation in flight: what Python's Work-like handle wraps.
+class ShmWork {
+ public:
+  explicit ShmWork(std::shared_ptr<ShmOp> op) : op_(std::move(op)) {}
+  // Blocks (GIL released) until done or ``timeout_s``; "" when done, else the error message
+  // (starting with "timed out" for a timeout).
+  std::string wait(double timeout_s);
+  bool is_completed() const;
+
+ private:
+  std::shared_ptr<ShmOp> op_;
+};
+
+class ShmComm {
+ public:
+  // Maps segment ``name`` (creating it with ``segment_bytes`` when ``create``) for
+  // ``num_local_ranks`` ranks, this one ``local_rank``; ``group_ranks``/``pids`` name each local
+  // rank in errors and liveness checks.
+  ShmComm(const std::string& name, bool create, int64_t num_local_ranks, int64_t local_rank,
+          int64_t num_channels, int64_t capacity_bytes, std::vector<int64_t> group_ranks,
+          std::vector<int64_t> pids);
+  ~ShmComm();
+  static int64_t segment_bytes(int64_t num_local_ranks, int64_t num_channels,
+                               int64_t capacity_bytes);
+  static void unlink(const std::string& name);
+
+  std::shared_ptr<ShmWork> issue(int64_t channel, int64_t kind, at::Tensor output,
+                                 at::Tensor input, std::vector<int64_t> send_offsets,
+                                 std::vector<int64_t> send_lengths,
+                                 std::vector<int64_t> recv_offsets,
+                                 std::vector<int64_t> recv_lengths, double timeout_s);
+  void close();
+
+ private:
+  struct Channel;
+  void run_channel(Channel* channel);
+  void run_op(Channel* channel, ShmOp& op);
+  std::string wait_word(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters,
+                        uint32_t target, int64_t peer, int64_t deadline_ns, const char* what);
+  void fail_all(const std::string& message);
+
+  std::string name_;
+  void* base_ = nullptr;
+  int64_t bytes_ = 0;
+  int64_t num_local_, local_rank_, num_channels_, capacity_;
+  std::vector<int64_t> group_ranks_, pids_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+  std::atomic<bool> closing_{false};  // close() stops waits on peers too
+};
+
+}  // namespace moe_dbo_cpu
