@@ -1,0 +1,75 @@
+"""``RMSNorm.forward_cuda``: one Triton launch (``moe.layers.triton_norm``) equal to
+``forward_native`` (float64, float32, float16, bfloat16; a bfloat16 input with a float32 weight;
+3-D inputs, strided rows, widths off a power of 2 and below the kernel's block, no rows), run on
+CPU tensors in Triton's interpreter in a subprocess (``tests.helpers.triton_interpreter``); the
+torch form where Triton cannot launch and while a graph is traced."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the Triton RMSNorm needs Triton (not installed)")
+
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from moe.layers import triton_attention  # noqa: E402
+from moe.layers.norm import RMSNorm  # noqa: E402
+from moe.platforms import CudaPlatform, set_current_platform  # noqa: E402
+from tests.helpers.op_count import count_ops  # noqa: E402
+from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
+
+CASES = "tests.moe.triton_norm_cases"
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def test_kernel_equals_forward_native():
+    output = run_interpreted(CASES, *DTYPES, timeout_s=300)
+    for dtype in DTYPES:  # every check ran and printed its error bound
+        for name in ("rows", "3-D", "strided view", "narrow", "empty"):
+            assert f"{name} torch.{dtype} weight torch.{dtype}: max error" in output
+    assert "weight torch.float32" in output.split("torch.bfloat16", 1)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernel_equals_forward_native_on_a_gpu():
+    """The same checks on CUDA tensors, the kernel compiled."""
+    output = run_interpreted(CASES, *DTYPES, "--device", "cuda", timeout_s=300, env={})
+    assert "empty torch.bfloat16 weight torch.float32" in output
+
+
+@pytest.fixture
+def cuda_norm(monkeypatch):
+    """An RMSNorm bound to ``forward_cuda`` on CPU tensors, its launches recorded (not run)."""
+    launches = []
+    monkeypatch.setattr(triton_attention, "launch", lambda kernel, grid, **kw: launches.append(grid))
+    set_current_platform(CudaPlatform())
+    try:
+        norm = RMSNorm(64, eps=1e-5)
+    finally:
+        set_current_platform(None)
+    assert norm.forward_path == "forward_cuda"
+    return norm, launches
+
+
+def test_torch_form_where_triton_cannot_launch(cuda_norm, monkeypatch):
+    norm, launches = cuda_norm
+    reason = "no CUDA device (and Triton's interpreter is off)"
+    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: reason)
+    x = torch.randn(5, 64)
+    assert torch.equal(norm(x), norm.forward_native(x))
+    assert launches == []
+
+
+def test_graph_traces_take_the_torch_form_and_op_counters_the_launch(cuda_norm, monkeypatch):
+    """``make_fx`` cannot see into a launch: its graph holds the torch ops. A dispatch mode that
+    only watches (an op counter) sees the launch: the output's allocation and nothing else."""
+    norm, launches = cuda_norm
+    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    x = torch.randn(5, 64)
+    for mode in ("fake", "real"):
+        graph = make_fx(norm, tracing_mode=mode, _allow_non_fake_inputs=True)(x)
+        assert "rsqrt" in graph.code and launches == []
+    count = count_ops(lambda: norm(x))
+    assert launches == [(5,)] and count.aten_ops == ("aten::empty",)
