@@ -33,9 +33,9 @@ class RMSNorm(CustomOp):
     float32, as transformers) the reference. More than ``rows_per_cache_block(hidden_size)`` rows
     run in blocks of that many (results unchanged). Why, and the timings: docs/hardware.md,
     "Other ops".
-    ``forward_cuda``: one Triton launch (``moe.layers.triton_norm``) where Triton launches;
-    ``forward_native`` where it cannot and while a graph is traced (the tracer cannot see into a
-    launch).
+    ``forward_cuda``: float32, float16 and bfloat16 in one Triton launch
+    (``moe.layers.triton_norm``) where Triton launches; ``forward_native`` for float64, where
+    Triton cannot launch, and while a graph is traced (the tracer cannot see into a launch).
     """
 
     def __init__(

@@ -150,9 +150,7 @@ class RotaryEmbedding(CustomOp):
             return self.forward_native(positions, query, key)
         return self.forward_table(positions, query, key)
 
-    def forward_cuda(
-        self, positions: Tensor, query: Tensor, key: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def forward_cuda(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
         """``forward_table``: no bound check, since a device's values cannot be read on the host
         without a sync (and graph capture); the engine keeps positions below
         ``max_position_embeddings`` (``--max-model-len`` is refused beyond it)."""

@@ -16,11 +16,11 @@ def rms_norm_kernel(
     hidden_size,
     eps,
     BLOCK_N: tl.constexpr,  # next power of 2 >= hidden_size
-    IS_FP64: tl.constexpr,  # out is float64: the weight's multiply in float64
 ):
     """One program per row, ``RMSNorm.forward_native``'s arithmetic: the statistics in float32,
-    the normalised row rounded to x's dtype, times the weight in the output dtype (a product of
-    two 16-bit floats is exact in float32, so one rounding, as torch's)."""
+    the normalised row rounded to x's dtype, times the weight in float32 rounded to the output
+    dtype (float32, float16, bfloat16: a product of two 16-bit floats is exact in float32, so one
+    rounding, as torch's)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < hidden_size
@@ -29,8 +29,5 @@ def rms_norm_kernel(
     variance = tl.sum(x32 * x32, axis=0) / hidden_size
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    if IS_FP64:
-        out = weight.to(tl.float64) * normed.to(tl.float64)
-    else:
-        out = weight.to(tl.float32) * normed.to(tl.float32)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

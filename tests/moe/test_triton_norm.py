@@ -1,5 +1,6 @@
 """``RMSNorm.forward_cuda``: one Triton launch (``moe.layers.triton_norm``) equal to
-``forward_native`` (float64, float32, float16, bfloat16; a bfloat16 input with a float32 weight;
+``forward_native`` (float32, float16, bfloat16; a bfloat16 input with a float32 weight; float64
+takes ``forward_native`` itself;
 3-D inputs, strided rows, widths off a power of 2 and below the kernel's block, no rows), run on
 CPU tensors in Triton's interpreter in a subprocess (``tests.helpers.triton_interpreter``); the
 torch form where Triton cannot launch and while a graph is traced."""
@@ -43,7 +44,9 @@ def test_compiled_kernel_equals_forward_native_on_a_gpu():
 def cuda_norm(monkeypatch):
     """An RMSNorm bound to ``forward_cuda`` on CPU tensors, its launches recorded (not run)."""
     launches = []
-    monkeypatch.setattr(triton_attention, "launch", lambda kernel, grid, **kw: launches.append(grid))
+    monkeypatch.setattr(
+        triton_attention, "launch", lambda kernel, grid, **kw: launches.append(grid)
+    )
     set_current_platform(CudaPlatform())
     try:
         norm = RMSNorm(64, eps=1e-5)

@@ -14,13 +14,15 @@ import torch
 
 from moe.layers import triton_attention
 from moe.layers.norm import RMSNorm
+from moe.layers.triton_norm import TRITON_NORM_DTYPES
 from moe.platforms import CudaPlatform, set_current_platform
 
-# the statistics are float32 for every dtype (as the reference's), so float64 and float32 agree
-# to float32's summation order and rsqrt rounding (a few 2^-24); float16 and bfloat16 to about an
-# ulp (2^-10, 2^-7) of the normalised value, times the weight, plus the product's rounding
+# float64 takes forward_native (no launch): equal. The statistics are float32 (as the
+# reference's), so float32 agrees to float32's summation order and rsqrt rounding (a few 2^-24);
+# float16 and bfloat16 to about an ulp (2^-10, 2^-7) of the normalised value, times the weight,
+# plus the product's rounding
 TOLERANCE = {
-    torch.float64: 2**-20,
+    torch.float64: 0.0,
     torch.float32: 2**-20,
     torch.float16: 2**-8,
     torch.bfloat16: 2**-5,
@@ -61,7 +63,7 @@ def check(dtype: torch.dtype, device: torch.device) -> None:
             del launches[:]
             with torch.no_grad():
                 out, ref = norm(x), norm.forward_native(x)
-            if len(launches) != (1 if x.numel() else 0):
+            if len(launches) != (1 if x.numel() and dtype in TRITON_NORM_DTYPES else 0):
                 raise AssertionError(f"{name}: {len(launches)} launches")
             if out.shape != ref.shape or out.dtype != ref.dtype:
                 raise AssertionError(f"{name}: {out.shape} {out.dtype} != {ref.shape} {ref.dtype}")
