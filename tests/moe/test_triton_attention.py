@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from moe import build_model, init_random_weights, load_config  # noqa: E402
-from moe.layers import triton_attention  # noqa: E402
+from moe.layers import triton_attention, triton_norm  # noqa: E402
 from moe.layers.attention_backend import AttentionBackendEnum  # noqa: E402
 from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe.layers.attention_selector import set_attention_backend  # noqa: E402
@@ -132,8 +132,8 @@ def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
         counter.ops.append(f"triton:{kernel.__name__}")
 
     monkeypatch.setattr(triton_attention, "launch", counted_launch)
-    # the RMSNorms launch where Triton can (the attention backend is set below)
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    # the RMSNorms launch as where Triton can (the attention backend is set below)
+    monkeypatch.setattr(triton_norm, "can_launch_rms_norm", lambda x, weight: True)
     set_current_platform(CudaPlatform())
     set_attention_backend(AttentionBackendEnum.TRITON_ATTN)
     try:

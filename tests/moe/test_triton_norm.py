@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="the Triton RMSNorm needs Triton (not insta
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from moe.layers import triton_attention  # noqa: E402
+from moe.layers import triton_attention, triton_norm  # noqa: E402
 from moe.layers.norm import RMSNorm  # noqa: E402
 from moe.platforms import CudaPlatform, set_current_platform  # noqa: E402
 from tests.helpers.op_count import count_ops  # noqa: E402
@@ -57,10 +57,16 @@ def cuda_norm(monkeypatch):
 
 
 def test_torch_form_where_triton_cannot_launch(cuda_norm, monkeypatch):
+    """No CUDA device and no interpreter (this process); Triton launching but x on the host while
+    the interpreter is off (the CUDA op paths on CPU tensors of a GPU machine). (float64:
+    ``triton_norm_cases``, no launch under the interpreter either.)"""
     norm, launches = cuda_norm
-    reason = "no CUDA device (and Triton's interpreter is off)"
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: reason)
     x = torch.randn(5, 64)
+    assert triton_attention.triton_unavailable_reason() is not None
+    assert not triton_norm.can_launch_rms_norm(x, norm.weight)
+    assert torch.equal(norm(x), norm.forward_native(x))
+    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    assert not triton_norm.can_launch_rms_norm(x, norm.weight)
     assert torch.equal(norm(x), norm.forward_native(x))
     assert launches == []
 
@@ -69,7 +75,7 @@ def test_graph_traces_take_the_torch_form_and_op_counters_the_launch(cuda_norm, 
     """``make_fx`` cannot see into a launch: its graph holds the torch ops. A dispatch mode that
     only watches (an op counter) sees the launch: the output's allocation and nothing else."""
     norm, launches = cuda_norm
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    monkeypatch.setattr(triton_norm, "can_launch_rms_norm", lambda x, weight: True)
     x = torch.randn(5, 64)
     for mode in ("fake", "real"):
         graph = make_fx(norm, tracing_mode=mode, _allow_non_fake_inputs=True)(x)
