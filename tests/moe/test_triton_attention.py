@@ -21,7 +21,7 @@ from moe.layers.attention_backend import AttentionBackendEnum  # noqa: E402
 from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe.layers.attention_selector import set_attention_backend  # noqa: E402
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform  # noqa: E402
-from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
+from tests.helpers.triton_interpreter import compile_for_sm90, run_interpreted  # noqa: E402
 
 CASES = "tests.moe.triton_attention_cases"
 
@@ -189,46 +189,6 @@ def test_model_forward_reads_nothing_on_the_host(tmp_path, monkeypatch, model_ty
         set_current_platform(None)
 
 
-_POINTEE = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
-
-
-def _compile_for_sm90(compiled: list[str]):
-    """A ``triton_attention.launch`` that compiles the launch's kernel for sm90 (Hopper) down to
-    a cubin with Triton's bundled ptxas, no GPU needed, instead of running it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    def compile_launch(kernel, grid, *, num_warps=4, **kwargs):
-        constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
-        signature, constants = {}, {}
-        for name in kernel.arg_names:
-            value = kwargs[name]
-            if name in constexprs:
-                signature[name], constants[name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + _POINTEE[value.dtype]
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            else:
-                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        source = ASTSource(kernel, signature, constants)
-        binary = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-        )
-        assert binary.asm["cubin"]
-        compiled.append(kernel.__name__)
-
-    return compile_launch
-
-
 @pytest.mark.parametrize(
     ("case", "dtype"),
     [("gqa", torch.bfloat16), ("gqa", torch.float64), ("mla", torch.bfloat16)],
@@ -244,7 +204,7 @@ def test_kernels_compile_for_sm90(monkeypatch, case, dtype):
     if knobs.runtime.interpret:
         pytest.skip("Triton was imported under TRITON_INTERPRET=1: its kernels are interpreted")
     compiled: list[str] = []
-    monkeypatch.setattr(triton_attention, "launch", _compile_for_sm90(compiled))
+    monkeypatch.setattr(triton_attention, "launch", compile_for_sm90(compiled))
     metadata, num_blocks = CommonAttentionMetadata.for_requests([(0, 5), (7, 1)], 16)
     num_tokens = metadata.num_tokens
     if case == "gqa":

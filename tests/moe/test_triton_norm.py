@@ -18,7 +18,7 @@ from moe.layers import triton_attention, triton_norm  # noqa: E402
 from moe.layers.norm import RMSNorm  # noqa: E402
 from moe.platforms import CudaPlatform, set_current_platform  # noqa: E402
 from tests.helpers.op_count import count_ops  # noqa: E402
-from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
+from tests.helpers.triton_interpreter import compile_for_sm90, run_interpreted  # noqa: E402
 
 CASES = "tests.moe.triton_norm_cases"
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -38,6 +38,29 @@ def test_compiled_kernel_equals_forward_native_on_a_gpu():
     """The same checks on CUDA tensors, the kernel compiled."""
     output = run_interpreted(CASES, *DTYPES, "--device", "cuda", timeout_s=300, env={})
     assert "empty torch.bfloat16 weight torch.float32" in output
+
+
+def test_kernel_compiles_for_sm90(monkeypatch):
+    """What a Hopper GPU would launch compiles for sm90 without one (Triton's NVIDIA backend down
+    to ptxas): bfloat16 at DeepSeek's hidden 7168 (8 warps) and with a float32 weight, float32
+    at 2048, float16 at a head's 128."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    from triton import knobs
+
+    if knobs.runtime.interpret:
+        pytest.skip("Triton was imported under TRITON_INTERPRET=1: its kernels are interpreted")
+    compiled: list[str] = []
+    monkeypatch.setattr(triton_attention, "launch", compile_for_sm90(compiled))
+    cases = [
+        (torch.bfloat16, torch.bfloat16, 7168),
+        (torch.bfloat16, torch.float32, 7168),
+        (torch.float32, torch.float32, 2048),
+        (torch.float16, torch.float16, 128),
+    ]
+    for dtype, weight_dtype, hidden_size in cases:
+        x = torch.zeros(4, hidden_size, dtype=dtype)
+        triton_norm.triton_rms_norm(x, torch.ones(hidden_size, dtype=weight_dtype), 1e-6)
+    assert compiled == ["rms_norm_kernel"] * len(cases)
 
 
 @pytest.fixture
