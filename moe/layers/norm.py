@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.platforms.custom_op import CustomOp, is_tracing
+from moe.platforms.custom_op import CustomOp, is_graph_tracing, is_tracing
 
 # Rows whose float32 working copy fits this many bytes go through one F.rms_norm call: torch's CPU
 # F.rms_norm is composite (a float32 copy, square, mean, rsqrt, scale: ~5 passes over the rows),
@@ -33,6 +33,9 @@ class RMSNorm(CustomOp):
     float32, as transformers) the reference. More than ``rows_per_cache_block(hidden_size)`` rows
     run in blocks of that many (results unchanged). Why, and the timings: docs/hardware.md,
     "Other ops".
+    ``forward_cuda``: float32, float16 and bfloat16 in one Triton launch
+    (``moe.layers.triton_norm``) where Triton launches; ``forward_native`` for float64, where
+    Triton cannot launch, and while a graph is traced (the tracer cannot see into a launch).
     """
 
     def __init__(
@@ -60,6 +63,13 @@ class RMSNorm(CustomOp):
         for start in range(0, num_rows, chunk):
             out[start : start + chunk] = self._normalize(x2d[start : start + chunk], fused)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def forward_cuda(self, x: Tensor) -> Tensor:
+        from moe.layers import triton_norm  # Triton itself only when a kernel launches
+
+        if is_graph_tracing() or not triton_norm.can_launch_rms_norm(x, self.weight):
+            return self.forward_native(x)
+        return triton_norm.triton_rms_norm(x, self.weight, self.eps)
 
     def _normalize(self, x: Tensor, fused: bool) -> Tensor:
         if fused:

@@ -36,6 +36,18 @@ def is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def is_graph_tracing() -> bool:
+    """Whether a graph is being recorded (Dynamo, or ``make_fx``'s proxy / fake / functional
+    modes), unlike ``is_tracing`` not any dispatch mode: a mode that only watches the ops (an op
+    counter) runs the ops as they are. Paths that launch kernels the tracer cannot see (Triton)
+    take their torch form then."""
+    keys = torch._C._TorchDispatchModeKey
+    return torch.compiler.is_compiling() or any(
+        torch._C._get_dispatch_mode(key) is not None
+        for key in (keys.PROXY, keys.FAKE, keys.FUNCTIONAL)
+    )
+
+
 DEFAULT_CUSTOM_OPS: tuple[str, ...] = ("all",)
 _custom_ops: tuple[str, ...] = DEFAULT_CUSTOM_OPS
 

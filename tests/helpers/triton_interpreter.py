@@ -9,6 +9,8 @@ Triton 3.6's interpreter multiplies bfloat16 ``tl.dot`` operands as their raw 16
 (``InterpreterBuilder.create_dot`` calls ``np.matmul`` on the uint16 storage);
 ``fixed_bfloat16_dot`` widens them to float32 first, which is exact (a bfloat16 is a float32 with
 16 low zero bits) and what a GPU's bfloat16 product with float32 accumulation computes.
+
+``compile_for_sm90`` compiles a launch's kernel for Hopper instead of running it (no GPU needed).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 
 def run_interpreted(
@@ -81,3 +84,44 @@ def fixed_bfloat16_dot() -> Iterator[None]:
         yield
     finally:
         builder.create_dot = original
+
+
+_POINTEE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+def compile_for_sm90(compiled: list[str]):
+    """A stand-in for a module's ``launch(kernel, grid, **kwargs)`` that compiles the kernel for
+    sm90 (Hopper) down to a cubin with Triton's bundled ptxas, no GPU needed, instead of running
+    it; appends the kernel's name to ``compiled``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_launch(kernel, grid, *, num_warps=4, **kwargs):
+        constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
+        signature, constants = {}, {}
+        for name in kernel.arg_names:
+            value = kwargs[name]
+            if name in constexprs:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _POINTEE[value.dtype]
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        source = ASTSource(kernel, signature, constants)
+        binary = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+        )
+        assert binary.asm["cubin"]
+        compiled.append(kernel.__name__)
+
+    return compile_launch

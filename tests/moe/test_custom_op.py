@@ -237,16 +237,17 @@ def test_grouped_gemm_experts_equal_the_reference_loop(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cached_rope_equals_reference(is_neox_style, scaling, dtype):
     """The table path (per-dtype factors: [cos, cos, -sin, sin] for neox style, pairs for
-    interleaved) is bit-identical to the reference in every dtype."""
+    interleaved) is bit-identical to the reference in every dtype: ``forward_cpu`` and
+    ``forward_cuda`` (the table path without the host's bound check)."""
     rope = RotaryEmbedding(
         8, 1e4, is_neox_style=is_neox_style, scaling=scaling, max_position_embeddings=128
     )
     positions = torch.tensor([0, 5, 127, 64, 3])
     q, k = torch.randn(5, 4, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
-    for a, b in zip(
-        rope.forward_cpu(positions, q, k), rope.forward_native(positions, q, k), strict=True
-    ):
-        assert torch.equal(a, b)
+    reference = rope.forward_native(positions, q, k)
+    for forward in (rope.forward_cpu, rope.forward_cuda):
+        for a, b in zip(forward(positions, q, k), reference, strict=True):
+            assert torch.equal(a, b)
     beyond = torch.tensor([200])  # past the table: falls back to computing cos/sin
     for a, b in zip(
         rope.forward_cpu(beyond, q[:1], k[:1]),
