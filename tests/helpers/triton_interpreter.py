@@ -35,9 +35,13 @@ def run_interpreted(
     Raises:
         AssertionError: it exited non-zero (with its output).
     """
+    from tests.helpers.distributed import REPO
+
     env = {**os.environ, **({"TRITON_INTERPRET": "1"} if env is None else env)}
-    proc = subprocess.run(
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(  # from the repository root, whatever directory a test left
         [sys.executable, "-m", module, *args],
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

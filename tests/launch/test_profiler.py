@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -50,8 +49,8 @@ def _traces(directory: Path, rank: int) -> list[Path]:
 # parsing: vLLM's keys and rules, one line naming what is wrong
 
 
-def test_a_torch_config_parses_with_vllms_defaults_and_an_absolute_directory(tmp_path):
-    os.chdir(tmp_path)
+def test_a_torch_config_parses_with_vllms_defaults_and_an_absolute_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # restored after the test: later tests start from the repository
     config = parse_profiler_config('{"profiler": "torch", "torch_profiler_dir": "traces"}')
     assert config.torch_profiler_dir == str(tmp_path / "traces")
     assert config.torch_profiler_with_stack and config.torch_profiler_use_gzip

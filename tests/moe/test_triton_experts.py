@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,6 +227,7 @@ def test_interpreted_kernels_in_a_fresh_process():
             "-k",
             "not fresh_process",
         ],
+        cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
