@@ -22,7 +22,10 @@ class OpCount:
         return len(self.aten_ops)
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
+    """The ATen ops dispatched while active (``ops``: their names), views excluded (they launch
+    nothing on a device)."""
+
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
@@ -39,7 +42,7 @@ def count_ops(fn: Callable[[], object]) -> OpCount:
     from moe.fused_moe import triton_experts
 
     launches = []
-    with pytest.MonkeyPatch.context() as patch, _CountOps() as mode:
+    with pytest.MonkeyPatch.context() as patch, CountOps() as mode:
         patch.setattr(triton_experts, "launch", lambda kernel, grid, *a, **k: launches.append(1))
         fn()
     return OpCount(aten_ops=tuple(mode.ops), triton_launches=len(launches))

@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("triton", reason="TRITON_ATTN needs Triton (not installed)")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from moe import build_model, init_random_weights, load_config  # noqa: E402
 from moe.layers import triton_attention, triton_norm  # noqa: E402
@@ -21,6 +20,7 @@ from moe.layers.attention_backend import AttentionBackendEnum  # noqa: E402
 from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe.layers.attention_selector import set_attention_backend  # noqa: E402
 from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform  # noqa: E402
+from tests.helpers.op_count import CountOps  # noqa: E402
 from tests.helpers.triton_interpreter import compile_for_sm90, run_interpreted  # noqa: E402
 
 CASES = "tests.moe.triton_attention_cases"
@@ -79,20 +79,7 @@ CONTEXT_LEN = 256
 BLOCK_SIZE = 16
 
 
-class _CountOps(TorchDispatchMode):
-    """The ATen ops dispatched while active, views excluded (they launch nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
-def _decode_ops_per_layer(model, num_reqs: int, counter: _CountOps) -> float:
+def _decode_ops_per_layer(model, num_reqs: int, counter: CountOps) -> float:
     """The ops (ATen ops + Triton launches) of one decode forward of ``num_reqs`` requests at
     ``CONTEXT_LEN``, over the number of layers."""
     metadata, num_blocks = CommonAttentionMetadata.for_requests(
@@ -126,7 +113,7 @@ def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
     then: 93.25 and 158)."""
     transformers = pytest.importorskip("transformers")
     transformers.OlmoeConfig(**OLMOE_SHAPED).save_pretrained(tmp_path)
-    counter = _CountOps()
+    counter = CountOps()
 
     def counted_launch(kernel, grid, **kwargs):
         counter.ops.append(f"triton:{kernel.__name__}")
