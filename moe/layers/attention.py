@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
+from moe.layers import triton_attention
 from moe.layers.attention_backend import AttentionBackendEnum
 from moe.layers.attention_selector import selected_attention_backend
 from moe.layers.attention_tuning import kernel_cut
@@ -278,7 +279,9 @@ class PagedAttention(CustomOp):
     def forward_cuda(
         self, query: Tensor, key: Tensor, value: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
-        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+        if self.backend is AttentionBackendEnum.TRITON_ATTN and triton_attention.launches_on(
+            query.device
+        ):
             return self._forward_triton(query, key, value, attn_metadata)
         return self._forward_batched(query, key, value, attn_metadata)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.compilation.splitting import splitting_op
+from moe.layers import triton_attention
 from moe.layers.attention import iter_request_spans, kv_write_slots
 from moe.layers.attention_backend import AttentionBackendEnum
 from moe.layers.attention_selector import selected_attention_backend
@@ -127,7 +128,9 @@ class PagedMLACache(CustomOp):
         TRITON_ATTN writes in one launch that skips slot -1 itself (nothing read on the host)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call model.bind_kv_caches(...) first")
-        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+        if self.backend is AttentionBackendEnum.TRITON_ATTN and triton_attention.launches_on(
+            kv_c.device
+        ):
             triton_write_mla_cache(kv_c, k_pe, self.kv_cache, attn_metadata)
             return
         rows, slots = kv_write_slots(attn_metadata, self.kv_cache.device)
@@ -217,7 +220,9 @@ class PagedMLACache(CustomOp):
         )
 
     def forward_cuda(self, q_nope, q_pe, kv_b_weight, attn_metadata, *, scale, expand=None):
-        if self.backend is AttentionBackendEnum.TRITON_ATTN:
+        if self.backend is AttentionBackendEnum.TRITON_ATTN and triton_attention.launches_on(
+            q_nope.device
+        ):
             return triton_mla_attention(
                 q_nope,
                 q_pe,

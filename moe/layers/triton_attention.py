@@ -66,6 +66,17 @@ def _triton_unavailable_reason() -> str | None:
     return "no CUDA device (and Triton's interpreter is off)"
 
 
+def launches_on(device: torch.device) -> bool:
+    """Whether Triton can launch on ``device``'s tensors here: compiled kernels take CUDA tensors,
+    Triton's interpreter host ones. False for host tensors of a CUDA process (the CUDA op paths
+    on CPU tensors, as the tests run them on a GPU machine), which then stay in torch."""
+    if triton_unavailable_reason() is not None:
+        return False
+    import triton  # imported by triton_unavailable_reason already
+
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
 def launch(kernel: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
     """``kernel[grid](**kwargs)`` (``num_warps`` among them): every Triton launch of this module
     goes through here (tests count them, or compile them for a GPU)."""

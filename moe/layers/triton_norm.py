@@ -21,16 +21,12 @@ def can_launch_rms_norm(x: Tensor, weight: Tensor) -> bool:
     (``triton_unavailable_reason``) on x's device (compiled kernels take CUDA tensors, Triton's
     interpreter CPU ones: the CUDA op paths on CPU tensors of a GPU machine stay in torch), both
     dtypes are in ``TRITON_NORM_DTYPES``, and the tensors share a device."""
-    if (
-        x.dtype not in TRITON_NORM_DTYPES
-        or weight.dtype not in TRITON_NORM_DTYPES
-        or x.device != weight.device
-        or triton_attention.triton_unavailable_reason() is not None
-    ):
-        return False
-    import triton  # imported by triton_unavailable_reason already
-
-    return x.is_cuda or bool(triton.knobs.runtime.interpret)
+    return (
+        x.dtype in TRITON_NORM_DTYPES
+        and weight.dtype in TRITON_NORM_DTYPES
+        and x.device == weight.device
+        and triton_attention.launches_on(x.device)
+    )
 
 
 def triton_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

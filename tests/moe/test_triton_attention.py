@@ -119,6 +119,7 @@ def test_decode_ops_per_layer_do_not_grow_with_the_batch(tmp_path, monkeypatch):
         counter.ops.append(f"triton:{kernel.__name__}")
 
     monkeypatch.setattr(triton_attention, "launch", counted_launch)
+    monkeypatch.setattr(triton_attention, "launches_on", lambda device: True)  # counted, not run
     # the RMSNorms launch as where Triton can (the attention backend is set below)
     monkeypatch.setattr(triton_norm, "can_launch_rms_norm", lambda x, weight: True)
     set_current_platform(CudaPlatform())
@@ -153,6 +154,7 @@ def test_model_forward_reads_nothing_on_the_host(tmp_path, monkeypatch, model_ty
     prefix, kwargs = TINY_CONFIGS[model_type]
     getattr(transformers, f"{prefix}Config")(**kwargs).save_pretrained(tmp_path)
     monkeypatch.setattr(triton_attention, "launch", lambda kernel, grid, **kw: None)
+    monkeypatch.setattr(triton_attention, "launches_on", lambda device: True)
     set_current_platform(CudaPlatform())
     set_attention_backend(AttentionBackendEnum.TRITON_ATTN)
     try:
