@@ -277,10 +277,36 @@ def create_communicator(
             f"need num_channels >= 1 and capacity_bytes >= 4096, got {num_channels}, "
             f"{capacity_bytes}"
         )
+    infos = _rank_infos(group, kernels, node_rank)
+    if infos is None:
+        return Communicator(group)
+    local_ranks = [r for r, info in enumerate(infos) if info.node == node_rank]
+    pids = [infos[r].pid for r in local_ranks]
+    index = local_ranks.index(group.rank())
+    layout = (len(local_ranks), index, num_channels, capacity_bytes, local_ranks, pids)
+    native = _map_segment(group, kernels, job_id, node_rank, local_ranks, layout)
+    return ShmCommunicator(  # native None: alone on this node, every peer is remote
+        group,
+        native=native,
+        local_ranks=local_ranks,
+        num_channels=num_channels,
+        timeout=timeout,
+    )
+
+
+def _rank_infos(
+    group: ProcessGroup, kernels: ModuleType | None, node_rank: int
+) -> list[_RankInfo] | None:
+    """Every rank's node, pid and whether it has the kernels; None where shared memory is off
+    (no node holds two ranks, or some rank lacks the kernels: logged once). Collective over
+    ``group`` (one object all-gather, bounded by the group timeout).
+
+    Raises:
+        ValueError: a node holds more than ``MAX_LOCAL_RANKS`` ranks.
+    """
     mine = _RankInfo(node=node_rank, pid=os.getpid(), has_kernels=kernels is not None)
     infos: list[_RankInfo] = [mine] * group.size()
     dist.all_gather_object(infos, mine, group=group)  # blocking (group timeout)
-    local_ranks = [r for r, info in enumerate(infos) if info.node == node_rank]
     largest_node = max(sum(i.node == info.node for i in infos) for info in infos)
     if not all(info.has_kernels for info in infos) or largest_node < 2:
         if group.rank() == 0 and largest_node >= 2:
@@ -289,21 +315,33 @@ def create_communicator(
                 "turned off on some rank): collectives run over %s",
                 dist.get_backend(group),
             )
-        return Communicator(group)
+        return None
     if largest_node > MAX_LOCAL_RANKS:
         raise ValueError(
             f"at most {MAX_LOCAL_RANKS} ranks per node share memory, got {largest_node}"
         )
+    return infos
+
+
+def _map_segment(
+    group: ProcessGroup,
+    kernels: ModuleType,
+    job_id: str,
+    node_rank: int,
+    local_ranks: list[int],
+    layout: tuple,
+):
+    """This rank's ``kernels.ShmComm`` over its node's segment, or None when it is alone on its
+    node. The node's first rank creates the segment, the others map it after; once every local
+    rank has mapped it, each unlinks its name (ENOENT is fine), so nothing stays in /dev/shm,
+    even after SIGKILL. Collective over ``group`` (two object all-gathers, bounded by the group
+    timeout).
+
+    Raises:
+        RuntimeError: the segment could not be created or mapped on some rank (every rank).
+    """
     native, name, error = None, None, None
-    index = local_ranks.index(group.rank())
-    layout = (
-        len(local_ranks),
-        index,
-        num_channels,
-        capacity_bytes,
-        local_ranks,
-        [infos[r].pid for r in local_ranks],
-    )
+    index = layout[1]
     if index == 0 and len(local_ranks) > 1:  # the node's leader creates the segment
         name = _segment_name(job_id, group, node_rank)
         try:
@@ -321,21 +359,14 @@ def create_communicator(
     errors: list = [None] * group.size()
     dist.all_gather_object(errors, error, group=group)  # blocking: every local rank has mapped it
     if leader_name is not None and len(local_ranks) > 1:
-        # every local rank: the name is gone when create returns anywhere (ENOENT is fine), so
-        # nothing stays in /dev/shm, even after SIGKILL
+        # every local rank: the name is gone when create returns anywhere
         kernels.ShmComm.unlink(leader_name)
     failures = [e for e in errors if e is not None]
     if failures:
         if native is not None:
             native.close()
         raise RuntimeError(f"shared-memory transport could not start: {'; '.join(failures)}")
-    return ShmCommunicator(  # native None: alone on this node, every peer is remote
-        group,
-        native=native,
-        local_ranks=local_ranks,
-        num_channels=num_channels,
-        timeout=timeout,
-    )
+    return native
 
 
 def _segment_name(job_id: str, group: ProcessGroup, node_rank: int) -> str:
