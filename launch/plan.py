@@ -4,8 +4,8 @@ From presets (a model, a device, a link, an EP size) or from one of our own time
 (``--calibrate DIR``, a ``launch.bench --timeline-dir`` run), it predicts per MoE layer the compute
 C and the communication M, the step time with DBO off and with N ubatches, the speedup, the
 crossovers, and prints the ``--dbo-decode-token-threshold`` / ``--dbo-prefill-token-threshold``
-it recommends. Overlap model: ``launch.planning.schedule``; every preset's source:
-``launch.planning.devices`` / ``links`` / ``model_presets``.
+it recommends. Overlap model: ``dbo.planning.schedule``; every preset's source:
+``dbo.planning.devices`` / ``dbo.planning.links`` / ``launch.planning.model_presets``.
 """
 
 from __future__ import annotations
@@ -176,13 +176,13 @@ def resolve(ns):
     Raises:
         ValueError: a bad preset name, config, device, link or timeline.
     """
-    from launch.planning.links import deepep_link, from_gbps
+    from dbo.planning.links import deepep_link, from_gbps
 
     custom = None
     if ns.link_gbps is not None:
         custom = from_gbps(ns.link_latency_us, ns.link_gbps, name="custom")
     if ns.calibrate:
-        from launch.planning.calibrated_model import calibrate
+        from dbo.planning.calibrated_model import calibrate
 
         model = calibrate(ns.calibrate, ns.calibrate_results)
         link = model.adapt_link(custom) if custom else model.link
@@ -191,9 +191,9 @@ def resolve(ns):
             link,
             [f"cost model: {model.describe()}", _link_line(model.link, "fitted link")],
         )
-    from launch.planning.devices import resolve_device
+    from dbo.planning.devices import resolve_device
+    from dbo.planning.roofline_model import RooflineCostModel, Workload
     from launch.planning.model_presets import PRESETS, load_model
-    from launch.planning.roofline import RooflineCostModel, Workload
 
     name, config = load_model(ns.model)
     device = resolve_device(ns.device, ns.weight_dtype)
@@ -234,7 +234,7 @@ def _link_line(link, what: str = "link") -> str:
 
 def run(ns, model, link, lines: list[str]) -> None:
     """Print the predictions, crossovers, thresholds, sensitivity; write the optional files."""
-    from launch.planning import planner, report
+    from dbo.planning import planner, report
 
     ns_list = ns.num_ubatches
     compared = report.compare(model, link, ns.compare) if ns.compare else []
@@ -278,7 +278,7 @@ def run(ns, model, link, lines: list[str]) -> None:
 def error_bar(ns, compared: list[dict]) -> float:
     """The predictions' error bar in speedup: ``--error-points`` / 100 where given; otherwise
     ``planner.DEFAULT_ERROR``, or the largest difference ``--compare`` measured if larger."""
-    from launch.planning import planner, report
+    from dbo.planning import planner, report
 
     if ns.error_points is not None:
         return ns.error_points / 100
@@ -288,7 +288,7 @@ def error_bar(ns, compared: list[dict]) -> float:
 def _print_recommendation(ns, model, link, error: float) -> None:
     """The crossover per kind and the thresholds (and N) to pass to the engine: a threshold sits
     where the predicted gain clears the error bar ``error`` (in speedup)."""
-    from launch.planning import planner
+    from dbo.planning import planner
 
     highs = {}
     if ns.decode_tokens:
@@ -319,7 +319,7 @@ def _print_recommendation(ns, model, link, error: float) -> None:
 
 
 def _write_files(ns, model, link, ns_list, error: float) -> None:
-    from launch.planning import planner, report
+    from dbo.planning import planner, report
 
     if ns.write_prior:
         with open(ns.write_prior, "w", encoding="utf-8") as f:

@@ -8,7 +8,7 @@ links before the next. Per link and ``--batches`` shape it prints the median mea
 the runs' range, the prediction (N = 2), the difference and the spread beside it (points), and
 whether the planner's recommended thresholds, with their error bar (``--error-points``), turn DBO
 on there; then one line: how many shapes are within 10 points, and on how many DBO is recommended
-where it measured below 0.95x (``launch.planning.sweep``). Grid links whose run the calibrated
+where it measured below 0.95x (``dbo.planning.sweep``). Grid links whose run the calibrated
 planner estimates above ``--max-run-s`` are skipped and named; ``--dry-run`` stops after the
 calibration with the estimates.
 
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from launch.engine.arg_utils import OneLineErrorParser, bounded_number, parse_link
@@ -135,8 +136,8 @@ def check_args(ns) -> dict:
     Raises:
         ValueError: naming the bad value.
     """
+    from dbo.planning import planner, sweep
     from launch.benchmarks.workload import parse_batches
-    from launch.planning import planner, sweep
 
     try:
         calibration = parse_link(ns.calibration_link, "link")
@@ -215,12 +216,31 @@ def run_bench(cmd: list[str], log_path: Path, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
+def estimate_run_s(
+    model, link, shapes: Sequence[tuple[str, int]], steps_per_arm: int, overhead_s: float
+) -> float:
+    """Seconds a ``launch.bench --arms off,on`` run of ``shapes`` (kind, tokens per rank) on
+    ``link`` (a ``LinkModel``) is predicted to take: ``steps_per_arm`` (warm-up + measured)
+    predicted steps per arm and shape, a decode shape's prompt prefill (its requests' prompts in
+    one DBO-off step), plus ``overhead_s`` per run (start-up, building the engine)."""
+    from dbo.planning import planner
+    from launch.benchmarks.workload import DECODE_PROMPT_LEN
+
+    steps_ms = 0.0
+    for kind, tokens in shapes:
+        p = planner.predict(model, link, kind, tokens, [2])
+        steps_ms += steps_per_arm * (p.step_ms_off + p.step_ms_on.get(2, p.step_ms_off))
+        if kind == "decode":
+            steps_ms += planner.step_ms(model, link, "prefill", tokens * DECODE_PROMPT_LEN, 1)
+    return overhead_s + steps_ms / 1e3
+
+
 def calibrate(ns, sweep_args: dict, out: Path):
     """The calibration run on the calibration link and the planner fitted to it; (model, the
     per-run overhead in s: its wall time beyond its predicted steps)."""
-    from launch.planning import sweep
-    from launch.planning.calibrated_model import calibrate as fit
-    from launch.planning.links import from_gbps
+    from dbo.planning import sweep
+    from dbo.planning.calibrated_model import calibrate as fit
+    from dbo.planning.links import from_gbps
 
     cal_dir = out / "calibration"
     cmd = bench_command(
@@ -236,7 +256,7 @@ def calibrate(ns, sweep_args: dict, out: Path):
     model = fit(cal_dir)
     spec = sweep_args["calibration"]
     link = model.adapt_link(from_gbps(spec.latency_us, spec.gbps))
-    steps_s = sweep.estimate_run_s(
+    steps_s = estimate_run_s(
         model, link, sweep_args["calibration_shapes"], sweep_args["steps_per_arm"], 0.0
     )
     return model, max(wall_s - steps_s, 0.0)
@@ -244,13 +264,12 @@ def calibrate(ns, sweep_args: dict, out: Path):
 
 def plan_links(model, sweep_args: dict, overhead_s: float, max_run_s: float):
     """(the grid links to run with their estimated s per run, the skipped ones likewise)."""
-    from launch.planning import sweep
-    from launch.planning.links import from_gbps
+    from dbo.planning.links import from_gbps
 
     kept, skipped = [], []
     for spec in sweep_args["links"]:
         link = model.adapt_link(from_gbps(spec.latency_us, spec.gbps))
-        estimate = sweep.estimate_run_s(
+        estimate = estimate_run_s(
             model, link, sweep_args["shapes"], sweep_args["steps_per_arm"], overhead_s
         )
         (kept if estimate <= max_run_s else skipped).append((spec, estimate))
@@ -259,7 +278,7 @@ def plan_links(model, sweep_args: dict, overhead_s: float, max_run_s: float):
 
 def run_grid(ns, sweep_args: dict, kept, out: Path) -> list[str]:
     """Each kept link once per repeat, ``--repeats`` times; the results files written."""
-    from launch.planning import sweep
+    from dbo.planning import sweep
 
     paths = []
     for r in range(ns.repeats):
@@ -277,8 +296,8 @@ def run_grid(ns, sweep_args: dict, kept, out: Path) -> list[str]:
 
 def report(model, sweep_args: dict, paths: list[str], skipped, out: Path) -> str:
     """The table and the summary (printed and written to ``out/sweep.md``)."""
-    from launch.planning import report as plan_report
-    from launch.planning import sweep
+    from dbo.planning import report as plan_report
+    from dbo.planning import sweep
 
     rows = sweep.sweep_rows(
         model, plan_report.compare(model, model.link, paths), sweep_args["error"]
@@ -294,7 +313,7 @@ def report(model, sweep_args: dict, paths: list[str], skipped, out: Path) -> str
 
 def print_plan(kept, skipped, repeats: int, overhead_s: float) -> None:
     """Each grid link with its estimated s per run, and the total."""
-    from launch.planning.sweep import link_arg
+    from dbo.planning.sweep import link_arg
 
     for spec, estimate in kept:
         print(f"{PROG}: {link_arg(spec)}: ~{estimate:.0f} s a run, x {repeats}")

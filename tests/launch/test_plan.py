@@ -10,14 +10,14 @@ import math
 import pytest
 
 from dbo import Bucket
+from dbo.planning.devices import DEVICE_PRESETS, DeviceSpec
+from dbo.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
+from dbo.planning.planner import bucket_prior, crossover, predict, step_ms, token_sweep
+from dbo.planning.report import prior_table
+from dbo.planning.roofline_model import RooflineCostModel, Workload
+from dbo.planning.schedule import LayerCosts, simulate_layers, simulate_sglang_decode
 from launch import plan
-from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
-from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
 from launch.planning.model_presets import PRESETS, load_model
-from launch.planning.planner import bucket_prior, crossover, predict, step_ms, token_sweep
-from launch.planning.report import prior_table
-from launch.planning.roofline import RooflineCostModel, Workload
-from launch.planning.schedule import LayerCosts, simulate_layers, simulate_sglang_decode
 
 # 1 ms on the wire per transfer (1e6 bytes at 1 GB/s), 0.1 ms latency
 LINK = LinkModel(name="test", latency_us=100, dispatch_gbytes=1.0, combine_gbytes=1.0)
@@ -321,7 +321,7 @@ def test_engine_reads_the_prior_and_refuses_a_bad_one(tmp_path):
 
 
 def test_this_machine_is_measured():
-    from launch.planning.devices import measure_this_machine
+    from dbo.planning.devices import measure_this_machine
 
     device = measure_this_machine("fp32", seconds=0.05)
     assert device.peak_tflops["fp32"] > 0 and device.mem_tbps > 0 and device.kernel_us > 0

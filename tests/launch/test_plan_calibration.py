@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from dbo.planning.calibrated_model import calibrate
+from dbo.planning.calibration import PeerArrival, TimelineSamples, collect, read_rank_spans
+from dbo.planning.links import from_gbps
+from dbo.planning.planner import step_ms
+from dbo.planning.report import drift_note, drift_unmeasured
 from launch import plan
-from launch.planning.calibrated_model import calibrate
-from launch.planning.calibration import PeerArrival, TimelineSamples, collect, read_rank_spans
-from launch.planning.links import from_gbps
-from launch.planning.planner import step_ms
-from launch.planning.report import drift_note, drift_unmeasured
 from tests.launch.test_plan import sglang_decode_model
 
 
@@ -272,7 +272,7 @@ def test_cli_calibrate_and_compare(capsys, tmp_path):
 
 
 def test_curve_interpolates_and_scales_beyond():
-    from launch.planning.calibration import fit_curve
+    from dbo.planning.calibration import fit_curve
 
     # experts-like: 1 ms at 64 tokens, 5 ms at 256, 20 ms at 1024 (not affine)
     curve = fit_curve(

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dbo import Bucket, prior_from_table
-from launch import plan
-from launch.planning.planner import (
+from dbo.planning.planner import (
     DEFAULT_ERROR,
     Prediction,
     bucket_prior,
@@ -19,7 +18,8 @@ from launch.planning.planner import (
     recommend,
     token_sweep,
 )
-from launch.planning.report import advice, caution_note, measured_error, prior_table
+from dbo.planning.report import advice, caution_note, measured_error, prior_table
+from launch import plan
 from tests.launch.test_plan import sglang_decode_model
 
 

@@ -13,12 +13,9 @@ import time
 
 import pytest
 
-from distributed.link_emulation import LinkSpec
-from launch import plan_sweep
-from launch.planning import planner
-from launch.planning.sweep import (
+from dbo.planning import planner
+from dbo.planning.sweep import (
     SweepRow,
-    estimate_run_s,
     format_sweep,
     grid_links,
     link_arg,
@@ -27,6 +24,8 @@ from launch.planning.sweep import (
     summary,
     sweep_rows,
 )
+from distributed.link_emulation import LinkSpec
+from launch import plan_sweep
 from tests.helpers.distributed import REPO
 from tests.launch.test_plan import sglang_decode_model
 
@@ -138,13 +137,13 @@ def predict_n2(model, link, tokens: int) -> float:
 def test_estimate_counts_the_steps_and_the_overhead():
     model, link = sglang_decode_model()
     shapes = [("decode", 64), ("prefill", 1024)]
-    one, two = (estimate_run_s(model, link, shapes, n, 0.0) for n in (1, 2))
+    one, two = (plan_sweep.estimate_run_s(model, link, shapes, n, 0.0) for n in (1, 2))
     steps_s = sum(
         (p.step_ms_off + p.step_ms_on[2]) / 1e3
         for p in (planner.predict(model, link, k, t, [2]) for k, t in shapes)
     )
     assert two - one == pytest.approx(steps_s)
-    assert estimate_run_s(model, link, shapes, 1, 5.0) == pytest.approx(one + 5.0)
+    assert plan_sweep.estimate_run_s(model, link, shapes, 1, 5.0) == pytest.approx(one + 5.0)
 
 
 def test_bench_args_give_the_steps_per_arm():

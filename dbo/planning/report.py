@@ -7,10 +7,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from distributed.link_emulation import LinkSpec
-from launch.planning.calibration import read_records
-from launch.planning.links import LinkModel, from_gbps
-from launch.planning.planner import (
+from dbo.planning.calibration import read_records
+from dbo.planning.links import LinkModel, from_gbps
+from dbo.planning.planner import (
     DEFAULT_ERROR,
     TIE_TOLERANCE,
     Prediction,
@@ -18,6 +17,7 @@ from launch.planning.planner import (
     predict,
     within_error,
 )
+from distributed.link_emulation import LinkSpec
 
 PRIOR_FORMAT = "moe-dbo adaptive prior v1"
 MAX_PRIOR_LOG2 = 16  # buckets 2**0 .. 2**16 tokens

@@ -1,6 +1,6 @@
 """The planner checked on links it was not calibrated on (``python -m launch.plan_sweep``): the
 grid of links, one row per (link, batch shape) with the measured spread, the markdown table and
-the summary line. The bench runs themselves: ``launch.plan_sweep``.
+the summary line. The bench runs themselves and their predicted duration: ``launch.plan_sweep``.
 
 A shape counts as predicted when the prediction is within ``WITHIN_POINTS`` of the median
 measured speedup, and as unsafe when the planner's recommended thresholds (with their error bar,
@@ -15,8 +15,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dbo.planning import planner
 from distributed.link_emulation import LinkSpec
-from launch.planning import planner
 
 WITHIN_POINTS = 10.0  # points of speedup (0.10) between predicted and median measured
 SAFE_SPEEDUP = 0.95  # DBO measured below this where the planner turns it on: unsafe
@@ -167,21 +167,3 @@ def summary(rows: Sequence[SweepRow]) -> str:
         f"{within} of {len(rows)} shapes within {WITHIN_POINTS:g} points{share}; {unsafe} shapes "
         f"where the planner recommends DBO and DBO measured below {SAFE_SPEEDUP:g}x"
     )
-
-
-def estimate_run_s(
-    model, link, shapes: Sequence[tuple[str, int]], steps_per_arm: int, overhead_s: float
-) -> float:
-    """Seconds a ``launch.bench --arms off,on`` run of ``shapes`` (kind, tokens per rank) on
-    ``link`` (a ``LinkModel``) is predicted to take: ``steps_per_arm`` (warm-up + measured)
-    predicted steps per arm and shape, a decode shape's prompt prefill (its requests' prompts in
-    one DBO-off step), plus ``overhead_s`` per run (start-up, building the engine)."""
-    from launch.benchmarks.workload import DECODE_PROMPT_LEN
-
-    steps_ms = 0.0
-    for kind, tokens in shapes:
-        p = planner.predict(model, link, kind, tokens, [2])
-        steps_ms += steps_per_arm * (p.step_ms_off + p.step_ms_on.get(2, p.step_ms_off))
-        if kind == "decode":
-            steps_ms += planner.step_ms(model, link, "prefill", tokens * DECODE_PROMPT_LEN, 1)
-    return overhead_s + steps_ms / 1e3

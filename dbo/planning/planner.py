@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from launch.planning.schedule import serial_layer_ms, simulate_layers, simulate_sglang_decode
+from dbo.planning.schedule import serial_layer_ms, simulate_layers, simulate_sglang_decode
 
 TIE_TOLERANCE = 0.01  # dbo.AdaptivePolicyConfig.tie_tolerance: on must beat off by this
 # The error bar of a predicted speedup where nothing measured it on the predicted link: 10 points

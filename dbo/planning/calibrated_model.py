@@ -1,5 +1,5 @@
 """``CalibratedCostModel``: the planner's cost model with every term fitted to one timeline run
-(``launch.planning.calibration`` reads the samples)."""
+(``dbo.planning.calibration`` reads the samples)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from launch.planning.calibration import (
+from dbo.planning.calibration import (
     BETWEEN_PARTS,
     PARTS,
     PER_KIND,
@@ -21,8 +21,8 @@ from launch.planning.calibration import (
     read_rank_spans,
     read_records,
 )
-from launch.planning.links import LinkModel, from_gbps
-from launch.planning.schedule import LayerCosts, serial_layer_ms
+from dbo.planning.links import LinkModel, from_gbps
+from dbo.planning.schedule import LayerCosts, serial_layer_ms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,5 +1,7 @@
-"""Per-layer compute of a MoE model on a device from a roofline: each GEMM or attention kernel
-takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) plus the device's kernel floor.
+"""The planner's roofline cost model (``RooflineCostModel``): the per-layer compute of a MoE model
+predicted for a device from presets, each GEMM or attention kernel taking max(FLOPs / achieved
+FLOP/s, bytes / achieved bandwidth) plus the device's kernel floor. (Measuring how close a real
+step runs to this machine's limits is ``launch.benchmarks.roofline``.)
 
 Splitting a batch into N ubatches is priced by the same formulas at num_tokens / N: every ubatch
 re-reads the weights (memory-bound GEMMs cost nearly as much for half the rows) and pays every
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from launch.planning.devices import DeviceSpec
-from launch.planning.schedule import LayerCosts
-from moe.models.config import MoEModelConfig
+from dbo.planning.devices import DeviceSpec
+from dbo.planning.schedule import LayerCosts
+
+if TYPE_CHECKING:  # the planner prices a model's config; it never builds the model
+    from moe.models.config import MoEModelConfig
 
 BYTES = {"fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
 FP8_SCALE_BYTES_PER_ELEMENT = 4 / 128  # DeepEP FP8 dispatch: one fp32 scale per 128 channels
