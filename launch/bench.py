@@ -31,7 +31,7 @@ import sys
 import time
 
 from distributed.parallel_state import TorchrunEnv
-from launch.benchmarks.report import format_table, make_record, write_records
+from launch.benchmarks.bench_records import format_table, make_record, write_records
 from launch.benchmarks.workload import BatchSpec, Workload, parse_batches
 from launch.engine.arg_utils import (
     DEFAULT_UBATCH_SIZE,

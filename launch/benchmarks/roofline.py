@@ -1,6 +1,7 @@
-"""How close a step runs to its device's limits: the bytes a step must read over the measured copy
-bandwidth (decode: the memory roofline), and its matrix FLOPs over the measured matmul peak
-(prefill), against the measured step time.
+"""Roofline benchmark (``launch.bench_throughput --roofline``): how close a measured step runs to
+its device's limits, the bytes a step must read over the measured copy bandwidth (decode: the
+memory roofline) and its matrix FLOPs over the measured matmul peak (prefill), against the
+measured step time. (The planner's predictive roofline is ``dbo.planning.roofline_model``.)
 
 A step must read, at least once: the weights of every dense part (attention, router, shared and
 dense MLPs, norms, ``lm_head``), the weights of every routed expert its tokens touch, and the KV

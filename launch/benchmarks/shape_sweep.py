@@ -1,5 +1,5 @@
 """Shape sweep: our throughput against vLLM's CPU engine on a grid of Mixtral-, Qwen2-MoE- and
-DeepSeek-V3-shaped random checkpoints (``launch.benchmarks.sweep_shapes`` holds the grid).
+DeepSeek-V3-shaped random checkpoints (``launch.benchmarks.shape_grid`` holds the grid).
 
     python -m launch.benchmarks.shape_sweep --out-dir /tmp/sweep \
         --vllm-python /tmp/vllm-peer/venv/bin/python \
@@ -35,7 +35,7 @@ from launch.benchmarks.peer_table import (
     run_vllm,
     same_tokens,
 )
-from launch.benchmarks.sweep_shapes import GRIDS, Shape, ensure_checkpoint, param_counts
+from launch.benchmarks.shape_grid import GRIDS, Shape, ensure_checkpoint, param_counts
 
 DTYPES = ("float32", "bfloat16")
 HEADER = (

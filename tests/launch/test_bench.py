@@ -18,7 +18,7 @@ from launch.bench import (
     split_arm,
     steps_of_count,
 )
-from launch.benchmarks.report import make_record
+from launch.benchmarks.bench_records import make_record
 from launch.benchmarks.workload import BatchSpec, parse_batches
 from tests.helpers.distributed import REPO, TORCHRUN_ENV, torchrun_command
 

@@ -1,4 +1,4 @@
-"""launch.benchmarks.shape_sweep and its grid (launch.benchmarks.sweep_shapes).
+"""launch.benchmarks.shape_sweep and its grid (launch.benchmarks.shape_grid).
 
 The grid: it spans the ranges the sweep promises, every shape's config loads in our engine, and
 each shape scaled down to hidden 64 gives transformers' float64 logits. The table: rows, ratios
@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from launch.benchmarks import peer_table, shape_sweep  # noqa: E402
-from launch.benchmarks.sweep_shapes import (  # noqa: E402
+from launch.benchmarks.shape_grid import (  # noqa: E402
     DEFAULT_GRID,
     FAMILIES,
     SMALL_GRID,
