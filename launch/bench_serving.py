@@ -137,7 +137,7 @@ async def run_load(
     profile: bool = False,
 ) -> BenchResult:
     """Send the requests; gather per-request timings into a BenchResult. With ``tokenizer``
-    (``launch.serving.detokenizer.Tokenizer``) they go to a chat endpoint as text. ``profile``:
+    (``launch.text.detokenizer.Tokenizer``) they go to a chat endpoint as text. ``profile``:
     ``POST /start_profile`` before the first request and ``/stop_profile`` after the last
     (untimed; RuntimeError naming the answer if the server refuses)."""
     import aiohttp
@@ -357,7 +357,7 @@ def _chat_tokenizer(ns: argparse.Namespace):
     """The tokenizer that turns prompts into chat text (openai-chat only), else None."""
     if ns.backend != "openai-chat":
         return None
-    from launch.serving.detokenizer import load_tokenizer
+    from launch.text.detokenizer import load_tokenizer
 
     path = ns.tokenizer or ns.model
     tokenizer = None if path is None else load_tokenizer(path)

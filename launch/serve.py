@@ -185,8 +185,8 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
         )
     check_output_paths(args)
     model = resolve_model(args)
-    from launch.serving.chat_template import load_chat_template
-    from launch.serving.detokenizer import load_tokenizer
+    from launch.text.chat_template import load_chat_template
+    from launch.text.detokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     chat_template = load_chat_template(args.model, ns.chat_template)

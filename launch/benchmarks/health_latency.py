@@ -29,7 +29,7 @@ VOCAB_SIZE = 128
 def _tokenizer(directory: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from launch.serving.detokenizer import load_tokenizer
+    from launch.text.detokenizer import load_tokenizer
 
     vocab = {f"<{i}>": i for i in range(VOCAB_SIZE)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))

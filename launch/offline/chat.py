@@ -1,14 +1,14 @@
 """``LLM.chat``'s conversations rendered into prompts the way the server's chat completions
-render them: each message checked by ``launch.serving.chat_protocol.parse_message``, the
-conversation rendered by ``launch.serving.chat_template.ChatTemplate`` and encoded without
+render them: each message checked by ``launch.text.chat_messages.parse_message``, the
+conversation rendered by ``launch.text.chat_template.ChatTemplate`` and encoded without
 adding special tokens (the template holds them)."""
 
 from __future__ import annotations
 
 from launch.offline.prompts import ParsedPrompt, missing_tokenizer_error
-from launch.serving.chat_protocol import parse_message
-from launch.serving.chat_template import ChatTemplate
-from launch.serving.text_bound import check_prompt_text
+from launch.text.chat_messages import parse_message
+from launch.text.chat_template import ChatTemplate
+from launch.text.text_bound import check_prompt_text
 
 
 def conversations(messages) -> list[list]:

@@ -121,8 +121,8 @@ def load_offline_model(args: EngineArgs, tokenizer: str | None = None) -> Offlin
             raise them, or a ``tokenizer`` directory without ``tokenizer.json``.
     """
     from launch.engine.llm_engine import resolve_model
-    from launch.serving.chat_template import load_chat_template
-    from launch.serving.detokenizer import load_tokenizer
+    from launch.text.chat_template import load_chat_template
+    from launch.text.detokenizer import load_tokenizer
 
     resolved = resolve_model(args)
     tokenizer_dir = args.model if tokenizer is None else os.fspath(tokenizer)

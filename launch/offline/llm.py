@@ -121,7 +121,7 @@ class LLM:
         return self.llm_engine.groups.dp_size
 
     def get_tokenizer(self):
-        """The checkpoint's tokenizer (``launch.serving.detokenizer.Tokenizer``), or None."""
+        """The checkpoint's tokenizer (``launch.text.detokenizer.Tokenizer``), or None."""
         return self.offline_model.tokenizer
 
     def start_profile(self, profile_prefix: str | None = None) -> None:

@@ -109,7 +109,7 @@ def encode_prompts(
         if any(p.token_ids is None for p in prompts):
             raise missing_tokenizer_error(tokenizer_dir, "text prompts")
         return prompts
-    from launch.serving.text_bound import check_prompt_text
+    from launch.text.text_bound import check_prompt_text
 
     for index, p in enumerate(prompts):
         if p.token_ids is None:

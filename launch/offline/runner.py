@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from launch.engine.request import Request, SamplingParams, offset_seed
 from launch.offline.outputs import RequestOutput, completion_output
 from launch.offline.prompts import ParsedPrompt
-from launch.serving.detokenizer import IncrementalText
+from launch.text.detokenizer import IncrementalText
 
 
 @dataclass(slots=True, kw_only=True)

@@ -57,7 +57,7 @@ class ServerConfig:
     tokenizer: object | None  # launch.tokenizer.Tokenizer, or None: token-id prompts only
     metrics: ServerMetrics
     kv_capacity_tokens: int | None = None  # KV cache slots per DP rank: the most one request holds
-    chat_template: object | None = None  # launch.serving.chat_template.ChatTemplate, or None
+    chat_template: object | None = None  # launch.text.chat_template.ChatTemplate, or None
     output_timeout_s: float = OUTPUT_TIMEOUT_S
     api_keys: tuple[str, ...] = ()  # empty: no authentication (--api-key, $VLLM_API_KEY)
     timeout_keep_alive_s: float = 5.0  # to send a request's headers, or idle between requests

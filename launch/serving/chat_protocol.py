@@ -1,7 +1,7 @@
 """The OpenAI chat completions request (``POST /v1/chat/completions``), parsed and checked.
 
-Follows OpenAI's schema as vLLM serves it: ``messages`` (roles and string content, or content as
-a list of ``{"type": "text"}`` parts, joined with newlines as vLLM does for string templates),
+Follows OpenAI's schema as vLLM serves it: ``messages`` (``launch.text.chat_messages``: roles and
+string content, or content as a list of ``{"type": "text"}`` parts, joined with newlines),
 ``max_completion_tokens`` / ``max_tokens`` (default: up to the context length), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``n``, ``logprobs`` / ``top_logprobs``, ``stream`` /
 ``stream_options``, and vLLM's ``add_generation_prompt``, ``chat_template_kwargs``,
@@ -22,8 +22,7 @@ from launch.serving.openai_protocol import (
     check_text_fields,
     parse_sampling_options,
 )
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
+from launch.text.chat_messages import parse_message
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,34 +32,6 @@ class ChatCompletionRequest:
     logprobs: int | None  # None: no logprobs; k: the sampled token's and the top k
     add_generation_prompt: bool
     chat_template_kwargs: dict
-
-
-def parse_message(index: int, message) -> dict:
-    """``messages[index]`` checked (a role of ``ROLES``; content a string, None or text parts,
-    joined with newlines). Raises ProtocolError (a ValueError) naming it."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ProtocolError(f"{where} must be an object with a 'role' string", param="messages")
-    if message["role"] not in ROLES:
-        raise ProtocolError(
-            f"{where}.role must be one of {', '.join(ROLES)}, got {message['role']!r}",
-            param="messages",
-        )
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content) or not all(
-            isinstance(p.get("text"), str) for p in content
-        ):
-            raise ProtocolError(
-                f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                param="messages",
-            )
-        content = "\n".join(p["text"] for p in content)
-    elif content is not None and not isinstance(content, str):
-        raise ProtocolError(
-            f"{where}.content must be a string or a list of text parts", param="messages"
-        )
-    return {**message, "content": content}
 
 
 def parse_chat_request(body, *, model_name: str) -> ChatCompletionRequest:
@@ -87,8 +58,12 @@ def parse_chat_request(body, *, model_name: str) -> ChatCompletionRequest:
     top_logprobs = _get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    try:
+        checked = tuple(parse_message(i, m) for i, m in enumerate(messages))
+    except ValueError as e:
+        raise ProtocolError(str(e), param="messages") from None
     return ChatCompletionRequest(
-        messages=tuple(parse_message(i, m) for i, m in enumerate(messages)),
+        messages=checked,
         options=options,
         logprobs=(top_logprobs or 0) if want_logprobs else None,
         add_generation_prompt=_get(body, "add_generation_prompt", (bool,), True, "a boolean"),

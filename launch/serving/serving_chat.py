@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: messages rendered with the chat template, then generated.
 
-The messages are rendered with the checkpoint's chat template (``launch.serving.chat_template``,
+The messages are rendered with the checkpoint's chat template (``launch.text.chat_template``,
 ``add_generation_prompt`` true by default) and encoded without adding special tokens (the template
 holds them), as vLLM does. Answers OpenAI's ``chat.completion`` object, or ``chat.completion.chunk``
 server-sent events: each choice's first chunk carries ``delta.role`` "assistant", the following ones
@@ -17,7 +17,6 @@ from aiohttp import web
 
 from launch.engine.sampler import TokenLogprobs
 from launch.serving.chat_protocol import ChatCompletionRequest, parse_chat_request
-from launch.serving.chat_template import ChatTemplateError
 from launch.serving.engine_bridge import ServerShuttingDown
 from launch.serving.openai_protocol import ProtocolError
 from launch.serving.serving_engine import (
@@ -32,6 +31,7 @@ from launch.serving.serving_engine import (
     start_event_stream,
     usage_body,
 )
+from launch.text.chat_template import ChatTemplateError
 
 
 class OpenAIServingChat(OpenAIServing):

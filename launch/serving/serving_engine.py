@@ -20,7 +20,6 @@ from aiohttp import web
 
 from launch.engine.request import SamplingParams
 from launch.engine.sampler import TokenLogprobs
-from launch.serving.detokenizer import LARGE_INPUT, IncrementalText
 from launch.serving.engine_bridge import EngineBridge, RequestOutput, ServerShuttingDown
 from launch.serving.http_guard import RETRY_AFTER_S, wait_within
 from launch.serving.openai_protocol import (
@@ -29,7 +28,8 @@ from launch.serving.openai_protocol import (
     check_prompt_ids,
     error_body,
 )
-from launch.serving.text_bound import check_prompt_text
+from launch.text.detokenizer import LARGE_INPUT, IncrementalText
+from launch.text.text_bound import check_prompt_text
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM clamps to this
 
@@ -173,7 +173,7 @@ class OpenAIServing:
 
     def check_text(self, text: str, where: str, *, param: str = "prompt") -> None:
         """Raise ProtocolError (400) if ``text`` has more bytes than any prompt that fits the
-        context can hold (``launch.serving.text_bound.check_prompt_text``), before encoding."""
+        context can hold (``launch.text.text_bound.check_prompt_text``), before encoding."""
         try:
             check_prompt_text(
                 text,

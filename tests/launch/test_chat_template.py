@@ -9,9 +9,9 @@ import re
 import pytest
 
 from launch.serving.chat_protocol import parse_chat_request
-from launch.serving.chat_template import ChatTemplateError, load_chat_template
-from launch.serving.detokenizer import load_tokenizer
 from launch.serving.openai_protocol import ProtocolError
+from launch.text.chat_template import ChatTemplateError, load_chat_template
+from launch.text.detokenizer import load_tokenizer
 from tests.helpers.chat import CHAT_TEMPLATE, build_chat_tokenizer
 
 CHATML = (
@@ -145,6 +145,13 @@ def test_chat_request_fields():
 def test_malformed_chat_requests_name_the_field(body, pattern):
     with pytest.raises(ProtocolError, match=pattern):
         parse_chat_request(body, model_name="m")
+
+
+def test_a_malformed_message_is_a_400_naming_the_messages_field():
+    # launch.text.chat_messages raises ValueError; the server answers it as a protocol error
+    with pytest.raises(ProtocolError, match=r"messages\[1\]\.role") as e:
+        parse_chat_request({"messages": [{"role": "user"}, {"role": "robot"}]}, model_name="m")
+    assert e.value.param == "messages" and e.value.status == 400
 
 
 @pytest.mark.parametrize(

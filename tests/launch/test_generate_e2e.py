@@ -266,7 +266,7 @@ def test_bad_input_ends_every_rank_with_one_line(
 
 def test_a_text_line_too_long_to_fit_is_one_line_before_tokenizing(tmp_path, tiny_chat_dir):
     """Issue 35 case 2: a 10 MB text line was tokenized before its length was checked (1.56 GiB
-    per rank); now its bytes are checked first (``launch.serving.text_bound``)."""
+    per rank); now its bytes are checked first (``launch.text.text_bound``)."""
     prompts = tmp_path / "long_text.jsonl"
     text = "<5> " * 500_000
     prompts.write_text(

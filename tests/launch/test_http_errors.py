@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from launch.serving.api_server import HTTPServerThread, ServerConfig
 from launch.serving.engine_bridge import RequestOutput
 from launch.serving.metrics import ServerMetrics
-from launch.serving.text_bound import ASSUMED_BYTES_PER_TOKEN, BytesPerToken
+from launch.text.text_bound import ASSUMED_BYTES_PER_TOKEN, BytesPerToken
 
 VOCAB_SIZE = 128
 MAX_MODEL_LEN = 64

@@ -386,7 +386,7 @@ def test_health_fails_while_the_engine_loop_is_stuck_and_recovers():
 
 
 def test_large_inputs_take_the_gil_releasing_path_with_the_same_ids(tmp_path):
-    from launch.serving.detokenizer import LARGE_INPUT, load_tokenizer
+    from launch.text.detokenizer import LARGE_INPUT, load_tokenizer
     from tests.helpers.chat import build_chat_tokenizer
 
     build_chat_tokenizer().save_pretrained(str(tmp_path))

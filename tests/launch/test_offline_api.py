@@ -46,9 +46,9 @@ def server_chat(llm: LLM, model_dir: str, messages: list[dict], max_tokens: int)
     from aiohttp.test_utils import TestClient, TestServer
 
     from launch.serving.api_server import ServerConfig, build_app
-    from launch.serving.chat_template import load_chat_template
     from launch.serving.engine_bridge import EngineBridge, RequestOutput
     from launch.serving.metrics import ServerMetrics
+    from launch.text.chat_template import load_chat_template
 
     config = ServerConfig(
         model_name="m",

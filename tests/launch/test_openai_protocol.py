@@ -2,8 +2,8 @@
 
 import pytest
 
-from launch.serving.detokenizer import IncrementalText
 from launch.serving.openai_protocol import ProtocolError, check_prompt_ids, parse_completion_request
+from launch.text.detokenizer import IncrementalText
 
 
 def test_defaults_and_vllm_extensions():

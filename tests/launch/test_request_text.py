@@ -15,8 +15,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from launch.serving.api_server import ServerConfig, build_app
-from launch.serving.chat_template import load_chat_template
-from launch.serving.detokenizer import load_tokenizer
 from launch.serving.engine_bridge import EngineBridge, RequestOutput
 from launch.serving.metrics import ServerMetrics
 from launch.serving.openai_protocol import (
@@ -24,6 +22,8 @@ from launch.serving.openai_protocol import (
     check_prompt_ids,
     parse_completion_request,
 )
+from launch.text.chat_template import load_chat_template
+from launch.text.detokenizer import load_tokenizer
 from tests.helpers.chat import build_chat_tokenizer
 
 

@@ -16,12 +16,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from launch.engine.request import SamplingParams
 from launch.serving.api_server import ServerConfig, build_app
-from launch.serving.chat_template import load_chat_template
-from launch.serving.detokenizer import load_tokenizer
 from launch.serving.engine_bridge import EngineBridge, RequestOutput
 from launch.serving.metrics import ServerMetrics
 from launch.serving.serving_completion import OpenAIServingCompletion
 from launch.serving.serving_engine import EngineError
+from launch.text.chat_template import load_chat_template
+from launch.text.detokenizer import load_tokenizer
 from tests.helpers.chat import build_chat_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "<7>"}]}

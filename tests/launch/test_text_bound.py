@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from launch.offline.prompts import ParsedPrompt, encode_prompts
-from launch.serving.text_bound import (
+from launch.text.text_bound import (
     ASSUMED_BYTES_PER_TOKEN,
     BytesPerToken,
     bytes_per_token,

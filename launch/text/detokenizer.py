@@ -25,7 +25,7 @@ class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        from launch.serving.text_bound import bytes_per_token
+        from launch.text.text_bound import bytes_per_token
 
         self._tokenizer = HFTokenizer.from_file(str(path))
         # the most bytes of text a token stands for: bounds a prompt's text before it is encoded

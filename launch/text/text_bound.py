@@ -143,7 +143,7 @@ def check_prompt_text(text: str, where: str, *, max_model_len: int, tokenizer) -
     """Refuse, before tokenizing it, a text with more bytes than any prompt that fits.
 
     ``where`` names the prompt (``prompt 3``); ``tokenizer`` has a ``bytes_per_token``
-    (``launch.serving.detokenizer.Tokenizer``). Costs at most one UTF-8 copy of ``text``.
+    (``launch.text.detokenizer.Tokenizer``). Costs at most one UTF-8 copy of ``text``.
 
     Raises:
         ValueError: one line naming ``where``, its size and the bound.
