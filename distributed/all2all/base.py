@@ -213,7 +213,7 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     name: ClassVar[str]  # the registry key (and the --all2all-backend choice)
     activation_format: ClassVar[FusedMoEActivationFormat]
-    # constructor arguments only this class takes; make_all2all_backend passes them to it alone
+    # constructor arguments only this class takes; make_prepare_finalize passes them to it alone
     extra_options: ClassVar[tuple[str, ...]] = ()
     # False only without expert parallelism: nothing moves
     moves_tokens: ClassVar[bool] = True

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
 from dbo.forward_context import DPMetadata
-from distributed import CommTiming, FusedMoEActivationFormat, make_all2all_backend
+from distributed import CommTiming, FusedMoEActivationFormat, make_prepare_finalize
 from moe import (
     FusedMoEModularKernel,
     MoEModelConfig,
@@ -132,7 +132,7 @@ def test_kernel_rejects_mismatched_local_expert_count():
 
 def _local_low_latency():
     """DeepEP low latency on one rank (our emulation): the ``BatchedExperts`` format."""
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         "deepep_low_latency",
         ep_group=None,
         ep_rank=0,
@@ -157,7 +157,7 @@ def test_kernel_refuses_experts_that_do_not_take_the_backends_format():
     with pytest.raises(
         ValueError,
         match=r"^_StandardOnlyExperts takes activation formats \['standard'\] but "
-        r"DeepEPLowLatencyBackend delivers 'batched_experts'$",
+        r"DeepEPLLPrepareAndFinalize delivers 'batched_experts'$",
     ):
         FusedMoEModularKernel(_local_low_latency(), _StandardOnlyExperts(**kw))
     with pytest.raises(
@@ -377,9 +377,9 @@ def _ep_rank_main(rank, world_size, backend_names):
 
 
 def _compare_ep_to_reference(rank, world_size, groups, backend_name):
-    from distributed import make_all2all_backend
+    from distributed import make_prepare_finalize
 
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         backend_name,
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -388,7 +388,7 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
         timeout=groups.timeout,
     )
     model = build_model(
-        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, all2all_backend=backend
+        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, prepare_finalize=backend
     )
     reference = build_model(CONFIG)
     init_random_weights(model, seed=3)
@@ -461,13 +461,13 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
 def _hook_failure_rank(rank, world_size, device_type="cpu"):
     """Rank 0's DeepEP low-latency receive hook of ubatch 1 of 3 (run by ubatch 0) raises inside a
     DBO step; report each rank's error. ``device_type="cuda"``: both ranks share one GPU."""
-    from distributed import make_all2all_backend
+    from distributed import make_prepare_finalize
     from moe.platforms import CpuPlatform, CudaPlatform
     from tests.helpers.gpu import placed_groups
 
     platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
     _, groups = placed_groups(platform, rank, world_size, timeout_s=3)
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         "deepep_low_latency",
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -494,7 +494,7 @@ def _hook_failure_rank(rank, world_size, device_type="cpu"):
         CONFIG,
         ep_rank=groups.ep_rank,
         ep_size=groups.ep_size,
-        all2all_backend=backend,
+        prepare_finalize=backend,
         device=groups.device,
     )
     init_random_weights(model, seed=3)
