@@ -18,6 +18,7 @@ from distributed.all2all import (
     FusedMoEPrepareAndFinalize,
     NoEPPrepareAndFinalize,
     StandardDispatchMetadata,
+    debug_checks_enabled,
     make_prepare_finalize,
 )
 from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
@@ -54,6 +55,7 @@ __all__ = [
     "ParallelGroups",
     "StandardDispatchMetadata",
     "TorchrunEnv",
+    "debug_checks_enabled",
     "destroy_distributed",
     "init_distributed",
     "make_prepare_finalize",

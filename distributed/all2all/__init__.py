@@ -17,6 +17,7 @@ from distributed.all2all.base import (
     FusedMoEActivationFormat,
     FusedMoEPrepareAndFinalize,
     StandardDispatchMetadata,
+    debug_checks_enabled,
 )
 from distributed.all2all.deepep_high_throughput import DeepEPHTPrepareAndFinalize
 from distributed.all2all.deepep_low_latency import DeepEPLLPrepareAndFinalize
@@ -68,5 +69,6 @@ __all__ = [
     "FusedMoEPrepareAndFinalize",
     "NoEPPrepareAndFinalize",
     "StandardDispatchMetadata",
+    "debug_checks_enabled",
     "make_prepare_finalize",
 ]

@@ -57,15 +57,12 @@ def build_model(
     one, ep_size must be 1 and ``NoEPPrepareAndFinalize`` is used.
 
     Raises:
-        ValueError: ep_size > 1 without a prepare_finalize; num_experts not divisible by ep_size;
-            a prepare_finalize whose num_local_experts disagrees.
+        ValueError: ep_rank outside [0, ep_size); ep_size > 1 without a prepare_finalize; a
+            prepare_finalize whose num_local_experts disagrees (num_experts not a multiple of
+            ep_size: the prepare_finalize refuses it when built).
     """
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(f"need ep_size >= 1 and 0 <= ep_rank < ep_size, got {ep_rank=} {ep_size=}")
-    if config.num_experts % ep_size:
-        raise ValueError(
-            f"num_experts ({config.num_experts}) must be divisible by ep_size ({ep_size})"
-        )
     if prepare_finalize is None:
         if ep_size > 1:
             raise ValueError(
@@ -103,7 +100,7 @@ def config_parameter_bytes(
         Bytes per ``PARAM_CATEGORIES`` entry.
 
     Raises:
-        ValueError: as ``build_model`` (e.g. num_experts not divisible by ep_size).
+        ValueError: as ``build_model``.
     """
     num_sparse = sum(config.moe_layers)
     counts = {True: num_sparse, False: config.num_hidden_layers - num_sparse}

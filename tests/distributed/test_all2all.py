@@ -20,6 +20,7 @@ from distributed import (
     init_distributed,
     make_prepare_finalize,
 )
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from distributed.all2all.token_packing import (
     localize_topk,
 )
@@ -342,7 +343,9 @@ def _cases(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_experts_combine_matches_reference(world_size):
     cases = _cases(world_size)
-    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240)
+    # the debug checks on: every dispatch's result is checked on arrival, a wrong count refused
+    env = {DEBUG_CHECKS_ENV: "1"}
+    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240, env=env)
     for rank, summaries in enumerate(results):
         assert len(summaries) == len(cases) + 3 * (world_size == 2)
         if world_size == 2:

@@ -13,7 +13,10 @@ from distributed import (
     BACKENDS,
     AllGatherReduceScatterPrepareAndFinalize,
     AllToAllPrepareAndFinalize,
+    CommTiming,
+    DispatchResult,
     FusedMoEActivationFormat,
+    StandardDispatchMetadata,
     make_prepare_finalize,
 )
 from distributed.all2all.base import DEBUG_CHECKS_ENV
@@ -104,12 +107,14 @@ def test_backend_rejects_bad_construction():
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_dispatch_and_combine_reject_bad_inputs(name, monkeypatch):
-    backend = _local_backend(name)
     x, ids, w = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    assert not backend.check_topk_ids  # a host read per dispatch: debug only
+    unchecked = _local_backend(name)
+    assert not unchecked.debug_checks and not unchecked.check_topk_ids  # per call: debug only
+    assert _local_backend(name, check_topk_ids=True).check_topk_ids
     monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
-    for checking in (_local_backend(name), _local_backend(name, check_topk_ids=True)):
-        assert checking.check_topk_ids
+    backend = _local_backend(name)
+    for checking in (backend, _local_backend(name, check_topk_ids=True)):
+        assert checking.debug_checks and checking.check_topk_ids
         expected = r"topk_ids must be in \[0, 4\) or -1, got values in \[4, 4\]"
         with pytest.raises(ValueError, match=expected):
             checking.dispatch(x, ids + 4, w)
@@ -128,6 +133,29 @@ def test_dispatch_and_combine_reject_bad_inputs(name, monkeypatch):
     other = _local_backend(next(n for n in BACKENDS if n != name))
     with pytest.raises(ValueError, match=r"metadata must come from dispatch on this"):
         other.combine(torch.zeros(3, 4), result.metadata)
+
+
+def test_debug_checks_check_a_dispatch_result_when_it_is_made(monkeypatch):
+    metadata = StandardDispatchMetadata(
+        backend="all_to_all",
+        ep_rank=0,
+        num_tokens=3,
+        hidden_size=4,
+        dtype=torch.float32,
+        num_recv_tokens=3,
+    )
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    short = DispatchResult(
+        hidden_states=torch.zeros(2, 4), topk_ids=ids, topk_weights=ids.float(), metadata=metadata
+    )
+    timing = CommTiming(issued_at_ns=0, num_bytes=0)
+    # a pattern's handle (the base's ``_handle``) over a finalize that makes the wrong rows
+    unchecked = _local_backend()._handle((None, None), lambda: short, op="t", timing=timing)
+    assert unchecked.wait() is short
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    handle = _local_backend()._handle((None, None), lambda: short, op="t", timing=timing)
+    with pytest.raises(ValueError, match=r"hidden_states must be \[3, 4\], got \[2, 4\]"):
+        handle.wait()
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
 from dbo.forward_context import DPMetadata
 from distributed import CommTiming, FusedMoEActivationFormat, make_prepare_finalize
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from moe import (
     FusedMoEModularKernel,
     MoEModelConfig,
@@ -92,10 +93,11 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
 
 
 @torch.no_grad()
-def test_batched_experts_equal_the_experts_on_the_same_tokens():
+def test_batched_experts_equal_the_experts_on_the_same_tokens(monkeypatch):
     """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
     applied afterwards) gives the same result as ``apply_standard`` on the routed tokens
-    (float64)."""
+    (float64). The shape check runs under the debug flag (the counts' on the host paths always)."""
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
     experts = make_experts().double()
     x, ids, w = routed(11)
     x, w = x.double(), w.double()
