@@ -5,12 +5,12 @@ Imports only torch (and the standard library). Nothing happens at import time.
 
 from distributed.all2all import (
     BACKENDS,
-    AllGatherReduceScatterBackend,
-    AllToAllBackend,
+    AllGatherReduceScatterPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
     BatchedDispatchMetadata,
     BatchedDispatchResult,
-    DeepEPHighThroughputBackend,
-    DeepEPLowLatencyBackend,
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
     DispatchMetadata,
     DispatchRequest,
     DispatchResult,
@@ -18,7 +18,8 @@ from distributed.all2all import (
     FusedMoEPrepareAndFinalize,
     NoEPPrepareAndFinalize,
     StandardDispatchMetadata,
-    make_all2all_backend,
+    debug_checks_enabled,
+    make_prepare_finalize,
 )
 from distributed.comm_handle import CollectiveHandle, CommHandle, CommTiming, CompletedHandle
 from distributed.link_emulation import EmulatedLink, LinkDelayedHandle, LinkSpec
@@ -32,16 +33,16 @@ from distributed.parallel_state import (
 
 __all__ = [
     "BACKENDS",
-    "AllGatherReduceScatterBackend",
-    "AllToAllBackend",
+    "AllGatherReduceScatterPrepareAndFinalize",
+    "AllToAllPrepareAndFinalize",
     "BatchedDispatchMetadata",
     "BatchedDispatchResult",
     "CollectiveHandle",
     "CommHandle",
     "CommTiming",
     "CompletedHandle",
-    "DeepEPHighThroughputBackend",
-    "DeepEPLowLatencyBackend",
+    "DeepEPHTPrepareAndFinalize",
+    "DeepEPLLPrepareAndFinalize",
     "DispatchMetadata",
     "DispatchRequest",
     "DispatchResult",
@@ -54,8 +55,9 @@ __all__ = [
     "ParallelGroups",
     "StandardDispatchMetadata",
     "TorchrunEnv",
+    "debug_checks_enabled",
     "destroy_distributed",
     "init_distributed",
-    "make_all2all_backend",
+    "make_prepare_finalize",
     "single_process_groups",
 ]

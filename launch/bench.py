@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         for n in ns.ubatch_sizes:
-            check_num_ubatches(engine.all2all_backend, n)
+            check_num_ubatches(engine.prepare_finalize, n)
         engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
         if groups.rank == 0:
             print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)

@@ -24,7 +24,7 @@ from moe.model_loader.loader import (
 from moe.models.architectures import ARCHITECTURES, supported_architectures
 from moe.models.causal_lm import PARAM_CATEGORIES, MoEForCausalLM, parameter_bytes
 from moe.models.config import MoEModelConfig
-from moe.models.registry import build_model, config_parameter_bytes, make_prepare_finalize
+from moe.models.registry import build_model, config_parameter_bytes
 from moe.models.spec import ArchitectureSpec
 from moe.platforms.custom_op import CustomOp, get_custom_ops, parse_custom_ops, set_custom_ops
 from moe.platforms.interface import CpuPlatform, CudaPlatform, Platform
@@ -66,7 +66,6 @@ __all__ = [
     "init_random_weights",
     "load_checkpoint",
     "load_config",
-    "make_prepare_finalize",
     "paged_attention",
     "parameter_bytes",
     "parse_custom_ops",

@@ -1,5 +1,6 @@
 """Overlap timeline: the recorder the engine writes spans to (``recorder``), the clock that times
-its compute spans on a device (``device_clock``), the track names it writes and the readers sort
+its compute spans on a device (``device_clock``), the spans of the MoE transfers recorded around
+their comm handles (``transfers``), the track names it writes and the readers sort
 by (``tracks``), merging the ranks' spans into one Chrome trace (``trace``), overlap metrics
 (``metrics``) and a PNG (``plot``)."""
 
@@ -12,14 +13,18 @@ from dbo.timeline.recorder import (
     set_timeline_recorder,
     timeline_span,
 )
+from dbo.timeline.transfers import RecordedTransfer, record_transfer, transfer_result
 
 __all__ = [
     "CudaDeviceClock",
     "DeviceClock",
+    "RecordedTransfer",
     "TimelineRecorder",
     "TimelineSpan",
     "get_timeline_recorder",
     "record_comm_span",
+    "record_transfer",
     "set_timeline_recorder",
     "timeline_span",
+    "transfer_result",
 ]

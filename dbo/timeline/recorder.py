@@ -188,6 +188,9 @@ CAT_WAIT = "wait"
 CAT_BATON = "baton"
 CAT_STEP = "step"
 CAT_POLICY = "policy"  # an adaptive-DBO exploration step (neither compute nor communication)
+# A combine from issue to taking its result, the window the shared experts overlap (comm track;
+# neither compute nor communication in the metrics).
+CAT_WINDOW = "window"
 # A compute span as the device ran it (``gpu`` tracks); the metrics read these instead of the host
 # ``compute`` spans in steps that have them.
 CAT_GPU = "gpu"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distributed.all2all.all_to_all import AllToAllBackend
-from distributed.all2all.allgather_reducescatter import AllGatherReduceScatterBackend
+from distributed.all2all.all_to_all import AllToAllPrepareAndFinalize
+from distributed.all2all.allgather_reducescatter import AllGatherReduceScatterPrepareAndFinalize
 from distributed.all2all.base import (
     BatchedDispatchMetadata,
     BatchedDispatchResult,
@@ -17,24 +17,25 @@ from distributed.all2all.base import (
     FusedMoEActivationFormat,
     FusedMoEPrepareAndFinalize,
     StandardDispatchMetadata,
+    debug_checks_enabled,
 )
-from distributed.all2all.deepep_high_throughput import DeepEPHighThroughputBackend
-from distributed.all2all.deepep_low_latency import DeepEPLowLatencyBackend
+from distributed.all2all.deepep_high_throughput import DeepEPHTPrepareAndFinalize
+from distributed.all2all.deepep_low_latency import DeepEPLLPrepareAndFinalize
 from distributed.all2all.no_ep import NoEPPrepareAndFinalize
 
 PATTERNS: tuple[type[FusedMoEPrepareAndFinalize], ...] = (
     NoEPPrepareAndFinalize,
-    AllToAllBackend,
-    AllGatherReduceScatterBackend,
-    DeepEPHighThroughputBackend,
-    DeepEPLowLatencyBackend,
+    AllToAllPrepareAndFinalize,
+    AllGatherReduceScatterPrepareAndFinalize,
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
 )
 BACKENDS: dict[str, type[FusedMoEPrepareAndFinalize]] = {
     cls.name: cls for cls in PATTERNS if cls.moves_tokens
 }
 
 
-def make_all2all_backend(name: str, **kwargs: Any) -> FusedMoEPrepareAndFinalize:
+def make_prepare_finalize(name: str, **kwargs: Any) -> FusedMoEPrepareAndFinalize:
     """The pattern registered as ``name``, built with the base class's kwargs plus the
     ``extra_options`` of any pattern: an extra option goes only to the classes that declare it,
     so one call site serves them all.
@@ -55,12 +56,12 @@ def make_all2all_backend(name: str, **kwargs: Any) -> FusedMoEPrepareAndFinalize
 __all__ = [
     "BACKENDS",
     "PATTERNS",
-    "AllGatherReduceScatterBackend",
-    "AllToAllBackend",
+    "AllGatherReduceScatterPrepareAndFinalize",
+    "AllToAllPrepareAndFinalize",
     "BatchedDispatchMetadata",
     "BatchedDispatchResult",
-    "DeepEPHighThroughputBackend",
-    "DeepEPLowLatencyBackend",
+    "DeepEPHTPrepareAndFinalize",
+    "DeepEPLLPrepareAndFinalize",
     "DispatchMetadata",
     "DispatchRequest",
     "DispatchResult",
@@ -68,5 +69,6 @@ __all__ = [
     "FusedMoEPrepareAndFinalize",
     "NoEPPrepareAndFinalize",
     "StandardDispatchMetadata",
-    "make_all2all_backend",
+    "debug_checks_enabled",
+    "make_prepare_finalize",
 ]

@@ -159,7 +159,7 @@ class AllToAllDispatchMetadata(StandardDispatchMetadata):
     send_token_idx: Tensor  # [sum(send_counts)] int64, the token of each sent row
 
 
-class AllToAllBackend(FusedMoEPrepareAndFinalize):
+class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """Uneven ``all_to_all_single`` dispatch / combine (see the module docstring)."""
 
     name = "all_to_all"

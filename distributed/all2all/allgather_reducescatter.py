@@ -38,7 +38,7 @@ class AllGatherDispatchMetadata(StandardDispatchMetadata):
     max_tokens_across_ep: int  # rows per rank block in the gathered (padded) buffer
 
 
-class AllGatherReduceScatterBackend(FusedMoEPrepareAndFinalize):
+class AllGatherReduceScatterPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """All-gather dispatch / reduce-scatter combine (see the module docstring)."""
 
     name = "allgather_reducescatter"

@@ -36,12 +36,14 @@ T = TypeVar("T")
 
 # ``implementation`` of DeepEP's own kernels: their completion is on the GPU stream
 DEEPEP_KERNELS = "deep_ep kernels"
-# "1": every dispatch checks its expert ids on the host (a device sync per dispatch)
+# "1": the per-call checks of the MoE path run (every dispatch, result, experts call and combine
+# checks its arguments; every dispatch checks its expert ids on the host, a device sync)
 DEBUG_CHECKS_ENV = "MOE_DBO_DEBUG_CHECKS"
 
 
 def debug_checks_enabled() -> bool:
-    """Whether ``MOE_DBO_DEBUG_CHECKS`` asks for the host-synced checks (read at call time)."""
+    """Whether ``MOE_DBO_DEBUG_CHECKS`` asks for the per-call checks (read at call time: the
+    objects that run them read it once, when built)."""
     return os.environ.get(DEBUG_CHECKS_ENV, "0").strip().lower() in ("1", "true", "yes")
 
 
@@ -61,7 +63,7 @@ class FusedMoEActivationFormat(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchRequest:
-    """One checked dispatch, what ``FusedMoEPrepareAndFinalize.prepare`` issues."""
+    """One dispatch, what ``FusedMoEPrepareAndFinalize.prepare`` issues."""
 
     hidden_states: Tensor  # [num_tokens, hidden_size], float32/bfloat16/float16/float64
     topk_ids: Tensor  # [num_tokens, num_topk] int64 GLOBAL expert ids, -1 = no selection
@@ -105,7 +107,8 @@ class DispatchResult:
     topk_weights: Tensor  # [num_recv_tokens, num_topk] float32, 0 where topk_ids == -1
     metadata: StandardDispatchMetadata
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """ValueError unless the tensors have the shapes ``metadata`` gives (debug checks)."""
         n = self.metadata.num_recv_tokens
         if self.hidden_states.shape != (n, self.metadata.hidden_size):
             raise ValueError(
@@ -130,7 +133,8 @@ class BatchedDispatchResult:
     expert_num_tokens: Tensor  # [num_local_experts] int32 valid rows per local expert
     metadata: BatchedDispatchMetadata
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """ValueError unless the tensors have the shapes ``metadata`` gives (debug checks)."""
         num_local_experts = self.expert_num_tokens.shape[0] if self.expert_num_tokens.dim() else -1
         expected = (num_local_experts, self.metadata.max_tokens_per_expert)
         expected += (self.metadata.hidden_size,)
@@ -191,9 +195,13 @@ class FusedMoEPrepareAndFinalize(ABC):
     """Dispatch tokens to the EP ranks holding their experts and combine the outputs back.
 
     A pattern implements ``prepare`` (issue a ``DispatchRequest``) and ``finalize`` (issue the
-    combine); ``dispatch`` and ``combine`` check the arguments, put the transfers behind the
-    emulated link if any, and complete them unless ``async_op``. Collective: every EP rank calls
-    them in the same order, also with 0 tokens. Never mutated after ``__init__``.
+    combine); ``dispatch`` and ``combine`` put the transfers behind the emulated link if any, and
+    complete them unless ``async_op``. Collective: every EP rank calls them in the same order,
+    also with 0 tokens. Never mutated after ``__init__``.
+
+    Per-call checks run only with ``debug_checks`` (``MOE_DBO_DEBUG_CHECKS=1`` when built): the
+    arguments of ``dispatch`` and ``combine`` and every dispatch's result on arrival. The modular
+    kernel makes them consistent by construction, and they would cost every layer of every ubatch.
 
     Args:
         ep_group: the EP group's communicator, or its process group (torch.distributed's); None
@@ -204,7 +212,7 @@ class FusedMoEPrepareAndFinalize(ABC):
         check_topk_ids: check every dispatch's ``topk_ids`` against ``[0, num_experts)`` (ValueError
             naming the values found). It reads them to the host, a device sync inside the ubatch
             ping-pong, so it is off by default: the router makes ids in range by construction.
-            None: on when ``MOE_DBO_DEBUG_CHECKS=1`` (``debug_checks_enabled``).
+            None: as ``debug_checks``.
 
     Raises:
         ValueError: ``num_experts`` not a positive multiple of ``ep_size``, ``ep_rank`` outside
@@ -213,7 +221,7 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     name: ClassVar[str]  # the registry key (and the --all2all-backend choice)
     activation_format: ClassVar[FusedMoEActivationFormat]
-    # constructor arguments only this class takes; make_all2all_backend passes them to it alone
+    # constructor arguments only this class takes; make_prepare_finalize passes them to it alone
     extra_options: ClassVar[tuple[str, ...]] = ()
     # False only without expert parallelism: nothing moves
     moves_tokens: ClassVar[bool] = True
@@ -249,7 +257,8 @@ class FusedMoEPrepareAndFinalize(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.timeout = timeout
-        self.check_topk_ids = debug_checks_enabled() if check_topk_ids is None else check_topk_ids
+        self.debug_checks = debug_checks_enabled()
+        self.check_topk_ids = self.debug_checks if check_topk_ids is None else check_topk_ids
 
     def __repr__(self) -> str:
         return type(self).__name__
@@ -289,15 +298,28 @@ class FusedMoEPrepareAndFinalize(ABC):
             A handle of the rows this rank computes, in ``activation_format``.
 
         Raises:
-            ValueError / TypeError: bad shapes, dtypes, expert ids or counts, or a row format that
-                differs across EP ranks. TimeoutError / RuntimeError: a collective failed.
+            ValueError: a row format that differs across EP ranks (patterns that exchange one).
+                With ``debug_checks``: TypeError / ValueError on bad shapes, dtypes or counts;
+                with ``check_topk_ids``: ValueError on expert ids out of range.
+            TimeoutError / RuntimeError: a collective failed.
         """
+        counts = None if num_tokens_across_ep is None else tuple(map(int, num_tokens_across_ep))
+        if self.debug_checks:
+            self._check_tokens(hidden_states, topk_ids, topk_weights)
+            self._check_counts(counts, hidden_states.shape[0])
+        if self.check_topk_ids:
+            self._check_topk_ids(topk_ids)
+        layout = RowLayout(
+            hidden_size=hidden_states.shape[1],
+            num_topk=topk_ids.shape[1],
+            dtype=hidden_states.dtype,
+        )
         request = DispatchRequest(
             hidden_states=hidden_states,
             topk_ids=topk_ids,
             topk_weights=topk_weights,
-            layout=self._check_tokens(hidden_states, topk_ids, topk_weights),
-            num_tokens_across_ep=self._check_counts(num_tokens_across_ep, hidden_states.shape[0]),
+            layout=layout,
+            num_tokens_across_ep=counts,
         )
         return self._issue(lambda: self.prepare(request), async_op)
 
@@ -317,9 +339,11 @@ class FusedMoEPrepareAndFinalize(ABC):
             float32 (float64 for float64).
 
         Raises:
-            ValueError: shape or metadata mismatch. TimeoutError / RuntimeError: comm failure.
+            ValueError: with ``debug_checks``, a shape or metadata mismatch.
+            TimeoutError / RuntimeError: comm failure.
         """
-        self._check_combine(expert_output, metadata)
+        if self.debug_checks:
+            self._check_combine(expert_output, metadata)
         return self._issue(lambda: self.finalize(expert_output, metadata), async_op)
 
     @abstractmethod
@@ -330,7 +354,7 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     @abstractmethod
     def finalize(self, expert_output: Tensor, metadata: DispatchMetadata) -> CommHandle[Tensor]:
-        """Issue the combine of a checked ``expert_output``; the handle may still be in flight."""
+        """Issue the combine of ``expert_output``; the handle may still be in flight."""
 
     def _issue(self, issue: Callable[[], CommHandle[T]], async_op: bool) -> CommHandle[T]:
         """``issue()``'s handle, behind the link when there is one; complete unless ``async_op``."""
@@ -340,7 +364,10 @@ class FusedMoEPrepareAndFinalize(ABC):
         return handle
 
     def _handle(self, pending: Pending, finalize: Callable[[], T], *, op: str, timing: CommTiming):
-        """The ``CollectiveHandle`` of this rank's issued payload ``pending``."""
+        """The ``CollectiveHandle`` of this rank's issued payload ``pending``; with
+        ``debug_checks`` a dispatch's result is checked when ``finalize`` makes it."""
+        if self.debug_checks:
+            finalize = _checking(finalize)
         return collective_handle(
             pending, finalize, op=op, rank=self.ep_rank, timeout=self.timeout, timing=timing
         )
@@ -357,8 +384,8 @@ class FusedMoEPrepareAndFinalize(ABC):
             **fields,
         )
 
-    def _check_tokens(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        """The ``RowLayout`` of the dispatched tokens; TypeError / ValueError if malformed."""
+    def _check_tokens(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+        """TypeError unless the dispatched tokens are well formed (debug checks)."""
         if hidden_states.dim() != 2 or not hidden_states.is_floating_point():
             raise TypeError(
                 f"hidden_states must be a 2-D floating tensor [num_tokens, hidden_size], got "
@@ -375,35 +402,26 @@ class FusedMoEPrepareAndFinalize(ABC):
                 f"topk_weights must be floating {list(topk_ids.shape)}, got "
                 f"{list(topk_weights.shape)} {topk_weights.dtype}"
             )
-        if self.check_topk_ids and num_tokens and not self._ids_in_range(topk_ids):
+
+    def _check_topk_ids(self, topk_ids: Tensor) -> None:
+        """ValueError unless ``topk_ids`` lie in ``[0, num_experts)`` or are -1."""
+        # host sync (small): only with check_topk_ids (debug)
+        if topk_ids.numel() and bool(((topk_ids < -1) | (topk_ids >= self.num_experts)).any()):
             raise ValueError(
                 f"topk_ids must be in [0, {self.num_experts}) or -1, got values in "
                 f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
             )
-        return RowLayout(
-            hidden_size=hidden_states.shape[1],
-            num_topk=topk_ids.shape[1],
-            dtype=hidden_states.dtype,
-        )
 
-    def _ids_in_range(self, topk_ids: Tensor) -> bool:
-        # host sync (small): only with check_topk_ids (debug)
-        return not bool(((topk_ids < -1) | (topk_ids >= self.num_experts)).any())
-
-    def _check_counts(
-        self, num_tokens_across_ep: Sequence[int] | None, num_tokens: int
-    ) -> tuple[int, ...] | None:
-        """ValueError unless ``num_tokens_across_ep`` has ``ep_size`` counts >= 0 and this rank's
-        equals its ``num_tokens``."""
-        if num_tokens_across_ep is None:
-            return None
-        counts = tuple(int(n) for n in num_tokens_across_ep)
+    def _check_counts(self, counts: tuple[int, ...] | None, num_tokens: int) -> None:
+        """ValueError unless ``counts`` (``num_tokens_across_ep``), when given, has ``ep_size``
+        counts >= 0 and this rank's equals its ``num_tokens``."""
+        if counts is None:
+            return
         if len(counts) != self.ep_size or counts[self.ep_rank] != num_tokens or min(counts) < 0:
             raise ValueError(
                 f"num_tokens_across_ep={list(counts)} must list {self.ep_size} counts >= 0 with "
                 f"entry {self.ep_rank} equal to this rank's num_tokens={num_tokens}"
             )
-        return counts
 
     def _check_combine(self, expert_output: Tensor, metadata: DispatchMetadata) -> None:
         """ValueError unless ``metadata`` comes from this pattern and rank and ``expert_output``
@@ -426,3 +444,15 @@ class FusedMoEPrepareAndFinalize(ABC):
                 f"expert_output must be floating {list(expected)} ({dims}), "
                 f"got {list(expert_output.shape)} {expert_output.dtype}"
             )
+
+
+def _checking(finalize: Callable[[], T]) -> Callable[[], T]:
+    """``finalize``, then the ``check()`` of its result where it is a dispatch's."""
+
+    def run() -> T:
+        result = finalize()
+        if isinstance(result, (DispatchResult, BatchedDispatchResult)):
+            result.check()
+        return result
+
+    return run

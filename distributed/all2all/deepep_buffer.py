@@ -21,7 +21,7 @@ HIGH_THROUGHPUT_NVL_BYTES = 1 << 30
 # DeepEP's own tests size the low-latency buffer for 128 tokens per rank
 DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
 
-__all__ = ["DEEPEP_KERNELS", "DeepEPPrepareAndFinalize", "TorchDistributedBuffer"]
+__all__ = ["DEEPEP_KERNELS", "DeepEPPrepareAndFinalizeBase", "TorchDistributedBuffer"]
 
 
 def deepep_kernels_available(group: ProcessGroup | Communicator | None) -> bool:
@@ -108,7 +108,7 @@ def completion_work(event_or_hook) -> EmulatedTransfer | DeviceCompletion | None
     return DeviceCompletion(getattr(event_or_hook, "current_stream_wait", event_or_hook))
 
 
-class DeepEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+class DeepEPPrepareAndFinalizeBase(FusedMoEPrepareAndFinalize):
     """What the two DeepEP patterns share: ``self.buffer`` and handles over its calls.
 
     Extra args (``extra_options``): ``hidden_size`` and ``num_max_dispatch_tokens_per_rank`` (the

@@ -19,7 +19,7 @@ from distributed.all2all.base import (
     FusedMoEActivationFormat,
     StandardDispatchMetadata,
 )
-from distributed.all2all.deepep_buffer import DeepEPPrepareAndFinalize
+from distributed.all2all.deepep_buffer import DeepEPPrepareAndFinalizeBase
 from distributed.comm_handle import CommHandle
 
 
@@ -28,7 +28,7 @@ class DeepEPHTDispatchMetadata(StandardDispatchMetadata):
     handle: object  # DeepEP's handle (opaque; its combine takes it back)
 
 
-class DeepEPHighThroughputBackend(DeepEPPrepareAndFinalize):
+class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalizeBase):
     """DeepEP high-throughput dispatch / combine (see the module docstring)."""
 
     name = "deepep_high_throughput"

@@ -22,7 +22,7 @@ from distributed.all2all.base import (
     DispatchRequest,
     FusedMoEActivationFormat,
 )
-from distributed.all2all.deepep_buffer import DeepEPPrepareAndFinalize
+from distributed.all2all.deepep_buffer import DeepEPPrepareAndFinalizeBase
 from distributed.comm_handle import CommHandle
 
 
@@ -36,7 +36,7 @@ class DeepEPLLDispatchMetadata(BatchedDispatchMetadata):
     topk_weights: Tensor  # [num_tokens, num_topk] float32, applied by combine
 
 
-class DeepEPLowLatencyBackend(DeepEPPrepareAndFinalize):
+class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalizeBase):
     """DeepEP low-latency dispatch / combine (see the module docstring)."""
 
     name = "deepep_low_latency"

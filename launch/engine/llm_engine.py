@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dbo import TimelineRecorder, set_timeline_recorder
 from dbo.timeline.recorder import timeline_step
-from distributed import EmulatedLink, make_all2all_backend
+from distributed import EmulatedLink, make_prepare_finalize
 from launch.engine.arg_utils import EngineArgs
 from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
 from launch.engine.graph_mode import build_graph_mode
@@ -236,7 +236,7 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
     link_spec = engine_args.link_spec()
     if groups.ep_size == 1:
         return None
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         engine_args.all2all_backend,
         ep_group=groups.ep_comm,
         ep_rank=groups.ep_rank,
@@ -256,7 +256,7 @@ def _make_all2all_backend(engine_args: EngineArgs, groups, config: MoEModelConfi
 
 
 def check_num_ubatches(backend, num_ubatches: int) -> None:
-    """Raise ValueError if ``backend`` (an ``All2AllBackend`` or None) cannot have
+    """Raise ValueError if ``backend`` (a ``FusedMoEPrepareAndFinalize`` or None) cannot have
     ``num_ubatches`` ubatches' transfers in flight at once (its ``max_num_ubatches``)."""
     limit = None if backend is None else backend.max_num_ubatches
     if limit is not None and num_ubatches > limit:
@@ -291,7 +291,7 @@ class LLMEngine:
             dtype=dtype,
             available_bytes=platform.available_memory(groups.device),
         )
-        self.all2all_backend = _make_all2all_backend(engine_args, groups, model.config)
+        self.prepare_finalize = _make_all2all_backend(engine_args, groups, model.config)
         self.model = self._build_model(model.config, dtype)
         self.max_num_blocks_per_req = math.ceil(model.max_model_len / engine_args.block_size)
         # On a device that reports its memory and without a KV flag, the cache gets what the
@@ -383,7 +383,7 @@ class LLMEngine:
             config,
             ep_rank=self.groups.ep_rank,
             ep_size=self.groups.ep_size,
-            all2all_backend=self.all2all_backend,
+            prepare_finalize=self.prepare_finalize,
             dtype=dtype,
             device=self.groups.device,
         )
@@ -451,7 +451,7 @@ class LLMEngine:
     def all2all_summary(self) -> str:
         """Which expert all-to-all runs, and on what (e.g. ``deepep_low_latency (torch.distributed
         emulation of DeepEP's protocol)``); ``none`` without expert parallelism."""
-        backend = self.all2all_backend
+        backend = self.prepare_finalize
         if backend is None:
             return "none (no expert parallelism)"
         return f"{backend.name} ({backend.implementation})"

@@ -231,8 +231,8 @@ def forward_cpu(
     topk_ids: Tensor,
     topk_weights: Tensor,
 ) -> Tensor:
-    """``TorchExperts.forward_cpu`` on checked operands (module docstring: the kernel where it
-    serves, else ``_torch_paths``); ``packs`` None: nothing was packed."""
+    """``TorchExperts.forward_cpu`` (module docstring: the kernel where it serves, which checks
+    the operands' shapes itself, else ``_torch_paths``); ``packs`` None: nothing was packed."""
     num_pairs = topk_ids.numel()
     rows_per_expert = num_pairs / max(1, min(num_pairs, experts.num_local_experts))
     kernels = serving_kernel(experts, packs, hidden_states, rows_per_expert)

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from distributed import FusedMoEActivationFormat
+from distributed import FusedMoEActivationFormat, debug_checks_enabled
 from moe.fused_moe import cpu_experts, triton_experts
 from moe.fused_moe.grouped_experts import (
     ExpertWeights,
@@ -86,6 +86,9 @@ class TorchExperts(CustomOp):
     Parameters: w1 (gate) and w3 (up) ``[E, F, H]``, the two halves of one ``[E, 2F, H]``
     allocation (``expert_weights().gate_up``), w2 (down) ``[E, H, F]``; ``checkpoint_names`` maps
     them to the checkpoint's per-expert tensor names (``experts.{e}.<name>.weight``).
+
+    ``apply_standard`` and ``apply_batched`` check their arguments' shapes only with
+    ``debug_checks`` (``MOE_DBO_DEBUG_CHECKS=1`` when built): the dispatch makes them.
     """
 
     # the activation formats these experts take (``FusedMoEModularKernel`` checks the
@@ -123,6 +126,7 @@ class TorchExperts(CustomOp):
         # what process_weights_cpu packed (None: nothing, the torch paths run)
         self.cpu_packs: cpu_experts.CpuExpertPacks | None = None
         self.cuda_backend = CudaExpertsBackend.from_env()
+        self.debug_checks = debug_checks_enabled()
         self._process_weights = self.dispatch_method("process_weights")
         self._apply_batched = self.dispatch_method("apply_batched")
 
@@ -185,11 +189,15 @@ class TorchExperts(CustomOp):
             [N, H] in hidden_states' dtype, the WEIGHTED sums; rows with no local expert are zero.
 
         Raises:
-            ValueError: shape mismatch or a local id >= E.
+            ValueError: with ``debug_checks``, a shape mismatch; on the reference, a local
+                id >= E.
         """
+        if self.debug_checks:
+            self._check_standard(hidden_states, topk_ids, topk_weights)
         return self.forward(hidden_states, topk_ids, topk_weights)
 
-    def _check(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+    def _check_standard(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        """ValueError unless the rows are ``[N, H]`` and the top-k ids and weights ``[N, K]``."""
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be [num_tokens, {self.hidden_size}], "
@@ -206,7 +214,6 @@ class TorchExperts(CustomOp):
     ) -> Tensor:
         """The reference: one gather and three GEMMs per local expert, written apart from the
         fast paths so that it checks them."""
-        self._check(hidden_states, topk_ids, topk_weights)
         flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
         if flat_ids.numel() and int(flat_ids.max()) >= self.num_local_experts:
             raise ValueError(
@@ -225,7 +232,6 @@ class TorchExperts(CustomOp):
         """``forward_native``'s sums through ``cpu_experts.forward_cpu``: our compiled kernel for
         all experts at once where it serves, else prepacked oneDNN GEMMs per expert (bfloat16,
         float32) or one grouped GEMM per projection over the per-expert row groups."""
-        self._check(hidden_states, topk_ids, topk_weights)
         return cpu_experts.forward_cpu(self, self.cpu_packs, hidden_states, topk_ids, topk_weights)
 
     def forward_cuda(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
@@ -235,11 +241,7 @@ class TorchExperts(CustomOp):
         the reference. Runs (and is tested) on CPU tensors too: the torch paths as they are, the
         Triton kernel under ``TRITON_INTERPRET=1``. Unlike the reference, a local id >= E is not
         refused (that would read the ids): it adds nothing.
-
-        Raises:
-            ValueError: shape mismatch.
         """
-        self._check(hidden_states, topk_ids, topk_weights)
         if topk_ids.numel() == 0:
             return torch.zeros_like(hidden_states)
         weights = self.expert_weights()
@@ -272,8 +274,15 @@ class TorchExperts(CustomOp):
             rows past ``n_l`` zero.
 
         Raises:
-            ValueError: on a shape mismatch, or (host paths) a count outside ``[0, M]``.
+            ValueError: with ``debug_checks``, a shape mismatch; (host paths) a count outside
+                ``[0, M]``.
         """
+        if self.debug_checks:
+            self._check_batched(hidden_states, expert_num_tokens)
+        return self._apply_batched(hidden_states, expert_num_tokens)
+
+    def _check_batched(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> None:
+        """ValueError unless the rows are ``[E, M, H]`` and the counts ``[E]``."""
         num_experts = self.num_local_experts
         if hidden_states.dim() != 3 or hidden_states.shape[::2] != (num_experts, self.hidden_size):
             raise ValueError(
@@ -284,7 +293,6 @@ class TorchExperts(CustomOp):
             raise ValueError(
                 f"expert_num_tokens must be [{num_experts}], got {tuple(expert_num_tokens.shape)}"
             )
-        return self._apply_batched(hidden_states, expert_num_tokens)
 
     def apply_batched_native(self, hidden_states: Tensor, expert_num_tokens: Tensor) -> Tensor:
         """``apply_batched``'s reference: per expert the reference's plain GEMMs."""

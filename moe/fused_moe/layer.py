@@ -28,9 +28,9 @@ class FusedMoE(nn.Module):
     hidden_size] (the shared output is scaled by sigmoid(gate · x)).
 
     Raises:
-        ValueError: num_experts not divisible by ep_size, ep_rank outside [0, ep_size), a routing
-            config over another number of experts, or a prepare_finalize that serves a different
-            number of local experts.
+        ValueError: ep_rank outside [0, ep_size), a routing config over another number of
+            experts, or a prepare_finalize that serves a different number of local experts
+            (num_experts not a multiple of ep_size: the prepare_finalize refuses it when built).
     """
 
     def __init__(
@@ -52,11 +52,6 @@ class FusedMoE(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size}), "
-                f"ep_size >= 1"
-            )
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
         if routing.num_experts != num_experts:

@@ -16,15 +16,6 @@ from moe.models.causal_lm import MoEForCausalLM, parameter_bytes
 from moe.models.config import MoEModelConfig
 
 
-def make_prepare_finalize(
-    config: MoEModelConfig, all2all_backend: FusedMoEPrepareAndFinalize | None
-) -> FusedMoEPrepareAndFinalize:
-    """The backend itself (a prepare/finalize), or ``NoEPPrepareAndFinalize`` without one."""
-    if all2all_backend is None:
-        return NoEPPrepareAndFinalize(num_experts=config.num_experts)
-    return all2all_backend
-
-
 @contextlib.contextmanager
 def skip_default_init() -> Iterator[None]:
     """Build ``nn.Linear`` / ``nn.Embedding`` with ``torch.empty`` weights: their default random
@@ -55,7 +46,6 @@ def build_model(
     ep_rank: int = 0,
     ep_size: int = 1,
     prepare_finalize: FusedMoEPrepareAndFinalize | None = None,
-    all2all_backend: FusedMoEPrepareAndFinalize | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> nn.Module:
@@ -63,29 +53,23 @@ def build_model(
     ``torch.empty``, no default random init; load a checkpoint or call ``init_random_weights``
     next).
 
-    Give either ``prepare_finalize`` or ``all2all_backend`` (the same kind of object, the
-    name the engine uses); with neither, ep_size must be 1 and ``NoEPPrepareAndFinalize``
-    is used. One prepare/finalize object serves all MoE layers.
+    ``prepare_finalize`` (``distributed.make_prepare_finalize``) serves all MoE layers; without
+    one, ep_size must be 1 and ``NoEPPrepareAndFinalize`` is used.
 
     Raises:
-        ValueError: both given; ep_size > 1 without a backend; num_experts not divisible by
-            ep_size; a backend whose num_local_experts disagrees.
+        ValueError: ep_rank outside [0, ep_size); ep_size > 1 without a prepare_finalize; a
+            prepare_finalize whose num_local_experts disagrees (num_experts not a multiple of
+            ep_size: the prepare_finalize refuses it when built).
     """
-    if prepare_finalize is not None and all2all_backend is not None:
-        raise ValueError("give prepare_finalize or all2all_backend, not both")
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(f"need ep_size >= 1 and 0 <= ep_rank < ep_size, got {ep_rank=} {ep_size=}")
-    if config.num_experts % ep_size:
-        raise ValueError(
-            f"num_experts ({config.num_experts}) must be divisible by ep_size ({ep_size})"
-        )
     if prepare_finalize is None:
-        if ep_size > 1 and all2all_backend is None:
+        if ep_size > 1:
             raise ValueError(
-                f"ep_size={ep_size} needs an all2all_backend (or prepare_finalize); "
+                f"ep_size={ep_size} needs a prepare_finalize; "
                 f"NoEPPrepareAndFinalize only serves ep_size=1"
             )
-        prepare_finalize = make_prepare_finalize(config, all2all_backend)
+        prepare_finalize = NoEPPrepareAndFinalize(num_experts=config.num_experts)
     num_local_experts = config.num_experts // ep_size
     if prepare_finalize.num_local_experts != num_local_experts:
         raise ValueError(
@@ -116,7 +100,7 @@ def config_parameter_bytes(
         Bytes per ``PARAM_CATEGORIES`` entry.
 
     Raises:
-        ValueError: as ``build_model`` (e.g. num_experts not divisible by ep_size).
+        ValueError: as ``build_model``.
     """
     num_sparse = sum(config.moe_layers)
     counts = {True: num_sparse, False: config.num_hidden_layers - num_sparse}

@@ -18,8 +18,9 @@ from distributed import (
     BACKENDS,
     BatchedDispatchResult,
     init_distributed,
-    make_all2all_backend,
+    make_prepare_finalize,
 )
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from distributed.all2all.token_packing import (
     localize_topk,
 )
@@ -191,7 +192,7 @@ def _all2all_rank(rank: int, world_size: int, cases: list[dict]) -> list:
     )
     summaries = []
     for case in cases:
-        backend = make_all2all_backend(
+        backend = make_prepare_finalize(
             case["backend"],
             ep_group=groups.ep_group,
             ep_rank=groups.ep_rank,
@@ -222,7 +223,7 @@ def _with_fallback_collectives(groups, case) -> dict:
     try:
         for name in saved:
             setattr(dist, name, unsupported)
-        backend = make_all2all_backend(
+        backend = make_prepare_finalize(
             "allgather_reducescatter",
             ep_group=groups.ep_group,
             ep_rank=groups.ep_rank,
@@ -245,7 +246,7 @@ def _cross_thread_waits(groups) -> dict:
     """DBO's recv hook: a handle issued by one thread is waited by others, concurrently."""
     checked = {}
     for name in BACKENDS:
-        backend = make_all2all_backend(
+        backend = make_prepare_finalize(
             name,
             ep_group=groups.ep_group,
             ep_rank=groups.ep_rank,
@@ -281,7 +282,7 @@ def _mismatch_and_timeout(groups) -> dict:
     """Row-format mismatch → ValueError on every rank; a peer that never joins → TimeoutError."""
     errors = {}
     for name in CHECKS_ROW_FORMAT:
-        backend = make_all2all_backend(
+        backend = make_prepare_finalize(
             name,
             ep_group=groups.ep_group,
             ep_rank=groups.ep_rank,
@@ -296,7 +297,7 @@ def _mismatch_and_timeout(groups) -> dict:
             )
         except ValueError as exc:
             errors[name] = str(exc)
-    short = make_all2all_backend(
+    short = make_prepare_finalize(
         "all_to_all",
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -342,7 +343,9 @@ def _cases(world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_experts_combine_matches_reference(world_size):
     cases = _cases(world_size)
-    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240)
+    # the debug checks on: every dispatch's result is checked on arrival, a wrong count refused
+    env = {DEBUG_CHECKS_ENV: "1"}
+    results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240, env=env)
     for rank, summaries in enumerate(results):
         assert len(summaries) == len(cases) + 3 * (world_size == 2)
         if world_size == 2:

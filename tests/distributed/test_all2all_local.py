@@ -11,10 +11,13 @@ import torch
 
 from distributed import (
     BACKENDS,
-    AllGatherReduceScatterBackend,
-    AllToAllBackend,
+    AllGatherReduceScatterPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
+    CommTiming,
+    DispatchResult,
     FusedMoEActivationFormat,
-    make_all2all_backend,
+    StandardDispatchMetadata,
+    make_prepare_finalize,
 )
 from distributed.all2all.base import DEBUG_CHECKS_ENV
 from distributed.all2all.token_packing import (
@@ -60,7 +63,7 @@ def test_pack_unpack_round_trip_is_exact(dtype, hidden_size, num_topk):
 
 def _local_backend(name: str = "all_to_all", num_experts: int = 4, **options):
     """A one-rank backend (no process group); ``options``: the class's extra options."""
-    return make_all2all_backend(
+    return make_prepare_finalize(
         name,
         ep_group=None,
         ep_rank=0,
@@ -71,17 +74,17 @@ def _local_backend(name: str = "all_to_all", num_experts: int = 4, **options):
     )
 
 
-def test_make_all2all_backend_names_accepted_backends():
+def test_make_prepare_finalize_names_accepted_backends():
     assert list(BACKENDS) == [
         "all_to_all",
         "allgather_reducescatter",
         "deepep_high_throughput",
         "deepep_low_latency",
     ]
-    assert BACKENDS["all_to_all"] is AllToAllBackend
-    assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterBackend
+    assert BACKENDS["all_to_all"] is AllToAllPrepareAndFinalize
+    assert BACKENDS["allgather_reducescatter"] is AllGatherReduceScatterPrepareAndFinalize
     with pytest.raises(ValueError, match=r"unknown all2all backend 'deepep'.*'all_to_all'"):
-        make_all2all_backend("deepep")
+        make_prepare_finalize("deepep")
 
 
 def test_backend_rejects_bad_construction():
@@ -89,21 +92,29 @@ def test_backend_rejects_bad_construction():
     with pytest.raises(
         ValueError, match=r"num_experts \(6\) must be a positive multiple of ep_size \(4\)"
     ):
-        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=4, num_experts=6, timeout=timeout)
+        AllToAllPrepareAndFinalize(
+            ep_group=None, ep_rank=0, ep_size=4, num_experts=6, timeout=timeout
+        )
     with pytest.raises(ValueError, match=r"ep_group is required when ep_size > 1"):
-        AllToAllBackend(ep_group=None, ep_rank=0, ep_size=2, num_experts=4, timeout=timeout)
+        AllToAllPrepareAndFinalize(
+            ep_group=None, ep_rank=0, ep_size=2, num_experts=4, timeout=timeout
+        )
     with pytest.raises(ValueError, match=r"ep_rank in \[0, 2\), got 2"):
-        AllToAllBackend(ep_group=None, ep_rank=2, ep_size=2, num_experts=4, timeout=timeout)
+        AllToAllPrepareAndFinalize(
+            ep_group=None, ep_rank=2, ep_size=2, num_experts=4, timeout=timeout
+        )
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_dispatch_and_combine_reject_bad_inputs(name, monkeypatch):
-    backend = _local_backend(name)
     x, ids, w = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    assert not backend.check_topk_ids  # a host read per dispatch: debug only
+    unchecked = _local_backend(name)
+    assert not unchecked.debug_checks and not unchecked.check_topk_ids  # per call: debug only
+    assert _local_backend(name, check_topk_ids=True).check_topk_ids
     monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
-    for checking in (_local_backend(name), _local_backend(name, check_topk_ids=True)):
-        assert checking.check_topk_ids
+    backend = _local_backend(name)
+    for checking in (backend, _local_backend(name, check_topk_ids=True)):
+        assert checking.debug_checks and checking.check_topk_ids
         expected = r"topk_ids must be in \[0, 4\) or -1, got values in \[4, 4\]"
         with pytest.raises(ValueError, match=expected):
             checking.dispatch(x, ids + 4, w)
@@ -122,6 +133,29 @@ def test_dispatch_and_combine_reject_bad_inputs(name, monkeypatch):
     other = _local_backend(next(n for n in BACKENDS if n != name))
     with pytest.raises(ValueError, match=r"metadata must come from dispatch on this"):
         other.combine(torch.zeros(3, 4), result.metadata)
+
+
+def test_debug_checks_check_a_dispatch_result_when_it_is_made(monkeypatch):
+    metadata = StandardDispatchMetadata(
+        backend="all_to_all",
+        ep_rank=0,
+        num_tokens=3,
+        hidden_size=4,
+        dtype=torch.float32,
+        num_recv_tokens=3,
+    )
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    short = DispatchResult(
+        hidden_states=torch.zeros(2, 4), topk_ids=ids, topk_weights=ids.float(), metadata=metadata
+    )
+    timing = CommTiming(issued_at_ns=0, num_bytes=0)
+    # a pattern's handle (the base's ``_handle``) over a finalize that makes the wrong rows
+    unchecked = _local_backend()._handle((None, None), lambda: short, op="t", timing=timing)
+    assert unchecked.wait() is short
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    handle = _local_backend()._handle((None, None), lambda: short, op="t", timing=timing)
+    with pytest.raises(ValueError, match=r"hidden_states must be \[3, 4\], got \[2, 4\]"):
+        handle.wait()
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
@@ -192,10 +226,12 @@ def test_low_latency_capacity_limit():
         _local_buffer(5).low_latency_dispatch(x, ids, 9, 4, use_fp8=False)
 
 
-def test_make_all2all_backend_routes_options_by_the_class_attribute(monkeypatch):
+def test_make_prepare_finalize_routes_options_by_the_class_attribute(monkeypatch):
     seen = {}
 
-    class OptionBackend(AllToAllBackend):  # declares an option no registered backend takes
+    class OptionBackend(
+        AllToAllPrepareAndFinalize
+    ):  # declares an option no registered backend takes
         name = "option_backend"
         extra_options = ("num_option_rows",)
 
@@ -207,17 +243,19 @@ def test_make_all2all_backend_routes_options_by_the_class_attribute(monkeypatch)
     kw = {"ep_group": None, "ep_rank": 0, "ep_size": 1, "num_experts": 4}
     kw |= {"timeout": datetime.timedelta(seconds=5), "num_option_rows": 7, "hidden_size": 8}
     kw["num_max_dispatch_tokens_per_rank"] = 16
-    assert isinstance(make_all2all_backend("option_backend", **kw), OptionBackend)
+    assert isinstance(make_prepare_finalize("option_backend", **kw), OptionBackend)
     assert seen == {"num_option_rows": 7}
-    low_latency = make_all2all_backend("deepep_low_latency", **kw)  # DeepEP's options only
+    low_latency = make_prepare_finalize("deepep_low_latency", **kw)  # DeepEP's options only
     assert low_latency.num_max_dispatch_tokens_per_rank == 16
-    assert type(make_all2all_backend("all_to_all", **kw)) is AllToAllBackend  # none of them
+    assert (
+        type(make_prepare_finalize("all_to_all", **kw)) is AllToAllPrepareAndFinalize
+    )  # none of them
     with pytest.raises(TypeError, match=r"num_undeclared_rows"):
-        make_all2all_backend("all_to_all", **kw, num_undeclared_rows=1)
+        make_prepare_finalize("all_to_all", **kw, num_undeclared_rows=1)
 
 
 def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():
-    from distributed import DeepEPLowLatencyBackend
+    from distributed import DeepEPLLPrepareAndFinalize
     from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
     from launch.engine.llm_engine import check_num_ubatches
 
@@ -227,10 +265,10 @@ def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():
     kw = {"ep_group": None, "ep_rank": 0, "ep_size": 1, "num_experts": 4}
     kw["timeout"] = datetime.timedelta(seconds=5)
     for name in BACKENDS:  # our implementations allocate each call's buffers: any count
-        backend = make_all2all_backend(name, **kw)
+        backend = make_prepare_finalize(name, **kw)
         assert backend.max_num_ubatches is None
         check_num_ubatches(backend, 16)
-    kernels = DeepEPLowLatencyBackend(**kw, buffer=KernelBuffer())
+    kernels = DeepEPLLPrepareAndFinalize(**kw, buffer=KernelBuffer())
     assert kernels.max_num_ubatches == 2  # DeepEP double-buffers its low-latency results
     check_num_ubatches(kernels, 2)
     with pytest.raises(

@@ -22,13 +22,13 @@ HIDDEN = 7168  # a hidden size DeepEP's low-latency kernels are compiled for (De
 
 
 def _rank(rank: int, world_size: int) -> dict:
-    from distributed import FusedMoEActivationFormat, init_distributed, make_all2all_backend
+    from distributed import FusedMoEActivationFormat, init_distributed, make_prepare_finalize
 
     torch.cuda.set_device(rank)
     groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
     out = {}
     for name in ("deepep_high_throughput", "deepep_low_latency"):
-        backend = make_all2all_backend(
+        backend = make_prepare_finalize(
             name,
             ep_group=groups.ep_group,
             ep_rank=groups.ep_rank,

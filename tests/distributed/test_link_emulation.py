@@ -17,7 +17,7 @@ from distributed import (
     LinkDelayedHandle,
     LinkSpec,
     init_distributed,
-    make_all2all_backend,
+    make_prepare_finalize,
 )
 from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
 from tests.helpers.cpu_kernels import needs_compiler
@@ -88,7 +88,7 @@ SLOW = LinkSpec(latency_us=20_000.0, gbps=1.0)  # 20 ms: far above a local copy'
 
 def _local_backend(name: str):
     """``name`` on one rank (local copies, no process group)."""
-    return make_all2all_backend(
+    return make_prepare_finalize(
         name,
         ep_group=None,
         ep_rank=0,
@@ -172,7 +172,7 @@ def _delayed_rank(rank: int, world_size: int, transport: str) -> list[dict]:
     spec = LinkSpec(latency_us=LATENCY_US, gbps=GBPS)
     out = []
     for name in BACKENDS:  # DeepEP's protocols bill their transfers on the same link
-        inner = make_all2all_backend(
+        inner = make_prepare_finalize(
             name,
             ep_group=groups.ep_comm,
             ep_rank=groups.ep_rank,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from moe.fused_moe import cpu_experts, grouped_experts
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.grouped_experts import group_by_expert, grouped_mm_runs
@@ -191,13 +192,14 @@ def test_batched_format_on_the_cuda_path_equals_the_per_expert_reference(dtype):
     _assert_matches_reference(fast, native, reference, dtype)
 
 
-def test_cuda_platform_binds_forward_cuda_and_checks_shapes_without_reading_values():
+def test_cuda_platform_binds_forward_cuda_and_checks_shapes_without_reading_values(monkeypatch):
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")  # the shape checks run under the debug flag
     set_current_platform(CudaPlatform())
     experts, _ = _experts(torch.float32)
     assert experts.forward_path == "forward_cuda"
     x, ids, weights = _routing(4, 2, 0, 6, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"topk_ids \(4, 1\) / topk_weights \(4, 2\)"):
-        experts(x, ids[:, :1], weights)
+        experts.apply_standard(x, ids[:, :1], weights)
     with pytest.raises(ValueError, match=r"expert_num_tokens must be \[6\]"):
         experts.apply_batched(torch.zeros(6, 2, 32), torch.zeros(5, dtype=torch.int64))
     # an id past the local range adds nothing here (the reference refuses it: reading ids)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from dbo import UBatchWrapper, dbo_current_ubatch_id, make_ubatch_contexts, make_ubatch_slices
 from dbo.forward_context import DPMetadata
-from distributed import CommTiming, FusedMoEActivationFormat, make_all2all_backend
+from distributed import CommTiming, FusedMoEActivationFormat, make_prepare_finalize
+from distributed.all2all.base import DEBUG_CHECKS_ENV
 from moe import (
     FusedMoEModularKernel,
     MoEModelConfig,
@@ -92,10 +93,11 @@ def test_experts_skip_minus_one_and_accept_zero_tokens():
 
 
 @torch.no_grad()
-def test_batched_experts_equal_the_experts_on_the_same_tokens():
+def test_batched_experts_equal_the_experts_on_the_same_tokens(monkeypatch):
     """DeepEP low-latency layout ([E, M, H] rows per expert + counts, unweighted outputs, weights
     applied afterwards) gives the same result as ``apply_standard`` on the routed tokens
-    (float64)."""
+    (float64). The shape check runs under the debug flag (the counts' on the host paths always)."""
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
     experts = make_experts().double()
     x, ids, w = routed(11)
     x, w = x.double(), w.double()
@@ -132,7 +134,7 @@ def test_kernel_rejects_mismatched_local_expert_count():
 
 def _local_low_latency():
     """DeepEP low latency on one rank (our emulation): the ``BatchedExperts`` format."""
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         "deepep_low_latency",
         ep_group=None,
         ep_rank=0,
@@ -157,7 +159,7 @@ def test_kernel_refuses_experts_that_do_not_take_the_backends_format():
     with pytest.raises(
         ValueError,
         match=r"^_StandardOnlyExperts takes activation formats \['standard'\] but "
-        r"DeepEPLowLatencyBackend delivers 'batched_experts'$",
+        r"DeepEPLLPrepareAndFinalize delivers 'batched_experts'$",
     ):
         FusedMoEModularKernel(_local_low_latency(), _StandardOnlyExperts(**kw))
     with pytest.raises(
@@ -377,9 +379,9 @@ def _ep_rank_main(rank, world_size, backend_names):
 
 
 def _compare_ep_to_reference(rank, world_size, groups, backend_name):
-    from distributed import make_all2all_backend
+    from distributed import make_prepare_finalize
 
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         backend_name,
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -388,7 +390,7 @@ def _compare_ep_to_reference(rank, world_size, groups, backend_name):
         timeout=groups.timeout,
     )
     model = build_model(
-        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, all2all_backend=backend
+        CONFIG, ep_rank=groups.ep_rank, ep_size=groups.ep_size, prepare_finalize=backend
     )
     reference = build_model(CONFIG)
     init_random_weights(model, seed=3)
@@ -461,13 +463,13 @@ def test_ep2_model_matches_single_rank_with_and_without_dbo():
 def _hook_failure_rank(rank, world_size, device_type="cpu"):
     """Rank 0's DeepEP low-latency receive hook of ubatch 1 of 3 (run by ubatch 0) raises inside a
     DBO step; report each rank's error. ``device_type="cuda"``: both ranks share one GPU."""
-    from distributed import make_all2all_backend
+    from distributed import make_prepare_finalize
     from moe.platforms import CpuPlatform, CudaPlatform
     from tests.helpers.gpu import placed_groups
 
     platform = CudaPlatform() if device_type == "cuda" else CpuPlatform()
     _, groups = placed_groups(platform, rank, world_size, timeout_s=3)
-    backend = make_all2all_backend(
+    backend = make_prepare_finalize(
         "deepep_low_latency",
         ep_group=groups.ep_group,
         ep_rank=groups.ep_rank,
@@ -494,7 +496,7 @@ def _hook_failure_rank(rank, world_size, device_type="cpu"):
         CONFIG,
         ep_rank=groups.ep_rank,
         ep_size=groups.ep_size,
-        all2all_backend=backend,
+        prepare_finalize=backend,
         device=groups.device,
     )
     init_random_weights(model, seed=3)
