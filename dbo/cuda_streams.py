@@ -68,11 +68,12 @@ def make_ubatch_streams(num_ubatches: int, device: torch.device) -> list[UBatchS
     shared compute stream, a new comm stream each.
 
     Raises:
-        ValueError: if ``device`` is not a CUDA device or CUDA is unavailable.
+        ValueError: if CUDA is unavailable, or (torch's) if ``device`` is not a CUDA device (the
+            platform asks only for its CUDA tensors: ``CudaPlatform.make_ubatch_streams``).
     """
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(f"ubatch streams need an available CUDA device, got {device}")
-    compute_stream = torch.cuda.current_stream(device)
+    compute_stream = torch.cuda.current_stream(device)  # ValueError on a non-CUDA device
     return [
         UBatchStreams(
             compute_stream=compute_stream,

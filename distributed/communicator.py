@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 Pending = tuple["Work | None", "Callable[[], None] | None"]
 
+# the memory host transports (gloo, shared memory) read; device tensors are staged through it.
+# A device object, not a platform question: distributed sits below moe.platforms
+HOST_DEVICE = torch.device("cpu")
+
 __all__ = ["Communicator", "Pending", "as_communicator", "process_group_of"]
 
 
@@ -94,9 +98,9 @@ class Communicator:
         return self._staged(lambda o, i: self._all_reduce_sum(o), tensor, tensor)
 
     def _staged(self, op: Callable[[Tensor, Tensor], Pending], output: Tensor, input: Tensor):
-        if output.is_cpu or not self.is_host_transport:
+        if not self.is_host_transport or output.device == HOST_DEVICE:
             return op(output, input)
-        host_output = torch.empty(output.shape, dtype=output.dtype)
+        host_output = torch.empty(output.shape, dtype=output.dtype, device=HOST_DEVICE)
         # host-device sync: the bytes must be on the host for a host transport
         host_input = host_output if input is output else input.cpu()
         if input is output:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from moe.kernels import cpu_kernels
 from moe.platforms.custom_op import is_tracing
+from moe.platforms.device_probes import is_host
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
@@ -359,7 +360,7 @@ def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None
     tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512, the
     platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
     if (
-        kv_cache.device.type != "cpu"
+        not is_host(kv_cache.device)
         or dtype != kv_cache.dtype
         or dtype not in (torch.float32, torch.float64, torch.bfloat16)
         or not kv_cache.is_contiguous()
@@ -372,7 +373,7 @@ def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None
 def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
     """The kernel that attends ``query`` over ``kv_cache`` in place (``attention_kernels``' module
     ``paged_attention``, for a CPU query), else None."""
-    kernels = attention_kernels(query.dtype, kv_cache) if query.device.type == "cpu" else None
+    kernels = attention_kernels(query.dtype, kv_cache) if is_host(query.device) else None
     return None if kernels is None else kernels.paged_attention
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from moe.platforms.cpu_capability import onednn_linear_unavailable_reason
 from moe.platforms.custom_op import CustomOp, is_tracing
+from moe.platforms.device_probes import is_host
 from moe.platforms.plugins import current_platform
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def can_pack(weight: Tensor, *, num_elements: int | None = None) -> bool:
     """Whether ``weight`` is one this module prepacks: bfloat16, or float32 with at least
     ``FLOAT32_MIN_PACKED_ELEMENTS`` elements per matrix (``num_elements``, default the whole
     weight), on the CPU, no trace running."""
-    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or is_tracing():
+    if weight.dtype not in PACKED_DTYPES or not is_host(weight.device) or is_tracing():
         return False
     size = weight.numel() if num_elements is None else num_elements
     return weight.dtype != torch.float32 or size >= float32_min_packed_elements()

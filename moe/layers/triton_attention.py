@@ -24,13 +24,14 @@ The metadata's tensors are copied to the cache's device once per (u)batch
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from moe.platforms import triton_probe
+from moe.platforms.plugins import platform_for
 
 if TYPE_CHECKING:
     from moe.layers.attention_metadata import CommonAttentionMetadata
@@ -48,31 +49,13 @@ TILE_MLA = 16  # MLA's key rows are kv_lora_rank + rope wide (576 for DeepSeek)
 NUM_WARPS_MLA = 8
 
 
-def triton_unavailable_reason() -> str | None:
-    """Why Triton cannot launch kernels in this process, or None: it must be importable, and
-    there must be a CUDA device or Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors).
-    Imports Triton on the first call."""
-    return _triton_unavailable_reason()
-
-
-@functools.cache
-def _triton_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed"
-    import triton
-
-    if torch.cuda.is_available() or triton.knobs.runtime.interpret:
-        return None
-    return "no CUDA device (and Triton's interpreter is off)"
-
-
 def launches_on(device: torch.device) -> bool:
     """Whether Triton can launch on ``device``'s tensors here: compiled kernels take CUDA tensors,
     Triton's interpreter host ones. False for host tensors of a CUDA process (the CUDA op paths
     on CPU tensors, as the tests run them on a GPU machine), which then stay in torch."""
-    if triton_unavailable_reason() is not None:
+    if triton_probe.triton_unavailable_reason() is not None:
         return False
-    if device.type == "cuda":  # per layer and step on a GPU: no import, no environment read
+    if platform_for(device).is_triton_target:  # per layer and step on a GPU: no import, no env read
         return True
     import triton  # imported by triton_unavailable_reason already
 

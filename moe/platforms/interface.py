@@ -141,6 +141,13 @@ class Platform:
 
     name: str = "unspecified"
     dispatch_key: str = "native"
+    # what tensors on this platform's device are (``platform_for`` looks a device's platform up)
+    device_type: str = "cpu"  # the torch device type this platform answers for
+    # host memory: read without a device sync, drawn by host generators, taken by the host's
+    # kernels (``moe.kernels``, oneDNN packs) and by host transports without staging
+    is_host_memory: bool = True
+    is_triton_target: bool = False  # Triton compiles kernels for its tensors (no interpreter)
+    profiler_kinds: tuple[str, ...] = ("torch",)  # the ``--profiler-config`` profilers it runs
     issue_before_recv_hook: bool = True
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
     attention_backends: tuple[str, ...] = ("TORCH_SDPA",)
@@ -183,8 +190,11 @@ class Platform:
         return str(device)
 
     def device_memory(self, device: torch.device) -> DeviceMemory | None:
-        """``device``'s memory after a profile step (``DeviceMemory``), or None where the KV cache
-        is not sized from free memory (the host: ``launch.engine.kv_cache_sizing``'s budget)."""
+        """``device``'s memory accounted after a profile step, for sizing the KV cache from it
+        (``DeviceMemory``: total, other users, this allocator's peak), or None where the KV cache
+        is not sized from memory (the host: ``launch.engine.kv_cache_sizing``'s fixed budget).
+        Unlike ``available_memory``, it needs the allocator's peak, which only a device with its
+        own allocator statistics has."""
         return None
 
     def reset_peak_memory(self, device: torch.device) -> None:
@@ -234,7 +244,8 @@ class Platform:
     def available_memory(self, device: torch.device) -> int:
         """Bytes that can be allocated on ``device`` now (here: the host's,
         ``host_available_memory``), for the checks that refuse a model too large before anything
-        is allocated."""
+        is allocated. Answered on every device, host included, before the model exists; the
+        KV cache's sizing after the profile step reads ``device_memory`` instead."""
         return host_available_memory()
 
     def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
@@ -381,6 +392,10 @@ class CudaPlatform(Platform):
 
     name = "cuda"
     dispatch_key = "cuda"
+    device_type = "cuda"
+    is_host_memory = False
+    is_triton_target = True
+    profiler_kinds = ("torch", "cuda")  # "cuda": cudaProfilerStart / Stop (``profiler_range``)
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     # a launch costs the host more than a small decode step's kernels cost the device: graphs on
@@ -407,7 +422,7 @@ class CudaPlatform(Platform):
     def attention_backends(self) -> tuple[str, ...]:
         """TRITON_ATTN first where Triton can launch its kernels (importable, and a CUDA device or
         Triton's interpreter), then the padded SDPA chunks and flex_attention."""
-        from moe.layers.triton_attention import triton_unavailable_reason
+        from moe.platforms.triton_probe import triton_unavailable_reason
 
         fallback = ("TORCH_SDPA", "FLEX_ATTENTION")
         return fallback if triton_unavailable_reason() else ("TRITON_ATTN", *fallback)
@@ -469,6 +484,8 @@ class CudaPlatform(Platform):
             torch.cuda.reset_peak_memory_stats(device)
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
+        if device.type != "cuda":  # host tensors of a CUDA process: ops run in issue order
+            return None
         from dbo.cuda_streams import make_ubatch_streams
 
         return make_ubatch_streams(num_ubatches, device)
