@@ -1,7 +1,7 @@
 """Questions about the device a tensor lives on, answered here so that model code never tests
 device-type strings (moe/platforms is where device differences live).
 
-``is_host(device)``: whether tensors there are in host memory (the CPU kernels and packs apply);
+``is_host(device)``: whether tensors there are in host memory (``platform_for(device)``'s answer);
 ``grouped_mm_unavailable(device, dtype)``: why ``torch._grouped_mm`` cannot run there without a
 host read (the experts' device path needs it not to).
 """

@@ -1,51 +1,7 @@
-"""The platforms: one object per device family answers every device question once.
-
-After vLLM's ``Platform`` (``vllm/platforms/interface.py``): modules ask ``current_platform()``
-instead of testing device strings, and an out-of-tree platform (``moe_dbo.platform_plugins``,
-see ``moe.platforms.plugins``) is one subclass that overrides the answers it changes. The
-questions:
-
-- ``place_rank(...)``: the rank's ``RankPlacement`` (``moe.platforms.placement``): the device
-  the model, KV cache and step tensors live on and the process-group backend that fits it;
-  ``synchronize(device)``: wait for the work enqueued there (a no-op where ops are synchronous).
-  ``dispatch_key``: which ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch).
-- ``make_communicator(group, env=, timeout=)``: the object that runs a process group's
-  collectives (``distributed.communicator``): torch.distributed's, or on the CPU shared memory
-  between the ranks of a node (``distributed.shm_transport``; ``MOE_DBO_HOST_TRANSPORT=gloo``
-  turns it off).
-- ``make_ubatch_streams(n, device)``: each DBO ubatch's comm stream and events
-  (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
-  the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
-  then runs the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order is kept.
-- ``device_memory(device)``: the device's total memory and what is in use (``DeviceMemory``), for
-  sizing the KV cache from free memory after a profile step (``reset_peak_memory`` before it), or
-  None where the KV cache keeps a fixed default budget (the host).
-- ``device_clock(device)``: the clock that times the timeline's compute spans on the device
-  (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
-- ``graph_backend()``: the class that compiles or captures one graph-mode piece
-  (``moe.compilation.backends``), or None (graph mode runs eagerly); ``graph_modes``: the
-  ``cudagraph_mode`` values it runs, the one graphs use first; ``graphs_by_default``: whether graph
-  mode is on without a flag; ``default_capture_sizes(...)``: its default buckets;
-  ``full_graph_attention_backends``: the attention backends a decode step can be captured whole
-  with (they read per-step values from device tensors only); ``pin_host_memory(device)``: whether
-  step inputs for ``device`` are staged in pinned host memory for non-blocking copies.
-- ``profiler_activities()`` / ``profiler_range()``: what ``torch.profiler`` records here (the
-  host, plus CUDA kernels) and a device profiler's capture range, or None
-  (``launch.engine.profiler``, ``--profiler-config``).
-- ``prepare_kernels()``: build or load the platform's own kernels, or choose torch's, before the
-  first step; the start-up line, or None where there is nothing to prepare.
-- ``available_memory(device)``: the bytes that can be allocated there now (the host's available
-  RAM, a GPU's free memory), so a model too large for it is refused before any allocation.
-- ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
-  with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
-  float32: its weights are upcast exactly, once, at load).
-- ``cpu_capability()``: the CPU's ISA, vendor and flags (``moe.platforms.cpu_capability``).
-- ``attention_backends``: the ``--attention-backend`` names this platform runs, its default first
-  (``moe.layers.attention_backend``).
-- ``check_and_update_config(args)``: refuse a configuration this platform cannot run, or adjust
-  it, before any work (``EngineArgs`` calls it from ``__post_init__``, as vLLM's ``VllmConfig``
-  does).
-"""
+"""``Platform`` (after vLLM's ``vllm/platforms/interface.py``): one object per device family
+answers every device question, so modules never test device strings; ``CpuPlatform``,
+``CudaPlatform`` and the answers' dataclasses. Each question: docs/hardware.md, "The Platform's
+questions"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""Platforms (where the ops run) and plugin discovery through Python entry points.
-
-After vLLM's platform plugins (``vllm/platforms/__init__.py``, ``vllm/plugins/__init__.py``): a
-package adds a platform by declaring, in its ``pyproject.toml``,
-
-    [project.entry-points."moe_dbo.platform_plugins"]
-    my_npu = "my_pkg:register"          # register() -> "my_pkg.platform.NPUPlatform" or None
-
-and registers other things (out-of-tree ops, ...) through ``moe_dbo.general_plugins``, whose
-functions are simply called once. ``current_platform()`` resolves lazily, on first use:
-``MOE_DBO_PLATFORM`` (``cpu``, ``cuda`` or a platform plugin's entry-point name) when set, else an
-activated (non-None) plugin platform (at most one may activate), else CUDA when available, else CPU.
-Nothing happens at import time.
-"""
+"""Which platform this process runs (``current_platform()``, ``platform_for(device)``) and plugin
+discovery through Python entry points (``moe_dbo.platform_plugins``, ``moe_dbo.general_plugins``),
+after vLLM's; nothing happens at import time. How a package adds a platform: docs/hardware.md,
+"Plugin discovery"."""
 
 from __future__ import annotations
 
