@@ -1,33 +1,7 @@
-"""Adaptive DBO (``--dbo-*-token-threshold auto``): learn, per batch shape, whether microbatching
-pays.
-
-Fixed thresholds (vLLM: 32 decode / 512 prefill tokens) guess where overlap starts to pay; the
-crossover moves by orders of magnitude with the link and the model. This policy measures it instead.
-
-The rule (everything below is a pure function of data every DP rank holds identically):
-- **Buckets.** A step falls in bucket ``(kind, log2_tokens)``: ``kind`` is ``"decode"`` if every DP
-  rank's batch is decode-only, else ``"prefill"``; ``log2_tokens = floor(log2(max num_tokens over
-  DP))``, so a bucket covers ``[2**b, 2**(b+1))`` tokens per rank.
-- **Samples.** A step's time is the slowest DP rank's time from the end of the DP vote to the end
-  of the forward (the ranks run in lockstep, so the slowest one is the step). Each rank writes its
-  own time of the previous step into its row of the DP vote, and the vote's all-gather hands every
-  rank the same column: no extra collective, and the max is the same on every rank.
-- **Explore.** A new bucket runs ``num_explore_steps`` steps with each arm (microbatching off and
-  on), in the order off, on, on, off, off, on, ... (slow drift weighs on both arms alike).
-- **Exploit.** Then the bucket uses the arm with the lower median of its last ``window`` samples;
-  microbatching is chosen only if its median is below off's by more than ``tie_tolerance``
-  (a tie goes to off: one thread, no padding).
-- **Re-check.** The bucket explores again (both arms' samples dropped) after ``recheck_interval``
-  exploit steps, or as soon as the median of the chosen arm's last ``window`` samples since the
-  decision differs from its median at the decision by more than ``drift_tolerance``.
-- **Prior.** Without one, a bucket never seen starts with full exploration. With a prior (the
-  planner's predicted speedup off / on per bucket, ``launch.plan --write-prior``) that is
-  confident (``|speedup - 1| > prior_margin``), a new bucket first explores only
-  ``num_prior_explore_steps`` steps per arm: if their medians agree with the prediction it
-  decides there; if not, it explores on to ``num_explore_steps`` and the samples decide, as
-  without a prior. Samples always decide; the prior only shortens an exploration it agrees with.
-  Re-checks explore fully.
-"""
+"""Adaptive DBO (``--dbo-*-token-threshold auto``): ``AdaptiveDBOPolicy`` learns, per bucket of
+batch shapes, whether microbatching pays, from step times every DP rank holds alike; its config,
+choices and the planner's prior. The rule (buckets, samples, explore / exploit, re-checks, the
+prior): docs/dbo.md, "Adaptive policy: the rule"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The GPU half of the ubatch protocol: streams and events (vLLM's ``UBatchContext`` on CUDA).
-
-On a GPU the CPU ping-pong alone does not order the kernels: what ubatch 0 enqueued before handing
-over the baton may still be running when ubatch 1 enqueues its next kernels. So each ubatch
-records an event on its current stream before every CPU yield, and the ubatch that takes the baton
-makes its current stream wait on that event before enqueueing more (DeepEP's ``previous_event``
-plays the same role for its kernels). Each ubatch has a comm stream of its own for the all-to-all
-and shares one compute stream (vLLM: ``torch.cuda.current_stream()`` at wrapper entry); the
-``switch_*`` functions move a ubatch between its two streams, each switch ordered by an event.
-
-Written against the documented ``torch.cuda`` stream and event API (``Stream``, ``Event.record``,
-``Stream.wait_event``, ``torch.cuda.set_stream``); the tests that exercise it are marked ``gpu``
-and skip without CUDA.
-"""
+"""The GPU half of the ubatch protocol (vLLM's ``UBatchContext`` on CUDA): ``UBatchStreams``, one
+ubatch's compute and comm streams and the events that order its kernels across baton passes, and
+``make_ubatch_streams``. Why and how: docs/dbo.md, "Streams and events on a GPU"."""
 
 from __future__ import annotations
 
@@ -68,11 +57,12 @@ def make_ubatch_streams(num_ubatches: int, device: torch.device) -> list[UBatchS
     shared compute stream, a new comm stream each.
 
     Raises:
-        ValueError: if ``device`` is not a CUDA device or CUDA is unavailable.
+        ValueError: if CUDA is unavailable, or (torch's) if ``device`` is not a CUDA device (the
+            platform asks only for its CUDA tensors: ``CudaPlatform.make_ubatch_streams``).
     """
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(f"ubatch streams need an available CUDA device, got {device}")
-    compute_stream = torch.cuda.current_stream(device)
+    compute_stream = torch.cuda.current_stream(device)  # ValueError on a non-CUDA device
     return [
         UBatchStreams(
             compute_stream=compute_stream,

@@ -1,17 +1,6 @@
-"""The DP-wide decision whether this step microbatches (vLLM's ``coordinate_batch_across_dp``).
-
-Every DP rank votes; the ranks microbatch only if all vote yes, because the expert all-to-all is a
-collective over all EP ranks and every rank must hit the same yield points. Then all ranks pad to
-the largest token count and cut it into the same number of ubatches N: the smallest N any rank
-asked for (``--ubatch-size``; the same on every rank when all run one command line), lowered to
-the largest N >= 2 with a real token in every ubatch of every rank; if not even two ubatches have
-one, nobody microbatches (vLLM's ``is_second_ubatch_empty``, for N ubatches).
-
-With the adaptive policy (``dbo.adaptive_policy``) the same all-gather also carries each rank's
-batch kind, whether it could microbatch at all, and its measured time of the previous step; every
-rank then feeds the identical combined table to its own copy of the policy, so all ranks choose
-alike without another collective.
-"""
+"""The DP-wide decision whether this step microbatches, and into how many ubatches (vLLM's
+``coordinate_batch_across_dp``): one all-gather of every DP rank's vote, token count and (adaptive
+policy) step time; ``DPMicrobatchDecision``. The rule: docs/dbo.md, "The DP-wide decision"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """One (u)batch's forward state, the only per-thread state of a forward (vLLM's
-``vllm/forward_context.py``).
-
-A ``ForwardContext`` holds what the model runner hands a (u)batch (its attention metadata and DP
-token counts) and what the forward fills in as it runs: the ubatch it belongs to, the decoder
-layer the timeline names spans after, and in graph mode the rows of the padded bucket that are
-real. One thread-local points at the current one; ``set_forward_context`` makes a context current
-and restores the previous one on exit, so nothing outlives the block and nothing is reset by hand.
-
-Under DBO each ubatch thread enters its ``UBatchContext`` (``dbo.ubatch_context``), which makes a
-context that only names the ubatch, then the runner's context of that ubatch, which takes the
-ubatch over from it. It lives in ``dbo`` because the ubatch threads are what make it per-thread;
-the attention metadata is opaque here (``moe.layers.attention_metadata``).
-"""
+``vllm/forward_context.py``): ``ForwardContext``, ``DPMetadata``, ``set_forward_context`` and its
+readers. Lifetime and the ubatch hand-over: docs/dbo.md, "Forward context"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
-"""The ping-pong protocol between ubatch threads (vLLM's ``UBatchContext`` and ``dbo_*`` functions).
-
-Each ubatch thread runs the model inside its ``UBatchContext``. Exactly one of them runs at a time:
-it holds the *baton* and hands it on, in a ring 0 -> 1 -> ... -> N-1 -> 0 ..., at every
-``dbo_yield()``. While one ubatch computes, the others' all-to-alls are in flight; the *recv hook*
-a ubatch registers (the ``wait()`` of its collective) is run by the ubatch that holds the baton
-last before it comes back to the registering one (the previous one in the ring), at that
-ubatch's next ``dbo_maybe_run_recv_hook()``. With two ubatches that is the other one, as in vLLM;
-with more, vLLM hands the hook to the next one, which on the CPU (where a hook blocks until the
-data land) would leave each transfer one compute segment to hide behind. Handed to the previous
-one, a transfer stays in flight behind the compute of all N-1 other ubatches.
-
-The current context is the one the thread's forward context names (``dbo.forward_context``). Every
-blocking wait has a timeout (``TimeoutError`` naming the wait). A failure in one ubatch marks the
-group aborted and wakes the others, which raise ``UBatchAborted`` at their next wait;
-``UBatchWrapper`` re-raises the original error once. All ``dbo_*`` functions are no-ops (or
-0/False) when no context is current (DBO off).
-
-On CUDA (contexts made with a CUDA ``device``) each context also carries ``UBatchStreams``
-(``dbo.cuda_streams``): an event is recorded on the current stream before every hand-over and the
-next owner's stream waits on it, so the GPU runs the kernels in the order the baton passes.
-"""
+"""The ping-pong protocol between ubatch threads (vLLM's ``UBatchContext`` and ``dbo_*``
+functions): the baton ring, recv hooks, timeouts and aborts; every ``dbo_*`` function is a no-op
+when DBO is off. The protocol: docs/dbo.md, "The ping-pong protocol" and "Ubatch contexts: baton,
+recv hooks, failures"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """The collectives of one process group, as an object: ``Communicator`` (torch.distributed: gloo
-or NCCL) and its same-host subclass ``ShmCommunicator`` (``distributed.shm_transport``).
-
-Each method issues ONE collective and returns ``Pending`` = ``(work, after)``: ``work`` to wait
-on (its ``wait(timeout=...)`` raises on failure; None when nothing was sent) and ``after`` (or
-None), a step to run once ``work`` completed. Newer torch ops are chosen at call time
-(``all_gather_single``/``reduce_scatter_single`` exist only in newer torch); a backend that
-rejects an op at issue time gets a fallback built from older ops. Every rank takes the same path,
-so the sequence of collectives stays identical across ranks.
-
-Device tensors over a host transport (gloo or shared memory: ranks sharing one GPU, since NCCL
-refuses two ranks per device) are staged through host memory: the input is copied to the host (a
-host-device sync, on the caller's current stream: a ubatch's comm stream under DBO), the
-collective runs on host tensors, and the after-step copies the result back onto the device.
-"""
+or NCCL; each op returns ``Pending`` = ``(work, after)``); ``ShmCommunicator`` is its same-host
+subclass (``distributed.shm_transport``). Fallbacks and host staging: docs/backends.md,
+"Communicator"."""
 
 from __future__ import annotations
 
@@ -28,6 +17,10 @@ if TYPE_CHECKING:
     from torch.distributed import Work
 
 Pending = tuple["Work | None", "Callable[[], None] | None"]
+
+# the memory host transports (gloo, shared memory) read; device tensors are staged through it.
+# A device object, not a platform question: distributed sits below moe.platforms
+HOST_DEVICE = torch.device("cpu")
 
 __all__ = ["Communicator", "Pending", "as_communicator", "process_group_of"]
 
@@ -94,9 +87,9 @@ class Communicator:
         return self._staged(lambda o, i: self._all_reduce_sum(o), tensor, tensor)
 
     def _staged(self, op: Callable[[Tensor, Tensor], Pending], output: Tensor, input: Tensor):
-        if output.is_cpu or not self.is_host_transport:
+        if not self.is_host_transport or output.device == HOST_DEVICE:
             return op(output, input)
-        host_output = torch.empty(output.shape, dtype=output.dtype)
+        host_output = torch.empty(output.shape, dtype=output.dtype, device=HOST_DEVICE)
         # host-device sync: the bytes must be on the host for a host transport
         host_input = host_output if input is output else input.cpu()
         if input is output:

@@ -1,19 +1,6 @@
-"""A software model of a slower network link: the deadline arithmetic and the handle that waits
-for it (torch-free).
-
-This is an EMULATION, not a network: the bytes of every collective really move through the
-process-group backend (gloo over loopback on CPU), and the collective's ``CommHandle`` then
-completes no earlier than::
-
-    start + latency + num_bytes / bandwidth,   start = max(issue time, when the link is free)
-
-where ``num_bytes`` is the larger of what this rank sends to and receives from other ranks (a
-full-duplex link) and transfers of one rank share its link one after the other (a transfer issued
-while another is on the wire starts when that one ends). It lets a 2-core machine show the overlap
-DBO gives when the link, not the CPU, is the bottleneck, as between nodes. An expert all-to-all
-backend puts its transfers behind it with ``with_link``. For a real kernel-shaped link see
-``launch.netns`` (veth pairs with a ``tbf`` rate limit).
-"""
+"""A software model of a slower network link (torch-free): ``LinkSpec``, ``EmulatedLink`` (the
+deadline arithmetic) and ``LinkDelayedHandle`` (waits for it). An emulation, not a network; the
+model: docs/backends.md, "Link emulation"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Which peer rank stopped answering: rendezvous-store heartbeats, read when a collective fails.
-
-A collective that times out says only that *some* peer did not take part (gloo: "Timed out waiting
-N ms for recv"). To name the rank, every rank runs a ``Heartbeat``: a daemon thread that adds 1 to
-its counter ``moe_dbo/heartbeat/<rank>`` in the process group's store (torchrun's agent store, or
-rank 0's) every ``interval_s``. A rank that is frozen (SIGSTOP, a hung host) or dead stops counting.
-``silent_ranks`` reads every counter twice, ``2 * interval_s + 0.1`` s apart, and returns the
-ranks whose counter did not move. Counters, not timestamps: ranks on different hosts need no
-common clock. Reading with ``store.add(key, 0)`` never blocks on a missing key.
-
-A rank whose Python threads still run but whose main thread is stuck (a deadlock in our code) keeps
-counting: the heartbeat names ranks that stopped entirely, and says so when it finds none.
-"""
+"""Which peer rank stopped answering: rendezvous-store heartbeats (``Heartbeat``), read when a
+collective fails (``describe_failure``). How and what it cannot see: docs/backends.md, "Liveness:
+naming a silent rank"."""
 
 from __future__ import annotations
 

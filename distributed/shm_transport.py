@@ -1,26 +1,7 @@
-"""Ranks of one node exchange through shared memory; ranks on other nodes through the group's own
-backend (gloo), point to point: ``ShmCommunicator``, made by ``create_communicator``.
-
-After vLLM's CPU backend (``csrc/cpu/shm.cpp``) and NCCL's shm transport between the ranks of a
-node. The hot loop (copy, flag, poll, the vectorised sum) is the C++ ``ShmComm`` of our CPU
-kernels (``moe/kernels/csrc/shm_comm.cpp``), handed in by the platform (this package does not
-build kernels): per channel one slot per local rank in one segment, a worker thread running the
-channel's operations in issue order, so issuing returns at once and ``wait()`` blocks, as on a
-gloo ``Work``. Operation ``i`` of a communicator runs on channel ``i % num_channels``: every rank
-issues the same operations in the same order (the contract of every collective), so the two DBO
-ubatches' transfers ride two channels and one never queues behind the other. Waits spin for a
-few microseconds, then sleep on a futex that the peer's flag store wakes (no core is burnt).
-
-A node is what torchrun says (``GROUP_RANK``), not the hostname. Sums add the ranks' values in
-rank order (half types in float32, rounded once), so every rank gets the same bits.
-
-Failure model (as gloo's): every wait is bounded by the group timeout, and a timeout names the
-rank that did not join; a local peer that exits is noticed within 20 ms (its pid is polled while
-waiting); the first failure poisons the segment, so every local rank raises, naming the rank that
-failed first. The segment is unlinked as soon as every local rank has mapped it (after a
-rendezvous over the group), so nothing is left in ``/dev/shm`` even after SIGKILL; names carry the
-job id (torchrun's run id and master port), the group and a random nonce, so jobs never collide.
-"""
+"""Ranks of one node exchange through shared memory, other nodes through the group's backend
+(gloo): ``ShmCommunicator``, made by ``create_communicator`` over the C++ ``ShmComm`` the platform
+hands in. Channels, sums and the failure model: docs/backends.md, "Ranks of one node: shared
+memory" and "Shared-memory transport"."""
 
 from __future__ import annotations
 

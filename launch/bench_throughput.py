@@ -220,11 +220,13 @@ def _roofline(ns, engine, groups):
     """A ``StepRoofline`` attached to ``engine``'s timed steps, or None (``--roofline``; by
     default on where the device is not the host; one rank only: a rank's share of the all-to-all
     is not in its byte count)."""
-    wanted = ns.roofline if ns.roofline is not None else groups.device.type != "cpu"
+    from moe.platforms import current_platform
+    from moe.platforms.device_probes import is_host
+
+    wanted = ns.roofline if ns.roofline is not None else not is_host(groups.device)
     if not wanted or groups.dp_size > 1:
         return None
     from launch.benchmarks.roofline import ModelTraffic, StepRoofline, copy_bandwidth, matmul_peak
-    from moe.platforms import current_platform
 
     device = groups.device
     dtype = engine.model.lm_head.weight.dtype
@@ -232,7 +234,7 @@ def _roofline(ns, engine, groups):
     def synchronize() -> None:
         current_platform().synchronize(device)
 
-    small = device.type == "cpu"  # a CPU measures its limits on smaller buffers in seconds
+    small = is_host(device)  # a CPU measures its limits on smaller buffers in seconds
     roofline = StepRoofline(
         traffic=ModelTraffic.of(engine.model, dtype),
         bandwidth=copy_bandwidth(device, synchronize, mib=64 if small else 1024),

@@ -1,22 +1,6 @@
-"""Overlap metrics of a recorded timeline, per engine step and rank.
-
-Definitions (per rank, inside one ``step`` span; times are unions of intervals, so two ubatches'
-transfers in flight together count once):
-- ``C`` (compute): time covered by ``compute`` spans (attention, router, experts, shared experts,
-  the CPU work of issuing a transfer and of unpacking a received one (``*_finish``: DeepEP's
-  receive kernels' work), sampling). In a step with ``gpu`` spans (recorded with a device clock,
-  e.g. on CUDA, where a host compute span only measures the launch) C is their union instead:
-  the time the device ran compute spans' work; ``compute_clock`` says which.
-- ``M`` (communication): time covered by ``comm`` spans (each dispatch / combine from issue to
-  completion, the blocking count exchange, the DP vote).
-- exposed communication: time with communication in flight and no compute on that rank;
-  hidden = M - exposed. Overlap ratio = hidden / M, Holistic Trace Analysis' "communication
-  computation overlap" (time communication overlaps computation / total communication time).
-- ideal = max(C, M): the step time if one fully hid the other; ideal speedup = (C + M) / max(C, M)
-  (at most 2); achieved speedup = (C + M) / step time (the serial sum over what the step took);
-  fraction of ideal = achieved / ideal = max(C, M) / step time.
-``wait`` (a ubatch blocked on its data) and ``baton`` (a baton pass) spans are neither C nor M.
-"""
+"""Overlap metrics of a recorded timeline, per engine step and rank (``step_metrics``,
+``summarize``): compute C, communication M, exposed and hidden communication, ideal and achieved
+speedups. Definitions: docs/profiling.md, "Overlap metrics: definitions"."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from launch.benchmarks.timing import compiled_kernels, device_timer
 from moe.fused_moe import cpu_experts, triton_experts
 from moe.fused_moe.experts import TorchExperts
 from moe.fused_moe.grouped_experts import grouped_experts, grouped_mm_runs
+from moe.platforms.device_probes import is_host
 
 # (tokens, local experts, hidden, expert intermediate, top-k): embedded default, DeepSeek-V2-Lite-
 # like (64 experts, top-6, per-rank half) at small and decode-sized batches
@@ -64,7 +65,7 @@ def _time_paths(shape, dtype, device, timed, gen) -> dict[str, float]:
     """Seconds per call of each path on one shape (NaN where a path is not a CPU path here)."""
     with compiled_kernels(False):
         experts, call = _experts_and_batch(shape, dtype, device, gen)
-    host_only = device.type == "cpu"  # the grouped, per-expert and kernel paths are CPU paths
+    host_only = is_host(device)  # the grouped, per-expert and kernel paths are CPU paths
     nan = float("nan")
     with torch.no_grad():
         times = {"loop": timed(experts.forward_native, *call)}

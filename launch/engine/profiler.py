@@ -326,9 +326,9 @@ def make_step_profiler(config: ProfilerConfig, *, rank: int, platform) -> StepPr
 
 def check_profiler_kind(config: ProfilerConfig, platform) -> str | None:
     """Why ``platform`` cannot run ``config``'s profiler, or None."""
-    if config.profiler == "cuda" and platform.profiler_range() is None:
+    if config.is_on and config.profiler not in platform.profiler_kinds:
         return (
-            f'--profiler-config profiler "cuda" needs a CUDA device range; platform '
+            f'--profiler-config profiler "{config.profiler}" needs a CUDA device range; platform '
             f'{platform.name} has none (use "torch")'
         )
     return None

@@ -1,33 +1,7 @@
-"""Graph backends for one piece at one bucket size: inductor on CPU, CUDA graphs on CUDA. The
-platform hands out the class (``Platform.graph_backend()``); each offers ``name``,
-``shares_graphs`` (one graph may serve pieces of equal structure: their weights are inputs),
-``captures_capturable`` (``capturable`` splitting ops, the MoE kernels without communication,
-are traced into its graphs: their device path must read nothing to the host),
-``captures_whole`` (it can capture a whole forward, attention included:
-``capture_whole(forward) -> replay``, for ``FULL_AND_PIECEWISE``'s decode-only steps),
-``unavailable_reason()`` and ``for_piece(module, example_inputs, is_weight)``.
-
-A piece is an FX ``GraphModule`` cut out of the traced model forward
-(``moe.compilation.piecewise``): a pure function of its inputs, the weights it reads among them.
-
-- ``InductorGraph`` (CPU): ``torch._inductor.standalone_compile`` of the piece (static shapes,
-  ``cpp_wrapper``, eager's precision casts emulated). The weights are graph INPUTS, so pieces of
-  equal structure (the same code of every layer) share one compiled graph per bucket, and the
-  graph's FX-cache key does not depend on weight values (the on-disk cache then serves any
-  checkpoint of the same shapes). The call skips Dynamo entirely: no guards, no recompilation at
-  serving time, nothing thread-local, so the two DBO ubatch threads may call it (one at a time, as
-  the baton ensures; the code itself holds no shared mutable state).
-- ``CUDAGraphPiece`` (CUDA): ``torch.cuda.CUDAGraph`` capture of the piece on static input
-  buffers (documented API: warm up on a side stream, then ``torch.cuda.graph``); the weights are
-  captured in place, replay copies the other inputs in. Inside a DBO ubatch it CLONES the
-  outputs: the two ubatches replay the same graphs (or other buckets' graphs, whose intermediates
-  share the pool) in turn, and a later replay would overwrite outputs the other ubatch still
-  needs. Without ubatches one forward replays each piece once, in capture order, so a piece's
-  outputs are overwritten only by the next step, after its results were read: no clone. All
-  graphs share one memory pool. ``capture_whole`` captures a whole forward on the caller's
-  persistent buffers (no clone either: the caller reads the output before the next step).
-  Its tests are marked ``gpu``.
-"""
+"""Graph backends for one graph-mode piece at one bucket size: ``InductorGraph`` (CPU) and
+``CUDAGraphPiece`` (CUDA); the platform hands out the class (``Platform.graph_backend()``). What
+each offers and why (shared graphs, cloned outputs under DBO): docs/hardware.md, "Graph backends:
+inductor and CUDA graphs"."""
 
 from __future__ import annotations
 

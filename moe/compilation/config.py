@@ -1,16 +1,6 @@
-"""Graph-mode settings: the mode, padding buckets and vLLM's ``--compilation-config`` subset
-(torch-free).
-
-A bucket is a row count that gets its own graph; a forward of ``n`` rows runs the graph of the
-smallest bucket ``>= n`` on its rows padded with zeros, and eagerly above the largest bucket
-(after vLLM's ``cudagraph_capture_sizes``, see ``shared/seeds/graph-capture-bucketing.md``).
-
-Modes (vLLM's ``cudagraph_mode`` names): ``NONE`` (eager), ``PIECEWISE`` (graphs between the
-splitting ops: attention cores, communicating MoE kernels) and ``FULL_AND_PIECEWISE`` (a
-decode-only step captured whole, attention included, one graph per bucket; other steps
-piecewise). Which modes a device runs, and whether graphs are on without a flag, is its
-platform's answer (``Platform.graph_modes``, ``Platform.graphs_by_default``).
-"""
+"""Graph-mode settings (torch-free): the ``cudagraph_mode``, the padding buckets (CPU's and vLLM's
+defaults) and vLLM's ``--compilation-config`` subset. Buckets and modes: docs/hardware.md,
+"Buckets and modes"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Graph mode: the model's own forward, traced per padding bucket with ``make_fx``, cut at its
-splitting ops (``moe.compilation.splitting``: attention cores, MoE kernels) and its pieces compiled
-(CPU, inductor) or captured (CUDA); after vLLM's piecewise backend
-(``vllm/compilation/backends.py``: ``split_graph`` at ``splitting_ops``).
-
-``GraphModeModel`` wraps a built, loaded causal LM with the same ``forward`` / ``compute_logits``.
-A forward of ``n`` rows (one ubatch under DBO) up to the largest bucket pads ``input_ids`` /
-``positions`` with zeros to its bucket; splitting ops see only the first ``n`` rows. Larger
-batches, and any before ``capture``, run eagerly. A whole-forward runner
-(``set_whole_forward``: FULL_AND_PIECEWISE's decode graphs) takes the forwards it has a graph
-for, before the pieces. The trace may read ``attn_metadata.num_tokens``
-only (anything else raises). How and why: docs/hardware.md, "Graph mode".
-"""
+"""Graph mode (``GraphModeModel``): the model's own forward traced per padding bucket with
+``make_fx``, cut at its splitting ops and its pieces compiled or captured, after vLLM's piecewise
+backend. How and why: docs/hardware.md, "Graph mode" and "Piecewise graph mode"."""
 
 from __future__ import annotations
 

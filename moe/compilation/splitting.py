@@ -1,23 +1,7 @@
-"""Splitting ops: the calls graph mode keeps out of its graphs (vLLM's ``splitting_ops``).
-
-The model marks each call a graph must not hold with ``splitting_op(fn, *tensors, ...)``: the
-paged-attention core (its request layout changes every step) and the MoE kernel (dispatch,
-experts, combine, shared experts: every DBO yield is there). Eagerly it is a plain call,
-``fn(*tensors)`` (or ``fn(*tensors, attn_metadata)``). While graph mode traces the forward
-(``recording_splitting_ops``) it records ``fn`` and emits one opaque ``moe_dbo::splitting_op``
-node instead, registered with ``torch.library`` with a fake implementation giving its output
-shape; the graph is then cut at those nodes (``moe.compilation.piecewise``).
-
-A call marked ``capturable`` (the MoE kernel of a layer whose dispatch and combine move nothing:
-no expert parallelism, no yield) is traced INTO the graph instead where the graph backend says it
-captures such calls (CUDA graphs, whose experts path reads nothing to the host), so a bucket
-needs one graph per layer instead of two.
-
-At run time graph mode calls the recorded ``fn`` through ``run_splitting_op``: on the first
-``num_rows`` rows of its (bucket-padded) inputs, with the attention metadata of this thread's
-forward context (``graph_forward``), its output zero-padded back to the bucket. So padding rows
-never reach attention or the all-to-all, and each DBO ubatch thread runs the ops of its own forward.
-"""
+"""Splitting ops: the calls graph mode keeps out of its graphs (vLLM's ``splitting_ops``):
+``splitting_op`` marks them in the model, ``recording_splitting_ops`` records them while tracing,
+``run_splitting_op`` runs them on a bucket's real rows. Details: docs/hardware.md, "Splitting
+ops"."""
 
 from __future__ import annotations
 

@@ -1,62 +1,8 @@
-"""Our C++ CPU kernels, compiled on first use for an instruction set the caller names.
-
-``cpu_kernels(isa)`` builds ``csrc/*.cpp`` (with the ``*.h`` they share) with
-``torch.utils.cpp_extension.load`` (ninja + the system C++ compiler) for one ISA and returns the
-loaded module, or ``None`` when there is nothing worth building (``isa`` None: no vector ISA) or
-it cannot be built here (no compiler, no ninja, a compile error): the callers then keep their
-plain torch path, which computes the same result. The sources are written once over ATen's
-``at::vec::Vectorized`` and compiled with torch's own per-ISA defines (``-DCPU_CAPABILITY=AVX2
--DCPU_CAPABILITY_AVX2``, or the AVX512 ones) and the matching ``-m`` flags, never
-``-march=native``: a build only holds the instructions its ISA names.
-
-ISAs (``ISA_FLAGS``): ``"avx2"`` (AVX2 + FMA, 8 float lanes: every x86 CPU since Haswell / Zen 1),
-``"avx512"`` (AVX-512 F/BW/VL/DQ, 16 lanes: torch's own AVX512 level) and ``"avx512_bf16"`` (that
-plus the bfloat16 dot product ``vdpbf16ps``, which the bfloat16 experts multiply with; defines
-``MOE_DBO_AVX512_BF16``). Each ISA's build is its own extension module
-(``moe_dbo_cpu_kernels_<isa>``), so all can be loaded in one process. A compiler that cannot build
-``avx512_bf16`` (no ``-mavx512bf16``) gets the ``avx512`` build instead (``ISA_FALLBACK``).
-The platform picks the ISA (``current_platform().cpu_capability().isa``: the best torch found on
-this CPU, capped by ``MOE_DBO_CPU_ISA``; ``moe.platforms.cpu_capability``).
-
-The build lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), in a directory named by a hash of the sources, their directory, the
-flags (the ISA's included) and torch's and Python's versions (two checkouts never overwrite each
-other's build), so only the first start on a machine pays for it (seconds; docs/hardware.md,
-"Paged attention kernel"); later starts load it in well under a second.
-``MOE_DBO_CPU_KERNELS=0`` turns the kernels off (the plain path runs).
-
-Kernels (the module's functions):
-    paged_attention(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                    req_ids, scale)
-        Attention that reads K/V in place in the paged cache (``csrc/paged_attention_cpu.cpp``;
-        used by ``moe.layers.batched_attention``: GQA with ``k_cache, v_cache = kv_cache``, MLA's
-        absorbed attention with both views of the latent rows). ``query`` ``[num_tokens,
-        num_heads, head_dim]`` and ``out`` ``[num_tokens, num_heads, v_head_dim]``, contiguous;
-        ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` and ``v_cache``
-        ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, any strides but a contiguous
-        last dim; one dtype (float32, float64 or bfloat16). ``block_table``
-        ``[num_reqs, max_blocks]``, ``seq_lens`` ``[num_reqs]`` and ``query_start_loc``
-        ``[num_reqs + 1]`` int32; ``req_ids`` ``[n]`` int64, the requests to compute; ``scale``
-        the softmax scale. Writes the query rows of those requests into ``out`` (other rows
-        untouched); query row i of request r sits at position ``seq_lens[r] - q_len + i`` and
-        attends causally. Raises ``RuntimeError`` on other shapes, dtypes or layouts. Releases
-        the GIL while it runs.
-    fused_moe(out, hidden_states, w13, w2, topk_ids, topk_weights)
-        All local SwiGLU experts of a layer in one call (``csrc/fused_moe_cpu.cpp``; used by
-        ``moe.fused_moe.experts`` through ``moe.fused_moe.cpu_experts``): ``out[n] = sum_k
-        topk_weights[n, k] W2_e (silu(W1_e x_n) * W3_e x_n)``, e = ``topk_ids[n, k]``, slots
-        with a negative id skipped. ``hidden_states`` and ``out`` ``[N, H]`` contiguous, float32
-        or bfloat16; ``w13`` ``[E, 2F / 16, H, 16]`` and ``w2`` ``[E, H / 16, F, 16]`` in that
-        dtype (``cpu_experts.pack_weights``); ``topk_ids`` ``[N, K]`` int64, ``topk_weights``
-        ``[N, K]`` float32. Raises ``ValueError`` for an id >= E, ``RuntimeError`` on other
-        shapes, dtypes or layouts. Releases the GIL while it runs.
-    fused_moe_batched(out, hidden_states, w13, w2, expert_num_tokens)
-        The same experts on the batched layout ``[E, M, H]`` (DeepEP low-latency's): expert e's
-        first ``expert_num_tokens[e]`` rows (a list of E ints in ``[0, M]``, else
-        ``ValueError``), UNWEIGHTED; the rows past each count are written as zeros.
-    isa() -> str
-        The ISA the build's vectors use: ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"``.
-"""
+"""Our C++ CPU kernels (``csrc/``), compiled on first use for the ISA the platform names:
+``cpu_kernels(isa)`` returns the loaded module (``paged_attention``, ``fused_moe``,
+``fused_moe_batched``, ``isa``) or None (the callers keep their plain torch path);
+``MOE_DBO_CPU_KERNELS=0`` turns them off. The build, its cache and each kernel's tensors:
+docs/hardware.md, "CPU kernels: build and API"."""
 
 from __future__ import annotations
 

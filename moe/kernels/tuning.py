@@ -1,16 +1,6 @@
-"""Where our compiled CPU kernels beat the library path they replace, measured once per machine.
-
-A kernel and the path it replaces (oneDNN or MKL GEMMs, torch's SDPA) trade places at a size that
-depends on the CPU (AMX tiles, avx512_bf16, AVX2 only), the dtype and the shape, so the cut is
-measured rather than fixed: ``measure_max_rows`` times both paths at 1, 2, 4, ... rows (a loss
-confirmed by a second measurement, within a tolerance that favours the kernel) and
-``tuned_max_rows`` keeps the answer, by a key naming the case and the machine, in a JSON file
-beside the kernel build (``tuning_path``: so per kernel source, ISA, torch and Python version,
-like the build). Later starts read it, so every start on a machine takes the same paths (which
-round differently). Users: the experts (``TorchExperts``), GQA paged attention and MLA's expanded
-prefill (``moe.layers.attention_tuning``). Measurements: docs/hardware.md, "Experts" and "Paged
-attention kernel".
-"""
+"""Where our compiled CPU kernels beat the library path they replace, measured once per machine
+(``measure_max_rows``) and kept beside the kernel build (``tuned_max_rows``). Why and how:
+docs/hardware.md, "Kernel cuts: measured per machine"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Paged KV-cache attention (plain torch reference, CPU and GPU).
-
-Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K,
-1 = V). A token's K/V live at flat slot ``block_id * block_size + offset`` (``slot_mapping``); a
-request's context is the blocks listed in its ``block_table`` row, in order.
-
-Per request i the query rows are ``query_start_loc[i]:query_start_loc[i+1]`` and sit at positions
-``seq_lens[i] - q_len .. seq_lens[i] - 1``; each attends causally to context positions
-``0 .. its own position`` (GQA: query head h reads KV head ``h // (num_heads // num_kv_heads)``).
-Rows at or past ``num_actual_tokens`` are padding: no cache write, zero output.
-"""
+"""Paged KV-cache attention: the cache write (``write_kv_cache``), the per-request plain-torch
+reference (``paged_attention``) and the attention ops (``PagedAttention``, ``GQAAttention``). The
+cache layout and the causal rule: docs/models.md, "Paged KV cache layout"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""Which implementation attends over the paged KV cache (vLLM's ``--attention-backend``).
-
-- ``CPU_ATTN``: our compiled CPU kernel reading K/V in place (``moe.kernels``), with long queries
-  handed to SDPA past a cut measured once per machine (``moe.layers.attention_tuning``).
-- ``TORCH_SDPA``: the requests padded in chunks, one ``scaled_dot_product_attention`` call per
-  chunk (``moe.layers.batched_attention``).
-- ``TRITON_ATTN``: our Triton kernel reading the paged cache in place, one launch per layer for
-  the whole (u)batch, GQA and MLA (``moe.layers.triton_attention``); CUDA's default where Triton
-  can launch.
-- ``FLEX_ATTENTION``: torch's compiled ``flex_attention`` over the cache in place, one call per
-  (u)batch under a block mask built from the block table (``moe.layers.flex_attention``); GQA
-  layers only, KV cache blocks a multiple of 16 tokens.
-
-Each platform lists the backends it runs (``Platform.attention_backends``, its default first);
-``Platform.check_and_update_config`` refuses the others before any work. The setting is
-process-wide, like ``--custom-ops``, and read when an attention op is BUILT: set it
-(``moe.layers.attention_selector.set_attention_backend``) before building the model. This module
-is the registry the platforms read; it imports no platform. ``forward_native`` is every backend's
-reference and ignores the setting.
-"""
+"""Which implementation attends over the paged KV cache (vLLM's ``--attention-backend``):
+``AttentionBackendEnum`` and the checks the platforms call; it imports no platform. The backends
+and how the setting is read: docs/hardware.md, "Attention backends: the registry"."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor
 
+from moe.platforms.device_probes import is_host
+
 if TYPE_CHECKING:
     from dbo.ubatch_slicing import UBatchSlice
 
@@ -142,7 +144,7 @@ class CommonAttentionMetadata:
         for name, (got, want) in shapes.items():
             if got != want:
                 raise ValueError(f"{name} has {got} rows, expected {want}")
-        if self.query_start_loc.is_cpu and self.seq_lens.is_cpu:  # host values: no device sync
+        if is_host(self.query_start_loc.device) and is_host(self.seq_lens.device):  # no device sync
             self._check_values()
 
     def _check_values(self) -> None:

@@ -1,14 +1,6 @@
-"""Where paged attention leaves our compiled kernel for torch's SDPA, measured once per machine.
-
-Our kernel computes a few query rows at a time in float32 FMAs; SDPA's flash kernel multiplies
-blocks, through the library's GEMMs (AMX tiles on a Xeon), but pads each chunk of requests and,
-for a prompt's first chunk, computes the masked half too. Which wins on a long query depends on the
-CPU, the dtype and the head layout, so ``kernel_cut`` measures it (``moe.kernels.tuning``): one
-request of r query rows, fresh (no cached context) and over r cached tokens, r = 1, 2, 4, ...,
-through ``batched_paged_attention`` with every request sent to the kernel, then to SDPA. MLA's
-expanded requests likewise (``mla_expanded_cut``: one fresh request through
-``batched_mla_attention``). Results: docs/hardware.md, "Paged attention kernel".
-"""
+"""Where paged attention leaves our compiled kernel for torch's SDPA, measured once per machine:
+``kernel_cut`` (GQA) and ``mla_expanded_cut`` (MLA's expanded requests). What is measured:
+docs/hardware.md, "Attention kernel cut"."""
 
 from __future__ import annotations
 

@@ -1,33 +1,7 @@
-"""Paged attention for all requests of a (u)batch at once: no Python loop over requests.
-
-The requests with query rows are put in two groups by query length — short queries (decode rows;
-``query_len <= short_query_len``) and the rest (prefill chunks) — so that one long prefill chunk
-does not pad every decode row to its length. Each group is sorted by ``seq_len``, split where the
-``seq_len`` crosses a quarter-octave bucket (``_chunk_bounds``: no request padded by more than
-2^(1/4) in length) and cut into chunks whose gathered context fits ``CHUNK_CONTEXT_BYTES`` (one
-chunk for small batches; a loop over chunks, never over requests). A chunk is padded to
-``[num_chunk_reqs, max_query_len, ...]`` queries and ``[num_chunk_reqs, max_seq_len, ...]`` keys
-gathered through the block table, and attends in one ``scaled_dot_product_attention`` call under a
-mask that is both causal and a length mask: query ``i`` of request ``r`` sits at position
-``seq_lens[r] - query_lens[r] + i`` and sees key positions ``<=`` its own (so never past
-``seq_lens[r]``). The outputs are scattered back to the flat query rows; rows of no request (padding
-past ``num_actual_tokens``) stay zero, as in the per-request reference.
-
-Padded query rows (``i >= query_lens[r]``) always see key 0, so no softmax row is empty; their
-results are dropped. Masked key slots get weight exactly 0, which relies on every cache slot being
-finite: the engine allocates caches zeroed and writes only finite K/V.
-
-The padding plan (chunks, index tensors, masks) depends only on the (u)batch's metadata, so the
-first layer builds it and the others reuse it (``CommonAttentionMetadata.derived``).
-
-On the CPU our compiled kernel (``moe.kernels``: ``paged_attention``) replaces the padded SDPA
-chunks where it applies: GQA reads K/V in place, up to a number of query rows per request measured
-once per machine (``KernelCut``; ``moe.layers.attention_tuning``); MLA's absorbed requests read
-the latent rows in place, its expanded chunks their expanded K/V (``moe.layers.batched_mla``).
-
-Host syncs: the chunk sizes and padded lengths are read as Python ints (``.tolist()`` of a few
-``[num_reqs]`` tensors) once per (u)batch; free for the CPU metadata the engine builds.
-"""
+"""Paged attention for all requests of a (u)batch at once, no Python loop over requests: padded
+chunks through SDPA (``batched_paged_attention``), our CPU kernel where it applies
+(``paged_attention_kernel``, ``KernelCut``). The padding plan, masks and host reads:
+docs/hardware.md, "Batched paged attention (TORCH_SDPA)"."""
 
 from __future__ import annotations
 
@@ -43,6 +17,7 @@ from torch import Tensor
 
 from moe.kernels import cpu_kernels
 from moe.platforms.custom_op import is_tracing
+from moe.platforms.device_probes import is_host
 from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
@@ -359,7 +334,7 @@ def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None
     tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512, the
     platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
     if (
-        kv_cache.device.type != "cpu"
+        not is_host(kv_cache.device)
         or dtype != kv_cache.dtype
         or dtype not in (torch.float32, torch.float64, torch.bfloat16)
         or not kv_cache.is_contiguous()
@@ -372,7 +347,7 @@ def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None
 def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:
     """The kernel that attends ``query`` over ``kv_cache`` in place (``attention_kernels``' module
     ``paged_attention``, for a CPU query), else None."""
-    kernels = attention_kernels(query.dtype, kv_cache) if query.device.type == "cpu" else None
+    kernels = attention_kernels(query.dtype, kv_cache) if is_host(query.device) else None
     return None if kernels is None else kernels.paged_attention
 
 

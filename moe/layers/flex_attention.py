@@ -1,22 +1,7 @@
-"""Paged attention through torch's ``flex_attention``, reading the KV cache in place.
-
-The design of vLLM's FlexAttention backend (``vllm/v1/attention/backends/flex_attention.py``),
-written for our metadata: the whole cache is one long key sequence (``num_blocks * block_size``
-slots, KV head-major view, no copy), all real query rows of the (u)batch are one query sequence,
-and a block mask says which cache blocks each tile of ``Q_BLOCK_SIZE`` query rows visits: the
-blocks of the tile's requests up to its rows' causal extent. Inside a visited block the mask
-function keeps a slot when its block belongs to the row's request and its position in that
-request is at most the row's own; blocks every row of the tile keeps whole (a prefill's context
-before the tile) are listed as *full*, where flex skips the mask function. No padded copies of
-K/V, one call per layer.
-
-The block mask and the maps behind the mask function depend only on the (u)batch's metadata:
-they are built once on the metadata's device (the host in the engine), moved to the cache's
-device and shared by every layer (``CommonAttentionMetadata.derived``).
-
-Each cache block must belong to one request of the (u)batch (the engine shares no blocks);
-ValueError otherwise.
-"""
+"""Paged attention through torch's ``flex_attention``, reading the KV cache in place
+(``flex_paged_attention``, its block mask ``flex_block_mask``), after vLLM's FlexAttention
+backend. ValueError where a cache block is shared by two requests. Design: docs/hardware.md,
+"FLEX_ATTENTION"."""
 
 from __future__ import annotations
 

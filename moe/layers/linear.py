@@ -1,19 +1,6 @@
-"""Linear layers whose CPU path runs on a weight prepacked once by oneDNN (bfloat16, float32).
-
-``Linear`` is ``nn.Linear`` as a ``CustomOp`` (same ``weight`` [out_features, in_features] and
-``bias`` [out_features] parameters and names). ``forward_native`` is ``F.linear``; ``forward_cpu``
-runs ``torch.ops.mkldnn._linear_pointwise`` on a copy of the weight reordered for oneDNN
-(``torch.ops.mkldnn._reorder_linear_weight``), rows zero-padded to a bucket (``padded_num_rows``).
-float32 batches above ``float32_max_packed_rows()`` rows and weights below
-``float32_min_packed_elements()`` elements (per CPU vendor) keep ``F.linear``, small bfloat16 GEMMs
-run on a float32 copy (``upcast_wins``) and float64 on ``F.linear``. Why, and the timings:
-docs/hardware.md, "Linear layers".
-
-``process_weights_after_loading`` makes the pack; the next CPU call re-makes it if the weight
-changed (``Tensor._version`` / storage / dtype). While a trace runs (graph mode's ``make_fx``,
-``torch.compile``) ``F.linear`` runs, so no graph bakes a pack in. The pack is a second copy of
-the weight.
-"""
+"""``Linear``: ``nn.Linear`` as a ``CustomOp`` whose CPU path runs on a weight prepacked once by
+oneDNN (bfloat16, float32), with the limits where the pack pays; ``process_weights_after_loading``
+makes the packs. When each path runs: docs/hardware.md, "Linear packs" and "Linear layers"."""
 
 from __future__ import annotations
 
@@ -27,6 +14,7 @@ from torch import Tensor, nn
 
 from moe.platforms.cpu_capability import onednn_linear_unavailable_reason
 from moe.platforms.custom_op import CustomOp, is_tracing
+from moe.platforms.device_probes import is_host
 from moe.platforms.plugins import current_platform
 
 logger = logging.getLogger(__name__)
@@ -179,7 +167,7 @@ def can_pack(weight: Tensor, *, num_elements: int | None = None) -> bool:
     """Whether ``weight`` is one this module prepacks: bfloat16, or float32 with at least
     ``FLOAT32_MIN_PACKED_ELEMENTS`` elements per matrix (``num_elements``, default the whole
     weight), on the CPU, no trace running."""
-    if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" or is_tracing():
+    if weight.dtype not in PACKED_DTYPES or not is_host(weight.device) or is_tracing():
         return False
     size = weight.numel() if num_elements is None else num_elements
     return weight.dtype != torch.float32 or size >= float32_min_packed_elements()

@@ -1,22 +1,6 @@
-"""DeepSeek multi-head latent attention (MLA) over a paged cache of compressed latents.
-
-DeepSeek-V2 report §2.1 (arXiv:2405.04434); layer layout and numerics as transformers'
-``DeepseekV2Attention`` / ``DeepseekV3Attention``. Per token the cache holds only what MLA needs:
-the normalised KV latent ``kv_c`` [kv_lora_rank] and the rotated, head-shared rope key ``k_pe``
-[qk_rope_head_dim] — one row of ``kv_lora_rank + qk_rope_head_dim`` values per token per layer,
-instead of ``2 * num_heads * head_dim`` for expanded keys and values.
-
-Layout of one layer's cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
-
-Attention per request (``kv_b_proj`` = [W_UK; W_UV] per head, [H*(nope+v), r]):
-
-- prefill-like (more than ``ABSORB_MAX_QUERY_LEN`` query rows): expand the cached latents to
-  per-head keys ``[k_nope = W_UK kv_c, k_pe]`` and values ``W_UV kv_c``, then causal SDPA (as
-  transformers);
-- decode-like: the "absorbed" form — fold W_UK into the query (q_lat = q_nope W_UK) and attend
-  directly over the cached rows [kv_c, k_pe] with values kv_c, then apply W_UV to the result. Same
-  math, without re-expanding the whole context at every decode step.
-"""
+"""DeepSeek multi-head latent attention (MLA; DeepSeek-V2 report §2.1, arXiv:2405.04434) over a
+paged cache of compressed latents: ``PagedMLACache`` and ``MLAAttention``. Cache layout and the
+expanded / absorbed forms: docs/models.md, "MLA over a latent cache"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
-"""TRITON_ATTN: paged attention over the KV cache in place, one Triton launch per layer for a
-whole (u)batch (decodes, prefill chunks and mixed batches), after vLLM's unified Triton attention
-(``vllm/v1/attention/ops/triton_unified_attention.py``, its 2-D grid).
-
-The grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads * num_head_blocks)``, counts the
-host holds (an upper bound on the query blocks: request r's start at
-``query_start_loc[r] // BLOCK_Q + r``), so the launch reads no device value. Each program finds
-its request by a binary search over ``query_start_loc``, exits when it lies past that request's
-rows, packs up to ``MAX_HEADS_PER_PROGRAM`` query heads of its KV head with ``BLOCK_Q`` query rows
-into one ``[BLOCK_M, D]`` tile, walks the block table in tiles of cache positions under the
-causal mask (query row i of a request sits at position ``seq_len - query_len + i``) with an
-online softmax, and writes its rows; rows of no request (padding) stay zero. MLA runs in the
-absorbed form for every request: ``W_UK`` folded into the query, one KV head whose keys are the
-cached rows ``[kv_c, k_pe]`` and whose values are ``kv_c``, ``W_UV`` applied after (same math as
-``PagedMLACache.forward_native``'s two forms).
-
-The KV write is one launch too (``cache_write_kernel``): each row's K and V (MLA: latent and
-rope key) go to its ``slot_mapping`` slot, slot -1 skipped in the kernel, so nothing reads the
-slots on the host.
-
-The metadata's tensors are copied to the cache's device once per (u)batch
-(``CommonAttentionMetadata.derived``); nothing else crosses between host and device.
-"""
+"""TRITON_ATTN: paged attention over the KV cache in place, one Triton launch per layer for a whole
+(u)batch, GQA and MLA, after vLLM's unified Triton attention; the KV write is one launch too;
+``launches_on`` says where Triton can launch. Grid and algorithm: docs/hardware.md, "TRITON_ATTN
+kernel"."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from moe.platforms import triton_probe
+from moe.platforms.plugins import platform_for
 
 if TYPE_CHECKING:
     from moe.layers.attention_metadata import CommonAttentionMetadata
@@ -48,31 +30,13 @@ TILE_MLA = 16  # MLA's key rows are kv_lora_rank + rope wide (576 for DeepSeek)
 NUM_WARPS_MLA = 8
 
 
-def triton_unavailable_reason() -> str | None:
-    """Why Triton cannot launch kernels in this process, or None: it must be importable, and
-    there must be a CUDA device or Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors).
-    Imports Triton on the first call."""
-    return _triton_unavailable_reason()
-
-
-@functools.cache
-def _triton_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed"
-    import triton
-
-    if torch.cuda.is_available() or triton.knobs.runtime.interpret:
-        return None
-    return "no CUDA device (and Triton's interpreter is off)"
-
-
 def launches_on(device: torch.device) -> bool:
     """Whether Triton can launch on ``device``'s tensors here: compiled kernels take CUDA tensors,
     Triton's interpreter host ones. False for host tensors of a CUDA process (the CUDA op paths
     on CPU tensors, as the tests run them on a GPU machine), which then stay in torch."""
-    if triton_unavailable_reason() is not None:
+    if triton_probe.triton_unavailable_reason() is not None:
         return False
-    if device.type == "cuda":  # per layer and step on a GPU: no import, no environment read
+    if platform_for(device).is_triton_target:  # per layer and step on a GPU: no import, no env read
         return True
     import triton  # imported by triton_unavailable_reason already
 

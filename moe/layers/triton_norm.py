@@ -1,7 +1,7 @@
 """RMSNorm in one Triton launch (``RMSNorm.forward_cuda``): one program per row, after vLLM's
 ``rms_norm`` kernel (``csrc/layernorm_kernels.cu``, one block per token). Launches go through
-``moe.layers.triton_attention.launch`` and are possible where its ``triton_unavailable_reason``
-says so (one definition of both)."""
+``moe.layers.triton_attention.launch`` and are possible where its ``launches_on`` says so (one
+definition of both)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ TRITON_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def can_launch_rms_norm(x: Tensor, weight: Tensor) -> bool:
     """Whether ``triton_rms_norm`` can run on these tensors in this process: Triton launches
-    (``triton_unavailable_reason``) on x's device (compiled kernels take CUDA tensors, Triton's
+    (``triton_attention.launches_on``) on x's device (compiled kernels take CUDA tensors, Triton's
     interpreter CPU ones: the CUDA op paths on CPU tensors of a GPU machine stay in torch), both
     dtypes are in ``TRITON_NORM_DTYPES``, and the tensors share a device."""
     return (

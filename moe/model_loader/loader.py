@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from moe.fused_moe.experts import TorchExperts
 from moe.layers.linear import process_weights_after_loading
 from moe.models.config import MoEModelConfig
+from moe.platforms.device_probes import is_host
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -239,7 +240,7 @@ def init_random_weights(model: nn.Module, seed: int, *, on_device: bool = False)
         device = target.device if on_device else torch.device("cpu")
         gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
         scale = target.shape[-1] ** -0.5
-        if on_device or (target.dtype == torch.float32 and target.is_cpu):
+        if on_device or (target.dtype == torch.float32 and is_host(target.device)):
             # straight into place: normal_ draws what randn draws (randn is empty + normal_), and
             # the float32 product is the same; no temporary (tested against the randn formula)
             target.normal_(generator=gen).mul_(scale)

@@ -1,14 +1,6 @@
-"""Decoder-only MoE models (Mixtral, DeepSeek-V2/V3, Qwen2-MoE, OLMoE) for DP attention + EP.
-
-One generic stack, configured by ``MoEModelConfig`` and its architecture's ``ArchitectureSpec``
-(``moe.models.spec``): per layer an attention (GQA with optional q/k norm and biases, or DeepSeek
-MLA) and an MLP (dense, or ``FusedMoE`` with optional shared experts). Module and parameter names
-follow each architecture's HF checkpoint as its spec declares them
-(``model.layers.{i}.self_attn.q_proj``, ``...mlp.gate`` / ``...block_sparse_moe.gate`` …) so the
-loader maps names one to one, except the routed experts, which are stacked per rank
-(``...experts.w1`` [num_local_experts, F, H] <- ``...experts.{e}.gate_proj.weight`` or
-``.w1.weight``).
-"""
+"""Decoder-only MoE models (Mixtral, DeepSeek-V2/V3, Qwen2-MoE, OLMoE) for DP attention + EP:
+one generic stack (``MoEModel``, ``DecoderLayer``) configured by ``MoEModelConfig`` and its
+architecture's spec. Layers and parameter names: docs/models.md, "The decoder stack"."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from moe.platforms.interface import (
     Float32PackLimits,
     Platform,
 )
-from moe.platforms.plugins import current_platform, set_current_platform
+from moe.platforms.plugins import current_platform, platform_for, set_current_platform
 
 __all__ = [
     "ComputeDtype",
@@ -30,6 +30,7 @@ __all__ = [
     "detect_cpu_capability",
     "get_custom_ops",
     "parse_custom_ops",
+    "platform_for",
     "set_current_platform",
     "set_custom_ops",
 ]

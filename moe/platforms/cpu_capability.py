@@ -1,20 +1,7 @@
-"""What this CPU can run: its vector ISA, its vendor, and probes that try a path once.
-
-The ISA is the one torch's own kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``,
-which honours ``ATEN_CPU_CAPABILITY``), raised to ``avx512_bf16`` where that is AVX-512 and the CPU
-has the bfloat16 dot product (``vdpbf16ps``: Zen 4 on, Cooper Lake and Sapphire Rapids on), and
-capped by ``MOE_DBO_CPU_ISA`` (``avx2``, ``avx512``, ``avx512_bf16`` or ``default``) for our
-kernels; the lower of the two wins, so an AVX-512 machine impersonates an AVX2 one with
-``ATEN_CPU_CAPABILITY=avx2 MOE_DBO_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (the last one caps oneDNN,
-which reads it when it first runs). The CPU's flags (``avx512_bf16``, ``amx_tile``)
-and vendor are read from ``/proc/cpuinfo`` here and nowhere else.
-
-A capability that matters for a path is *probed*: the path is run once on a tiny tensor and
-compared with the plain torch result (``onednn_linear_unavailable_reason``,
-``grouped_mm_unavailable_reason``), because a CPU flag says what the silicon has, not what a
-library will do with it (oneDNN refuses bfloat16 weights below AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
-a capped oneDNN refuses them on any CPU). Every answer is computed once per process.
-"""
+"""What this CPU can run: ``CpuCapability`` (vector ISA, vendor, flags; ``MOE_DBO_CPU_ISA`` caps
+it) and probes that run a path once on a tiny tensor (``onednn_linear_unavailable_reason``,
+``grouped_mm_unavailable_reason``), each answered once per process. How the ISA is chosen and why
+paths are probed: docs/hardware.md, "CPU capability and probes"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
-"""CustomOp: one op, several implementations, chosen per platform (after vLLM's ``CustomOp``).
-
-Each op subclasses ``CustomOp``, registers under a short name (``@CustomOp.register("rms_norm")``)
-and implements ``forward_native`` (plain torch: the reference every other path is tested against),
-optionally ``forward_cpu`` / ``forward_cuda`` / ``forward_oot``; a missing one falls back to
-``forward_native``. When an op object is built it binds ``forward`` to:
-
-- ``forward_native`` if the op is disabled by the custom-ops setting, else
-- ``forward_<current_platform().dispatch_key>``.
-
-The custom-ops setting (``--custom-ops``, vLLM's ``compilation_config.custom_ops`` syntax) is a
-comma-separated list: ``all`` (default) or ``none`` sets the default, ``+name`` enables and
-``-name`` disables one op; e.g. ``none,+experts`` or ``all,-rms_norm``. It is read when an op is
-BUILT, so set it (``set_custom_ops``) before building the model.
-
-Out-of-tree replacement: ``@CustomOp.register_oot("RMSNorm")`` (the class name or the op name)
-registers a subclass that is instantiated wherever the original class is (through ``__new__``), so a
-device plugin swaps in its kernels without touching the model code.
-"""
+"""``CustomOp`` (after vLLM's): one op, several implementations (``forward_native``, the reference;
+``forward_cpu`` / ``forward_cuda`` / ``forward_oot``) bound per platform when the op is built; the
+``--custom-ops`` setting and out-of-tree replacement. Rules: docs/hardware.md, "CustomOp
+dispatch"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Questions about the device a tensor lives on, answered here so that model code never tests
 device-type strings (moe/platforms is where device differences live).
 
-``is_host(device)``: whether tensors there are in host memory (the CPU kernels and packs apply);
+``is_host(device)``: whether tensors there are in host memory (``platform_for(device)``'s answer);
 ``grouped_mm_unavailable(device, dtype)``: why ``torch._grouped_mm`` cannot run there without a
 host read (the experts' device path needs it not to).
 """
@@ -15,14 +15,16 @@ from collections.abc import Iterator
 import torch
 
 from moe.platforms.cpu_capability import grouped_mm_probe, grouped_mm_unavailable_reason
+from moe.platforms.plugins import platform_for
 
 # (device, dtype) -> why torch._grouped_mm cannot run there without a host read, or None
 _probed: dict[tuple[torch.device, torch.dtype], str | None] = {}
 
 
 def is_host(device: torch.device) -> bool:
-    """Whether ``device`` is the host's memory (the CPU)."""
-    return device.type == "cpu"
+    """Whether tensors on ``device`` are in the host's memory (``Platform.is_host_memory`` of
+    ``platform_for(device)``): read without a device sync, drawn by host generators."""
+    return platform_for(device).is_host_memory
 
 
 def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

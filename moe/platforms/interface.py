@@ -1,51 +1,7 @@
-"""The platforms: one object per device family answers every device question once.
-
-After vLLM's ``Platform`` (``vllm/platforms/interface.py``): modules ask ``current_platform()``
-instead of testing device strings, and an out-of-tree platform (``moe_dbo.platform_plugins``,
-see ``moe.platforms.plugins``) is one subclass that overrides the answers it changes. The
-questions:
-
-- ``place_rank(...)``: the rank's ``RankPlacement`` (``moe.platforms.placement``): the device
-  the model, KV cache and step tensors live on and the process-group backend that fits it;
-  ``synchronize(device)``: wait for the work enqueued there (a no-op where ops are synchronous).
-  ``dispatch_key``: which ``CustomOp.forward_<key>`` the ops bind to (``"native"``: plain torch).
-- ``make_communicator(group, env=, timeout=)``: the object that runs a process group's
-  collectives (``distributed.communicator``): torch.distributed's, or on the CPU shared memory
-  between the ranks of a node (``distributed.shm_transport``; ``MOE_DBO_HOST_TRANSPORT=gloo``
-  turns it off).
-- ``make_ubatch_streams(n, device)``: each DBO ubatch's comm stream and events
-  (``dbo.cuda_streams``), or None; ``issue_before_recv_hook``: the transfer order under DBO. On
-  the CPU a recv hook blocks until the data land, so a ubatch issues its own transfer first and
-  then runs the other ubatch's hook; where hooks only enqueue (CUDA), vLLM's order is kept.
-- ``device_memory(device)``: the device's total memory and what is in use (``DeviceMemory``), for
-  sizing the KV cache from free memory after a profile step (``reset_peak_memory`` before it), or
-  None where the KV cache keeps a fixed default budget (the host).
-- ``device_clock(device)``: the clock that times the timeline's compute spans on the device
-  (``dbo.timeline.device_clock``), or None where the host's spans are the compute's own times.
-- ``graph_backend()``: the class that compiles or captures one graph-mode piece
-  (``moe.compilation.backends``), or None (graph mode runs eagerly); ``graph_modes``: the
-  ``cudagraph_mode`` values it runs, the one graphs use first; ``graphs_by_default``: whether graph
-  mode is on without a flag; ``default_capture_sizes(...)``: its default buckets;
-  ``full_graph_attention_backends``: the attention backends a decode step can be captured whole
-  with (they read per-step values from device tensors only); ``pin_host_memory(device)``: whether
-  step inputs for ``device`` are staged in pinned host memory for non-blocking copies.
-- ``profiler_activities()`` / ``profiler_range()``: what ``torch.profiler`` records here (the
-  host, plus CUDA kernels) and a device profiler's capture range, or None
-  (``launch.engine.profiler``, ``--profiler-config``).
-- ``prepare_kernels()``: build or load the platform's own kernels, or choose torch's, before the
-  first step; the start-up line, or None where there is nothing to prepare.
-- ``available_memory(device)``: the bytes that can be allocated there now (the host's available
-  RAM, a GPU's free memory), so a model too large for it is refused before any allocation.
-- ``supported_dtypes`` and ``compute_dtype(dtype)``: the dtype a requested one actually runs in,
-  with the reason when they differ (a bfloat16 checkpoint on a CPU without bfloat16 GEMMs runs in
-  float32: its weights are upcast exactly, once, at load).
-- ``cpu_capability()``: the CPU's ISA, vendor and flags (``moe.platforms.cpu_capability``).
-- ``attention_backends``: the ``--attention-backend`` names this platform runs, its default first
-  (``moe.layers.attention_backend``).
-- ``check_and_update_config(args)``: refuse a configuration this platform cannot run, or adjust
-  it, before any work (``EngineArgs`` calls it from ``__post_init__``, as vLLM's ``VllmConfig``
-  does).
-"""
+"""``Platform`` (after vLLM's ``vllm/platforms/interface.py``): one object per device family
+answers every device question, so modules never test device strings; ``CpuPlatform``,
+``CudaPlatform`` and the answers' dataclasses. Each question: docs/hardware.md, "The Platform's
+questions"."""
 
 from __future__ import annotations
 
@@ -141,6 +97,13 @@ class Platform:
 
     name: str = "unspecified"
     dispatch_key: str = "native"
+    # what tensors on this platform's device are (``platform_for`` looks a device's platform up)
+    device_type: str = "cpu"  # the torch device type this platform answers for
+    # host memory: read without a device sync, drawn by host generators, taken by the host's
+    # kernels (``moe.kernels``, oneDNN packs) and by host transports without staging
+    is_host_memory: bool = True
+    is_triton_target: bool = False  # Triton compiles kernels for its tensors (no interpreter)
+    profiler_kinds: tuple[str, ...] = ("torch",)  # the ``--profiler-config`` profilers it runs
     issue_before_recv_hook: bool = True
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
     attention_backends: tuple[str, ...] = ("TORCH_SDPA",)
@@ -183,8 +146,11 @@ class Platform:
         return str(device)
 
     def device_memory(self, device: torch.device) -> DeviceMemory | None:
-        """``device``'s memory after a profile step (``DeviceMemory``), or None where the KV cache
-        is not sized from free memory (the host: ``launch.engine.kv_cache_sizing``'s budget)."""
+        """``device``'s memory accounted after a profile step, for sizing the KV cache from it
+        (``DeviceMemory``: total, other users, this allocator's peak), or None where the KV cache
+        is not sized from memory (the host: ``launch.engine.kv_cache_sizing``'s fixed budget).
+        Unlike ``available_memory``, it needs the allocator's peak, which only a device with its
+        own allocator statistics has."""
         return None
 
     def reset_peak_memory(self, device: torch.device) -> None:
@@ -234,7 +200,8 @@ class Platform:
     def available_memory(self, device: torch.device) -> int:
         """Bytes that can be allocated on ``device`` now (here: the host's,
         ``host_available_memory``), for the checks that refuse a model too large before anything
-        is allocated."""
+        is allocated. Answered on every device, host included, before the model exists; the
+        KV cache's sizing after the profile step reads ``device_memory`` instead."""
         return host_available_memory()
 
     def compute_dtype(self, dtype: torch.dtype) -> ComputeDtype:
@@ -381,6 +348,10 @@ class CudaPlatform(Platform):
 
     name = "cuda"
     dispatch_key = "cuda"
+    device_type = "cuda"
+    is_host_memory = False
+    is_triton_target = True
+    profiler_kinds = ("torch", "cuda")  # "cuda": cudaProfilerStart / Stop (``profiler_range``)
     issue_before_recv_hook = False
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     # a launch costs the host more than a small decode step's kernels cost the device: graphs on
@@ -407,7 +378,7 @@ class CudaPlatform(Platform):
     def attention_backends(self) -> tuple[str, ...]:
         """TRITON_ATTN first where Triton can launch its kernels (importable, and a CUDA device or
         Triton's interpreter), then the padded SDPA chunks and flex_attention."""
-        from moe.layers.triton_attention import triton_unavailable_reason
+        from moe.platforms.triton_probe import triton_unavailable_reason
 
         fallback = ("TORCH_SDPA", "FLEX_ATTENTION")
         return fallback if triton_unavailable_reason() else ("TRITON_ATTN", *fallback)
@@ -469,6 +440,8 @@ class CudaPlatform(Platform):
             torch.cuda.reset_peak_memory_stats(device)
 
     def make_ubatch_streams(self, num_ubatches: int, device: torch.device) -> list | None:
+        if device.type != "cuda":  # host tensors of a CUDA process: ops run in issue order
+            return None
         from dbo.cuda_streams import make_ubatch_streams
 
         return make_ubatch_streams(num_ubatches, device)

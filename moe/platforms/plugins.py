@@ -1,17 +1,7 @@
-"""Platforms (where the ops run) and plugin discovery through Python entry points.
-
-After vLLM's platform plugins (``vllm/platforms/__init__.py``, ``vllm/plugins/__init__.py``): a
-package adds a platform by declaring, in its ``pyproject.toml``,
-
-    [project.entry-points."moe_dbo.platform_plugins"]
-    my_npu = "my_pkg:register"          # register() -> "my_pkg.platform.NPUPlatform" or None
-
-and registers other things (out-of-tree ops, ...) through ``moe_dbo.general_plugins``, whose
-functions are simply called once. ``current_platform()`` resolves lazily, on first use:
-``MOE_DBO_PLATFORM`` (``cpu``, ``cuda`` or a platform plugin's entry-point name) when set, else an
-activated (non-None) plugin platform (at most one may activate), else CUDA when available, else CPU.
-Nothing happens at import time.
-"""
+"""Which platform this process runs (``current_platform()``, ``platform_for(device)``) and plugin
+discovery through Python entry points (``moe_dbo.platform_plugins``, ``moe_dbo.general_plugins``),
+after vLLM's; nothing happens at import time. How a package adds a platform: docs/hardware.md,
+"Plugin discovery"."""
 
 from __future__ import annotations
 
@@ -128,3 +118,39 @@ def set_current_platform(platform: Platform | None) -> None:
     """Override (or with None, forget) the cached platform; for tests and embedding."""
     global _current_platform
     _current_platform = platform
+    _platforms_by_device_type.clear()
+
+
+class UnclaimedDevice(Platform):
+    """Tensors on a device type no platform claims (``meta``: shapes, no data): not host memory,
+    no kernels of ours."""
+
+    name = "unclaimed"
+    is_host_memory = False
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+
+# device type -> the platform answering for its tensors; per layer and step: a dict lookup
+_platforms_by_device_type: dict[str, Platform] = {}
+
+
+def platform_for(device: torch.device) -> Platform:
+    """The platform that answers for tensors on ``device`` (``is_host_memory``,
+    ``is_triton_target``): the current platform for its own ``device_type``, a built-in one
+    for another (host tensors of a CUDA process: ``CpuPlatform``), else ``UnclaimedDevice``.
+    Resolved once per device type; cheap enough for hot paths."""
+    try:
+        return _platforms_by_device_type[device.type]
+    except KeyError:
+        pass
+    current = current_platform()
+    if current.device_type == device.type:
+        platform = current
+    elif device.type in BUILTIN_PLATFORMS:
+        platform = BUILTIN_PLATFORMS[device.type]()
+    else:
+        platform = UnclaimedDevice(device.type)
+    _platforms_by_device_type[device.type] = platform
+    return platform

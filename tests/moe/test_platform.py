@@ -25,6 +25,7 @@ from moe.platforms import (
     Platform,
     current_platform,
     detect_cpu_capability,
+    platform_for,
     set_current_platform,
 )
 from moe.platforms import interface as interface_mod
@@ -33,6 +34,7 @@ from moe.platforms.cpu_capability import (
     grouped_mm_unavailable_reason,
     onednn_linear_unavailable_reason,
 )
+from moe.platforms.device_probes import is_host
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "tests" / "plugins" / "moe_dbo_test_platform"
@@ -128,6 +130,30 @@ def test_cpu_platform_answers():
     cuda = CudaPlatform()
     assert cuda.issue_before_recv_hook is False
     assert cuda.graph_backend() is CUDAGraphPiece
+
+
+def test_a_devices_platform_answers_for_its_tensors():
+    """``platform_for``: the current platform for its own device type, a built-in one for the
+    host tensors of a CUDA process, an unclaimed one for ``meta``; forgotten with the current."""
+    cuda = CudaPlatform()
+    set_current_platform(cuda)
+    try:
+        assert platform_for(torch.device("cuda", 0)) is cuda
+        host = platform_for(torch.device("cpu"))
+        assert isinstance(host, CpuPlatform) and host.is_host_memory and not cuda.is_host_memory
+        assert platform_for(torch.device("cpu")) is host  # resolved once per device type
+        meta = platform_for(torch.device("meta"))
+        assert meta.device_type == "meta" and not meta.is_host_memory
+        assert not is_host(torch.device("meta")) and is_host(torch.device("cpu"))
+        # host tensors of a CUDA process: ops run in issue order, Triton compiles for CUDA only
+        assert cuda.make_ubatch_streams(2, torch.device("cpu")) is None
+        assert cuda.is_triton_target and not host.is_triton_target
+        assert "cuda" in cuda.profiler_kinds and "cuda" not in host.profiler_kinds
+        plain = Platform()
+        set_current_platform(plain)
+        assert platform_for(torch.device("cpu")) is plain
+    finally:
+        set_current_platform(None)
 
 
 def test_cuda_prepares_sdpa_without_cudnn_attention():

@@ -19,7 +19,7 @@ from moe.layers import triton_attention, triton_norm  # noqa: E402
 from moe.layers.attention_backend import AttentionBackendEnum  # noqa: E402
 from moe.layers.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from moe.layers.attention_selector import set_attention_backend  # noqa: E402
-from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform  # noqa: E402
+from moe.platforms import CpuPlatform, CudaPlatform, set_current_platform, triton_probe  # noqa: E402
 from tests.helpers.op_count import CountOps  # noqa: E402
 from tests.helpers.triton_interpreter import compile_for_sm90, run_interpreted  # noqa: E402
 
@@ -55,11 +55,11 @@ def test_models_with_triton_attention_equal_forward_native():
 
 
 def test_cuda_platform_lists_triton_first_where_it_launches(monkeypatch):
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    monkeypatch.setattr(triton_probe, "triton_unavailable_reason", lambda: None)
     assert CudaPlatform().attention_backends[0] == "TRITON_ATTN"
     assert "TRITON_ATTN" not in CpuPlatform().attention_backends
     reason = "no CUDA device (and Triton's interpreter is off)"
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: reason)
+    monkeypatch.setattr(triton_probe, "triton_unavailable_reason", lambda: reason)
     assert CudaPlatform().attention_backends == ("TORCH_SDPA", "FLEX_ATTENTION")
 
 

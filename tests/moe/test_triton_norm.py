@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from moe.layers import triton_attention, triton_norm  # noqa: E402
 from moe.layers.norm import RMSNorm  # noqa: E402
-from moe.platforms import CudaPlatform, set_current_platform  # noqa: E402
+from moe.platforms import CudaPlatform, set_current_platform, triton_probe  # noqa: E402
 from tests.helpers.op_count import count_ops  # noqa: E402
 from tests.helpers.triton_interpreter import compile_for_sm90, run_interpreted  # noqa: E402
 
@@ -85,10 +85,10 @@ def test_torch_form_where_triton_cannot_launch(cuda_norm, monkeypatch):
     ``triton_norm_cases``, no launch under the interpreter either.)"""
     norm, launches = cuda_norm
     x = torch.randn(5, 64)
-    assert triton_attention.triton_unavailable_reason() is not None
+    assert triton_probe.triton_unavailable_reason() is not None
     assert not triton_norm.can_launch_rms_norm(x, norm.weight)
     assert torch.equal(norm(x), norm.forward_native(x))
-    monkeypatch.setattr(triton_attention, "triton_unavailable_reason", lambda: None)
+    monkeypatch.setattr(triton_probe, "triton_unavailable_reason", lambda: None)
     assert not triton_norm.can_launch_rms_norm(x, norm.weight)
     assert torch.equal(norm(x), norm.forward_native(x))
     assert launches == []
