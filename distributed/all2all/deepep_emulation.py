@@ -99,7 +99,8 @@ class TorchDistributedBuffer:
     low-latency capacity it was sized for (0: unchecked)."""
 
     implementation = IMPLEMENTATION
-    link: EmulatedLink | None = None  # the notify's link (``with_link``)
+    # the link (``with_link``) of the HT notify; LL transfers bill their bytes only under one
+    link: EmulatedLink | None = None
 
     def __init__(
         self,
@@ -118,7 +119,8 @@ class TorchDistributedBuffer:
 
     def with_link(self, link: EmulatedLink) -> TorchDistributedBuffer:
         """A copy of this buffer (same group) whose notify completes no earlier than ``link``'s
-        deadline."""
+        deadline, and whose LL transfers bill what DeepEP puts on the wire (a small host read
+        each: the emulated link is a CPU study tool)."""
         linked = copy.copy(self)
         linked.link = link
         return linked
@@ -295,21 +297,24 @@ class TorchDistributedBuffer:
         return, ``hook`` None).
 
         Raises:
-            ValueError: ``use_fp8`` / FP8 options, T above C, C above the buffer's capacity, a
-                token naming one expert twice.
+            ValueError: ``use_fp8`` / FP8 options, T above C, C above the buffer's capacity; under
+                ``MOE_DBO_DEBUG_CHECKS=1`` a token naming one expert twice (as with DeepEP's
+                kernels, the rows past a block's B are otherwise dropped).
         """
         if use_fp8 or round_scale or use_ue8m0:
             raise ValueError("the emulated buffer carries x's dtype: use_fp8 must be False")
         capacity, num_ranks = num_max_dispatch_tokens_per_rank, self.group_size
         self._check_capacity(x.shape[0], capacity)
-        buf, handle, num_bytes = ll.pack_dispatch(
+        buf, handle = ll.pack_dispatch(
             x, topk_idx, capacity, num_experts=num_experts, rank=self.rank, num_ranks=num_ranks
         )
-        recv_x = x.new_empty(num_experts // num_ranks, num_ranks * capacity, x.shape[1])
-        recv_count = torch.zeros(num_experts // num_ranks, dtype=torch.int32, device=x.device)
+        num_bytes = 0 if self.link is None else ll.dispatch_link_bytes(buf, handle, num_ranks)
+        num_local = num_experts // num_ranks
+        recv_x, recv_rows = ll.block_buffer(num_local, num_ranks * capacity, x)
+        recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
 
         def finish() -> None:
-            ll.unpack_dispatch(buf[num_ranks - 1 :], handle, recv_x, recv_count, rank=self.rank)
+            ll.unpack_dispatch(buf[num_ranks - 1 :], handle, recv_rows, recv_count, rank=self.rank)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
@@ -343,18 +348,24 @@ class TorchDistributedBuffer:
         Raises:
             ValueError: shapes that do not match the handle, or the dispatch's hook never ran.
         """
-        ll.check_combine(x, topk_idx, topk_weights, handle, self.group_size)
-        buf, num_send, num_bytes, splits = ll.pack_combine(
-            x, handle, rank=self.rank, num_ranks=self.group_size
-        )
-        num_own = handle.num_sent_rows[self.rank]
+        num_ranks = self.group_size
+        ll.check_combine(x, topk_idx, topk_weights, handle, num_ranks)
+        buf = ll.pack_combine(x, handle, num_ranks=num_ranks)
+        num_bytes = 0 if self.link is None else ll.combine_link_bytes(handle, x, self.rank)
         combined_x = out if out is not None else x.new_empty(topk_idx.shape[0], handle.hidden)
+
+        def finish() -> None:
+            ll.weighted_sum(
+                buf[num_ranks - 1 :], handle, topk_idx, topk_weights, combined_x, rank=self.rank
+            )
+
+        peers = ll.peer_splits([1] * num_ranks, self.rank)
         transfer = self._issue_blocks(
             "deepep_low_latency combine",
-            buf[num_send + num_own :],
-            buf[:num_send],
-            splits,
-            lambda: ll.weighted_sum(buf[num_send:], handle, topk_weights, combined_x),
+            buf[num_ranks:],
+            buf[: num_ranks - 1],
+            (peers, peers),
+            finish,
             num_bytes,
             wait=not return_recv_hook,
         )

@@ -1,25 +1,30 @@
 """The packing of our DeepEP low-latency emulation (``TorchDistributedBuffer.low_latency_*``).
 
-Legend: R ranks, E experts, L = E // R local experts, C = the call's capacity, H = hidden, T
-tokens, K = num_topk, B = C * min(K, L): the most rows one rank sends another.
+Legend: R ranks, E experts, L = E // R local experts, C = the call's capacity (T <= C tokens per
+rank), H = hidden, K = num_topk, B = C * min(K, L): the most rows one rank sends another.
 
-Dispatch: a token goes once to each of its top-k experts. Each rank sends every peer one block of
-a size both know, ``[L int64 counts | B rows]``, its rows for that peer packed expert-major; the
-receiver lays them out as DeepEP does (``recv_x [L, R * C, H]``, source ranks in order, and
-``recv_count [L]``). Combine returns exactly the received rows; the source sums
-``topk_weights[t, k] * row``. Buffers hold the blocks to send, then the own block, then the
-received ones: the own rows never travel.
+As with DeepEP's kernels the host reads nothing: both exchanges move fixed blocks (equal splits)
+and rows are placed and picked by indices computed on the device from the counts inside the
+blocks. Dispatch: a token goes once to each of its top-k experts; each rank sends every peer one
+block ``[L int64 counts | B int64 source token ids | B rows]``, its rows for that peer packed
+expert-major; the receiver lays them out as DeepEP does (``recv_x [L, R * C, H]``, source ranks
+in order, ``recv_count [L]``). Combine: each rank sends every source rank one block ``[L, C, H]``
+in DeepEP's combine layout (row ``(l, t)``: local expert ``l``'s output for the source's token
+``t``); the source sums ``topk_weights[t, k] * row``. Buffers hold the blocks to send, then the
+own block, then the received ones (the own block never travels), then one scratch row that takes
+the writes of empty slots. The checks that read counts run only under ``MOE_DBO_DEBUG_CHECKS=1``.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import accumulation_dtype
+from distributed.all2all.base import accumulation_dtype, debug_checks_enabled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,14 +34,15 @@ class LowLatencyHandle:
     num_max_dispatch_tokens_per_rank: int  # the call's capacity C
     hidden: int
     num_experts: int
-    # [T, K] int64 row of each (token, slot)'s output in the combine's receive view (own rows
-    # first, then each other rank's); -1 = no expert
-    pair_row: Tensor
-    num_sent_rows: tuple[int, ...]  # per rank, the rows sent to it (= rows combine gets back)
-    # [R, L] int64 rows received per source rank and local expert, and [1] bool: both written
-    # by the dispatch's hook
+    topk_shape: tuple[int, int]  # the dispatched [T, K]
+    # written by the dispatch's hook, on x's device: [R, L] int64 rows received per source rank
+    # and local expert; per received block row [R * B] int64, the row of recv_x (flattened) it
+    # went to and the row of the combine's buffer (flattened) its output goes back in (the
+    # scratch row for an empty block row)
     recv_layout: Tensor
-    is_received: Tensor
+    combine_src_row: Tensor
+    combine_dst_row: Tensor
+    is_received: threading.Event  # set by the dispatch's hook
 
 
 def expert_positions(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -45,7 +51,8 @@ def expert_positions(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor
     flat = topk_idx.reshape(-1)
     expert = torch.where(flat >= 0, flat, num_experts)  # -1 -> an extra bucket, dropped below
     order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))  # bincount without a host read
     starts = counts.cumsum(0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[expert[order]]
@@ -57,15 +64,20 @@ def exclusive_cumsum(counts: Tensor, dim: int) -> Tensor:
     return counts.cumsum(dim) - counts
 
 
-def valid_rows(layout: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """For ``layout [R, L]`` row counts: ``(rank, local_expert, row_in_expert, block_row,
-    packed_row)`` of every valid row: ``block_row`` its row in the source rank's block
-    (expert-major), ``packed_row`` its row in ``recv_x[local_expert]`` (source-rank order)."""
-    row = torch.arange(capacity, device=layout.device)
-    rank, local_expert, row_in_expert = (row < layout.unsqueeze(-1)).nonzero(as_tuple=True)
-    block_row = exclusive_cumsum(layout, 1)[rank, local_expert] + row_in_expert
-    packed_row = exclusive_cumsum(layout, 0)[rank, local_expert] + row_in_expert
-    return rank, local_expert, row_in_expert, block_row, packed_row
+def received_rows(layout: Tensor, capacity: int, num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each token row of the received blocks goes, for ``layout [R, L]`` int64 >= 0 (each
+    source's counts, its rows packed expert-major): ``(local_expert, packed_row, is_valid)``, each
+    ``[R, num_rows]``: ``packed_row`` the row in ``recv_x[local_expert]`` (C slots per source, in
+    source-rank order); ``is_valid`` False past a source's rows or its C-th row for one expert."""
+    block_row = torch.arange(num_rows, device=layout.device).expand(layout.shape[0], -1)
+    ends = layout.cumsum(1)
+    local_expert = torch.searchsorted(ends, block_row.contiguous(), right=True)
+    is_valid = local_expert < layout.shape[1]
+    local_expert = local_expert.clamp(max=layout.shape[1] - 1)
+    row_in_expert = block_row - (ends - layout).gather(1, local_expert)
+    is_valid &= row_in_expert < capacity
+    expert_start = exclusive_cumsum(layout.clamp(max=capacity), 0).gather(1, local_expert)
+    return local_expert, expert_start + row_in_expert, is_valid
 
 
 def slot_order(rank: int, num_ranks: int, *, own_first: bool, device) -> Tensor:
@@ -83,12 +95,25 @@ def peer_splits(sizes: list[int], rank: int) -> list[int]:
     return [0 if p == rank else n for p, n in enumerate(sizes)]
 
 
+def block_buffer(num_blocks: int, rows_per_block: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``(blocks [num_blocks, rows_per_block, H], rows [num_blocks * rows_per_block + 1, H])``,
+    uninitialised, ``like``'s dtype and device: two views of one buffer, the last row of
+    ``rows`` the scratch row (``scratch_row(rows)``)."""
+    rows = like.new_empty(num_blocks * rows_per_block + 1, like.shape[-1])
+    return rows[:-1].view(num_blocks, rows_per_block, -1), rows
+
+
+def scratch_row(rows: Tensor) -> int:
+    """The row of ``block_buffer``'s ``rows`` that takes the writes of empty slots."""
+    return rows.shape[0] - 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockLayout:
     """One dispatch block as rows of the payload dtype: ``num_header_rows`` rows whose bytes start
-    with the ``[L]`` int64 counts, B = ``num_rows`` token rows, then padding to 8-byte alignment.
-    Rows of one width make a buffer one ``[rows, H]`` matrix: packing and unpacking are one row
-    ``index_select`` / ``index_copy_`` each."""
+    with the ``[L]`` int64 counts and the ``[B]`` int64 source token ids, B = ``num_rows`` token
+    rows, then padding to 8-byte alignment. Rows of one width make a buffer one ``[rows, H]``
+    matrix: packing and unpacking are one row ``index_select`` / ``index_copy_`` each."""
 
     num_local: int
     num_header_rows: int
@@ -98,8 +123,8 @@ class BlockLayout:
     @classmethod
     def of(cls, capacity: int, num_topk: int, num_local: int, hidden: int, itemsize: int):
         row_bytes = hidden * itemsize
-        num_header_rows = -(-8 * num_local // row_bytes)
         num_rows = capacity * min(num_topk, num_local)
+        num_header_rows = -(-8 * (num_local + num_rows) // row_bytes)
         align = 8 // math.gcd(row_bytes, 8)  # rows per 8-byte-aligned unit
         rows_per_block = -(-(num_header_rows + num_rows) // align) * align
         return cls(
@@ -109,11 +134,19 @@ class BlockLayout:
             rows_per_block=rows_per_block,
         )
 
+    def _header(self, buf: Tensor, start: int, count: int) -> Tensor:
+        blocks = buf.flatten(1).view(torch.uint8)
+        return blocks[:, 8 * start : 8 * (start + count)].view(torch.int64)
+
     def counts(self, buf: Tensor) -> Tensor:
         """``[num_blocks, L]`` int64 view of the counts in ``buf [num_blocks, rows_per_block,
         H]`` (contiguous; a block's stride is a multiple of 8 bytes)."""
-        blocks = buf.reshape(buf.shape[0], -1).view(torch.uint8)
-        return blocks[:, : 8 * self.num_local].view(torch.int64)
+        return self._header(buf, 0, self.num_local)
+
+    def src_token_idx(self, buf: Tensor) -> Tensor:
+        """``[num_blocks, B]`` int64 view of each token row's token on its source rank (DeepEP's
+        ``src_info``)."""
+        return self._header(buf, self.num_local, self.num_rows)
 
     def flat_row(self, block: Tensor, row: Tensor) -> Tensor:
         """Row of ``(block, token row)`` in ``buf.view(-1, H)``."""
@@ -122,90 +155,110 @@ class BlockLayout:
 
 def pack_dispatch(
     x: Tensor, topk_idx: Tensor, capacity: int, *, num_experts: int, rank: int, num_ranks: int
-) -> tuple[Tensor, LowLatencyHandle, int]:
-    """``(buf [2R - 1, rows_per_block, H] x's dtype, handle, billed bytes)``: ``buf[:R]`` one
-    block per destination (``slot_order`` send side), ``buf[R:]`` for the peers' blocks. The bill
-    is what DeepEP puts on the wire: the valid rows for other ranks and the counts.
+) -> tuple[Tensor, LowLatencyHandle]:
+    """``(buf [2R - 1, rows_per_block, H] x's dtype, handle)``: ``buf[:R]`` one block per
+    destination (``slot_order`` send side), ``buf[R:]`` for the peers' blocks.
 
     Raises:
-        ValueError: more than B rows for one rank (only possible with repeated expert ids).
+        ValueError: under ``MOE_DBO_DEBUG_CHECKS=1``, more than B rows for one rank (only
+            possible with repeated expert ids; without the check the excess rows are dropped).
     """
     hidden, num_local, device = x.shape[1], num_experts // num_ranks, x.device
     block = BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
     per_expert, position = expert_positions(topk_idx, num_experts)
     sent = per_expert.view(num_ranks, num_local)
-    num_sent_rows = sent.sum(1).tolist()  # host sync (small): the combine's split sizes
-    if num_sent_rows and max(num_sent_rows) > block.num_rows:
-        raise ValueError(
-            f"low_latency_dispatch on rank {rank}: {max(num_sent_rows)} rows for one rank exceed "
-            f"{block.num_rows} = capacity * min(num_topk, num_local_experts): a token names the "
-            f"same expert twice"
-        )
-    buf = torch.empty(2 * num_ranks - 1, block.rows_per_block, hidden, dtype=x.dtype, device=device)
+    if debug_checks_enabled():
+        _check_sent_rows(sent, block.num_rows, rank)
+    buf, rows = block_buffer(2 * num_ranks - 1, block.rows_per_block, x)
     send_slot = slot_order(rank, num_ranks, own_first=False, device=device)
     block.counts(buf)[:num_ranks].index_copy_(0, send_slot, sent)
-    valid = position >= 0
-    expert = topk_idx[valid]
-    token = torch.arange(x.shape[0], device=device).unsqueeze(1).expand_as(valid)[valid]
-    dest, block_row = expert // num_local, exclusive_cumsum(sent, 1).view(-1)[expert]
-    block_row = block_row + position[valid]
-    buf.view(-1, hidden).index_copy_(
-        0, block.flat_row(send_slot[dest], block_row), x.index_select(0, token)
-    )
+    # every (token, slot) pair: its block and row there, or nowhere (no expert, or past B)
+    expert = topk_idx.reshape(-1).clamp(min=0)
+    block_row = exclusive_cumsum(sent, 1).view(-1)[expert] + position.view(-1)
+    is_placed = (position.view(-1) >= 0) & (block_row < block.num_rows)
+    slot = send_slot[expert // num_local]
+    token = torch.arange(x.shape[0], device=device).unsqueeze(1).expand_as(topk_idx).reshape(-1)
+    token_grid = torch.zeros(num_ranks * block.num_rows + 1, dtype=torch.int64, device=device)
+    grid_row = torch.where(is_placed, slot * block.num_rows + block_row, token_grid.shape[0] - 1)
+    token_grid.index_copy_(0, grid_row, token)
+    block.src_token_idx(buf)[:num_ranks].copy_(token_grid[:-1].view(num_ranks, -1))
+    flat_row = torch.where(is_placed, block.flat_row(slot, block_row), scratch_row(rows))
+    rows.index_copy_(0, flat_row, x.index_select(0, token))
     handle = LowLatencyHandle(
         num_max_dispatch_tokens_per_rank=capacity,
         hidden=hidden,
         num_experts=num_experts,
-        pair_row=_pair_rows(topk_idx, valid, dest, block_row, sent.sum(1), rank),
-        num_sent_rows=tuple(num_sent_rows),
+        topk_shape=tuple(topk_idx.shape),
         recv_layout=torch.zeros(num_ranks, num_local, dtype=torch.int64, device=device),
-        is_received=torch.zeros(1, dtype=torch.bool),
+        combine_src_row=torch.empty(num_ranks * block.num_rows, dtype=torch.int64, device=device),
+        combine_dst_row=torch.empty(num_ranks * block.num_rows, dtype=torch.int64, device=device),
+        is_received=threading.Event(),
     )
-    num_remote = sum(num_sent_rows) - num_sent_rows[rank]
-    num_bytes = num_remote * hidden * x.element_size() + (num_ranks - 1) * 8 * num_local
-    return buf, handle, num_bytes
+    return buf, handle
 
 
-def _pair_rows(topk_idx, valid, dest, block_row, num_sent_rows: Tensor, rank: int) -> Tensor:
-    """``[T, K]`` the row of each pair's output in the combine's receive view: own rows first,
-    then every other rank's in rank order; -1 where no expert is selected."""
-    num_ranks = num_sent_rows.shape[0]
-    recv_order = [rank] + [p for p in range(num_ranks) if p != rank]
-    chunk_start = torch.zeros(num_ranks, dtype=torch.int64, device=topk_idx.device)
-    chunk_start[recv_order] = exclusive_cumsum(num_sent_rows[recv_order], 0)
-    pair_row = torch.full_like(topk_idx, -1)
-    pair_row[valid] = chunk_start[dest] + block_row
-    return pair_row
+def _check_sent_rows(sent: Tensor, num_rows: int, rank: int) -> None:
+    """ValueError if ``sent [R, L]`` puts more than ``num_rows`` rows in one rank's block."""
+    most = int(sent.sum(1).max()) if sent.numel() else 0  # host sync (small): debug only
+    if most > num_rows:
+        raise ValueError(
+            f"low_latency_dispatch on rank {rank}: {most} rows for one rank exceed "
+            f"{num_rows} = capacity * min(num_topk, num_local_experts): a token names the "
+            f"same expert twice"
+        )
+
+
+def dispatch_link_bytes(buf: Tensor, handle: LowLatencyHandle, num_ranks: int) -> int:
+    """Bytes DeepEP's dispatch puts on the wire for ``pack_dispatch``'s ``buf``: the valid rows
+    for other ranks and their counts. Host sync (small): only an emulated link needs it."""
+    num_local = handle.num_experts // num_ranks
+    capacity, (_, num_topk) = handle.num_max_dispatch_tokens_per_rank, handle.topk_shape
+    block = BlockLayout.of(capacity, num_topk, num_local, handle.hidden, buf.element_size())
+    num_remote = int(block.counts(buf[: num_ranks - 1]).sum())
+    return num_remote * handle.hidden * buf.element_size() + (num_ranks - 1) * 8 * num_local
 
 
 def unpack_dispatch(
-    blocks: Tensor, handle: LowLatencyHandle, recv_x: Tensor, recv_count: Tensor, *, rank: int
+    blocks: Tensor, handle: LowLatencyHandle, recv_rows: Tensor, recv_count: Tensor, *, rank: int
 ) -> None:
     """The hook's work: ``blocks [R, rows_per_block, H]`` (``slot_order`` receive side: own block
-    first) into DeepEP's layout ``recv_x`` / ``recv_count``; marks ``handle`` received.
+    first) into DeepEP's layout, ``recv_rows`` (``block_buffer``'s rows of ``recv_x [L, R * C,
+    H]``) and ``recv_count [L]``; fills ``handle``'s combine rows and marks it received.
 
     Raises:
-        RuntimeError: a received count outside [0, C] (the ranks disagree on C, H or dtype).
+        RuntimeError: under ``MOE_DBO_DEBUG_CHECKS=1``, a received count outside [0, C] (the
+            ranks disagree on C, H or dtype, or a token names one expert twice).
     """
-    num_ranks, (num_local, num_slots, hidden) = blocks.shape[0], recv_x.shape
-    capacity = handle.num_max_dispatch_tokens_per_rank
+    num_ranks, hidden = blocks.shape[0], handle.hidden
+    capacity, num_local = handle.num_max_dispatch_tokens_per_rank, handle.num_experts // num_ranks
     block = BlockLayout.of(
-        capacity, handle.pair_row.shape[1], num_local, hidden, recv_x.element_size()
+        capacity, handle.topk_shape[1], num_local, hidden, recv_rows.element_size()
     )
-    recv_slot = slot_order(rank, num_ranks, own_first=True, device=recv_x.device)
+    recv_slot = slot_order(rank, num_ranks, own_first=True, device=recv_rows.device)
     layout = block.counts(blocks)[recv_slot]  # source-rank order
-    if bool(((layout < 0) | (layout > capacity)).any()):  # host sync (small)
+    if debug_checks_enabled() and bool(((layout < 0) | (layout > capacity)).any()):  # host sync
         raise RuntimeError(
             f"low_latency_dispatch on rank {rank}: received row counts {layout.tolist()} "
             f"outside [0, {capacity}]: the ranks disagree on num_max_dispatch_tokens_per_rank, "
             f"hidden or dtype"
         )
-    src, local_expert, _, block_row, packed_row = valid_rows(layout, capacity)
-    rows = blocks.reshape(-1, hidden).index_select(0, block.flat_row(recv_slot[src], block_row))
-    recv_x.view(-1, hidden).index_copy_(0, local_expert * num_slots + packed_row, rows)
-    recv_count.copy_(layout.sum(0))
-    handle.recv_layout.copy_(layout)
-    handle.is_received.fill_(True)
+    layout = layout.clamp(min=0)  # keeps every index in range whatever arrived
+    local_expert, packed_row, is_valid = received_rows(layout, capacity, block.num_rows)
+    src = torch.arange(num_ranks, device=layout.device).unsqueeze(1)
+    src_rows = block.flat_row(recv_slot[src], torch.arange(block.num_rows, device=src.device))
+    recv_row = local_expert * (num_ranks * capacity) + packed_row
+    dst_row = torch.where(is_valid, recv_row, scratch_row(recv_rows)).view(-1)
+    recv_rows.index_copy_(0, dst_row, blocks.reshape(-1, hidden).index_select(0, src_rows.view(-1)))
+    recv_count.copy_(layout.clamp(max=capacity).sum(0))
+    handle.recv_layout.copy_(layout.clamp(max=capacity))
+    # the combine's rows: the source's send slot, then DeepEP's [L, C] (expert, token) layout
+    token = block.src_token_idx(blocks)[recv_slot].clamp(0, capacity - 1)
+    send_slot = slot_order(rank, num_ranks, own_first=False, device=src.device)[src]
+    combine_row = (send_slot * num_local + local_expert) * capacity + token
+    num_combine_rows = (2 * num_ranks - 1) * num_local * capacity  # its scratch row
+    handle.combine_src_row.copy_(torch.where(is_valid, recv_row, 0).view(-1))
+    handle.combine_dst_row.copy_(torch.where(is_valid, combine_row, num_combine_rows).view(-1))
+    handle.is_received.set()
 
 
 def check_combine(
@@ -220,50 +273,57 @@ def check_combine(
             f"low_latency_combine x must be [{num_local}, {num_ranks * capacity}, {hidden}], "
             f"got {list(x.shape)}"
         )
-    if topk_idx.shape != handle.pair_row.shape or topk_weights.shape != topk_idx.shape:
+    if tuple(topk_idx.shape) != handle.topk_shape or topk_weights.shape != topk_idx.shape:
         raise ValueError(
             f"topk_idx {list(topk_idx.shape)} / topk_weights {list(topk_weights.shape)} must "
-            f"be the dispatched {list(handle.pair_row.shape)}"
+            f"be the dispatched {list(handle.topk_shape)}"
         )
-    if not bool(handle.is_received):
+    if not handle.is_received.is_set():
         raise ValueError("low_latency_combine before the dispatch's receive hook ran")
 
 
-def pack_combine(
-    x: Tensor, handle: LowLatencyHandle, *, rank: int, num_ranks: int
-) -> tuple[Tensor, int, int, tuple[list[int], list[int]]]:
-    """``(buf [rows, H] x's dtype, num_send, billed bytes, (input splits, output splits))``:
-    ``buf[:num_send]`` the rows for the peers (rank order), then this rank's own rows, then the
-    peers' rows coming back; ``buf[num_send:]`` is ``handle.pair_row``'s view."""
-    layout = handle.recv_layout
-    num_back = layout.sum(1).tolist()  # host sync (small): rows to return to each rank
-    num_send = sum(num_back) - num_back[rank]
-    num_recv = sum(handle.num_sent_rows) - handle.num_sent_rows[rank]
-    buf = torch.empty(sum(num_back) + num_recv, handle.hidden, dtype=x.dtype, device=x.device)
-    send_slot = slot_order(rank, num_ranks, own_first=False, device=x.device)
-    back = torch.tensor(num_back, dtype=torch.int64, device=x.device)
-    chunk_start = exclusive_cumsum(back[send_slot.argsort()], 0)[send_slot]
-    src, local_expert, _, block_row, packed_row = valid_rows(
-        layout, handle.num_max_dispatch_tokens_per_rank
-    )
-    rows = x.reshape(-1, handle.hidden).index_select(0, local_expert * x.shape[1] + packed_row)
-    buf.index_copy_(0, chunk_start[src] + block_row, rows)
-    splits = (peer_splits(num_back, rank), peer_splits(list(handle.num_sent_rows), rank))
-    return buf, num_send, num_send * handle.hidden * x.element_size(), splits
+def pack_combine(x: Tensor, handle: LowLatencyHandle, *, num_ranks: int) -> Tensor:
+    """``buf [2R - 1, L * C, H]`` x's dtype: ``buf[:R]`` one block per source rank (``slot_order``
+    send side) of the rows of ``x [L, R * C, H]`` it sent, at ``(local expert, its token)``;
+    ``buf[R:]`` for the peers' blocks (rows no token selected are unspecified)."""
+    num_local, capacity = x.shape[0], handle.num_max_dispatch_tokens_per_rank
+    buf, rows = block_buffer(2 * num_ranks - 1, num_local * capacity, x)
+    outputs = x.reshape(-1, handle.hidden).index_select(0, handle.combine_src_row)
+    rows.index_copy_(0, handle.combine_dst_row, outputs)
+    return buf
+
+
+def combine_link_bytes(handle: LowLatencyHandle, x: Tensor, rank: int) -> int:
+    """Bytes DeepEP's combine puts on the wire: the rows going back to other ranks. Host sync
+    (small): only an emulated link needs it."""
+    num_back = handle.recv_layout.sum(1)
+    num_send = int(num_back.sum() - num_back[rank])
+    return num_send * handle.hidden * x.element_size()
 
 
 def weighted_sum(
-    rows: Tensor, handle: LowLatencyHandle, topk_weights: Tensor, combined_x: Tensor
+    blocks: Tensor,
+    handle: LowLatencyHandle,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    combined_x: Tensor,
+    *,
+    rank: int,
 ) -> None:
     """The combine's hook work: ``combined_x [T, H] = sum_k topk_weights[t, k] * row(t, k)``
-    over the received ``rows`` (``handle.pair_row``), in float32 (float64 for float64)."""
-    if rows.shape[0] == 0:  # no (token, expert) pair anywhere: nothing came back
-        combined_x.zero_()
-        return
-    acc_dtype = accumulation_dtype(rows.dtype)
-    num_tokens, hidden = combined_x.shape
-    # each token's K rows (a pair with no expert reads row 0 with weight 0)
-    picked = rows.index_select(0, handle.pair_row.clamp(min=0).view(-1))
-    picked = picked.view(num_tokens, -1, hidden).to(acc_dtype)
-    weights = torch.where(handle.pair_row >= 0, topk_weights.to(acc_dtype), 0.0)
-    combined_x.copy_((picked * weights.unsqueeze(-1)).sum(1))
+    over the received ``blocks [R, L * C, H]`` (``slot_order`` receive side), ``row(t, k)`` the
+    row ``(e % L, t)`` of the block from expert ``e = topk_idx[t, k]``'s rank; in float32
+    (float64 for float64)."""
+    num_ranks, (num_tokens, hidden) = blocks.shape[0], combined_x.shape
+    num_local, capacity = handle.num_experts // num_ranks, handle.num_max_dispatch_tokens_per_rank
+    recv_slot = slot_order(rank, num_ranks, own_first=True, device=blocks.device)
+    expert = topk_idx.clamp(min=0)
+    token = torch.arange(num_tokens, device=blocks.device).unsqueeze(1)
+    row = (recv_slot[expert // num_local] * num_local + expert % num_local) * capacity + token
+    acc_dtype = accumulation_dtype(blocks.dtype)
+    picked = blocks.reshape(-1, hidden).index_select(0, row.view(-1))
+    picked = picked.view(*topk_idx.shape, hidden).to(acc_dtype)
+    weighted = picked * topk_weights.to(acc_dtype).unsqueeze(-1)
+    # a pair with no expert read an unspecified row: it adds exactly 0
+    weighted = torch.where((topk_idx >= 0).unsqueeze(-1), weighted, 0.0)
+    combined_x.copy_(weighted.sum(1))

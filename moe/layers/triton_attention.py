@@ -143,23 +143,18 @@ def triton_write_mla_cache(
 
 
 def _strides(
-    out: Tensor, q: Tensor, q_rope: Tensor | None, k_cache: Tensor, v_cache: Tensor
-) -> dict[str, int]:
-    """The attention kernel's stride arguments (elements) of its row-major operands."""
-    return {
-        "out_stride_t": out.stride(0),
-        "out_stride_h": out.stride(1),
-        "q_stride_t": q.stride(0),
-        "q_stride_h": q.stride(1),
-        "q_rope_stride_t": 0 if q_rope is None else q_rope.stride(0),
-        "q_rope_stride_h": 0 if q_rope is None else q_rope.stride(1),
-        "k_stride_b": k_cache.stride(0),
-        "k_stride_s": k_cache.stride(1),
-        "k_stride_h": k_cache.stride(2),
-        "v_stride_b": v_cache.stride(0),
-        "v_stride_s": v_cache.stride(1),
-        "v_stride_h": v_cache.stride(2),
-    }
+    out: Tensor, q: Tensor, q_rope: Tensor | None, k_cache: Tensor, v_cache: Tensor, table: Tensor
+) -> tuple:
+    """The attention kernel's ``strides`` (elements) of its row-major operands: out, q, q_rope
+    (token, head), the K and V caches ((block, slot, head) each), the block table (row)."""
+    q_rope_strides = (0, 0) if q_rope is None else (q_rope.stride(0), q_rope.stride(1))
+    return (
+        (out.stride(0), out.stride(1)),
+        (q.stride(0), q.stride(1)),
+        q_rope_strides,
+        (k_cache.stride()[:3], v_cache.stride()[:3]),
+        table.stride(0),
+    )
 
 
 def _attend(
@@ -204,9 +199,7 @@ def _attend(
         query_start_loc_ptr=meta.query_start_loc,
         scale=scale,
         num_reqs=num_reqs,
-        **_strides(out, q, q_rope, k_cache, v_cache),
-        block_table_stride=meta.block_table.stride(0),
-        NUM_HEADS=num_heads,
+        strides=_strides(out, q, q_rope, k_cache, v_cache, meta.block_table),
         GROUP=group,
         HEADS_PER_PROGRAM=heads_per_program,
         NUM_HEAD_BLOCKS=num_head_blocks,

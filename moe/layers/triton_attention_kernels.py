@@ -31,6 +31,146 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     return left - 1
 
 
+@triton.jit
+def _query_block(query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr):
+    """``(req, q_start, q_len, local_block)`` of this program's query block (``program_id(0)``):
+    its request, the request's first row and row count, and the block's index in the request."""
+    q_block_idx = tl.program_id(0)
+    req = _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    return req, q_start, q_len, q_block_idx - (q_start // BLOCK_Q + req)
+
+
+@triton.jit
+def _tile_rows(
+    local_block,
+    q_len,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    NUM_HEAD_BLOCKS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``(kv_head, q_pos, head, row_mask)`` of this program's tile: tile row m is query row
+    ``q_pos[m]`` of the request times query head ``head[m]`` (of the ``HEADS_PER_PROGRAM`` of
+    head block ``program_id(1) % NUM_HEAD_BLOCKS`` of KV head ``kv_head``'s ``GROUP``)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    kv_head = tl.program_id(1) // NUM_HEAD_BLOCKS
+    head_block = tl.program_id(1) % NUM_HEAD_BLOCKS
+    q_pos = local_block * BLOCK_Q + offs_m // HEADS_PER_PROGRAM  # query row in the request
+    head_in_group = head_block * HEADS_PER_PROGRAM + offs_m % HEADS_PER_PROGRAM
+    head = kv_head * GROUP + head_in_group
+    row_mask = (q_pos < q_len) & (head_in_group < GROUP) & (offs_m < BLOCK_Q * HEADS_PER_PROGRAM)
+    return kv_head, q_pos, head, row_mask
+
+
+@triton.jit
+def _row_offsets(rows, head, strides, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+    """``(offsets [BLOCK_M, WIDTH_PAD], column mask [WIDTH_PAD])`` of rows ``rows`` x heads
+    ``head`` of a ``[T, H, WIDTH]`` operand with ``strides`` (token, head; elements)."""
+    offs = tl.arange(0, WIDTH_PAD)
+    return rows[:, None] * strides[0] + head[:, None] * strides[1] + offs[None, :], offs < WIDTH
+
+
+@triton.jit
+def _load_rows(ptr, rows, head, strides, row_mask, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+    """``[BLOCK_M, WIDTH_PAD]`` of a ``[T, H, WIDTH]`` operand (``_row_offsets``), 0 outside
+    ``row_mask`` and past ``WIDTH``."""
+    offsets, col_mask = _row_offsets(rows, head, strides, WIDTH, WIDTH_PAD)
+    return tl.load(ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_scores(
+    q, q_rope, k_cache_ptr, k_rope_cache_ptr, k_base, pos_mask, HEAD_DIM: tl.constexpr, ROPE_DIM
+):
+    """``(scores [BLOCK_M, TILE]``, float32 (float64 for float64 inputs), ``k [D, TILE]`` in
+    q's dtype) of the keys at cache offsets ``k_base [TILE]`` (``pos_mask``: the positions that
+    exist), the rope part added when ``ROPE_DIM > 0``."""
+    offs_d = tl.arange(0, q.shape[1])
+    k = tl.load(  # [D, TILE]
+        k_cache_ptr + k_base[None, :] + offs_d[:, None],
+        mask=(offs_d < HEAD_DIM)[:, None] & pos_mask[None, :],
+        other=0.0,
+    ).to(q.dtype)
+    scores = tl.dot(q, k, input_precision="ieee")
+    if ROPE_DIM > 0:
+        offs_r = tl.arange(0, q_rope.shape[1])
+        k_rope = tl.load(  # [R, TILE]
+            k_rope_cache_ptr + k_base[None, :] + offs_r[:, None],
+            mask=(offs_r < ROPE_DIM)[:, None] & pos_mask[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        scores += tl.dot(q_rope, k_rope, input_precision="ieee")
+    return scores, k
+
+
+@triton.jit
+def _tile_values(k, v_cache_ptr, v_base, pos_mask, HEAD_DIM: tl.constexpr, V_IS_K: tl.constexpr):
+    """``[TILE, D]`` values of the tile in k's dtype: those at cache offsets ``v_base [TILE]``,
+    or with ``V_IS_K`` (MLA) the first D elements of the key rows ``k [D, TILE]``."""
+    if V_IS_K:
+        return tl.trans(k)
+    offs_d = tl.arange(0, k.shape[0])
+    return tl.load(  # [TILE, D]
+        v_cache_ptr + v_base[:, None] + offs_d[None, :],
+        mask=pos_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(k.dtype)
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, scores, v):
+    """``(m_i, l_i, acc)``, the running row max and sum ``[BLOCK_M]`` and the unnormalised output
+    ``[BLOCK_M, D]``, after one tile of ``scores [BLOCK_M, TILE]`` (-inf: not visible) and
+    values ``v [TILE, D]``; an all-masked (padding) row keeps max 0 and sum 0."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_context(
+    q, q_rope, caches, context, scale, SHAPE: tl.constexpr, ACC_DTYPE: tl.constexpr
+):
+    """``[BLOCK_M, D]`` attention of the query tile ``q`` (and ``q_rope``) over its request's
+    cached context, in tiles of cache positions with an online softmax. ``caches``: ((keys, rope
+    keys, values) pointers, (keys', values') (block, slot, head) strides, the KV head);
+    ``context``: (the request's block table row, the positions to walk, the last one each tile
+    row sees [BLOCK_M], the row mask); ``SHAPE``: (BLOCK_SIZE, TILE, HEAD_DIM, ROPE_DIM, V_IS_K)."""
+    cache_ptrs, cache_strides, kv_head = caches
+    table_ptr, num_visible, last_visible, row_mask = context
+    k_strides, v_strides = cache_strides
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=ACC_DTYPE)
+    l_i = tl.zeros([q.shape[0]], dtype=ACC_DTYPE)
+    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=ACC_DTYPE)
+    # A while loop: Triton's interpreter cannot take a loaded value as a range bound (its scalars
+    # are 1-element arrays, which NumPy 2 refuses to convert to int).
+    tile_start: tl.int32 = 0
+    while tile_start < num_visible:
+        pos = tile_start + tl.arange(0, SHAPE[1])
+        pos_mask = pos < num_visible
+        block = tl.load(table_ptr + pos // SHAPE[0], mask=pos_mask, other=0).to(tl.int64)
+        slot = (pos % SHAPE[0]).to(tl.int64)
+        k_base = block * k_strides[0] + slot * k_strides[1] + kv_head * k_strides[2]  # [TILE]
+        scores, k = _tile_scores(
+            q, q_rope, cache_ptrs[0], cache_ptrs[1], k_base, pos_mask, SHAPE[2], SHAPE[3]
+        )
+        scores = scores.to(ACC_DTYPE) * scale
+        visible = row_mask[:, None] & (pos[None, :] <= last_visible[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        v_base = block * v_strides[0] + slot * v_strides[1] + kv_head * v_strides[2]
+        v = _tile_values(k, cache_ptrs[2], v_base, pos_mask, SHAPE[2], SHAPE[4])
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v)
+        tile_start += SHAPE[1]
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def paged_attention_kernel(
     out_ptr,  # [T, H, D]
@@ -44,20 +184,8 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     scale,
     num_reqs,
-    out_stride_t,
-    out_stride_h,
-    q_stride_t,
-    q_stride_h,
-    q_rope_stride_t,
-    q_rope_stride_h,
-    k_stride_b,
-    k_stride_s,
-    k_stride_h,
-    v_stride_b,
-    v_stride_s,
-    v_stride_h,
-    block_table_stride,
-    NUM_HEADS: tl.constexpr,
+    # in elements: out, q, q_rope (token, head); ((block, slot, head) of k, of v); block table's
+    strides,
     GROUP: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     NUM_HEAD_BLOCKS: tl.constexpr,
@@ -74,107 +202,33 @@ def paged_attention_kernel(
 ):
     """One program: ``BLOCK_Q`` query rows of one request times ``HEADS_PER_PROGRAM`` of the
     ``GROUP`` query heads of one KV head (a [BLOCK_M >= BLOCK_Q * HEADS_PER_PROGRAM, D] tile;
-    ``program_id(1)`` = KV head * NUM_HEAD_BLOCKS + head block), walking the request's block
-    table over its causal context in tiles of ``TILE`` positions with an online softmax."""
-    q_block_idx = tl.program_id(0)
-    kv_head = tl.program_id(1) // NUM_HEAD_BLOCKS
-    head_block = tl.program_id(1) % NUM_HEAD_BLOCKS
-    req = _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    local_block = q_block_idx - (q_start // BLOCK_Q + req)
+    ``program_id(1)`` = KV head * NUM_HEAD_BLOCKS + head block) over its causal context."""
+    out_strides, q_strides, q_rope_strides, cache_strides, table_stride = strides
+    req, q_start, q_len, local_block = _query_block(query_start_loc_ptr, num_reqs, BLOCK_Q)
     if local_block * BLOCK_Q >= q_len:  # past the request's rows (or past the last request)
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_s = tl.arange(0, TILE)
-    q_pos = local_block * BLOCK_Q + offs_m // HEADS_PER_PROGRAM  # query row in the request
-    head_in_group = head_block * HEADS_PER_PROGRAM + offs_m % HEADS_PER_PROGRAM
-    head = kv_head * GROUP + head_in_group
-    row_mask = (q_pos < q_len) & (head_in_group < GROUP) & (offs_m < BLOCK_Q * HEADS_PER_PROGRAM)
-    dim_mask = offs_d < HEAD_DIM
+    kv_head, q_pos, head, row_mask = _tile_rows(
+        local_block, q_len, GROUP, HEADS_PER_PROGRAM, NUM_HEAD_BLOCKS, BLOCK_Q, BLOCK_M
+    )
     rows = (q_start + q_pos).to(tl.int64)
-
-    q = tl.load(
-        q_ptr + rows[:, None] * q_stride_t + head[:, None] * q_stride_h + offs_d[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr, rows, head, q_strides, row_mask, HEAD_DIM, HEAD_DIM_PAD)
+    q_rope = q  # read only when ROPE_DIM > 0
     if ROPE_DIM > 0:
-        offs_r = tl.arange(0, ROPE_DIM_PAD)
-        rope_mask = offs_r < ROPE_DIM
-        q_rope = tl.load(
-            q_rope_ptr
-            + rows[:, None] * q_rope_stride_t
-            + head[:, None] * q_rope_stride_h
-            + offs_r[None, :],
-            mask=row_mask[:, None] & rope_mask[None, :],
-            other=0.0,
+        q_rope = _load_rows(
+            q_rope_ptr, rows, head, q_rope_strides, row_mask, ROPE_DIM, ROPE_DIM_PAD
         )
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=ACC_DTYPE)
-
+    context_len = tl.load(seq_lens_ptr + req) - q_len
     # causal: the block's last row sits at context_len + its index; nothing past it is read
-    num_visible = context_len + (local_block + 1) * BLOCK_Q
-    if num_visible > seq_len:
-        num_visible = seq_len
-    # A while loop: Triton's interpreter cannot take a loaded value as a range bound (its scalars
-    # are 1-element arrays, which NumPy 2 refuses to convert to int).
-    tile_start: tl.int32 = 0
-    while tile_start < num_visible:
-        pos = tile_start + offs_s
-        pos_mask = pos < num_visible
-        block = tl.load(
-            block_table_ptr + req * block_table_stride + pos // BLOCK_SIZE, mask=pos_mask, other=0
-        ).to(tl.int64)
-        slot = (pos % BLOCK_SIZE).to(tl.int64)
-        k_base = block * k_stride_b + slot * k_stride_s + kv_head * k_stride_h  # [TILE]
-        k = tl.load(  # [D, TILE]
-            k_cache_ptr + k_base[None, :] + offs_d[:, None],
-            mask=dim_mask[:, None] & pos_mask[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        scores = tl.dot(q, k, input_precision="ieee")  # float32 (float64 for float64 inputs)
-        if ROPE_DIM > 0:
-            k_rope = tl.load(  # [R, TILE]
-                k_rope_cache_ptr + k_base[None, :] + offs_r[:, None],
-                mask=rope_mask[:, None] & pos_mask[None, :],
-                other=0.0,
-            ).to(q.dtype)
-            scores += tl.dot(q_rope, k_rope, input_precision="ieee")
-        scores = scores.to(ACC_DTYPE) * scale
-        visible = row_mask[:, None] & (pos[None, :] <= (context_len + q_pos)[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # an all-masked (padding) row
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_IS_K:
-            v = tl.trans(k)  # MLA: the values are the first D elements of the key rows
-        else:
-            v_base = block * v_stride_b + slot * v_stride_s + kv_head * v_stride_h
-            v = tl.load(  # [TILE, D]
-                v_cache_ptr + v_base[:, None] + offs_d[None, :],
-                mask=pos_mask[:, None] & dim_mask[None, :],
-                other=0.0,
-            ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-        tile_start += TILE
-
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + rows[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
+    num_visible = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, context_len + q_len)
+    table_ptr = block_table_ptr + req * table_stride
+    context = (table_ptr, num_visible, context_len + q_pos, row_mask)
+    caches = ((k_cache_ptr, k_rope_cache_ptr, v_cache_ptr), cache_strides, kv_head)
+    acc = _attend_context(
+        q, q_rope, caches, context, scale, (BLOCK_SIZE, TILE, HEAD_DIM, ROPE_DIM, V_IS_K), ACC_DTYPE
     )
+    offsets, col_mask = _row_offsets(rows, head, out_strides, HEAD_DIM, HEAD_DIM_PAD)
+    mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -189,7 +189,7 @@ def test_low_latency_hook_completes_the_receive():
     recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
         x, ids, 4, 2, use_fp8=False, return_recv_hook=True
     )
-    assert recv_count.tolist() == [0, 0] and not bool(handle.is_received)
+    assert recv_count.tolist() == [0, 0] and not handle.is_received.is_set()
     hook()
     assert recv_count.tolist() == [2, 3]
     assert torch.equal(recv_x[0, :2], x[[0, 2]]) and torch.equal(recv_x[1, :3], x)

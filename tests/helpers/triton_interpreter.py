@@ -100,6 +100,17 @@ _POINTEE = {
 }
 
 
+def _arg_type(value):
+    """Triton's type string of a launch argument (a tuple of them for a tuple)."""
+    if isinstance(value, tuple):
+        return tuple(_arg_type(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTEE[value.dtype]
+    if isinstance(value, float):
+        return "fp32"
+    return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+
 def compile_for_sm90(compiled: list[str]):
     """A stand-in for a module's ``launch(kernel, grid, **kwargs)`` that compiles the kernel for
     sm90 (Hopper) down to a cubin with Triton's bundled ptxas, no GPU needed, instead of running
@@ -112,15 +123,10 @@ def compile_for_sm90(compiled: list[str]):
         constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
         signature, constants = {}, {}
         for name in kernel.arg_names:
-            value = kwargs[name]
             if name in constexprs:
-                signature[name], constants[name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + _POINTEE[value.dtype]
-            elif isinstance(value, float):
-                signature[name] = "fp32"
+                signature[name], constants[name] = "constexpr", kwargs[name]
             else:
-                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                signature[name] = _arg_type(kwargs[name])
         source = ASTSource(kernel, signature, constants)
         binary = triton.compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}

@@ -6,7 +6,7 @@ while its first layer builds the (u)batch's attention plan from the metadata (pa
 write slots: host values the model runner's metadata already holds on the CPU), and nothing in a
 forward that reuses it: no layer reads anything. A whole engine step with two EP ranks under DBO
 reads, per module, only its results (once), the DP vote, the host metadata, and inside the expert
-all-to-all only where a backend needs counts on the host.
+all-to-all only where a backend needs counts on the host (``all_to_all``'s uneven exchange).
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ ALL2ALL_READS = {
     "allgather_reducescatter": set(),  # under DBO the agreed counts spare its exchange
     # the in-band row counts of its padded dispatch (or the count exchange) and the rows they size
     "all_to_all": {"all2all/all_to_all.py", "all2all/token_packing.py"},
-    # our torch.distributed emulation of DeepEP's protocol (uneven combine splits, the emulated
-    # link's byte bill); DeepEP's own kernels read nothing
-    "deepep_low_latency": {"all2all/deepep_low_latency_protocol.py"},
+    # fixed blocks both ways, rows placed by device-computed indices, as DeepEP's kernels (our
+    # emulation reads only under an emulated link, for its byte bill, or MOE_DBO_DEBUG_CHECKS)
+    "deepep_low_latency": set(),
 }
 
 
