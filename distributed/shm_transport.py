@@ -6,7 +6,8 @@ node. The hot loop (copy, flag, poll, the vectorised sum) is the C++ ``ShmComm``
 kernels (``moe/kernels/csrc/shm_comm.cpp``), handed in by the platform (this package does not
 build kernels): per channel one slot per local rank in one segment, a worker thread running the
 channel's operations in issue order, so issuing returns at once and ``wait()`` blocks, as on a
-gloo ``Work``. Operation ``i`` of a communicator runs on channel ``i % num_channels``: every rank
+gloo ``Work``; a caller that waits for an operation the worker has not started runs it itself
+(no thread hand-off), and the worker runs one nobody waits for within 100 µs of its issue. Operation ``i`` of a communicator runs on channel ``i % num_channels``: every rank
 issues the same operations in the same order (the contract of every collective), so the two DBO
 ubatches' transfers ride two channels and one never queues behind the other. Waits spin for a
 few microseconds, then sleep on a futex that the peer's flag store wakes (no core is burnt).
