@@ -184,6 +184,32 @@ def test_two_threads_issue_at_once():
     assert run_distributed(_two_threads_rank, 2, timeout_s=120) == [True, True]
 
 
+def _crossed_waits_rank(rank: int, world: int) -> tuple[bool, bool]:
+    """Two exchanges on the two channels, waited for in opposite orders on the two ranks: the
+    caller runs the one it waits for, the channel's worker the other (after its grace period),
+    so neither rank waits forever on the other; and an exchange nobody waits for completes."""
+    _, shm, _ = _communicators(20.0)
+    first, second = torch.full((8,), float(rank)), torch.full((8,), float(rank + 10))
+    works = [shm.all_reduce_sum(first)[0], shm.all_reduce_sum(second)[0]]
+    for work in works if rank == 0 else works[::-1]:
+        work.wait()
+    expect = (sum(range(world)), sum(r + 10 for r in range(world)))
+    crossed_ok = (
+        first.tolist() == [float(expect[0])] * 8 and second.tolist() == [float(expect[1])] * 8
+    )
+    unwaited = shm.all_reduce_sum(torch.ones(4))[0]
+    deadline = time.monotonic() + 10
+    while not unwaited.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the channel's worker runs it: nobody calls wait()
+    background_ok = unwaited.is_completed()
+    shm.close()
+    return crossed_ok, background_ok
+
+
+def test_waits_in_crossed_orders_and_unwaited_exchanges_complete():
+    assert run_distributed(_crossed_waits_rank, 2, timeout_s=120) == [(True, True)] * 2
+
+
 def _dies_rank(rank: int, world: int):
     from distributed import TorchrunEnv
 

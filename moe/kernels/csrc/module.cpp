@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait", &moe_dbo_cpu::ShmWork::wait, py::call_guard<py::gil_scoped_release>(),
            "Block until done or timeout_s; '' when done, else the error")
       .def("is_completed", &moe_dbo_cpu::ShmWork::is_completed);
-  py::class_<moe_dbo_cpu::ShmComm>(m, "ShmComm")
+  py::class_<moe_dbo_cpu::ShmComm, std::shared_ptr<moe_dbo_cpu::ShmComm>>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int64_t, int64_t, int64_t, int64_t,
                     std::vector<int64_t>, std::vector<int64_t>>(),
            py::call_guard<py::gil_scoped_release>())

@@ -39,7 +39,8 @@ namespace {
 constexpr int64_t kPage = 4096;
 constexpr int64_t kSpinNs = 20'000;          // spin this long before sleeping on a futex
 constexpr int64_t kSleepSliceNs = 20'000'000;  // then wake at least this often to check liveness
-constexpr int64_t kWorkerSpinNs = 50'000;    // an idle worker looks for the next op this long
+constexpr int64_t kGraceNs = 100'000;  // a worker leaves an op this long to a caller's wait
+constexpr int64_t kAny = INT64_MAX;     // run_next: whatever is queued
 
 int64_t now_ns() {
   timespec ts;
@@ -183,11 +184,12 @@ void sum_bytes(at::ScalarType dtype, char* dst, const std::vector<const char*>& 
 struct ShmComm::Channel {
   int64_t index = 0;
   std::thread thread;
-  std::mutex mutex;
+  std::mutex mutex;      // guards queue and stop
+  std::mutex run_mutex;  // held by the thread running this channel's operations (worker or caller)
   std::condition_variable cv;
   std::deque<std::shared_ptr<ShmOp>> queue;
-  std::atomic<int64_t> num_queued{0};
   bool stop = false;
+  bool idle = false;  // the worker sleeps until an op is queued (issue wakes it)
   uint32_t round = 0;
   std::string fatal;  // set by the first failure: every later op fails with it
 };
@@ -197,6 +199,10 @@ struct ShmComm::Channel {
 
 std::string ShmWork::wait(double timeout_s) {
   ShmOp& op = *op_;
+  if (op.state.load(std::memory_order_acquire) == 0) {
+    op.awaited.store(true);  // the worker, if it holds the channel, runs it next
+    comm_->run_until(channel_, op);
+  }
   const int64_t start = now_ns();
   const int64_t deadline = start + int64_t(timeout_s * 1e9);
   int64_t step = 0;
@@ -283,8 +289,10 @@ void ShmComm::close() {
   }
   for (auto& channel : channels_) {
     if (channel->thread.joinable()) channel->thread.join();
+    std::lock_guard<std::mutex> run(channel->run_mutex);  // a caller running an op is done
+    while (run_next(channel.get(), kAny)) {  // fail what is left: "the communicator was closed"
+    }
   }
-  channels_.clear();
   if (base_ != nullptr) {
     munmap(base_, bytes_);
     base_ = nullptr;
@@ -297,8 +305,9 @@ std::shared_ptr<ShmWork> ShmComm::issue(int64_t channel_index, int64_t kind, at:
                                         std::vector<int64_t> recv_offsets,
                                         std::vector<int64_t> recv_lengths, double timeout_s) {
   if (channel_index < 0 || channel_index >= int64_t(channels_.size())) {
-    throw std::invalid_argument("ShmComm.issue: no such channel (closed?)");
+    throw std::invalid_argument("ShmComm.issue: no such channel");
   }
+  if (closing_.load()) throw std::runtime_error("ShmComm.issue: the communicator was closed");
   const size_t n = size_t(num_local_);
   if (send_offsets.size() != n || send_lengths.size() != n || recv_offsets.size() != n ||
       recv_lengths.size() != n || (kind != 1 && kind != 2) || !output.is_contiguous() ||
@@ -323,48 +332,75 @@ std::shared_ptr<ShmWork> ShmComm::issue(int64_t channel_index, int64_t kind, at:
   op->send_lengths = std::move(send_lengths);
   op->recv_offsets = std::move(recv_offsets);
   op->recv_lengths = std::move(recv_lengths);
-  op->deadline_ns = now_ns() + int64_t(timeout_s * 1e9);
+  op->issued_ns = now_ns();
+  op->deadline_ns = op->issued_ns + int64_t(timeout_s * 1e9);
   Channel& channel = *channels_[channel_index];
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(channel.mutex);
     channel.queue.push_back(op);
-    channel.num_queued.fetch_add(1);
+    wake = channel.idle;
+    channel.idle = false;
   }
-  channel.cv.notify_one();
-  return std::make_shared<ShmWork>(op);
+  if (wake) channel.cv.notify_one();
+  return std::make_shared<ShmWork>(op, shared_from_this(), channel_index);
 }
 
 void ShmComm::run_channel(Channel* channel) {
   while (true) {
-    std::shared_ptr<ShmOp> op;
-    const int64_t spin_until = now_ns() + kWorkerSpinNs;
-    int64_t step = 0;
-    while (channel->num_queued.load() == 0 && now_ns() < spin_until) relax(step);
     {
       std::unique_lock<std::mutex> lock(channel->mutex);
       while (!channel->stop && channel->queue.empty()) {
+        channel->idle = true;
         channel->cv.wait_for(lock, std::chrono::seconds(1));  // blocking wait: the next op
       }
-      if (channel->queue.empty()) return;  // stopped
-      op = channel->queue.front();
-      channel->queue.pop_front();
-      channel->num_queued.fetch_sub(1);
-      if (channel->stop && channel->fatal.empty()) channel->fatal = "the communicator was closed";
-    }
-    if (channel->fatal.empty()) {
-      try {
-        run_op(channel, *op);
-      } catch (const std::exception& e) {
-        channel->fatal = e.what();
-        fail_all(channel->fatal);
+      channel->idle = false;
+      if (channel->stop && channel->queue.empty()) return;
+      const ShmOp& front = *channel->queue.front();
+      const int64_t wait = front.issued_ns + kGraceNs - now_ns();
+      if (!channel->stop && wait > 0 && !front.awaited.load()) {
+        // blocking wait (bounded by the grace period): a caller may run it first
+        channel->cv.wait_for(lock, std::chrono::nanoseconds(wait));
+        continue;
       }
     }
-    if (!channel->fatal.empty()) op->error = channel->fatal;
-    op->output.reset();  // release the tensors before the caller sees completion
-    op->input.reset();
-    op->state.store(channel->fatal.empty() ? 1 : 2, std::memory_order_release);
-    if (op->waiters.load() > 0) futex_wake(&op->state, false);
+    std::lock_guard<std::mutex> run(channel->run_mutex);  // a caller may be running the channel
+    run_next(channel, now_ns() - kGraceNs);
   }
+}
+
+void ShmComm::run_until(int64_t channel_index, const ShmOp& op) {
+  Channel* channel = channels_[size_t(channel_index)].get();
+  std::unique_lock<std::mutex> run(channel->run_mutex, std::try_to_lock);
+  if (!run.owns_lock()) return;  // the worker (or another caller) is running this channel
+  while (op.state.load(std::memory_order_acquire) == 0 && run_next(channel, kAny)) {
+  }
+}
+
+bool ShmComm::run_next(Channel* channel, int64_t issued_before) {
+  std::shared_ptr<ShmOp> op;
+  {
+    std::lock_guard<std::mutex> lock(channel->mutex);
+    if (channel->queue.empty()) return false;
+    op = channel->queue.front();
+    if (op->issued_ns >= issued_before && !op->awaited.load() && !channel->stop) return false;
+    channel->queue.pop_front();
+    if (channel->stop && channel->fatal.empty()) channel->fatal = "the communicator was closed";
+  }
+  if (channel->fatal.empty()) {
+    try {
+      run_op(channel, *op);
+    } catch (const std::exception& e) {
+      channel->fatal = e.what();
+      fail_all(channel->fatal);
+    }
+  }
+  if (!channel->fatal.empty()) op->error = channel->fatal;
+  op->output.reset();  // release the tensors before the caller sees completion
+  op->input.reset();
+  op->state.store(channel->fatal.empty() ? 1 : 2, std::memory_order_release);
+  if (op->waiters.load() > 0) futex_wake(&op->state, false);
+  return true;
 }
 
 void ShmComm::fail_all(const std::string& message) {

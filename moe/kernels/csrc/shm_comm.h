@@ -3,8 +3,11 @@
 // owns one slot per channel, writes what it sends there once and publishes a round number; its
 // peers poll for it with acquire loads, copy (or sum) their part out and acknowledge. Per channel
 // a worker thread runs the operations in issue order, so a caller issues and later waits, as on a
-// gloo Work. Waits spin briefly, then sleep on a futex (the other processes wake it), so polling
-// does not starve compute on a machine with few cores.
+// gloo Work. A caller that waits for an operation the worker has not started runs the channel's
+// queue itself, up to its operation, and saves the two thread hand-offs (caller to worker, worker
+// back to caller); the worker runs an operation nobody waited for within a grace period of its
+// issue (DBO: while the other ubatch computes), or at once when a caller waits behind it. Waits spin briefly, then sleep on a futex (the other processes wake it), so
+// polling does not starve compute on a machine with few cores.
 
 #pragma once
 
@@ -34,26 +37,34 @@ struct ShmOp {
   // per local rank p: bytes of ``input`` p receives (offset, length), and where the bytes p
   // sends land in ``output`` (offset, expected length)
   std::vector<int64_t> send_offsets, send_lengths, recv_offsets, recv_lengths;
+  int64_t issued_ns = 0;    // CLOCK_MONOTONIC
   int64_t deadline_ns = 0;  // CLOCK_MONOTONIC
+  std::atomic<bool> awaited{false};  // a caller waits for it: the worker runs it at once
   std::atomic<uint32_t> state{0};  // 0 pending, 1 done, 2 failed (futex word)
   std::atomic<uint32_t> waiters{0};
   std::string error;
 };
 
+class ShmComm;
+
 // One operation in flight: what Python's Work-like handle wraps.
 class ShmWork {
  public:
-  explicit ShmWork(std::shared_ptr<ShmOp> op) : op_(std::move(op)) {}
+  ShmWork(std::shared_ptr<ShmOp> op, std::shared_ptr<ShmComm> comm, int64_t channel)
+      : op_(std::move(op)), comm_(std::move(comm)), channel_(channel) {}
   // Blocks (GIL released) until done or ``timeout_s``; "" when done, else the error message
-  // (starting with "timed out" for a timeout).
+  // (starting with "timed out" for a timeout). Runs the operation on the calling thread when
+  // the channel's worker has not started it.
   std::string wait(double timeout_s);
   bool is_completed() const;
 
  private:
   std::shared_ptr<ShmOp> op_;
+  std::shared_ptr<ShmComm> comm_;  // keeps the segment mapped while the work can run
+  int64_t channel_;
 };
 
-class ShmComm {
+class ShmComm : public std::enable_shared_from_this<ShmComm> {
  public:
   // Maps segment ``name`` (creating it with ``segment_bytes`` when ``create``) for
   // ``num_local_ranks`` ranks, this one ``local_rank``; ``group_ranks``/``pids`` name each local
@@ -72,10 +83,16 @@ class ShmComm {
                                  std::vector<int64_t> recv_offsets,
                                  std::vector<int64_t> recv_lengths, double timeout_s);
   void close();
+  // Runs ``channel``'s queued operations on the calling thread, in issue order, until ``op`` is
+  // done, unless another thread is running that channel (then returns at once).
+  void run_until(int64_t channel, const ShmOp& op);
 
  private:
   struct Channel;
   void run_channel(Channel* channel);
+  // Runs the channel's first queued operation if it was issued before ``issued_before`` or is
+  // awaited; false when none did. The caller holds channel->run_mutex.
+  bool run_next(Channel* channel, int64_t issued_before);
   void run_op(Channel* channel, ShmOp& op);
   std::string wait_word(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters,
                         uint32_t target, int64_t peer, int64_t deadline_ns, const char* what);
