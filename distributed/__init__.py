@@ -27,6 +27,7 @@ from distributed.parallel_state import (
     TorchrunEnv,
     destroy_distributed,
     init_distributed,
+    init_parallel_groups,
     single_process_groups,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "TorchrunEnv",
     "destroy_distributed",
     "init_distributed",
+    "init_parallel_groups",
     "make_all2all_backend",
     "single_process_groups",
 ]

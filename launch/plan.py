@@ -5,7 +5,7 @@ From presets (a model, a device, a link, an EP size) or from one of our own time
 C and the communication M, the step time with DBO off and with N ubatches, the speedup, the
 crossovers, and prints the ``--dbo-decode-token-threshold`` / ``--dbo-prefill-token-threshold``
 it recommends. Overlap model: ``launch.planning.schedule``; every preset's source:
-``launch.planning.devices`` / ``links`` / ``model_presets``.
+``launch.planning.devices`` / ``links`` and ``moe.model_loader.presets``.
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def resolve(ns):
             [f"cost model: {model.describe()}", _link_line(model.link, "fitted link")],
         )
     from launch.planning.devices import resolve_device
-    from launch.planning.model_presets import PRESETS, load_model
     from launch.planning.roofline import RooflineCostModel, Workload
+    from moe.model_loader.presets import PRESETS, load_model
 
     name, config = load_model(ns.model)
     device = resolve_device(ns.device, ns.weight_dtype)

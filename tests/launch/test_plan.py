@@ -13,11 +13,11 @@ from dbo import Bucket
 from launch import plan
 from launch.planning.devices import DEVICE_PRESETS, DeviceSpec
 from launch.planning.links import DEEPEP_LL_GBYTES, LinkModel, deepep_link, from_gbps
-from launch.planning.model_presets import PRESETS, load_model
 from launch.planning.planner import bucket_prior, crossover, predict, step_ms, token_sweep
 from launch.planning.report import prior_table
 from launch.planning.roofline import RooflineCostModel, Workload
 from launch.planning.schedule import LayerCosts, simulate_layers, simulate_sglang_decode
+from moe.model_loader.presets import PRESETS, load_model
 
 # 1 ms on the wire per transfer (1e6 bytes at 1 GB/s), 0.1 ms latency
 LINK = LinkModel(name="test", latency_us=100, dispatch_gbytes=1.0, combine_gbytes=1.0)
