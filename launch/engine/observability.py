@@ -107,7 +107,7 @@ class EngineObservability:
 
     def record_step(self, out, *, num_preemptions: int) -> None:
         """After a step in which some DP rank had work (``out``: the model runner's
-        ``ModelRunnerOutput``; ``num_preemptions``: requests the scheduler preempted in it)."""
+        ``StepOutput``; ``num_preemptions``: requests the scheduler preempted in it)."""
         if self.profiler is not None:  # counts the same steps on every DP rank
             self.profiler.step()
         if out.ran_model:
@@ -188,7 +188,7 @@ class EngineObservability:
 
 
 def timeline_step_args(out) -> dict:
-    """The step span's args of a step that returned ``out`` (``ModelRunnerOutput``): its token
+    """The step span's args of a step that returned ``out`` (``StepOutput``): its token
     counts and ubatching, and with the adaptive policy whether it explored and in which bucket."""
     args = {
         "num_tokens": out.num_tokens,
