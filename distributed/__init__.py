@@ -28,6 +28,7 @@ from distributed.parallel_state import (
     TorchrunEnv,
     destroy_distributed,
     init_distributed,
+    init_parallel_groups,
     single_process_groups,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "debug_checks_enabled",
     "destroy_distributed",
     "init_distributed",
+    "init_parallel_groups",
     "make_prepare_finalize",
     "single_process_groups",
 ]

@@ -7,13 +7,17 @@ parallelism the expert-parallel (EP) group spans the same ranks, so ``ep_rank ==
 The DP group and the EP group are two separate ``new_group`` communicators, so the DP-wide
 microbatching vote and the expert all-to-all never share a tag sequence (nor a NCCL stream).
 Nothing here runs at import time; groups are returned, never stashed in module globals.
+``init_parallel_groups`` places the rank where the platform it is given says (device, backend,
+transport); this package imports no platform code.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -227,15 +231,35 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cpu") if device is None else torch.device(device)
     _init_default_group(env, backend, timeout)
+    return _new_groups(
+        env,
+        ep_size=env.world_size if enable_expert_parallel else 1,
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        num_ranks_on_device=num_ranks_on_device,
+        make_communicator=make_communicator or Communicator,
+    )
+
+
+def _new_groups(
+    env: TorchrunEnv,
+    *,
+    ep_size: int,
+    backend: str,
+    device: torch.device,
+    timeout: datetime.timedelta,
+    num_ranks_on_device: int,
+    make_communicator: Callable[[ProcessGroup], Communicator],
+) -> ParallelGroups:
+    """The DP group, the EP group when ``ep_size > 1``, and their communicators (collective)."""
     all_ranks = list(range(env.world_size))
     # Two separate communicators: DP-wide votes and expert all-to-alls never interleave on one tag
     # sequence, even when two ubatch threads issue them.
     dp_group = dist.new_group(all_ranks, timeout=timeout, backend=backend)
-    ep_size = env.world_size if enable_expert_parallel else 1
     ep_group = None
     if ep_size > 1:
         ep_group = dist.new_group(all_ranks, timeout=timeout, backend=backend)
-    make_communicator = make_communicator or Communicator
     dp_comm = make_communicator(dp_group)
     ep_comm = None if ep_group is None else make_communicator(ep_group)
     return ParallelGroups(
@@ -254,6 +278,51 @@ def init_distributed(
         num_ranks_on_device=num_ranks_on_device,
         dp_comm=dp_comm,
         ep_comm=ep_comm,
+    )
+
+
+def init_parallel_groups(
+    platform,
+    *,
+    data_parallel_size: int,
+    enable_expert_parallel: bool,
+    timeout_s: float,
+    share_devices: bool = False,
+) -> ParallelGroups:
+    """This rank's groups (``init_distributed``) on the device and process-group backend
+    ``platform`` (``moe.platforms.Platform``: its ``place_rank`` and ``make_communicator``)
+    places this rank on, from the torchrun environment. Collective: every rank calls it.
+    ``share_devices``: more ranks on the node than devices may share them (``--share-gpus``).
+
+    Raises:
+        ValueError: before any process group exists, if the platform cannot place this rank
+            (e.g. more ranks on the node than GPUs without ``share_devices``) or the torchrun
+            environment is bad; as ``init_distributed`` raises.
+    """
+    env = TorchrunEnv.from_environ()
+    placement = platform.place_rank(
+        local_rank=env.local_rank,
+        local_world_size=env.num_local_ranks,
+        share_devices=share_devices,
+    )
+    if placement.is_shared and env.rank == 0:
+        print(
+            f"moe-dbo: {placement.num_ranks_on_device} ranks share {placement.device}: process "
+            "groups on gloo, transfers staged through host memory",
+            file=sys.stderr,
+            flush=True,
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return init_distributed(
+        data_parallel_size=data_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        timeout_s=timeout_s,
+        backend=placement.dist_backend,
+        device=placement.device,
+        env=env,
+        num_ranks_on_device=placement.num_ranks_on_device,
+        # the platform's transport: shared memory between the ranks of a node on the CPU
+        make_communicator=functools.partial(platform.make_communicator, env=env, timeout=timeout),
     )
 
 

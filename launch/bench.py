@@ -131,14 +131,13 @@ def resolve_bench_model(args, overrides: dict):
     Raises:
         ValueError: overrides together with ``--model``, or an invalid resulting config.
     """
-    from launch.engine.embedded import EMBEDDED_MODEL_CONFIG
-    from launch.engine.llm_engine import ResolvedModel, resolve_model
     from moe import MoEModelConfig
+    from moe.model_loader import EMBEDDED_MODEL_CONFIG, ResolvedModel
 
     if args.model is not None:
         if overrides:
             raise ValueError(f"--model cannot be combined with shape overrides {overrides}")
-        return resolve_model(args)
+        return args.resolve_model()
     hf = {**EMBEDDED_MODEL_CONFIG, **overrides}
     hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_model_len or 0)
     return ResolvedModel(
@@ -146,6 +145,7 @@ def resolve_bench_model(args, overrides: dict):
         checkpoint_dir=None,
         max_model_len=args.max_model_len or hf["max_position_embeddings"],
         seed=args.seed,
+        load_format=args.load_format,
     )
 
 
@@ -211,9 +211,10 @@ def measure_step(engine, workload: Workload, label: str, args) -> dict:
     arm, num_ubatches = split_arm(label)
     set_arm(engine, label, args)
     workload.before_step()
-    first = len(engine.timeline)
+    timeline = engine.observability.timeline
+    first = len(timeline)
     engine.step()
-    spans = spans_from_recorder(engine.timeline, first)
+    spans = spans_from_recorder(timeline, first)
     (metrics,) = step_metrics(spans)
     (step_span,) = (s for s in spans if s.cat == "step")
     return {
@@ -359,29 +360,32 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from distributed import destroy_distributed
-    from launch.engine.llm_engine import LLMEngine, check_num_ubatches, init_parallel_groups
+    from distributed.all2all.ep_backend import check_num_ubatches
+    from launch.engine.llm_engine import LLMEngine
+    from launch.engine.startup import init_engine_groups
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
-    groups = init_parallel_groups(args)
+    groups = init_engine_groups(args)
     try:
         cost_ns = span_cost_ns()
         engine = LLMEngine(engine_args=args, model=model, groups=groups)
         for n in ns.ubatch_sizes:
             check_num_ubatches(engine.prepare_finalize, n)
         engine.scheduler.eos_token_ids = frozenset()  # random weights: never stop a batch early
+        observability = engine.observability
         if groups.rank == 0:
-            print(f"{PROG}: expert all-to-all: {engine.all2all_summary()}", flush=True)
-        engine.start_timeline()
-        if engine.profiler is not None:  # --profiler-config: every batch and arm
-            engine.start_profile()
+            print(f"{PROG}: expert all-to-all: {observability.all2all_summary()}", flush=True)
+        observability.start_timeline()
+        if observability.profiler is not None:  # --profiler-config: every batch and arm
+            observability.start_profile()
         per_spec = run_all_batches(engine, specs, arms, ns, args, model, groups.rank)
-        engine.stop_profile()
-        engine.write_timeline()
+        observability.stop_profile()
+        observability.write_timeline()
         everyone: list = [None] * groups.world_size
         dist.all_gather_object(everyone, (per_spec, cost_ns))  # blocking collective (timeout)
         if groups.rank == 0:
-            report(everyone, specs, ns, args, model, engine.all2all_summary())
+            report(everyone, specs, ns, args, model, observability.all2all_summary())
         if args.timeline_dir:
             dist.barrier(group=groups.dp_group)  # every rank's file is written before merging
             if groups.rank == 0:

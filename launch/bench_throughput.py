@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             args, {"--output-json": ns.output_json, "--output-tokens": ns.output_tokens}
         )
         TorchrunEnv.from_environ()  # a plain `python -m` run: one line, not a traceback later
-        from launch.engine.llm_engine import resolve_model
-
-        model = resolve_model(args)
+        model = args.resolve_model()
         requests = sample_requests(
             dataset_name=ns.dataset_name,
             dataset_path=ns.dataset_path,
@@ -142,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, rank, e)
 
     from distributed import destroy_distributed
-    from launch.engine.llm_engine import init_parallel_groups
+    from launch.engine.startup import init_engine_groups
 
-    groups = init_parallel_groups(args)
+    groups = init_engine_groups(args)
     try:
         result, tokens = benchmark(ns, args, model, requests, groups)
         if groups.rank == 0:
@@ -170,14 +168,15 @@ def benchmark(ns, args, model, requests, groups):
             engine, requests, first_id=len(requests), max_tokens=ns.warmup_output_len, dp=dp
         )
     roofline = _roofline(ns, engine, groups)
-    num_steps0, num_ubatched0 = engine.stats.num_steps, engine.stats.num_ubatched_steps
+    observability, stats = engine.observability, engine.observability.stats
+    num_steps0, num_ubatched0 = stats.num_steps, stats.num_ubatched_steps
     dist.barrier(group=groups.dp_group)  # blocking (group timeout): start the clock together
     if ns.profile:
-        engine.start_profile()
+        observability.start_profile()
     start = time.perf_counter()
     finished = run_requests(engine, requests, first_id=0, max_tokens=None, dp=dp)
     elapsed = time.perf_counter() - start
-    engine.stop_profile()
+    observability.stop_profile()
     mine = {
         "elapsed": elapsed,
         "tokens": [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in finished],
@@ -198,8 +197,8 @@ def benchmark(ns, args, model, requests, groups):
         requests_per_second=len(tokens) / elapsed,
         tokens_per_second=num_total / elapsed,
         output_tokens_per_second=num_output / elapsed,
-        num_steps=engine.stats.num_steps - num_steps0,
-        num_ubatched_steps=engine.stats.num_ubatched_steps - num_ubatched0,
+        num_steps=stats.num_steps - num_steps0,
+        num_ubatched_steps=stats.num_ubatched_steps - num_ubatched0,
         startup_s=startup_s,
         graph_capture_s=0.0 if capture is None else capture.seconds,
         graph_mode=capture is not None,
@@ -210,7 +209,7 @@ def benchmark(ns, args, model, requests, groups):
         cudagraph_mode=args.cudagraph_mode,
         num_whole_graphs=0 if capture is None else capture.num_whole_graphs,
     )
-    engine.write_timeline()
+    observability.write_timeline()
     if roofline is not None:
         print("\n".join(roofline.lines()), flush=True)
     return result, tokens

@@ -27,6 +27,7 @@ from launch.engine.arg_utils import (
     engine_args_from_namespace,
     fail,
 )
+from launch.engine.embedded import synthetic_prompts
 from launch.engine.output_paths import check_output_paths
 from launch.engine.request import SamplingParams, offset_seed
 from launch.engine.startup import seconds_since_process_start
@@ -75,9 +76,8 @@ def load_checked_prompts(ns, offline_model: OfflineModel) -> list[ParsedPrompt]:
     if ns.prompts:
         prompts = read_prompts(ns.prompts)
     else:
-        prompts = [
-            ParsedPrompt(text=None, token_ids=tuple(ids)) for ids in resolved.synthetic_prompts()
-        ]
+        ids = synthetic_prompts(seed=resolved.seed, vocab_size=resolved.config.vocab_size)
+        prompts = [ParsedPrompt(text=None, token_ids=tuple(p)) for p in ids]
     prompts = encode_prompts(
         prompts,
         offline_model.tokenizer,
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM.from_engine_args(args, offline_model)
         if llm.dp_rank == 0:
-            print(f"{PROG}: expert all-to-all: {llm.llm_engine.all2all_summary()}", flush=True)
+            all2all = llm.llm_engine.observability.all2all_summary()
+            print(f"{PROG}: expert all-to-all: {all2all}", flush=True)
         run(llm, ns, args, prompts)
     except Exception as e:  # noqa: BLE001 - every failure ends this rank with one clear line
         fail(PROG, rank, describe_failure(e, None if llm is None else llm.heartbeat), status=1)
@@ -145,7 +146,7 @@ def run(llm, ns, args, prompts: list[ParsedPrompt]) -> None:
         for index in share
     ]
     startup_s = seconds_since_process_start()  # the first step starts now
-    if llm.llm_engine.profiler is not None:  # --profiler-config: the whole generation
+    if llm.llm_engine.observability.profiler is not None:  # --profiler-config: the whole run
         llm.start_profile()
     start = time.perf_counter()
     outputs = llm.generate(
@@ -153,7 +154,7 @@ def run(llm, ns, args, prompts: list[ParsedPrompt]) -> None:
     )
     elapsed = time.perf_counter() - start
     llm.stop_profile()
-    llm.llm_engine.write_timeline()
+    llm.llm_engine.observability.write_timeline()
     mine = [
         output_line(index, prompts[index], out.outputs[0], has_text=llm.get_tokenizer() is not None)
         for index, out in zip(share, outputs, strict=True)
@@ -200,7 +201,8 @@ def report(
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(line) + "\n" for line in results)
-    stats = engine.stats
+    observability = engine.observability
+    stats = observability.stats
     num_generated = sum(len(line["output_token_ids"]) for line in results)
     num_failed = sum("error" in line for line in results)
     print(
@@ -208,15 +210,15 @@ def report(
         f"({num_generated / max(elapsed, 1e-9):.1f} tokens/s) "
         f"over {engine.groups.dp_size} DP rank(s); "
         f"{stats.num_steps} steps, {stats.num_ubatched_steps} microbatched (DBO); "
-        f"all2all {engine.all2all_summary()}; "
+        f"all2all {observability.all2all_summary()}; "
         f"start-up {startup_s:.2f} s (process start to first step, rank 0)"
         + (f"; {num_failed} prompt(s) failed (see 'error' in the output)" if num_failed else "")
         + (f"; wrote {output}" if output else ""),
         flush=True,
     )
-    if engine.dbo_summary():
-        print(f"{PROG}: {engine.dbo_summary()}", flush=True)
-    print(f"{PROG}: rank 0 memory: {engine.memory.summary()}", flush=True)
+    if observability.dbo_summary():
+        print(f"{PROG}: {observability.dbo_summary()}", flush=True)
+    print(f"{PROG}: rank 0 memory: {observability.memory.summary()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ From presets (a model, a device, a link, an EP size) or from one of our own time
 C and the communication M, the step time with DBO off and with N ubatches, the speedup, the
 crossovers, and prints the ``--dbo-decode-token-threshold`` / ``--dbo-prefill-token-threshold``
 it recommends. Overlap model: ``dbo.planning.schedule``; every preset's source:
-``dbo.planning.devices`` / ``dbo.planning.links`` / ``launch.planning.model_presets``.
+``dbo.planning.devices`` / ``dbo.planning.links`` / ``moe.model_loader.presets``.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def resolve(ns):
         )
     from dbo.planning.devices import resolve_device
     from dbo.planning.roofline_model import RooflineCostModel, Workload
-    from launch.planning.model_presets import PRESETS, load_model
+    from moe.model_loader.presets import PRESETS, load_model
 
     name, config = load_model(ns.model)
     device = resolve_device(ns.device, ns.weight_dtype)

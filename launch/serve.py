@@ -30,8 +30,9 @@ from launch.engine.arg_utils import (
     fail,
     print_error,
 )
-from launch.engine.llm_engine import LLMEngine, init_parallel_groups, resolve_model
+from launch.engine.llm_engine import LLMEngine
 from launch.engine.output_paths import check_output_paths
+from launch.engine.startup import init_engine_groups
 from launch.serving.frontend_args import add_frontend_args, frontend_args_from_namespace
 
 PROG = "launch.serve"
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from distributed import destroy_distributed
     from distributed.liveness import Heartbeat
 
-    groups = init_parallel_groups(args)
+    groups = init_engine_groups(args)
     # names the peer that stopped answering when a collective times out
     heartbeat = Heartbeat(
         rank=groups.rank, world_size=groups.world_size, should_beat=watch.is_launcher_alive
@@ -155,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics=metrics,
     )
     _serve(loop, http, rank, heartbeat)
-    engine.stop_profile()  # a profile still recording at shutdown: its trace is written
-    timeline_path = engine.write_timeline()  # with --timeline-dir: the steps served until now
+    # a profile still recording at shutdown: its trace is written
+    engine.observability.stop_profile()
+    # with --timeline-dir: the steps served until now
+    timeline_path = engine.observability.write_timeline()
     watch.stop()
     heartbeat.stop()
     destroy_distributed()
@@ -184,7 +187,7 @@ def _check_inputs(ns: argparse.Namespace, world_size: int):
             f"got {ns.shutdown_timeout}"
         )
     check_output_paths(args)
-    model = resolve_model(args)
+    model = args.resolve_model()
     from launch.text.chat_template import load_chat_template
     from launch.text.detokenizer import load_tokenizer
 
@@ -276,7 +279,7 @@ def _start_http(ns, model, tokenizer, chat_template, engine: LLMEngine, frontend
             max_num_seqs=engine.args.max_num_seqs, dp_size=engine.groups.dp_size
         ),
         engine_stall_timeout_s=frontend.engine_stall_timeout_s,
-        profiling=engine.profiler is not None,
+        profiling=engine.observability.profiler is not None,
     )
     http = HTTPServerThread(config, host=ns.host, port=ns.port)
     http.start()

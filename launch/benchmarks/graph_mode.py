@@ -54,12 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.engine.arg_utils import EngineArgs
     from launch.engine.graph_mode import graph_cache_dir
-    from launch.engine.llm_engine import resolve_model
     from moe import build_model, init_random_weights, load_checkpoint
     from moe.compilation import GraphModeModel
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", graph_cache_dir())
-    resolved = resolve_model(EngineArgs(model=ns.model, dtype=ns.dtype))
+    resolved = EngineArgs(model=ns.model, dtype=ns.dtype).resolve_model()
     dtype = getattr(torch, ns.dtype)
     model = build_model(resolved.config, dtype=dtype)
     if ns.model:

@@ -335,6 +335,23 @@ class EngineArgs:
 
         return profiler_config(self.profiler_config)
 
+    def resolve_model(self):
+        """``--model`` / ``--load-format`` / ``--max-model-len`` / ``--seed`` as the model to
+        serve, read and checked before any process group exists (``moe.model_loader``'s
+        ``ResolvedModel``; vLLM's ``create_model_config``).
+
+        Raises:
+            ValueError / OSError: as ``moe.model_loader.resolve_model`` raises them.
+        """
+        from moe.model_loader import resolve_model
+
+        return resolve_model(
+            self.model,
+            load_format=self.load_format,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+
     def link_spec(self):
         """``--emulate-link`` parsed (``distributed.LinkSpec``), or None when not given."""
         if self.emulate_link is None:

@@ -15,6 +15,9 @@ are processes on one host, and each would claim 92 % of the machine. The default
 that vLLM's CPU backend documented for ``VLLM_CPU_KVCACHE_SPACE`` (``vllm/envs.py``); before it
 the engine allocated max-num-seqs full-length requests, 18-34 GB per rank on the medium
 checkpoint. On a GPU, a fixed 4 GiB would leave most of a 140 GiB device idle.
+
+``size_engine_kv_cache`` and ``size_kv_cache_from_memory`` apply these rules to an engine's model
+and flags (``EngineArgs``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from launch.engine.profile_run import profile_run
 from moe.platforms import DeviceMemory
 
 GIB = 1 << 30
@@ -167,4 +171,64 @@ def size_kv_cache(
         source += f"; capped at --max-num-seqs {max_num_seqs} full-length requests"
     return KVCacheSizing(
         num_blocks=num_blocks, block_size=block_size, block_bytes=block_bytes, source=source
+    )
+
+
+def sizes_from_device_memory(args, platform, device) -> bool:
+    """Whether ``args`` (``EngineArgs``) leave the cache to what the weights and a profile step
+    leave of ``device``'s memory: no KV flag, and ``platform`` reports the device's memory (a
+    GPU). Then the cache is sized after the load; otherwise before it, so that a budget too small
+    for one request fails in seconds."""
+    return (
+        args.num_gpu_blocks_override is None
+        and args.kv_cache_memory_bytes is None
+        and platform.device_memory(device) is not None
+    )
+
+
+def size_engine_kv_cache(
+    model, args, *, dtype, max_model_len: int, device_budget: tuple[int, str] | None = None
+) -> KVCacheSizing:
+    """``size_kv_cache`` for ``model`` (an ``MoEForCausalLM`` whose cache is in ``dtype``) and
+    the flags of ``args`` (``EngineArgs``). Raises ValueError as ``size_kv_cache``."""
+    return size_kv_cache(
+        bytes_per_token=model.kv_cache_bytes_per_token(dtype),
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        device_budget=device_budget,
+    )
+
+
+def size_kv_cache_from_memory(
+    model, args, *, groups, platform, dtype, max_model_len: int
+) -> KVCacheSizing:
+    """The profile step at ``--max-num-batched-tokens`` (``profile_run``, collective over EP),
+    then the sizing from ``--gpu-memory-utilization`` of the device's memory minus what is in use
+    (``groups``: the rank's ``distributed.ParallelGroups``; ``platform`` reads the memory).
+
+    Raises:
+        ValueError: no memory left, or not enough for one request (``size_kv_cache``).
+    """
+    device = groups.device
+    platform.reset_peak_memory(device)
+    profile_run(
+        model,
+        num_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        dtype=dtype,
+        groups=groups,
+    )
+    budget = device_memory_budget(
+        platform.device_memory(device),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        profile_num_tokens=args.max_num_batched_tokens,
+        num_ranks_on_device=groups.num_ranks_on_device,
+    )
+    return size_engine_kv_cache(
+        model, args, dtype=dtype, max_model_len=max_model_len, device_budget=budget
     )

@@ -1,10 +1,13 @@
-"""When this process started, for the start-up time the entry points print (process start -> first
-step: interpreter, imports, model build and load, KV cache, process groups)."""
+"""The engine's start-up: when this process started (for the start-up time the entry points print:
+process start -> first step: interpreter, imports, model build and load, KV cache, process groups),
+the rank's process groups from the flags, the compute dtype and its log lines, the model built
+under the process-wide op settings, and the GC heap frozen once it is all built."""
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 
 _IMPORT_TIME = time.time()  # fallback: when this module was first imported
@@ -44,3 +47,74 @@ def freeze_gc_heap() -> None:
     process)."""
     gc.collect()  # a full collection (generation 2 includes the younger ones)
     gc.freeze()
+
+
+def log_startup(rank: int, line: str) -> None:
+    """One start-up line on stderr, from rank 0 only."""
+    if rank == 0:
+        print(f"moe-dbo: {line}", file=sys.stderr, flush=True)
+
+
+def select_compute_dtype(args, platform, groups):
+    """The torch dtype the model runs in (``platform``'s answer for ``args.dtype``; ``args``:
+    ``EngineArgs``, ``groups``: ``distributed.ParallelGroups``); logs the platform, the device,
+    the attention backend, the collectives, the platform's config notes and why the dtype differs
+    from the request, if it does."""
+    chosen = args.compute_dtype()
+    for line in (
+        platform.describe(),
+        f"device {platform.describe_device(groups.device)}",
+        f"attention backend {args.attention_backend}",
+    ):
+        log_startup(groups.rank, line)
+    if groups.dp_comm is not None:
+        log_startup(groups.rank, f"collectives over {groups.dp_comm.backend}")
+    for note in args.platform_notes:
+        log_startup(groups.rank, note)
+    if chosen.reason is not None:
+        as_name = str(chosen.dtype).removeprefix("torch.")
+        log_startup(groups.rank, f"--dtype {args.dtype} runs as {as_name}: {chosen.reason}")
+    return chosen.dtype
+
+
+def build_rank_model(args, config, *, dtype, groups, prepare_finalize):
+    """The model of ``config`` (``MoEModelConfig``) in ``dtype`` with this rank's experts
+    (``groups``), over ``prepare_finalize`` (None without expert parallelism); weights not loaded
+    yet. First sets the process-wide op choices of ``args`` (``EngineArgs``): general plugins,
+    ``--custom-ops``, ``--attention-backend``. Raises ValueError as ``moe.build_model``."""
+    # imported here: the entry points import this module for the start time, before any model
+    from moe.layers.attention_backend import AttentionBackendEnum
+    from moe.layers.attention_selector import set_attention_backend
+    from moe.models.registry import build_model
+    from moe.platforms.custom_op import set_custom_ops
+    from moe.platforms.plugins import load_general_plugins
+
+    # plugins may register out-of-tree ops; both must precede the build (ops bind at build)
+    load_general_plugins()
+    set_custom_ops(args.custom_ops)
+    set_attention_backend(AttentionBackendEnum(args.attention_backend))
+    return build_model(
+        config,
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        prepare_finalize=prepare_finalize,
+        dtype=dtype,
+        device=groups.device,
+    )
+
+
+def init_engine_groups(args):
+    """This rank's ``distributed.ParallelGroups`` for ``args`` (``EngineArgs``: DP size, expert
+    parallelism, ``--distributed-timeout-s``, ``--share-gpus``) on the current platform, from the
+    torchrun environment. Collective: every rank calls it. Raises as
+    ``distributed.init_parallel_groups``."""
+    from distributed import init_parallel_groups
+    from moe.platforms.plugins import current_platform
+
+    return init_parallel_groups(
+        current_platform(),
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        timeout_s=args.distributed_timeout_s,
+        share_devices=args.share_gpus,
+    )

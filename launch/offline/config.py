@@ -102,7 +102,7 @@ def is_launched_by_torchrun(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OfflineModel:
-    """The resolved model (``launch.engine.llm_engine.ResolvedModel``), the directory its
+    """The resolved model (``moe.model_loader.ResolvedModel``), the directory its
     tokenizer was looked for in, the tokenizer (None: token-id prompts only) and the chat
     template (None: ``LLM.chat`` needs ``chat_template=``)."""
 
@@ -117,14 +117,14 @@ def load_offline_model(args: EngineArgs, tokenizer: str | None = None) -> Offlin
     given, else the checkpoint directory).
 
     Raises:
-        ValueError / OSError: as ``resolve_model``, ``load_tokenizer`` and ``load_chat_template``
+        ValueError / OSError: as ``EngineArgs.resolve_model``, ``load_tokenizer`` and
+            ``load_chat_template``
             raise them, or a ``tokenizer`` directory without ``tokenizer.json``.
     """
-    from launch.engine.llm_engine import resolve_model
     from launch.text.chat_template import load_chat_template
     from launch.text.detokenizer import load_tokenizer
 
-    resolved = resolve_model(args)
+    resolved = args.resolve_model()
     tokenizer_dir = args.model if tokenizer is None else os.fspath(tokenizer)
     loaded = load_tokenizer(tokenizer_dir)
     if tokenizer is not None and loaded is None:

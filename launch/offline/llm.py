@@ -91,18 +91,22 @@ class LLM:
         return llm
 
     def _start(self, args, offline_model: OfflineModel, by_torchrun: bool) -> None:
+        from distributed import single_process_groups
         from distributed.liveness import Heartbeat
-        from launch.engine.llm_engine import LLMEngine, init_parallel_groups, single_rank_groups
+        from launch.engine.llm_engine import LLMEngine
+        from launch.engine.startup import init_engine_groups
+        from moe.platforms.plugins import current_platform
 
         self.offline_model = offline_model
         self.heartbeat = None
         self._owns_process_groups = by_torchrun
         self._ids = request_ids()
         if by_torchrun:
-            groups = init_parallel_groups(args)  # the platform's distributed backend
+            groups = init_engine_groups(args)  # the platform's distributed backend
             self.heartbeat = Heartbeat(rank=groups.rank, world_size=groups.world_size).start()
         else:
-            groups = single_rank_groups(args)
+            device = current_platform().place_rank().device
+            groups = single_process_groups(args.distributed_timeout_s, device)
         atexit.register(self.shutdown)
         try:
             self.llm_engine = LLMEngine(
@@ -134,12 +138,12 @@ class LLM:
             RuntimeError: the LLM was built without ``profiler_config``.
             ValueError: a prefix other than letters, digits, ``_``, ``.``, ``-`` (1-64).
         """
-        self.llm_engine.start_profile(profile_prefix)
+        self.llm_engine.observability.start_profile(profile_prefix)
 
     def stop_profile(self) -> None:
         """Stop this rank's profiler and write its trace (``torch_profiler_dir``); nothing when
         it is not on."""
-        self.llm_engine.stop_profile()
+        self.llm_engine.observability.stop_profile()
 
     def shutdown(self) -> None:
         """Stop the profiler (writing its trace) and the heartbeat, and destroy the process
@@ -147,7 +151,7 @@ class LLM:
         atexit.unregister(self.shutdown)
         engine = getattr(self, "llm_engine", None)
         if engine is not None:
-            engine.stop_profile()
+            engine.observability.stop_profile()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

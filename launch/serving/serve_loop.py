@@ -222,8 +222,8 @@ class ServeLoop:
             )
             # rank 0's policy: every rank's is identical (fed the same combined vote data)
             self.metrics.set_dbo_adaptive(
-                crossover_tokens=self.engine.dbo_crossover_tokens(),
-                num_exploration_steps=self.engine.stats.num_dbo_exploration_steps,
+                crossover_tokens=self.engine.observability.dbo_crossover_tokens(),
+                num_exploration_steps=self.engine.observability.stats.num_dbo_exploration_steps,
             )
 
     def _apply(self, orders: ControlOrders) -> None:
@@ -257,9 +257,9 @@ class ServeLoop:
         for action in actions:
             try:
                 if action == "start":
-                    self.engine.start_profile()
+                    self.engine.observability.start_profile()
                 else:
-                    self.engine.stop_profile()
+                    self.engine.observability.stop_profile()
                 errors.append(None)
             except Exception as e:  # noqa: BLE001 - answered to the order's client, not fatal
                 errors.append(f"[rank {self.dp_rank}] {type(e).__name__}: {e}")
@@ -274,7 +274,7 @@ class ServeLoop:
         self._profile_orders_sent = []
 
     def _step(self) -> RankReport:
-        stats = self.engine.stats
+        stats = self.engine.observability.stats
         num_ubatched = stats.num_ubatched_steps
         start = time.perf_counter()
         finished, _ = self.engine.step()
@@ -320,7 +320,7 @@ class ServeLoop:
             outputs=tuple(outputs),
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
-            num_preemptions=self.engine.stats.num_preemptions,
+            num_preemptions=self.engine.observability.stats.num_preemptions,
             kv_cache_usage=engine.kv_cache_usage,
             wants_shutdown=self.stop_requested(),
             profile_errors=profile_errors,

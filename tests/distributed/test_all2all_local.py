@@ -257,7 +257,7 @@ def test_make_prepare_finalize_routes_options_by_the_class_attribute(monkeypatch
 def test_only_deepeps_own_low_latency_kernels_limit_the_ubatches_in_flight():
     from distributed import DeepEPLLPrepareAndFinalize
     from distributed.all2all.deepep_buffer import DEEPEP_KERNELS
-    from launch.engine.llm_engine import check_num_ubatches
+    from distributed.all2all.ep_backend import check_num_ubatches
 
     class KernelBuffer:  # stands in for deep_ep.Buffer: only its name is read at construction
         implementation = DEEPEP_KERNELS

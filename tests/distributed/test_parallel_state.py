@@ -163,13 +163,14 @@ def _gloo_worker_threads() -> int:
 def _engine_then_destroy(rank, world_size, model_dir):
     import gc
 
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from launch.engine.request import Request, SamplingParams
     from tests.helpers.engine import dbo_test_engine_args
 
     groups = init_distributed(data_parallel_size=world_size, enable_expert_parallel=True)
     args = dbo_test_engine_args(model_dir, world_size, enable_dbo=False)
-    engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)  # freezes the GC
+    # freezes the GC
+    engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
     engine.add_request(
         Request(request_id=rank, prompt_token_ids=[3, 4, 5], sampling_params=SamplingParams())
     )

@@ -34,14 +34,14 @@ def record(outputs) -> list[dict]:
 
 def refused(llm: LLM, prompts) -> dict:
     """A call with bad input: the error every rank raises, and whether any step ran."""
-    num_steps = llm.llm_engine.stats.num_steps
+    num_steps = llm.llm_engine.observability.stats.num_steps
     try:
         llm.generate(prompts, use_tqdm=False)
     except (TypeError, ValueError) as e:
         return {
             "type": type(e).__name__,
             "message": str(e),
-            "num_steps": llm.llm_engine.stats.num_steps - num_steps,
+            "num_steps": llm.llm_engine.observability.stats.num_steps - num_steps,
         }
     return {"type": None}
 
@@ -76,7 +76,7 @@ def main(model_dir: str, out_dir: str, prompts: list[list[int]]) -> None:
         "bad_prompt": refused(llm, [text_of(mine[0])] if rank == 0 else [3.5]),
         # rank 1 has nothing to do: it runs dummy batches while rank 0 generates
         "one_rank_idle": record(llm.generate([text_of(prompts[0])] if rank == 0 else [], greedy)),
-        "num_ubatched_steps": llm.llm_engine.stats.num_ubatched_steps,
+        "num_ubatched_steps": llm.llm_engine.observability.stats.num_ubatched_steps,
     }
     with open(f"{out_dir}/rank{rank}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)

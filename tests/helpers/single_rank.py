@@ -8,7 +8,7 @@ from distributed import single_process_groups
 def single_rank_engine(model_dir: str, **overrides):
     """float32 engine, max_model_len 64, block size 4, plus ``overrides`` (EngineArgs fields)."""
     from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         **{
@@ -20,5 +20,5 @@ def single_rank_engine(model_dir: str, **overrides):
         }
     )
     return LLMEngine(
-        engine_args=args, model=resolve_model(args), groups=single_process_groups(timeout_s=60)
+        engine_args=args, model=args.resolve_model(), groups=single_process_groups(timeout_s=60)
     )

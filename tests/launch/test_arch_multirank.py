@@ -53,7 +53,7 @@ def _shared_in_combine(spans) -> list[tuple[int, int, int, int]]:
 
 def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
     from distributed import init_distributed
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     groups = init_distributed(  # the engine's transport: shared memory on one host
         data_parallel_size=world_size,
@@ -70,13 +70,15 @@ def _rank_fn(rank, world_size, model_dirs, prompts, timeline_dir):
                 enable_dbo,
                 timeline_dir=timeline_dir if enable_dbo else None,
             )
-            engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+            engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
             results[model_type, enable_dbo] = run_engine_steps(
                 engine, prompts, groups.dp_rank, groups.dp_size
             )
             if enable_dbo:
-                results[model_type, "timeline"] = _shared_in_combine(engine.timeline.spans())
-                engine.write_timeline()
+                results[model_type, "timeline"] = _shared_in_combine(
+                    engine.observability.timeline.spans()
+                )
+                engine.observability.write_timeline()
     return results
 
 

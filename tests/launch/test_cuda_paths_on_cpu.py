@@ -48,7 +48,7 @@ def _cuda_ops_on_cpu():
 
 
 def _rank_fn(rank, world_size, model_dirs, prompts, attention_backend=None):
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from moe.layers import flex_attention as flex_module
     from tests.helpers.gpu import placed_groups
 
@@ -67,7 +67,7 @@ def _rank_fn(rank, world_size, model_dirs, prompts, attention_backend=None):
                 attention_backend=attention_backend,
                 num_gpu_blocks_override=64,  # eager flex_attention scores every cache slot
             )
-            engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+            engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
             experts = [m for m in engine.model.modules() if type(m).__name__ == "TorchExperts"]
             assert {e.forward_path for e in experts} == {"forward_cuda"}
             assert engine.model_runner.platform.issue_before_recv_hook is False

@@ -228,7 +228,7 @@ def test_piece_outputs_are_cloned_only_inside_a_dbo_ubatch(monkeypatch):
 def _cuda_engine(model_dir, device, attention_backend, **overrides):
     from distributed import single_process_groups
     from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         model=model_dir,
@@ -239,7 +239,7 @@ def _cuda_engine(model_dir, device, attention_backend, **overrides):
         **overrides,
     )
     groups = single_process_groups(timeout_s=60, device=device)
-    return LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+    return LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
 
 
 @pytest.mark.gpu

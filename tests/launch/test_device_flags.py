@@ -43,7 +43,7 @@ def test_share_gpus_and_load_format_parse_with_vllms_spelling():
 
 
 def test_two_ranks_on_one_gpu_are_refused_before_any_process_group(one_fake_gpu, monkeypatch):
-    from launch.engine.llm_engine import init_parallel_groups
+    from launch.engine.startup import init_engine_groups
 
     for key, value in dict(
         RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
@@ -52,7 +52,7 @@ def test_two_ranks_on_one_gpu_are_refused_before_any_process_group(one_fake_gpu,
     monkeypatch.setenv("MASTER_PORT", "29999")
     args = EngineArgs(data_parallel_size=2, dtype="float32", enforce_eager=True)
     with pytest.raises(ValueError, match=r"^2 ranks on this node but 1 CUDA device\(s\) visible"):
-        init_parallel_groups(args)
+        init_engine_groups(args)
     assert not dist.is_initialized()
 
 
@@ -141,9 +141,11 @@ def test_graph_mode_pieces_return_tuples_on_this_torch():
 
 
 def test_load_format_dummy_takes_a_preset_name_for_real_shapes():
-    from launch.engine.llm_engine import resolve_model
+    from moe.model_loader import resolve_model
 
-    olmoe = resolve_model(EngineArgs(model="OLMoE-1B-7B", load_format="dummy", dtype="float32"))
+    dummy = {"load_format": "dummy", "max_model_len": None, "seed": 0}
+
+    olmoe = resolve_model("OLMoE-1B-7B", **dummy)
     c = olmoe.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_experts, c.num_experts_per_tok) == (
         16,
@@ -151,9 +153,9 @@ def test_load_format_dummy_takes_a_preset_name_for_real_shapes():
         64,
         8,
     )
-    qwen3 = resolve_model(EngineArgs(model="qwen3-30b-a3b", load_format="dummy", dtype="float32"))
+    qwen3 = resolve_model("qwen3-30b-a3b", **dummy)
     assert qwen3.config.num_experts == 128
     with pytest.raises(FileNotFoundError, match=r"nor a preset \(\['DeepSeek-V3', "):
-        resolve_model(EngineArgs(model="no-such-model", load_format="dummy", dtype="float32"))
+        resolve_model("no-such-model", **dummy)
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
-        resolve_model(EngineArgs(model="OLMoE-1B-7B", dtype="float32"))  # weights wanted
+        resolve_model("OLMoE-1B-7B", **{**dummy, "load_format": "auto"})  # weights wanted

@@ -27,7 +27,7 @@ from tests.helpers.precision import reference_model
 
 def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
     from distributed import init_distributed
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     groups = init_distributed(  # the engine's transport: shared memory on one host
         data_parallel_size=world_size,
@@ -47,7 +47,7 @@ def _rank_fn(rank, world_size, model_dir, prompts, backends, dtype):
                 dtype=dtype,
                 ubatch_size=num_ubatches,
             )
-            engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+            engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
             results[backend, num_ubatches] = run_engine_steps(
                 engine, prompts, groups.dp_rank, groups.dp_size
             )

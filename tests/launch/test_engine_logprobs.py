@@ -21,7 +21,7 @@ ATOL = 1e-4
 def _rank_fn(rank, world_size, model_dir, prompts):
     from distributed import init_distributed
     from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from launch.engine.request import Request, SamplingParams
 
     args = EngineArgs(
@@ -37,7 +37,7 @@ def _rank_fn(rank, world_size, model_dir, prompts):
     groups = init_distributed(
         data_parallel_size=world_size, enable_expert_parallel=True, timeout_s=60
     )
-    engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+    engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
     kinds = [
         SamplingParams(max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True),  # greedy
         SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),  # no logprobs asked

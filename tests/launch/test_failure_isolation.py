@@ -52,7 +52,7 @@ def _run(engine, rank: int, requests) -> dict[int, tuple]:
 
 def _rank_fn(rank, world_size, model_dir):
     from distributed import init_distributed
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from tests.helpers.engine import dbo_test_engine_args
 
     groups = init_distributed(
@@ -61,7 +61,7 @@ def _rank_fn(rank, world_size, model_dir):
     results = {}
     for poisoned in (False, True):
         args = dbo_test_engine_args(model_dir, world_size, enable_dbo=True, dtype="float64")
-        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+        engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
         if poisoned:
             sampler = engine.model_runner.sampler
 
@@ -72,7 +72,7 @@ def _rank_fn(rank, world_size, model_dir):
 
             engine.model_runner.sampler = failing_sampler
         results[poisoned] = _run(engine, rank, _requests(poisoned))
-        results[poisoned, "ubatched"] = engine.stats.num_ubatched_steps
+        results[poisoned, "ubatched"] = engine.observability.stats.num_ubatched_steps
         if poisoned:
             kv = engine.kv_cache_manager
             results["free_blocks"] = (kv.num_free_blocks, kv.num_blocks)

@@ -35,7 +35,7 @@ DEVICE_TYPES = ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, NEEDS_CUDA))
 def _engine(model_dir: str, device: torch.device, **overrides):
     from distributed import single_process_groups
     from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         **{
@@ -50,7 +50,7 @@ def _engine(model_dir: str, device: torch.device, **overrides):
         }
     )
     groups = single_process_groups(timeout_s=60, device=device)
-    return LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+    return LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
 
 
 def _one_decode_step(engine) -> None:
@@ -122,7 +122,7 @@ def test_the_kv_cache_takes_the_free_memory_a_profile_step_leaves(tiny_mixtral_d
         sizing = engine.kv_cache_sizing
         assert "in use after a profile step at 1024 tokens" in sizing.source
         assert 0 < sizing.num_bytes <= 0.05 * total
-        assert engine.memory.kv_cache_bytes == sizing.num_bytes
+        assert engine.observability.memory.kv_cache_bytes == sizing.num_bytes
         assert torch.cuda.max_memory_allocated(device) <= 0.05 * total
         _one_decode_step(engine)
 
@@ -140,9 +140,9 @@ def test_a_profile_of_a_decode_step_records_the_devices_kernels(
     with device_platform(device_type):
         engine = _engine(tiny_mixtral_dir, torch.device(device_type, 0), profiler_config=config)
         _one_decode_step(engine)
-        engine.start_profile()
+        engine.observability.start_profile()
         engine.step()
-        engine.stop_profile()
+        engine.observability.stop_profile()
     (trace,) = tmp_path.glob("rank0.*.pt.trace.json.gz")
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -243,7 +243,7 @@ def test_flex_attention_logits_equal_transformers(tiny_mixtral_dir):
 
 
 def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from tests.helpers.engine import dbo_test_engine_args
     from tests.helpers.gpu import placed_groups
 
@@ -258,7 +258,7 @@ def _shared_device_rank(rank, world_size, device_type, model_dir, prompts):
             dtype="float64",
             kv_cache_memory_bytes=DEFAULT_KV_CACHE_MEMORY_BYTES,  # two engines per process
         )
-        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+        engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
         results[enable_dbo] = run_engine_steps(engine, prompts, groups.dp_rank, groups.dp_size)
     return placement.dist_backend, str(placement.device), results
 

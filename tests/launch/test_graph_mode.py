@@ -25,7 +25,7 @@ NUM_STEPS = 3  # prefill + 2 decode steps
 
 def _engine(model_dir, world_size, *, enable_dbo, capture_sizes, groups):
     from launch.engine.arg_utils import EngineArgs
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         model=model_dir,
@@ -40,7 +40,7 @@ def _engine(model_dir, world_size, *, enable_dbo, capture_sizes, groups):
         enforce_eager=capture_sizes is None,
         cudagraph_capture_sizes=capture_sizes,
     )
-    return LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+    return LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
 
 
 def _steps(engine, prompts, dp_rank, dp_size, max_tokens=8):
@@ -121,7 +121,8 @@ def test_graph_mode_equals_eager_dp_ep_dbo(tiny_mixtral_dir, tiny_prompts, trans
 
 @pytest.mark.slow
 def test_graph_mode_equals_eager_embedded_model():
-    from launch.engine.embedded import EMBEDDED_MODEL_CONFIG, synthetic_prompts
+    from launch.engine.embedded import synthetic_prompts
+    from moe.model_loader import EMBEDDED_MODEL_CONFIG
 
     prompts = synthetic_prompts(seed=0, vocab_size=EMBEDDED_MODEL_CONFIG["vocab_size"])[:6]
     # 6 prompts of 16-48 tokens: the prefill (> 16 rows) runs eagerly, the decodes in bucket 8

@@ -103,7 +103,7 @@ def test_engine_allocates_the_budget_and_fails_early_below_one_request(tiny_mixt
     block_bytes = probe.kv_cache_sizing.block_bytes
     engine = single_rank_engine(tiny_mixtral_dir, kv_cache_memory_bytes=20 * block_bytes)
     assert engine.kv_cache_manager.num_blocks == 20
-    assert engine.memory.kv_cache_bytes == 20 * block_bytes
+    assert engine.observability.memory.kv_cache_bytes == 20 * block_bytes
     assert "KV cache 20 blocks x 4 tokens" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs 16 blocks"):  # max_model_len 64 / block size 4
         single_rank_engine(tiny_mixtral_dir, kv_cache_memory_bytes=15 * block_bytes)
@@ -215,13 +215,13 @@ class _MemoryReportingCpu(CpuPlatform):
 def test_engine_sizes_the_cache_from_reported_memory_after_a_profile_step(
     tiny_mixtral_dir, capsys, monkeypatch
 ):
-    from launch.engine import llm_engine
+    from launch.engine import kv_cache_sizing
 
     def spy(model, **kwargs):
         platform.calls.append(f"profile {kwargs['num_tokens']} tokens")
         return profile_run(model, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "profile_run", spy)
+    monkeypatch.setattr(kv_cache_sizing, "profile_run", spy)
     probe = single_rank_engine(tiny_mixtral_dir, num_gpu_blocks_override=1)
     block_bytes = probe.kv_cache_sizing.block_bytes
     platform = _MemoryReportingCpu(
@@ -235,7 +235,7 @@ def test_engine_sizes_the_cache_from_reported_memory_after_a_profile_step(
         )
         # 50 blocks of budget; max_num_seqs 64 x 16 blocks would use more
         assert engine.kv_cache_manager.num_blocks == 50
-        assert engine.memory.kv_cache_bytes == 50 * block_bytes
+        assert engine.observability.memory.kv_cache_bytes == 50 * block_bytes
         # decided, then the peak reset, the profile step at the token budget, the memory read
         assert platform.calls == ["read", "reset", "profile 100 tokens", "read"]
         err = capsys.readouterr().err

@@ -183,10 +183,10 @@ def test_chat_equals_the_server(llm, tiny_chat_dir):
     ],
 )
 def test_bad_input_is_refused_before_any_step(llm, call, error, pattern):
-    num_steps = llm.llm_engine.stats.num_steps
+    num_steps = llm.llm_engine.observability.stats.num_steps
     with pytest.raises(error, match=pattern):
         call(llm)
-    assert llm.llm_engine.stats.num_steps == num_steps
+    assert llm.llm_engine.observability.stats.num_steps == num_steps
     assert llm.llm_engine.num_running == llm.llm_engine.num_waiting == 0
 
 
@@ -248,7 +248,7 @@ def test_text_without_tokenizer_names_the_missing_file(tiny_mixtral_dir):
             llm.generate([{"prompt_token_ids": [5]}, "<5>"])
         with pytest.raises(ValueError, match=r"chat conversations need a tokenizer"):
             llm.chat(CHAT)
-        assert llm.llm_engine.stats.num_steps == 0
+        assert llm.llm_engine.observability.stats.num_steps == 0
         assert llm.generate({"prompt_token_ids": [5, 6]})[0].outputs[0].text == ""
     finally:
         llm.shutdown()

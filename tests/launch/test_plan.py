@@ -17,7 +17,7 @@ from dbo.planning.report import prior_table
 from dbo.planning.roofline_model import RooflineCostModel, Workload
 from dbo.planning.schedule import LayerCosts, simulate_layers, simulate_sglang_decode
 from launch import plan
-from launch.planning.model_presets import PRESETS, load_model
+from moe.model_loader.presets import PRESETS, load_model
 
 # 1 ms on the wire per transfer (1e6 bytes at 1 GB/s), 0.1 ms latency
 LINK = LinkModel(name="test", latency_us=100, dispatch_gbytes=1.0, combine_gbytes=1.0)

@@ -134,7 +134,7 @@ def _sampled_outputs(model_dir, prompts, request_ids, **engine_overrides):
             )
         )
     outputs = {r.request_id: r.output_token_ids for r in engine.run_until_done()}
-    return outputs, engine.stats.num_preemptions
+    return outputs, engine.observability.stats.num_preemptions
 
 
 def test_engine_seeded_request_same_tokens_in_any_batch(tiny_mixtral_dir, tiny_prompts):

@@ -195,7 +195,7 @@ def test_engine_preemption_matches_transformers(
             )
         )
     finished = engine.run_until_done()
-    assert engine.stats.num_preemptions > 0
+    assert engine.observability.stats.num_preemptions > 0
     assert [
         r.output_token_ids for r in sorted(finished, key=lambda r: r.request_id)
     ] == transformers_greedy

@@ -162,7 +162,7 @@ def _engine_step_reads(rank, world_size, model_dir, prompts):
     """Per backend: a decode step of this rank's share of ``prompts`` (greedy, seeded top-p and
     logprobs requests) under DBO on the CUDA op paths, recorded; (reads, ubatches, step output).
     No step synchronises the device (static thresholds: no adaptive policy to time)."""
-    from launch.engine.llm_engine import LLMEngine, resolve_model
+    from launch.engine.llm_engine import LLMEngine
     from launch.engine.request import Request, SamplingParams
     from tests.helpers.gpu import placed_groups
     from tests.launch.test_cuda_paths_on_cpu import _cuda_ops_on_cpu
@@ -173,7 +173,7 @@ def _engine_step_reads(rank, world_size, model_dir, prompts):
         args = dbo_test_engine_args(
             model_dir, world_size, True, all2all_backend=backend, num_gpu_blocks_override=64
         )
-        engine = LLMEngine(engine_args=args, model=resolve_model(args), groups=groups)
+        engine = LLMEngine(engine_args=args, model=args.resolve_model(), groups=groups)
         syncs = []  # the step clock's device syncs: none without an "auto" threshold
         engine.model_runner.platform.synchronize = syncs.append
         for i in range(rank, len(prompts), world_size):

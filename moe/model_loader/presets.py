@@ -1,10 +1,13 @@
-"""The model shapes the planner needs, read from an HF ``config.json`` or a named preset.
+"""Model configs known by name: the published presets and the embedded default.
 
-The config is read by the project's own parser (``MoEModelConfig.from_hf_config``), as the
-engine reads it.
+Presets are the published ``config.json`` values of each model card (the fields the engine and the
+planner read, copied from huggingface.co/<repo>/blob/main/config.json, named in ``source``):
+``--load-format dummy`` builds their shapes with random weights without a download, and
+``launch.plan`` predicts DBO on them. Every config is read by the project's own parser
+(``MoEModelConfig.from_hf_config``), as the engine reads a checkpoint's.
 
-Presets are the published ``config.json`` values of each model card (the fields the planner
-reads, copied from huggingface.co/<repo>/blob/main/config.json, named in ``source``).
+``EMBEDDED_MODEL_CONFIG`` is the model served without ``--model``: a small Mixtral-like model with
+seeded random weights (``launch.engine.embedded``: the synthetic prompts sized for it).
 """
 
 from __future__ import annotations
@@ -132,6 +135,28 @@ PRESETS: dict[str, ModelPreset] = {
             hf_config=_mixtral_8x7b(),
         ),
     )
+}
+
+
+# A Hugging Face config.json for MixtralForCausalLM, as transformers would write it.
+EMBEDDED_MODEL_CONFIG: dict = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": None,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+    "max_position_embeddings": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
 }
 
 
