@@ -72,7 +72,10 @@ class CommTiming:
         return max(self.num_bytes, self.num_recv_bytes or 0)
 
     def at_issue(self) -> CommTiming:
-        """This record without what is stamped after issue (completion, finish)."""
+        """This record without what is stamped after issue (completion, finish): itself when it
+        has none (the usual case: no copy in the hot path)."""
+        if self.completed_at_ns is None and self.finish_ns is None and self.payload_at_ns is None:
+            return self
         return dataclasses.replace(self, completed_at_ns=None, finish_ns=None, payload_at_ns=None)
 
 
@@ -175,6 +178,7 @@ class CollectiveHandle(Generic[T]):
         "_result",
         "_error",
         "_timing",
+        "_stamps",
         "_timing_lock",
         "__weakref__",
     )
@@ -199,21 +203,26 @@ class CollectiveHandle(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
         self._timing = timing.at_issue()
+        self._stamps: dict[str, Any] = {}  # completion and finish, folded into _timing when read
         self._timing_lock = threading.Lock()
         if work is not None:
             self._stamp_on_completion(work)
 
     @property
     def timing(self) -> CommTiming:
-        return self._timing
+        with self._timing_lock:
+            if self._stamps:  # a new record only when read (telemetry, the link model)
+                self._timing = dataclasses.replace(self._timing, **self._stamps)
+                self._stamps = {}
+            return self._timing
 
     def _stamp(self, **fields: Any) -> None:
-        """Replace the record with ``fields`` set, those already known kept (first stamp wins)."""
+        """Stamp ``fields``, those already known kept (first stamp wins)."""
         with self._timing_lock:
-            timing = self._timing
-            new = {k: v for k, v in fields.items() if getattr(timing, k) is None}
-            if new:
-                self._timing = dataclasses.replace(timing, **new)
+            timing, stamps = self._timing, self._stamps
+            for name, value in fields.items():
+                if name not in stamps and getattr(timing, name) is None:
+                    stamps[name] = value
 
     def _stamp_on_completion(self, work: Work) -> None:
         try:
