@@ -1,25 +1,9 @@
 """DBO benchmark on the engine's own path: ``torchrun --nproc-per-node N -m launch.bench``.
 
-For each batch shape (``--batches decode:16,prefill:1024``: tokens per rank per step) it warms up,
-then runs ``--reps`` steps per arm, INTERLEAVED in rotating order, through ``LLMEngine.step``
-(scheduler, model runner, DP vote, UBatchWrapper), recording the timeline of every step. Arms
-(``--arms``, default ``off,on,adaptive``): DBO off; DBO on with the numeric thresholds given (an
-``auto`` one counts as the minimum, 2: always microbatch); adaptive (both thresholds ``auto``: the
-engine's ``dbo.AdaptiveDBOPolicy``, which learns from adaptive steps only). ``--ubatch-size 2 3 4``
-(a list) splits the on arm into one arm per ubatch count, all interleaved, and reports each count
-against the same DBO-off steps (the adaptive arm runs with the first count). After the warm-up the
-adaptive arm runs consecutive steps until the policy has decided the shape's bucket; those and any
-later re-exploration steps are reported apart from its measured steps. A step's time is the slowest
-rank's (ranks run in lockstep). Rank 0 prints a table (medians, with min-max) and writes
-``--output`` (JSON list of records); ``--profiler-config`` profiles the whole run. Metrics follow
-``launch.timeline_metrics``: C and M from DBO-off steps, exposed communication from both, the
-overlap ratio from DBO-on steps.
-
-Links: ``--network loopback`` (default: gloo over whatever the ranks share), ``--emulate-link
-latency_us=…,gbps=…`` (a software link model on each collective's completion, see
-``distributed.link_emulation``), or run under ``python -m launch.netns`` (ranks in network
-namespaces joined by a ``tbf``-shaped veth link; it passes ``--network netns``).
-"""
+Per batch shape (``--batches decode:16,prefill:1024``) it runs the arms DBO off, on and adaptive
+(``--arms``, ``--ubatch-size``) interleaved through ``LLMEngine.step``, on loopback, an emulated
+link or under ``launch.netns``, and prints and writes per-shape records of step times and overlap
+metrics. Arms, records and links: docs/benchmarks.md#dbo-benchmark-launchbench."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""Load generator for ``launch.serve`` with ``vllm bench serve``'s flags:
-``python -m launch.bench_serving``.
+"""Load generator for ``launch.serve`` with ``vllm bench serve``'s flags.
 
-Sends ``--num-prompts`` streaming completion requests from vLLM's random dataset (random token-id
-prompts of ``--random-input-len`` tokens, ``--random-output-len`` generated tokens each via
-``ignore_eos``, lengths spread by ``--random-range-ratio``, a shared ``--random-prefix-len``) at
-``--request-rate`` requests/s (gamma arrivals of shape ``--burstiness``, 1 = Poisson; ``inf``: all
-at once) with at most ``--max-concurrency`` in flight, and prints vLLM's "Serving Benchmark Result"
-block (``--percentile-metrics``, ``--metric-percentiles``) so both tools can be read side by side.
-
-Without ``--base-url`` (or ``--host``/``--port``) it launches the server twice with torchrun
-(``--nproc-per-node N``, EP on), DBO off then on, runs the same load against each, and prints both
-blocks and a side-by-side table with the on/off ratio. Extra server flags go in ``--server-args``.
-Loopback only. The old spellings ``--input-len`` / ``--output-len`` still work. ``--backend
-openai-chat`` sends the prompts' text (``--tokenizer DIR``) as chat messages instead.
-"""
+``python -m launch.bench_serving`` sends streaming completions from vLLM's random dataset at a
+request rate and concurrency and prints vLLM's "Serving Benchmark Result" block; without
+``--base-url`` it starts the server twice, DBO off then on, and compares them. Flags and output:
+docs/benchmarks.md#serving-benchmark-launchbench_serving."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""Offline throughput benchmark, ``vllm bench throughput``'s flags and summary line:
-``torchrun --nproc-per-node N -m launch.bench_throughput``.
+"""Offline throughput benchmark with ``vllm bench throughput``'s flags and summary line.
 
-Every rank builds the same requests (``--dataset-name random|jsonl``, see
-``launch.benchmarks.throughput``), serves its share (``--load-balance-method``: request i on DP rank
-i % dp_size by default) through ``LLMEngine`` as ``launch.generate`` does, greedy with eos ignored.
-An untimed warm-up first runs all of this rank's prompts for ``--warmup-output-len`` tokens (0 skips
-it); then the timed run. Rank 0 prints vLLM's line
-``Throughput: X requests/s, Y total tokens/s, Z output tokens/s``, our detail (steps, microbatched
-steps, start-up, graph mode) and writes ``--output-json`` (vLLM's keys plus ours) and, with
-``--output-tokens``, the generated tokens as ``launch.generate`` writes them. ``--profile`` (with
-``--profiler-config``) records the timed run on every rank.
-"""
+``torchrun --nproc-per-node N -m launch.bench_throughput``: every rank builds the same requests
+(``launch.benchmarks.throughput``) and serves its share through ``LLMEngine`` as
+``launch.generate`` does, after an untimed warm-up; rank 0 prints vLLM's line and ours and writes
+``--output-json``. Flags, output, ``--roofline``:
+docs/benchmarks.md#offline-throughput-launchbench_throughput."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Offline batched generation over DP ranks: ``torchrun --nproc-per-node N -m launch.generate``.
 
-Built on the offline API (``launch.LLM``): prompts (JSONL lines ``{"prompt": "text"}`` or
-``{"prompt_token_ids": [...]}``, a mix is fine; synthetic token ids with the embedded default) are
-spread over the DP ranks by ``--load-balance-method``; each rank passes its share to
-``LLM.generate``, and all ranks step in lockstep until every prompt is done; rank 0 writes
-``{"index", "prompt_token_ids", "output_token_ids"}`` lines in input order (with ``"prompt"`` for a
-text prompt, ``"text"`` when the checkpoint has a tokenizer) and prints a summary. With
-``--profiler-config`` every rank profiles the whole generation. Every input error
-(a text prompt without ``tokenizer.json`` included) is reported as one line on every rank before any
-process group exists.
-"""
+Built on the offline API (``launch.LLM``): JSONL prompts (text or token ids) are spread over the
+DP ranks, every rank generates its share in lockstep, and rank 0 writes the outputs in input order
+and prints a summary. Flags and output format: docs/models.md#generating-offline."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """Run a torchrun job over a REAL rate-limited link: one Linux network namespace per node.
 
-    sudo python -m launch.netns --nnodes 2 --rate-mbit 400 -- -m launch.bench \\
-        --data-parallel-size 2 --enable-expert-parallel --batches prefill:1024
-
-Builds, on this host only: a bridge namespace ``mdbo<pid>-br`` with a Linux bridge, and per node
-``i`` a namespace ``mdbo<pid>-n<i>`` whose ``eth0`` (address ``10.77.0.<i+1>/24``, private and
-reachable only inside these namespaces) is one end of a veth pair, the other end a port of the
-bridge. Both directions are shaped by the kernel's token-bucket filter (``tc qdisc … tbf rate``):
-on ``eth0`` (what the node sends) and on its bridge port (what it receives). It measures the rate
-a TCP stream actually achieves between node 0 and node 1, then starts in each namespace
-``torchrun --nnodes N --node-rank i --nproc-per-node 1 --master-addr 10.77.0.1`` with the given
-module and arguments (gloo bound to ``eth0``), so every byte of the all-to-all crosses the shaped
-veth link. The namespaces are deleted on exit, on failure and on SIGINT/SIGTERM.
-
-Needs root (CAP_NET_ADMIN) and iproute2 (``ip``, ``tc``).
-"""
+Builds on this host a bridge namespace and one namespace per node joined by ``tbf``-shaped veth
+links, measures the achieved TCP rate, runs ``torchrun`` with the given module in every node's
+namespace and deletes the namespaces on exit. Needs root (CAP_NET_ADMIN) and iproute2 (``ip``,
+``tc``). Usage and layout: docs/benchmarks.md#links."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Will DBO pay? Predict DBO's speedup per batch shape and N: ``python -m launch.plan``.
 
-From presets (a model, a device, a link, an EP size) or from one of our own timelines
-(``--calibrate DIR``, a ``launch.bench --timeline-dir`` run), it predicts per MoE layer the compute
-C and the communication M, the step time with DBO off and with N ubatches, the speedup, the
-crossovers, and prints the ``--dbo-decode-token-threshold`` / ``--dbo-prefill-token-threshold``
-it recommends. Overlap model: ``dbo.planning.schedule``; every preset's source:
-``dbo.planning.devices`` / ``dbo.planning.links`` / ``moe.model_loader.presets``.
-"""
+From presets (a model, a device, a link, an EP size) or from a ``launch.bench --timeline-dir`` run
+(``--calibrate DIR``) it predicts per MoE layer compute and communication, the step time with DBO
+off and with N ubatches, the crossovers and the thresholds to pass. docs/planner.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """Check the planner on links it was not calibrated on: ``python -m launch.plan_sweep``.
 
-Runs ``launch.bench`` through torchrun (DBO off and on, interleaved; every shape microbatched)
-once on ``--calibration-link`` with a timeline, fits the planner to it (``launch.plan
---calibrate``'s fit), then ``--repeats`` times on every link of a grid around it (its latency
-times each ``--latency-factors``, its bandwidth times each ``--gbps-factors``), a repeat over all
-links before the next. Per link and ``--batches`` shape it prints the median measured speedup and
-the runs' range, the prediction (N = 2), the difference and the spread beside it (points), and
-whether the planner's recommended thresholds, with their error bar (``--error-points``), turn DBO
-on there; then one line: how many shapes are within 10 points, and on how many DBO is recommended
-where it measured below 0.95x (``dbo.planning.sweep``). Grid links whose run the calibrated
-planner estimates above ``--max-run-s`` are skipped and named; ``--dry-run`` stops after the
-calibration with the estimates.
-
-In ``--output-dir``: ``calibration/`` (the timeline and ``results.json``), ``<link>/run<r>.json``
-(``launch.bench --output``, for ``launch.plan --compare``), each run's ``.log``, and ``sweep.md``.
-"""
+Runs ``launch.bench`` through torchrun once on ``--calibration-link``, fits the planner to it,
+then on every link of a grid around it, and prints per link and shape the measured and predicted
+speedups and whether the recommended thresholds were safe (``dbo.planning.sweep``). Flags, output
+directory, a measured run: docs/planner.md#on-links-it-was-not-calibrated-on."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""A child command and every process under it, ended together: ``ProcessTree``.
-
-A launcher that starts ``torchrun`` must not leave its ranks behind when it stops: torchrun starts
-each rank in a session of its own (``start_new_session``), so ending torchrun's process group
-misses them, and a SIGKILLed torchrun cannot forward anything. ``ProcessTree`` starts the command
-in a new session, and on the way out (its ``with`` block left normally, by an exception, by
-Ctrl-C, by SIGTERM or SIGHUP while it runs, or at interpreter exit) lists every process under it
-(``/proc``: ranks in their own sessions included), sends them SIGTERM (torchrun forwards it to its
-ranks and they stop cleanly), and SIGKILLs whatever is left after ``grace_s``.
-"""
+"""A child command and every process under it, ended together: ``ProcessTree`` starts the command in
+a new session and, however its ``with`` block is left, sends SIGTERM to every process under it,
+then SIGKILL after ``grace_s``. Why torchrun needs it:
+docs/benchmarks.md#process-trees-ending-torchrun-and-its-ranks."""
 
 from __future__ import annotations
 

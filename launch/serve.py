@@ -1,18 +1,9 @@
 """OpenAI-compatible server over DP ranks: ``torchrun --nproc-per-node N -m launch.serve``.
 
 Every rank builds its engine; rank 0 also runs the HTTP front end (``launch.serving.api_server``)
-and assigns each new request to a DP rank (``--load-balance-method``,
-``launch.engine.dp_load_balancer``); all ranks then run ``launch.serving.serve_loop.ServeLoop`` in
-lockstep. Input errors are reported as one line on every rank before any process group exists; a
-failure while starting (a port in use, a bad checkpoint) is shared so that every rank exits with it;
-a rank that dies later ends the others through their next collective (an error, or the
-``--distributed-timeout``), never a hang. SIGTERM (or Ctrl-C) stops accepting requests, lets
-in-flight ones finish for up to ``--shutdown-timeout`` seconds, fails the rest with an explicit
-error, and exits every rank with status 0. A rank whose launcher is gone (torchrun's agent
-SIGKILLed) stops the same way, with one line, and exits at the latest ``--shutdown-timeout`` + 5 s
-later. The front end's own flags (``--api-key``, time limits, bounds) are in
-``launch.serving.frontend_args``.
-"""
+and assigns each request to a DP rank; all ranks then run ``launch.serving.serve_loop.ServeLoop``
+in lockstep. Flags, start-up and shutdown: docs/serving.md; what fails how:
+docs/serving.md#failure-model."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Merge per-rank timelines, print overlap metrics, render a PNG: ``python -m launch.timeline DIR``.
 
-``DIR`` holds the ``rank{r}.json`` Chrome traces an entry point wrote with ``--timeline-dir``.
-Writes ``DIR/timeline.json`` (one Chrome-trace / Perfetto file: a process per rank, a track per
-ubatch and kind, time 0 = the earliest event; ranks on one host share ``perf_counter_ns``'s clock)
-and ``DIR/timeline.png`` (lanes per rank and ubatch of the chosen steps), and prints per-rank and
-overall metrics (see ``launch.timeline_metrics`` for the definitions).
-
-Perfetto drops complete events that partially overlap another on the same track, so the merge
-checks every track and moves an overlapping event to an extra lane (``<track> #2``); the merged
-file is verified to have no two overlapping events on one track.
-"""
+``DIR`` holds the ``rank{r}.json`` traces an entry point wrote with ``--timeline-dir``; this writes
+``DIR/timeline.json`` (Perfetto, overlapping events moved to extra lanes) and ``DIR/timeline.png``
+and prints per-rank and overall metrics.
+docs/profiling.md#merging-metrics-and-the-picture-launchtimeline."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """``all_to_all``: each token once to every EP rank holding one of its experts, in ONE uneven
 ``all_to_all_single`` of packed rows (``token_packing``) after a blocking count exchange (DeepEP's
-notify: the splits must be on the host); combine sends the outputs back the same way and sums them
-in token order. Our DeepEP high-throughput emulation uses the same exchange functions.
-
-Padded dispatch: when the DP ranks agreed on the token counts and the padded transfer is at most
-``PADDED_DISPATCH_MAX_BYTES``, each rank sends every peer ``1 + num_tokens`` rows, a header row
-(row count, row format) first: no count exchange, which pays on small batches (docs/backends.md).
-"""
+notify), or, for a small batch whose counts the DP ranks agreed on, one padded transfer without it
+(``PADDED_DISPATCH_MAX_BYTES``); combine sends the outputs back the same way and sums them in token
+order. Our DeepEP high-throughput emulation uses the same exchange functions.
+docs/backends.md#what-each-sends."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""``allgather_reducescatter``: simple and robust, only even-sized collectives.
-
-Dispatch: all-gather the token counts (blocking, small; skipped when the DP ranks agreed on
-them, as under DBO), then every rank's packed rows padded to the largest count in ONE all-gather;
-a rank keeps EVERY gathered row, its ids made local (-1 where the expert lives elsewhere and on
-padding rows), as vLLM's naive all-gather dispatch does: selecting the rows with a local expert
-would be a value-dependent shape, a host read inside the ubatch ping-pong. Combine: the
-``[ep_size * max_tokens, hidden_size]`` expert outputs (0 on rows without a local expert) in
-float32 (float64), reduce-scattered (summed over ranks), this rank's ``num_tokens`` rows kept.
-"""
+"""``allgather_reducescatter``: simple and robust, only even-sized collectives. Dispatch all-gathers
+every rank's packed rows (padded to the largest count) and keeps every row; combine
+reduce-scatters the float32 (float64) expert outputs. Why every row is kept, and the count
+exchange it skips: docs/backends.md#all-gather--reduce-scatter-every-row-kept."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""DeepEP's two protocols over torch.distributed, behind the ``deep_ep.Buffer`` methods our
-adapters call, with DeepEP's argument names, shapes and "valid after the event / the hook" rules,
-where DeepEP's kernels cannot run (gloo on CPU, NCCL without ``deep_ep``).
-
-High throughput is the ``all_to_all`` backend's exchange (its notify, with per-expert counts) of
-its packed rows. Low latency sends fixed blocks (``deepep_low_latency_protocol``); with
-``return_recv_hook=True`` the hook completes the receive. On CPU, without streams, waiting on an
-event or hook blocks the host (bounded by the timeout). Unlike DeepEP: any floating dtype travels
-(``use_fp8`` must be False); HT takes no ``config``, ``expert_alignment`` or cached ``handle``; LL
-fills no wait-cost stats and takes no ``use_logfmt`` or ``zero_copy``.
-"""
+"""DeepEP's two protocols over torch.distributed (``TorchDistributedBuffer``), behind the
+``deep_ep.Buffer`` methods our adapters call, with DeepEP's argument names, shapes and "valid
+after the event / the hook" rules, where DeepEP's kernels cannot run (gloo on CPU, NCCL without
+``deep_ep``). How each protocol travels, and what differs from DeepEP:
+docs/backends.md#deepep-emulation-what-differs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """``deepep_low_latency``: dispatch / combine as calls of DeepEP's low-latency ``Buffer`` API
 (``low_latency_dispatch`` / ``low_latency_combine``, ``return_recv_hook=True``), as vLLM's
-``DeepEPLLPrepareAndFinalize`` makes them, on DeepEP's kernels or our emulation.
-
-No count exchange: fixed slots of C rows per (rank, expert), so a dispatch issues at once and the
-handle's ``wait()`` runs DeepEP's receive hook (which the modular kernel hands to the other
-ubatch). Tokens arrive grouped per local expert (``BatchedExperts``). C is the agreed max token
-count when the DP ranks agreed on them (the ubatch size under DBO), else the buffer's capacity
-(the engine's token budget). DeepEP's kernels double-buffer: with them at most 2 ubatches.
-"""
+``DeepEPLLPrepareAndFinalize`` makes them, on DeepEP's kernels or our emulation: fixed slots, no
+count exchange, tokens grouped per local expert (``BatchedExperts``). Slots, capacity and the
+ubatch limit: docs/backends.md#low-latency-details."""
 
 from __future__ import annotations
 

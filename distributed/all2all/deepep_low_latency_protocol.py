@@ -1,19 +1,9 @@
-"""The packing of our DeepEP low-latency emulation (``TorchDistributedBuffer.low_latency_*``).
+"""The packing of our DeepEP low-latency emulation (``TorchDistributedBuffer.low_latency_*``): fixed
+blocks both ways, rows placed and picked by indices computed on the device, nothing read to the
+host. Blocks and buffers: docs/backends.md#low-latency-emulation-blocks-and-buffers.
 
 Legend: R ranks, E experts, L = E // R local experts, C = the call's capacity (T <= C tokens per
-rank), H = hidden, K = num_topk, B = C * min(K, L): the most rows one rank sends another.
-
-As with DeepEP's kernels the host reads nothing: both exchanges move fixed blocks (equal splits)
-and rows are placed and picked by indices computed on the device from the counts inside the
-blocks. Dispatch: a token goes once to each of its top-k experts; each rank sends every peer one
-block ``[L int64 counts | B int64 source token ids | B rows]``, its rows for that peer packed
-expert-major; the receiver lays them out as DeepEP does (``recv_x [L, R * C, H]``, source ranks
-in order, ``recv_count [L]``). Combine: each rank sends every source rank one block ``[L, C, H]``
-in DeepEP's combine layout (row ``(l, t)``: local expert ``l``'s output for the source's token
-``t``); the source sums ``topk_weights[t, k] * row``. Buffers hold the blocks to send, then the
-own block, then the received ones (the own block never travels), then one scratch row that takes
-the writes of empty slots. The checks that read counts run only under ``MOE_DBO_DEBUG_CHECKS=1``.
-"""
+rank), H = hidden, K = num_topk, B = C * min(K, L): the most rows one rank sends another."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Routing index math and the packed row of a ``Standard`` dispatch (DeepEP high-throughput's
 ``get_dispatch_layout`` / ``dispatch``): a token goes once to every EP rank holding one of its
-top-k experts, with its ``topk_ids`` (int64), ``topk_weights`` (float32) and hidden state packed
-into one uint8 row, so a dispatch moves ONE payload tensor::
-
-    [ topk_ids: num_topk * 8 B | topk_weights: num_topk * 4 B | pad | hidden | pad to 8 B ]
-
-Fields are ordered by alignment, so unpacking is zero-copy ``view(dtype)`` calls; the bytes
-round-trip exactly for any dtype.
-"""
+top-k experts, its ``topk_ids``, ``topk_weights`` and hidden state packed into one uint8 row, so
+a dispatch moves ONE payload tensor. The row's layout:
+docs/backends.md#token-packing-one-payload-row."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Benchmark: paged attention of one layer, K/V write included, on each attention backend the
-device's platform runs (``--attention-backend``: CPU_ATTN and TORCH_SDPA on a CPU, TRITON_ATTN
-(with Triton), TORCH_SDPA and FLEX_ATTENTION on CUDA) and on the per-request loop
-(``forward_native``). Prints ms per call, the loop and each other backend over the platform's
-default, and each backend's fraction of the memory roofline: the bytes a call must move (every
-request's cached K/V read, the new K/V written, the queries read, the output written) over the
-device's measured copy bandwidth. Speed claims live here, never in tests.
+"""Benchmark: paged attention of one layer, K/V write included, per attention backend.
 
-    python -m launch.benchmarks.attention [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--threads 1] [--repeats 20]
-"""
+Runs each backend the device's platform runs and the per-request loop (``forward_native``), and
+prints ms per call, ratios to the platform's default and each backend's fraction of the memory
+roofline. Speed claims live here, never in tests. docs/benchmarks.md#micro-benchmarks."""
 
 from __future__ import annotations
 

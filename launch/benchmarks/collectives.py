@@ -1,22 +1,8 @@
 """Benchmark: the latency of the collectives a DP+EP step issues, on the engine's own groups.
 
-Per step the engine issues the DP vote (an ``all_to_all_single`` of a small int64 table) and, per
-MoE layer, a dispatch and a combine (``distributed.collectives``: ``all_to_all_single``,
-``all_gather_into``, ``reduce_scatter_sum``; ``all_reduce`` is the last one's fallback). On one
-host, a collective's fixed cost sets how small a model can be before 2 ranks lose to 1; this
-prints it, per op and payload size, on the EP group ``init_distributed`` builds, for gloo and for
-the platform's transport (shared memory between the ranks of a node, ``distributed.shm_transport``)
-side by side. Rank 0 prints microseconds per call (median of ``--rounds`` rounds of ``--calls``
-back-to-back calls, each waited for as the engine waits, with its timeout), gloo's time over the
-transport's, and the round trip of a plain TCP loopback socket between two threads of this
-process for scale.
-
-    torchrun --standalone --nproc-per-node 2 -m launch.benchmarks.collectives \\
-        [--sizes 64 10240 1048576] [--calls 200] [--rounds 5]
-
-Sizes are payload bytes per rank (float32 rows). A size that is not a positive multiple of 4
-bytes, or fewer than 2 ranks, is refused before any group is made (exit status 2).
-"""
+gloo and the platform's transport side by side, with a TCP loopback round trip for scale (2 ranks
+or more under torchrun). What it measures:
+docs/benchmarks.md#collectives-benchmark-what-it-measures."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""Benchmark: the experts' paths: the per-expert loop (``forward_native``), one grouped GEMM per
-projection with host counts (``cpu_experts.forward_grouped``), the host-sync-free device path
-(``forward_cuda``: grouping, grouped GEMMs and combine on the device) and, on CPU, ``forward_cpu``
-twice: with our compiled kernels off (prepacked oneDNN GEMMs per expert) and on (the experts
-kernel where it serves, ``moe.fused_moe.cpu_experts``). Prints times and ratios; speed claims live
-here, never in tests.
+"""Benchmark: the experts' paths against each other, times and ratios.
 
-``--cuda-backends`` (a GPU): the two implementations of ``forward_cuda`` against each other,
-``torch._grouped_mm`` (``grouped_experts``) and our Triton kernels (``triton_experts``), on the
-shapes above plus OLMoE-like decode and prefill batches; ``grouped/triton`` above 1 means the
-Triton kernels are faster (which one ``MOE_DBO_CUDA_EXPERTS`` should default to).
-
-    python -m launch.benchmarks.experts [--threads 1] [--repeats 20] [--device cpu|cuda]
-    python -m launch.benchmarks.experts --device cuda --cuda-backends
-"""
+The per-expert loop, grouped GEMMs with host counts, the host-sync-free device path and, on CPU,
+``forward_cpu`` with our compiled kernels off and on; ``--cuda-backends`` sets
+``torch._grouped_mm`` against our Triton kernels. Speed claims live here, never in tests.
+docs/benchmarks.md#micro-benchmarks, docs/hardware.md#experts-on-the-cuda-path."""
 
 from __future__ import annotations
 

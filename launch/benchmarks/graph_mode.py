@@ -1,13 +1,8 @@
 """Graph mode vs eager on one decode-shaped forward: ``python -m launch.benchmarks.graph_mode``.
 
-Builds the model (``--model`` checkpoint or the embedded one) on one process without EP, and for
-each ``--num-tokens`` n: a decode batch of n requests with ``--context-len`` cached tokens each.
-Prints the capture (graphs compiled, seconds: inductor's cache in ``TORCHINDUCTOR_CACHE_DIR``,
-default ``~/.cache/moe-dbo/inductor``, so point it at an empty directory for a cold start), then
-times the whole model forward, eager and graph mode, interleaved (eager, graph, graph, eager,
-...), medians of ``--reps`` (attention cores and MoE kernels run eagerly in both), and prints one
-line per n with the ratio (eager time / graph time: > 1 means graph mode is faster).
-"""
+Prints the capture (graphs compiled, seconds) and, per ``--num-tokens`` n, the eager time over the
+graph-mode time of the whole model forward (> 1: graph mode is faster), the two interleaved. How
+it runs: docs/benchmarks.md#micro-benchmarks."""
 
 from __future__ import annotations
 

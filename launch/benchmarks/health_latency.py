@@ -1,15 +1,8 @@
-"""``/health`` latency while large prompts are tokenized or validated: ``python -m
-launch.benchmarks.health_latency [--num-prompts 8] [--prompt-bytes 1000000] [--token-ids]``.
+"""``/health`` latency of the HTTP front end while large prompts are tokenized or validated.
 
-Runs the real HTTP front end (``HTTPServerThread``) on a loopback port with a word-level
-``tokenizers`` tokenizer and a stand-in engine that ends each request at once, sends
-``--num-prompts`` concurrent completions of ``--prompt-bytes`` of text each (``--token-ids``: a
-body of that size holding token ids ``[1, 1, ..., VOCAB_SIZE]``, refused with 400 for its last id
-after every check has walked it), and probes ``/health`` every 20 ms meanwhile. Prints the idle
-and the under-load latency (max and median) and their ratio. Tokenizing or validating on the event
-loop stalls every other request for the whole call; off the loop (an executor, and
-``tokenizers``' batch calls, which release the GIL) it does not.
-"""
+``python -m launch.benchmarks.health_latency [--num-prompts 8] [--prompt-bytes 1000000]
+[--token-ids]`` prints the idle and the under-load latency and their ratio. How it loads the
+server: docs/benchmarks.md#health-latency-under-load."""
 
 from __future__ import annotations
 

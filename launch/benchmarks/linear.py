@@ -1,11 +1,9 @@
-"""Benchmark: the CPU linear kernels of ``moe.layers.Linear``. Per shape and dtype (float32,
-bfloat16): ``F.linear`` (``forward_native``: MKL sgemm in float32, oneDNN in bfloat16) against
-the prepacked oneDNN weight ``forward_cpu`` serves from (rows padded to a bucket; float32 batches
-above ``FLOAT32_MAX_PACKED_ROWS`` rows stay on ``F.linear``). Prints times and the ratio
-native / cpu (> 1: the CPU path is faster).
+"""Benchmark: the CPU linear kernels of ``moe.layers.Linear``, plain against prepacked.
 
-    python -m launch.benchmarks.linear [--threads 1] [--repeats 10]
-"""
+Per shape and dtype (float32, bfloat16): ``F.linear`` (``forward_native``) against the prepacked
+oneDNN weight ``forward_cpu`` serves from (rows padded to a bucket; float32 batches above
+``FLOAT32_MAX_PACKED_ROWS`` rows stay on ``F.linear``); prints times and the ratio native / cpu
+(> 1: the CPU path is faster). docs/benchmarks.md#micro-benchmarks."""
 
 from __future__ import annotations
 

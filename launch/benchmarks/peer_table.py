@@ -1,20 +1,9 @@
 """Side-by-side throughput table: moe-dbo (eager and graph mode) vs vLLM's CPU engine.
 
-    python -m launch.benchmarks.peer_table --vllm-python /tmp/vllm-peer/venv/bin/python \
-        --vllm-runner ../shared/peers/vllm-cpu/run_vllm.py --out-dir /tmp/peer_table \
-        --checkpoint tiny=/tmp/peer/tiny:/tmp/peer/tiny_prompts.jsonl \
-        --checkpoint medium=/tmp/peer/medium:/tmp/peer/medium_prompts.jsonl
-
-For every checkpoint and dtype: ours on 1 rank pinned to core 0 (``taskset -c 0``), eager and graph
-mode, and on 2 ranks DP+EP (DBO off, ``taskset -c 0,1``); vLLM (``run_vllm.py``, a separate
-process and venv: the project never imports vLLM) on core 0 eager and ``--compile``, and on 2
-threads. Greedy, ``--max-tokens`` per prompt, eos ignored. Ours: median output tokens/s of
-``--repeats`` processes (``launch.bench_throughput``, warm-up untimed); vLLM: its own median of
-``--repeats`` warm runs in one process. Prints a markdown table (with ours / vLLM-best ratios and
-how many prompts got identical tokens from both engines) and writes ``OUT_DIR/table.json``.
-Runs one command at a time; on a shared machine the numbers are noisy. ``--cpu-isa avx2`` runs
-both engines as on an AVX2-only CPU (a Zen 3) on an AVX-512 machine (``cpu_isa_env``).
-"""
+Runs ours (1 rank, and 2 ranks DP+EP) and vLLM (a separate process and venv, 1 core and 2
+threads) on every checkpoint and dtype, one command at a time, and prints a markdown table of
+output tokens/s with the ratios and the prompts with identical tokens. Usage, arms and tables:
+docs/benchmarks.md#comparison-with-vllms-cpu-engine."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Roofline benchmark (``launch.bench_throughput --roofline``): how close a measured step runs to
-its device's limits, the bytes a step must read over the measured copy bandwidth (decode: the
-memory roofline) and its matrix FLOPs over the measured matmul peak (prefill), against the
-measured step time. (The planner's predictive roofline is ``dbo.planning.roofline_model``.)
-
-A step must read, at least once: the weights of every dense part (attention, router, shared and
-dense MLPs, norms, ``lm_head``), the weights of every routed expert its tokens touch, and the KV
-cache of every scheduled request's context; it writes the new tokens' K/V. Experts touched per MoE
-layer are the expected distinct count under balanced routing, ``E * (1 - (1 - k/E) ** T)`` for
-``T`` tokens over ``E`` experts at top-``k`` (all of them at decode batch 256 with top-8 of 64).
-Matrix FLOPs: ``2 x`` the parameters a token meets (dense, top-``k`` experts, ``lm_head`` for the
-sampled rows only) per token, plus attention's ``4 x heads x head_dim x context`` per query row.
-The bandwidth is a device-to-device copy's (bytes read + written per second), the peak a square
-matmul's in the model's dtype: the limits this device reaches, not its datasheet's. A step's time
-is the engine's whole step (scheduling, inputs, forward, sampling, the read-back of the tokens and
-the scheduler's update), not the forward alone: what a user waits for per token.
-"""
+its device's limits, the bytes a step must read over the measured copy bandwidth (decode) and its
+matrix FLOPs over the measured matmul peak (prefill). What is counted:
+docs/benchmarks.md#roofline-what-a-step-must-read."""
 
 from __future__ import annotations
 

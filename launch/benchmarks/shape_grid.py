@@ -1,22 +1,7 @@
 """The shapes of ``launch.benchmarks.shape_sweep``: Mixtral-, Qwen2-MoE- and DeepSeek-V3-shaped
-random checkpoints over the range users' models span, and how each is built.
-
-A shape fixes the architecture family, hidden size, routed experts, top-k, expert (moe)
-intermediate size, layers, attention heads, vocabulary and prompt length range; what a family
-adds (Qwen2-MoE's gated shared expert, DeepSeek-V3's shared expert, dense first layer, MLA and
-group-limited routing) is derived from those in ``hf_config_kwargs``. The default grid spans
-experts 8-64, top-2 to top-8, hidden 64-2048, expert intermediate 96-2048 and prompts of 8-512
-tokens without being their product; big hidden sizes get few layers and a small vocabulary so one
-engine run on one core stays within seconds to about a minute. Attention heads are >= 32 wide
-(vLLM's CPU attention needs it); DeepSeek's MLA cache rows are 576 wide (its CPU MLA kernel's only
-size).
-
-Checkpoints are built by transformers (``<Family>ForCausalLM``) with seeded random weights (std
-``initializer_range`` = 1/sqrt(hidden), so logits spread by units and greedy ties are rare), saved
-as float32 safetensors without an eos token (every prompt runs to the token limit); the prompt
-file is ``make_checkpoint.py``'s format: ``{"prompt_token_ids": [...]}`` lines, ids in
-[3, vocab), seed 1. A checkpoint directory whose ``sweep_shape.json`` equals the shape is reused.
-"""
+random checkpoints over the range users' models span (``DEFAULT_GRID``), and how each is built by
+transformers. The grid's bounds and the checkpoints:
+docs/benchmarks.md#shape-grid-how-the-checkpoints-are-built."""
 
 from __future__ import annotations
 

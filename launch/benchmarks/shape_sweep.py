@@ -1,22 +1,9 @@
 """Shape sweep: our throughput against vLLM's CPU engine on a grid of Mixtral-, Qwen2-MoE- and
 DeepSeek-V3-shaped random checkpoints (``launch.benchmarks.shape_grid`` holds the grid).
 
-    python -m launch.benchmarks.shape_sweep --out-dir /tmp/sweep \
-        --vllm-python /tmp/vllm-peer/venv/bin/python \
-        --vllm-runner ../shared/peers/vllm-cpu/run_vllm.py
-
-For every shape (checkpoint and prompts built by transformers into ``OUT_DIR/checkpoints``, reused
-by later runs) and dtype, one command at a time: ours on 1 rank pinned to core 0, eager
-(``peer_table.run_ours``: median output tokens/s of ``--repeats`` processes), then vLLM on core 0,
-eager (``peer_table.run_vllm``: its median of ``--repeats`` warm runs in one process). Greedy,
-``--max-tokens`` per prompt, eos ignored. Prints a markdown row per shape and dtype (both rates,
-ours / vLLM, how many prompts got identical tokens from both engines), then the lowest ratio as
-``worst: <shape> <dtype> <ratio>x``, and writes ``OUT_DIR/sweep.json``. A shape vLLM cannot run
-gets "failed: <its error>" in the vLLM column (the whole output in ``OUT_DIR/<tag>.failed.log``);
-without ``--vllm-python`` (or where it cannot import vLLM) only ours runs and the vLLM column says
-absent. ``--cpu-isa avx2`` runs both engines as on an AVX2-only CPU (``peer_table.cpu_isa_env``).
-On a shared machine the numbers are noisy.
-"""
+Per shape and dtype, one command at a time: ours and vLLM on core 0, eager (``peer_table``'s
+commands); prints a markdown row each and the worst ratio, and writes ``OUT_DIR/sweep.json``.
+Usage, output and results: docs/benchmarks.md#shape-sweep-launchbenchmarksshape_sweep."""
 
 from __future__ import annotations
 

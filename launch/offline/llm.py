@@ -1,17 +1,7 @@
-"""vLLM's offline API: ``LLM(model, ...).generate(prompts, sampling_params)`` and ``.chat``.
-
-Data parallelism follows vLLM's ``examples/offline_inference/torchrun_dp_example.py``: the script
-is launched by ``torchrun --nproc-per-node N`` with ``data_parallel_size=N`` and
-``distributed_executor_backend="external_launcher"``, and **each rank passes its own prompts**
-(e.g. ``prompts[llm.dp_rank::llm.dp_size]``); a rank's results come back on that rank, in the
-order of its prompts. ``generate`` and ``chat`` are collective: every rank calls them the same
-number of times (a rank with no prompts passes ``[]`` and runs dummy batches, since the expert
-all-to-all needs every rank). Run alone (``python script.py``) it is one DP rank without
-torch.distributed.
-
-Input is checked before any engine step, and a rank's bad input raises on every rank (``DP rank
-k: ...``), so no rank is left waiting in a collective.
-"""
+"""vLLM's offline API: ``LLM(model, ...).generate(prompts, sampling_params)`` and ``.chat``. Under
+torchrun each DP rank passes its own prompts and gets its own results; ``generate`` and ``chat``
+are collective, and a rank's bad input raises on every rank. The API: docs/offline.md; DP ranks:
+docs/offline.md#data-parallelism-under-torchrun."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The OpenAI-compatible HTTP front end (aiohttp), run by rank 0 on a thread of its own.
-
-Routes: ``POST /v1/completions`` (``serving_completion``) and ``POST /v1/chat/completions``
-(``serving_chat``), each a whole response or server-sent events ending in ``data: [DONE]`` with
-``"stream": true``; ``GET /v1/models``, ``GET /health``, ``GET /metrics``; with
-``--profiler-config``, vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (every rank's
-profiler; 200 once every rank applied the order).
-Requests go to the engine loop through an ``EngineBridge``; bad requests are answered 400 with an
-OpenAI error object, requests during shutdown 503.
-"""
+"""The OpenAI-compatible HTTP front end (aiohttp), run by rank 0 on a thread of its own: the
+completions, chat, models, health, metrics and profiler routes, which hand requests to the engine
+loop through an ``EngineBridge``. Routes and answers: docs/serving.md#api."""
 
 from __future__ import annotations
 

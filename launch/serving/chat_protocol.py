@@ -1,12 +1,7 @@
-"""The OpenAI chat completions request (``POST /v1/chat/completions``), parsed and checked.
-
-Follows OpenAI's schema as vLLM serves it: ``messages`` (``launch.text.chat_messages``: roles and
-string content, or content as a list of ``{"type": "text"}`` parts, joined with newlines),
-``max_completion_tokens`` / ``max_tokens`` (default: up to the context length), ``temperature``,
-``top_p``, ``seed``, ``stop``, ``n``, ``logprobs`` / ``top_logprobs``, ``stream`` /
-``stream_options``, and vLLM's ``add_generation_prompt``, ``chat_template_kwargs``,
-``stop_token_ids``, ``ignore_eos``. Tools and non-text content are refused.
-"""
+"""The OpenAI chat completions request (``POST /v1/chat/completions``), parsed and checked: OpenAI's
+schema as vLLM serves it, with vLLM's extensions (``add_generation_prompt``,
+``chat_template_kwargs``, ``stop_token_ids``, ``ignore_eos``); tools and non-text content are
+refused. The fields: docs/serving.md#api."""
 
 from __future__ import annotations
 

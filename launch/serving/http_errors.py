@@ -1,19 +1,7 @@
-"""Every HTTP answer of the server is JSON: OpenAI error objects for 4xx/5xx, whatever the input.
-
-``openai_error_middleware`` turns aiohttp's own errors (404 no such route, 405 wrong method, 413
-body over ``client_max_size``) into OpenAI error objects, and anything unexpected a handler raises
-into a 500 error object, logging its traceback on the server side. ``read_json_body`` decodes a
-request body so that no body (an unknown charset, bytes that are not the charset, invalid or
-deeply nested JSON, a number beyond Python's digit limit) can end in anything but a 400; a large
-body is decoded in the JSON decoder's worker processes and checked on an executor thread, one body
-at a time (``LARGE_BODY_BYTES``). The decoder's own faults (a worker stuck past the deadline,
-killed, crashed) are the server's: 503 with ``Retry-After``, or 500 for a body that crashed two
-workers (``launch.serving.json_decoding``), never a 400.
-
-Not covered: a request that is not HTTP at all, or whose request line / headers exceed
-``MAX_LINE_BYTES``, is refused by aiohttp's parser before any application code runs (plain-text
-400, connection closed).
-"""
+"""Every HTTP answer of the server is JSON: OpenAI error objects for 4xx/5xx, whatever the input
+(``openai_error_middleware``), and ``read_json_body``, which decodes a request body so that no
+body can end in anything but a 400, a decoder fault in a 503 or 500.
+docs/serving.md#every-answer-is-json."""
 
 from __future__ import annotations
 

@@ -1,31 +1,7 @@
-"""What keeps the HTTP front end honest with slow, odd and unauthenticated clients.
-
-- ``GuardedTCPSite``: the listening socket, with a cap on open connections. A connection past the
-  cap is answered ``503`` (JSON, ``Retry-After``) and closed before any of its bytes are read.
-  aiohttp has no such setting; the site's protocol factory counts the server's open connections
-  (``web.Server.connections``).
-- ``FirstRequestDeadline``: a connection that has not sent a complete request's headers within
-  ``--timeout-keep-alive`` of opening is closed (a client dripping its headers, or sending none).
-  aiohttp's ``keepalive_timeout`` covers only the idle time after a response before 3.14.4, which
-  the package admits, so this does not rely on it.
-- ``OneLineServerLogger``: what aiohttp's request handler logs through. A request its parser
-  refuses (``Content-Length: -5``, a 70 KB header, an HTTP/2 preface) is logged as one line instead
-  of a traceback per request, which any client could use to flood the log.
-- ``api_key_middleware``: vLLM's ``--api-key``: every ``/v1/*`` route needs ``Authorization: Bearer
-  KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
-- ``require_json``: a JSON endpoint refuses any other ``Content-Type`` with 415, which also stops a
-  browser's cross-origin "simple" POST (``text/plain``, sent without a CORS preflight).
-- ``wait_within``: every timed wait of a handler (the request body, the engine's next output). It
-  is ``asyncio.wait_for`` without that function's lost cancellation before Python 3.12.
-- ``header_text``: every header the application reads goes through it. aiohttp decodes header
-  bytes as UTF-8 with ``surrogateescape``, so a byte that is not UTF-8 (``\xe9``) arrives as a lone
-  surrogate that any later ``.encode()`` refuses; this names the header and the byte instead.
-
-The time limits are ``FirstRequestDeadline`` (the first request's headers), aiohttp's own
-``keepalive_timeout`` (a connection idle between requests, or sending the next request's headers,
-that long is closed) and the body read timeout applied by
-``launch.serving.http_errors.read_json_body``.
-"""
+"""What keeps the HTTP front end honest with slow, odd and unauthenticated clients: the connection
+cap (``GuardedTCPSite``), ``FirstRequestDeadline``, ``OneLineServerLogger``,
+``api_key_middleware``, ``require_json``, ``wait_within`` and ``header_text``. What each guards
+against, and why aiohttp's own settings do not: docs/serving.md#http-guards."""
 
 from __future__ import annotations
 

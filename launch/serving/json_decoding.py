@@ -1,36 +1,7 @@
-"""Request bodies decoded as JSON, large ones in a small pool of worker processes.
-
-``json.loads`` holds the GIL for its whole call: 20-40 ms for a 1 MiB body of token ids on these
-CPUs, during which the server's event loop (``/health`` included) cannot run. ``JsonDecoder``
-decodes a large body in one of ``num_workers`` worker processes (``launch.serving.json_worker``,
-``decode``'s one definition: stdlib only, started with ``subprocess``, so it imports neither torch
-nor the server's modules and ends with the server however the server ends) and hands the value back
-pickled, which the server loads about four times faster than it would parse the JSON.
-
-What a client gets when decoding goes wrong on the server's side:
-
-- Every body has a deadline, ``timeout_s`` from its arrival here (the wait for a free worker
-  included). Past it: ``DecoderUnavailable`` (503 with ``Retry-After``), and a worker that was
-  decoding the body is killed and replaced: it is stuck (stopped, swapped out) or busy with a body
-  nobody waits for.
-- A worker that dies while decoding a body costs no request: the body is tried again in another
-  worker, started for it if need be. Once two workers started for this body have died with it,
-  the body is refused without decoding it in the server's own process, which also runs a DP rank
-  of the engine: a body that crashes the C decoder there would end every rank and every client's
-  requests. (A worker that sat idle may have died before the body reached it, so its death does
-  not count; at most ``num_workers + 2`` tries.) How it is refused depends on how they died. Both
-  crashed (SIGSEGV, SIGABRT, ... : ``CRASH_SIGNALS``): two fresh processes fell on this body, so
-  the body is the likely cause and a retry would fail again: ``BodyCrashedDecoder`` (500, no
-  ``Retry-After``; a decoder that crashes on input is a server bug, not a malformed request, so
-  never a 400). Otherwise (killed from outside, by the OOM killer or an operator, or an exit):
-  the server's fault, and the same body may well succeed later: ``DecoderUnavailable``.
-
-Scheduling: waiting bodies are served smallest first, and a body of ``reserved_below_bytes`` or
-more may hold at most ``num_workers - 1`` workers, so one worker is always left to smaller bodies:
-a few clients posting slow 1 MiB bodies do not hold up another's 70 KiB body. The bound is by
-size, not by client: behind a proxy or on loopback every client has one address, a client can open
-many connections, and the size is what decoding costs (linear in bytes).
-"""
+"""Request bodies decoded as JSON, large ones in a small pool of worker processes (``JsonDecoder``,
+``launch.serving.json_worker``), so that ``json.loads``, which holds the GIL, never stalls the
+event loop: deadlines, retries after a worker's death, and scheduling by body size. What a
+client gets when decoding fails: docs/serving.md#json-decoding-in-worker-processes."""
 
 from __future__ import annotations
 

@@ -1,32 +1,7 @@
-"""JSON request bodies decoded, and the decoder worker process that does it for large ones.
-
-``decode`` is the one definition of how a body becomes a value or a message; the server runs it
-itself for small bodies and ``launch.serving.json_decoding.JsonDecoder`` runs it in worker
-processes for large ones. Run as a script, this module is such a worker::
-
-    python -I -S launch/serving/json_worker.py PARENT_PID
-
-It imports the standard library only (``-I -S``: no site-packages, no ``PYTHONPATH``, not the
-``launch`` package), so it starts in tens of milliseconds at about 10 MiB, where a worker spawned by
-``multiprocessing`` re-imports the server's ``__main__`` and with it torch (230 MiB, seconds).
-
-Pipe protocol (stdin -> stdout, one body at a time): a request is ``struct "<II"`` (body bytes,
-charset bytes), the charset (UTF-8, surrogateescape), the body; an answer is ``struct "<Q"``
-(payload bytes) and the payload, ``pickle`` of ``("decoded", decode(body, charset))`` or
-``("failed", "Type: text")`` for an exception ``decode`` does not turn into a message (a server
-bug: 500).
-
-The worker ends with its server, however the server ends: the kernel sends it SIGKILL when the
-thread that started it exits (``prctl(PR_SET_PDEATHSIG)``, Linux; it reaches a stopped worker too),
-a thread polls the parent pid (every platform), and end-of-file on stdin ends the loop. It ignores
-SIGINT: a Ctrl-C reaches the whole foreground process group, and the server, which drains on
-SIGINT, still needs its decoder.
-
-Nesting deeper than ``MAX_JSON_DEPTH`` is refused before ``json.loads`` sees the body: how deep the
-C decoder goes before it raises ``RecursionError``, and how much stack it takes per level, differ
-between interpreters and thread stack sizes, and past the stack a body of brackets crashes the
-process.
-"""
+"""JSON request bodies decoded (``decode``, the one definition), and the decoder worker process that
+does it for large ones when this module runs as a script (standard library only). The pipe
+protocol, how a worker ends with its server, and ``MAX_JSON_DEPTH``:
+docs/serving.md#json-decoding-in-worker-processes."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Every rank notices when its launcher is gone, so that no rank outlives its job.
-
-Under torchrun each rank is a child of torchrun's elastic agent, which also hosts the rendezvous
-store. If the agent is SIGKILLed (the OOM killer), nothing tells the ranks: they would keep
-serving and hold the port. A daemon thread polls ``os.getppid()``: when the agent dies the kernel
-reparents the rank (to init or a subreaper), so the parent pid changes. Polling is used instead of
-``prctl(PR_SET_PDEATHSIG)``, which fires when the parent *thread* that forked the rank exits, and
-is Linux-only.
-"""
+"""Every rank notices when its launcher is gone, so that no rank outlives its job: ``LauncherWatch``
+polls the parent pid from a daemon thread. Why polling:
+docs/serving.md#launcher-watch-polling-the-parent-pid."""
 
 from __future__ import annotations
 

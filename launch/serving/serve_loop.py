@@ -1,17 +1,6 @@
-"""The serving loop every DP rank runs: one control exchange, then one engine step, in lockstep.
-
-Each iteration, every rank contributes one object to an ``all_gather_object`` over a gloo control
-group of its own (so control traffic never shares a tag sequence with the engine's DP vote or the
-expert all-to-all): rank 0 ``ControlOrders`` (new requests, each assigned to a DP rank by the DP
-load balancer, aborts, profiler orders, and whether to stop), every rank a ``RankReport`` (tokens
-generated in its last step, its queue lengths, whether it got SIGTERM). Every rank then sees the
-same data, so all of them decide alike whether to run an engine step (some rank has work) or to
-idle, and when to stop.
-
-When every rank is idle, rank 0 blocks on its request queue for up to ``heartbeat_s`` before the
-exchange, and the other ranks block inside the exchange: no core spins, and the exchange recurs at
-least every ``heartbeat_s``, far below the process-group timeout.
-"""
+"""The serving loop every DP rank runs: one control exchange, then one engine step, in lockstep
+(``ServeLoop``, ``ControlOrders``, ``RankReport``). The exchange, and idling without spinning:
+docs/serving.md#the-serve-loop-lockstep-control-exchange."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated.
-
-The messages are rendered with the checkpoint's chat template (``launch.text.chat_template``,
-``add_generation_prompt`` true by default) and encoded without adding special tokens (the template
-holds them), as vLLM does. Answers OpenAI's ``chat.completion`` object, or ``chat.completion.chunk``
-server-sent events: each choice's first chunk carries ``delta.role`` "assistant", the following ones
-``delta.content``, its last one the ``finish_reason``; then ``data: [DONE]``. Logprobs use the chat
-format ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``.
-"""
+"""``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template
+(``launch.text.chat_template``) and encoded without adding special tokens, as vLLM does, then
+generated; answers OpenAI's ``chat.completion`` object or ``chat.completion.chunk`` events.
+The answers' format: docs/serving.md#api."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""What the completions and chat handlers share: submitting one engine request per choice (``n``
-per prompt), reading their outputs from one queue, and aborting what is left when the client goes.
-
-vLLM splits its OpenAI server the same way (``serving_engine.py`` under ``serving_completion.py``
-and ``serving_chat.py``). A handler's ``try/finally`` calls ``abort_open``: when the client
-disconnects, aiohttp cancels the handler (``handler_cancellation``) or a stream write fails, and the
-abort reaches the owning DP rank's scheduler at the next lockstep exchange, so the request's KV
-blocks are freed before the next engine step.
-"""
+"""What the completions and chat handlers share (as vLLM's ``serving_engine.py``): submitting one
+engine request per choice (``n`` per prompt), reading their outputs from one queue, and aborting
+what is left when the client goes (``abort_open``, from a handler's ``try/finally``). When an
+abort reaches the engine: docs/serving.md#how-requests-are-scheduled."""
 
 from __future__ import annotations
 

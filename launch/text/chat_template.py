@@ -1,15 +1,6 @@
-"""The checkpoint's chat template, rendered with jinja2 exactly as transformers renders it.
-
-The template comes from ``--chat-template FILE`` (vLLM's flag), else ``tokenizer_config.json``'s
-``chat_template`` (a string, or a list of ``{"name", "template"}`` of which ``default`` is used),
-else the ``chat_template.jinja`` file that transformers >= 4.43 saves next to it. It is rendered
-as ``transformers``' ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
-does (``transformers/utils/chat_template_utils.py``): an ``ImmutableSandboxedEnvironment`` with
-``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` that does not
-escape HTML, ``raise_exception``, ``strftime_now``, a restricted ``namespace`` and ``dict``, and the
-tokenizer's special tokens (``bos_token``, ``eos_token``, ...) as variables. Messages' ``None``
-values are dropped first, as transformers does.
-"""
+"""The checkpoint's chat template, rendered with jinja2 exactly as transformers renders it
+(``ChatTemplate``, ``load_chat_template``). Where the template comes from and the rendering
+environment: docs/serving.md#chat-template-where-it-comes-from-how-it-renders."""
 
 from __future__ import annotations
 

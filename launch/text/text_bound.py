@@ -1,34 +1,7 @@
 """The most bytes of text a prompt that fits the context can hold, so that a longer text is refused
-before it is tokenized (``check_prompt_text``: ``launch.generate``, the offline API and the server).
-
-Tokenizing holds hundreds of bytes per token (``tokenizers``' encoding, then the ids), so a long
-text must be found too long before it is encoded (docs/serving.md has the measurements).
-
-Derivation. A prompt fits when it has at most ``max_model_len - 1`` tokens (one is left to
-generate); special tokens the tokenizer adds only add to the count. A tokenizer is *covering* when
-every byte of the normalized text lies in a token and every token is one vocabulary entry or added
-token; then a text that normalizes to N bytes has at least N / W tokens, W the most bytes of text
-one token stands for, and a text of more than ``(max_model_len - 1) * W`` bytes of normalized text
-cannot fit: refusing it never refuses a prompt that fits.
-
-- W: the longest vocabulary entry or added token in UTF-8 bytes (an upper bound: a byte-fallback
-  ``<0xE9>`` or Metaspace's ``▁`` stands for fewer bytes of text), at least 4 (one character); with
-  a ByteLevel pre-tokenizer each character of an entry is one byte of text, so its length.
-- The normalizer can make a text shorter: at most 4x for Unicode normalization and lowercasing (each
-  code point is 1 to 4 bytes and none maps to nothing; NFKC makes the 4-byte mathematical letters
-  ASCII), ``len(pattern) / len(content)`` for a Replace, 1 for Prepend; W is multiplied by that.
-- Covering: a pre-tokenizer that keeps every character (ByteLevel, Metaspace, Digits,
-  UnicodeScripts, Split and Punctuation unless "removed"), a model that gives every character a
-  token (BPE with byte fallback, over ByteLevel, or with an unfused unknown token per character;
-  Unigram with byte fallback) and no added token that strips the whitespace beside it. The
-  tokenizers of every supported architecture are (byte-level BPE: DeepSeek, Qwen2, OLMoE;
-  byte-fallback BPE: Mixtral).
-
-Other tokenizers have no bound: a whitespace pre-tokenizer drops spaces (a megabyte of them is no
-token), a word-level or WordPiece model folds a whole unknown word into one token, a normalizer may
-delete characters. For them ``ASSUMED_BYTES_PER_TOKEN`` is assumed (natural text has 3 to 6 bytes
-per token), and a refusal says so.
-"""
+before it is tokenized (``check_prompt_text``: ``launch.generate``, the offline API and the
+server), from the tokenizer's longest token (``bytes_per_token``). The derivation, and the
+tokenizers without a bound: docs/serving.md#text-bound-the-derivation."""
 
 from __future__ import annotations
 

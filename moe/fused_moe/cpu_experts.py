@@ -1,27 +1,10 @@
-"""The experts on the CPU (``TorchExperts.forward_cpu`` / ``apply_batched_cpu``): the weights
-packed once after loading (``pack_cpu_experts``, from ``process_weights_after_loading``), the
-measured cut of our compiled kernel, and the calls that use them. A forward never packs: packs
-made from weights that changed since are not used (the torch paths run) until the hook runs again.
+"""The experts on the CPU (``TorchExperts.forward_cpu`` / ``apply_batched_cpu``): the weights packed
+once after loading (``pack_cpu_experts``), the measured cut of our compiled kernel, and the paths,
+first that serves: the kernel, per-expert oneDNN packs, one grouped GEMM per projection with host
+counts (``forward_grouped``), the reference. Paths, pack layouts, cuts: docs/hardware.md#experts.
 
 Legend: N = rows, K = num_topk, E = num_local_experts, H = hidden_size, F = intermediate_size
-(of one expert), P = (row, slot) pairs routed to this rank.
-
-Paths, first that serves: our compiled kernel for all experts in one call
-(``moe/kernels/csrc/fused_moe_cpu.cpp``) up to a number of rows per active expert measured once
-per machine, dtype and expert shape (``moe.kernels.tuning``); per expert prepacked oneDNN GEMMs
-(``moe.layers.linear``; gate and up as one on ``[w1_e; w3_e]``) or float32 copies of small
-bfloat16 experts; one grouped GEMM per projection (``torch._grouped_mm``) with the counts on the
-host (``forward_grouped``); the reference.
-
-The kernel's pack is ``w [E, cols, K]`` -> ``[E, cols / 16, K, 16]`` (16 output columns per
-block, each block one linear stream over K), made from ``[w1; w3]`` (``[E, 2F, H]``) and ``w2``
-(``[E, H, F]``); it needs H and 2F to be multiples of ``PACK_BLOCK``. The ``avx512_bf16`` build
-multiplies bfloat16 in pairs of k (``vdpbf16ps``) and takes bfloat16 weights as
-``[E, cols / 16, K / 2, 16, 2]`` (``k_group``). bfloat16: the AVX2 and AVX-512 builds widen it to
-float32 FMAs (where oneDNN cannot multiply bfloat16, on AVX2, the kernel wins at every size);
-float32: the kernel against the grouped GEMMs (no second copy of the weights). Choices and
-timings: docs/hardware.md#experts.
-"""
+(of one expert), P = (row, slot) pairs routed to this rank."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
-"""The experts' computation (the "Permute-Experts-Unpermute" stage of the modular kernel).
+"""The experts' computation (the "Permute-Experts-Unpermute" stage of the modular kernel):
+``TorchExperts``, one ``CustomOp`` with an entry point per activation format (``apply_standard``,
+``apply_batched``) and its reference ``forward_native``, bound per platform to ``cpu_experts`` or
+the device paths (``CudaExpertsBackend``). Entry points and paths:
+docs/hardware.md#experts-entry-points-and-platforms.
 
-Legend: N = rows (tokens received by this rank), K = num_topk, E = num_local_experts,
-H = hidden_size, F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank.
-
-One entry point per activation format (``TorchExperts.activation_formats``): ``apply_standard``
-takes received rows with their LOCAL top-k ids and weights and returns weighted sums;
-``apply_batched`` takes the ``[E, M, H]`` layout of DeepEP's low-latency dispatch (vLLM's batched
-experts) and returns UNWEIGHTED outputs. Each entry point, and the post-load hook, is bound once
-per platform by the ``CustomOp`` mechanism (``dispatch_method``: ``<name>_native`` /
-``_cpu`` / ``_cuda``):
-
-- ``forward_native``: the reference, a loop over the local experts (kept simple, kept forever);
-- ``forward_cpu``: ``moe.fused_moe.cpu_experts`` (our compiled kernel, oneDNN packs, grouped GEMMs
-  with host counts), on weights packed once by ``process_weights_after_loading``;
-- ``forward_cuda``: nothing read to the host: ``torch._grouped_mm`` (``grouped_experts``, the
-  default) or our Triton fused-MoE kernel (``triton_experts``), chosen by
-  ``MOE_DBO_CUDA_EXPERTS`` when the experts are built (``CudaExpertsBackend``).
-
-Choices and measurements: docs/hardware.md#experts.
-"""
+Legend: N = rows (received by this rank), K = num_topk, E = num_local_experts, H = hidden_size,
+F = intermediate_size (of one expert), P = (row, slot) pairs routed to this rank."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""The experts on the device without reading anything to the host (``TorchExperts.forward_cuda``
-and the device path of ``apply_batched``): static shapes and device-side offsets, so a CUDA graph
-can capture them (docs/hardware.md#experts-on-the-cuda-path).
+"""The experts on the device without reading anything to the host (``TorchExperts.forward_cuda`` and
+the device path of ``apply_batched``), so a CUDA graph can capture them: ``grouped_experts``
+(``torch._grouped_mm``), ``dense_experts`` where it cannot run without a host read, and
+``batched_experts`` for the batched format. docs/hardware.md#experts-on-the-cuda-path.
 
 Legend: N = rows, K = num_topk, E = num_local_experts, H = hidden_size, F = intermediate_size,
-P = N * K (row, slot) pairs, M = max_tokens_per_expert.
-
-``grouped_experts``, the Standard format (permute -> grouped GEMMs -> unpermute, as torchtitan's
-MoE and vLLM's fused MoE): the pairs grouped by expert (``group_by_expert``), ONE
-``torch._grouped_mm`` for gate and up on ``[w1; w3]`` and one for down, the rows put back in
-(row, slot) order and summed over the K slots in one ``bmm`` (no atomics, deterministic).
-``dense_experts`` where ``_grouped_mm`` cannot run without a host read, or the row strides are not
-multiples of 16 bytes: every row through every expert. ``batched_experts``, the batched format:
-one batched GEMM per projection over ``[E, M, H]``, the rows past each expert's count zeroed.
-"""
+P = N * K (row, slot) pairs, M = max_tokens_per_expert."""
 
 from __future__ import annotations
 

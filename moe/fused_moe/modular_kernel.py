@@ -1,13 +1,8 @@
-"""Modular fused-MoE kernel: one MoE layer's token flow, with DBO yield points (after vLLM's
-``FusedMoEModularKernel``)::
-
-    [Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]
-
-The router runs in ``FusedMoE``; this module owns the other three stages. Under DBO (vLLM's
-``forward``) dispatch and combine are issued asynchronously, their ``wait`` goes as a receive hook
-to the ubatch that runs last before this one gets the baton back, and this ubatch yields; whoever
-runs the hook first completes the transfer (docs/dbo.md#the-ping-pong-protocol).
-"""
+"""Modular fused-MoE kernel (after vLLM's ``FusedMoEModularKernel``): one MoE layer's token flow,
+``[Router] → [Prepare/Dispatch] → [Experts] → [Finalize/Combine]``, with DBO's yield points. The
+router runs in ``FusedMoE``; ``FusedMoEModularKernel`` owns the other three stages. Under DBO a
+transfer's ``wait`` goes to another ubatch as a recv hook: docs/dbo.md#how-it-works-here,
+docs/dbo.md#transfer-order-on-cpu."""
 
 from __future__ import annotations
 

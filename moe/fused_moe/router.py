@@ -1,21 +1,7 @@
-"""Router: gate logits and top-k expert selection for every supported architecture.
-
-``select_experts`` implements, in float32:
-
-- ``greedy`` (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V2): softmax over all experts, top-k.
-- ``group_limited_greedy`` (DeepSeek-V2): softmax; experts split into ``num_expert_group``
-  contiguous groups; each group scores its best expert; only the ``topk_group`` best groups stay
-  (other experts' scores become 0), then top-k.
-- ``noaux_tc`` (DeepSeek-V3, "auxiliary-loss-free balancing", DeepSeek-V3 report §2.1.2): sigmoid
-  scores; choice scores = scores + ``e_score_correction_bias``; a group's score is the sum of its
-  top-2 choice scores; the ``topk_group`` best groups stay (others -inf), top-k over choice scores;
-  the WEIGHTS are the unbiased sigmoid scores of the chosen experts.
-
-Then, if ``renormalize`` (HF ``norm_topk_prob``), the k weights are divided by their sum (+1e-20
-for sigmoid scores, as DeepSeek-V3), and finally multiplied by ``routed_scaling_factor``. Order of
-operations as transformers' ``MixtralTopKRouter`` / ``DeepseekV2TopkRouter`` /
-``DeepseekV3TopkRouter`` and vLLM's ``grouped_topk``.
-"""
+"""Router: gate logits and top-k expert selection for every supported architecture
+(``select_experts``, in float32: ``greedy``, ``group_limited_greedy``, ``noaux_tc``; renormalizing
+and ``routed_scaling_factor``), as ``TopKSelect`` and the ``Router`` module. The methods and their
+order of operations: docs/models.md#router-top-k-selection."""
 
 from __future__ import annotations
 

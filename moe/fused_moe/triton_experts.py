@@ -1,24 +1,10 @@
 """The experts on the device through our Triton fused-MoE kernels (``forward_cuda`` with
-``MOE_DBO_CUDA_EXPERTS=triton``), after vLLM's ``fused_experts``
-(vllm/model_executor/layers/fused_moe/fused_moe.py): nothing read to the host, so a CUDA graph
-can capture it.
+``MOE_DBO_CUDA_EXPERTS=triton``), after vLLM's ``fused_experts``: ``align_pairs``, the block sizes
+and ``fused_experts``, nothing read to the host. Triton is imported only when this path runs
+(``runs`` says whether it can). The four steps: docs/hardware.md#triton-experts-steps-and-rounding.
 
 Legend: N = rows, K = num_topk, E = num_local_experts, H = hidden_size, F = intermediate_size,
-P = N * K (row, slot) pairs, B = BLOCK_M (pairs per block, one expert per block).
-
-1. ``align_pairs`` (vLLM's ``moe_align_block_size``, here in torch ops): the pairs grouped by
-   expert (a stable sort), the pairs of no local expert last, each group padded to a multiple
-   of B, so every block of B positions belongs to one group; sized for the worst case
-   (P + (E + 1)(B - 1) positions), the actual end on the device.
-2. ``gate_up_silu_kernel``: per block, the rows gathered in the loads (row = pair // K), gate and
-   up against ``w1_e``, ``w3_e`` and ``silu(gate) * up`` in the epilogue -> ``[P, F]``.
-3. ``down_weighted_kernel``: ``[P, F]`` against ``w2_e``, times the pair's routing weight in the
-   epilogue -> ``[P, H]``; the blocks of pairs of no local expert write zeros (vLLM's
-   ``write_zeros_to_output``), so no memset is needed.
-4. The sum over the K slots of each row (``sum``; deterministic, no atomics).
-
-Triton is imported only here, and only when this path runs (``runs`` says whether it can).
-"""
+P = N * K (row, slot) pairs, B = BLOCK_M (pairs per block, one expert per block)."""
 
 from __future__ import annotations
 

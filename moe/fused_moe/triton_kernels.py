@@ -1,19 +1,7 @@
-"""The Triton kernels of ``moe.fused_moe.triton_experts`` (imported only when that path runs:
-triton is optional for the package). After vLLM's ``fused_moe_kernel``
-(vllm/model_executor/layers/fused_moe/fused_moe.py): each program takes one block of
-``BLOCK_M`` (row, slot) pairs of ONE expert (``sorted_pair_ids``, ``block_expert_ids``: the
-alignment of ``triton_experts.align_pairs``) and ``BLOCK_N`` output columns; the gather of the
-rows is folded into the first GEMM's loads (row = pair // TOP_K), SiLU-and-mul into its epilogue,
-and the routing weight into the second GEMM's epilogue; blocks of the pairs of no local expert
-(group ``num_experts``) write zeros. Blocks past ``num_padded[0]`` (the grid is sized for the
-worst case, so nothing is read to the host) return at once.
-
-Rounding mirrors the reference (``TorchExperts.forward_native``): float32 accumulation, gate and
-up rounded to the activation dtype before SiLU, the down product rounded before the weight.
-``DOT_FLOAT32``: multiply in float32 (set under ``TRITON_INTERPRET=1``, whose ``tl.dot`` gives
-wrong bfloat16 products in Triton 3.6; exact widening, same accumulation). ``IEEE``: float32
-inputs multiplied in full precision, not TF32 (as torch's float32 GEMMs by default).
-"""
+"""The Triton kernels of ``moe.fused_moe.triton_experts`` (imported only when that path runs), after
+vLLM's ``fused_moe_kernel``: ``gate_up_silu_kernel`` (row gather and SiLU-and-mul folded into the
+first GEMM) and ``down_weighted_kernel`` (the routing weight in the second GEMM's epilogue). Blocks,
+rounding, ``DOT_FLOAT32`` and ``IEEE``: docs/hardware.md#triton-experts-steps-and-rounding."""
 
 from __future__ import annotations
 
