@@ -1,29 +1,7 @@
-"""Decode-only steps captured whole (``cudagraph_mode`` FULL_AND_PIECEWISE): one graph per bucket
-of the model's eager forward, attention included, on persistent input buffers (after vLLM's
-full CUDA graphs for uniform decode batches, ``shared/seeds/graph-capture-bucketing.md``).
-
-A graph replays fixed kernels on fixed addresses, so every per-step value lives in a device
-buffer that the step overwrites, and the Python values the forward reads are the bucket's:
-
-- ``input_ids``, ``positions`` ``[max_bucket]`` int64, ``query_start_loc`` ``[max_bucket + 1]``
-  int32, ``seq_lens`` ``[max_bucket]`` int32, ``block_table`` ``[max_bucket,
-  max_num_blocks_per_req]`` int32, ``slot_mapping`` ``[max_bucket]`` int64; a bucket ``b`` uses
-  their first rows.
-- The attention metadata the graph was captured with has ``num_reqs = num_actual_tokens =
-  num_tokens = b``, ``max_query_len = 1`` and ``max_seq_len = max_num_blocks_per_req *
-  block_size`` (a bound, not this step's maximum). A step of ``r <= b`` decodes fills requests
-  ``r .. b-1`` as padding requests: one query row each (rows ``r .. b-1``), ``seq_len`` 1, block
-  table row of zeros, slot -1 (no KV write); their rows are discarded.
-- The metadata is built on the host (``InputBatch``); it is copied into pinned host staging
-  buffers (where the platform pins: ``Platform.pin_host_memory``) and from there to the device
-  buffers with non-blocking copies. The staging buffers are overwritten by the next step only,
-  after this step's results were read on the host, which orders after these copies.
-- The output is the graph's own tensor, not a clone: it is read (logits) before the next step.
-
-So an attention backend runs inside these graphs only if it reads per-step values from the
-metadata's device tensors and never from the host (``Platform.full_graph_attention_backends``);
-the other backends plan on the host, and their decode steps run piecewise.
-"""
+"""Decode-only steps captured whole (``cudagraph_mode`` FULL_AND_PIECEWISE): ``DecodeGraphs``, one
+graph per bucket of the model's eager forward, attention included, on persistent input buffers
+that each step overwrites. The buffers, the padding requests and why only some attention
+backends qualify: docs/hardware.md#whole-decode-graphs-buffers-and-padding."""
 
 from __future__ import annotations
 

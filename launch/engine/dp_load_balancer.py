@@ -1,19 +1,6 @@
-"""The DP load balancer: which DP rank serves a new request. Not the MoE router
-(``moe.fused_moe.router.Router``), which picks experts per token.
-
-The methods are SGLang's ``--load-balance-method`` values:
-
-- ``round_robin``: request k (in arrival order) to rank k % dp_size.
-- ``shortest_queue`` (default): the rank with the fewest open requests (assigned and not yet
-  finished), as vLLM's DP front end ranks its engines by their queue lengths. With every request
-  arriving at once (offline ``generate`` / ``bench_throughput``) this is round robin.
-- ``minimum_tokens``: the rank with the fewest open tokens (prompt + max new tokens of its open
-  requests). DP ranks run in lockstep (each MoE layer's all-to-all waits for every rank), so a
-  step lasts as long as the busiest rank's; balancing tokens rather than requests evens out
-  prompts of different lengths (docs/benchmarks.md, "DP load balancing").
-
-Ties go to the lowest rank, so every rank that runs the same assignments gets the same answer.
-"""
+"""The DP load balancer: which DP rank serves a new request (``DPLoadBalancer``, SGLang's
+``--load-balance-method`` values), not the MoE router, which picks experts per token. The methods
+and why ``minimum_tokens`` counts tokens: docs/serving.md#dp-load-balancer-the-methods."""
 
 from __future__ import annotations
 

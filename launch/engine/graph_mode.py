@@ -1,17 +1,7 @@
-"""Start-up of graph mode for an engine: pick the backend, point inductor's cache at our directory,
-compile/capture every bucket with a progress bar (``moe.compilation.GraphModeModel``), and with
-``cudagraph_mode`` FULL_AND_PIECEWISE capture decode-only forwards whole
-(``launch.engine.decode_graphs``) where the backend, the attention backend and the layout allow.
-
-Cache: inductor's FX graph cache and its compiled C++ live in ``TORCHINDUCTOR_CACHE_DIR``; when the
-variable is unset the engine sets it to ``$XDG_CACHE_HOME/moe-dbo/inductor`` (default
-``~/.cache/moe-dbo/inductor``), so a second start with the same shapes loads instead of compiling.
-The graphs take the weights as inputs, so the cache key holds shapes and dtypes, not weight values.
-Either way the graphs live in a subdirectory per CPU capability (``cpu-avx512``, ``cpu-avx2``, ...:
-``cpu_cache_subdir``): inductor's cache key does not hold ATen's dispatch level, and a graph
-compiled under one (an AVX-512 run) returned wrong values when loaded under another
-(``ATEN_CPU_CAPABILITY=avx2``), as a cache shared by machines of two ISAs would.
-"""
+"""Start-up of graph mode for an engine: pick the backend, point inductor's cache at our directory
+(one subdirectory per CPU capability), compile/capture every bucket with a progress bar, and
+capture decode-only forwards whole where the backends and the layout allow. The cache and why it
+is split by capability: docs/hardware.md#graph-mode-start-up-and-its-cache."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""Persistent per-request state of the running requests, and the step inputs built from it.
-
-After vLLM's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``: each request the model runner
-sees gets a row of preallocated numpy arrays (token ids, token count, block table, sampling
-parameters: temperature, top-p, seed, logprobs) that steps update in place. A step does O(1) Python
-bookkeeping per scheduled request (its row, the tokens and blocks added since the last step) and
-builds every per-token input with array arithmetic: positions by ``arange`` offsets, input ids by a
-gather from the token rows, and
-``slot_mapping = block_table[req, pos // block_size] * block_size + pos % block_size``.
-
-The per-token inputs (``input_ids``, ``positions``, ``logits_indices``) go to the device through
-persistent buffers (``StagedBuffer``): written on the host into a staging buffer, pinned where the
-platform says so (``Platform.pin_host_memory``: CUDA), and copied with one non-blocking copy into
-a device buffer that every step reuses; a step's inputs are views of it, valid until the next
-step's ``prepare_inputs``.
-"""
+"""Persistent per-request state of the running requests (``InputBatch``, after vLLM's), the step
+inputs built from it by array arithmetic (``ModelInputs``), and the staged host-to-device buffers
+they travel through (``StagedBuffer``). docs/models.md#input-batch-persistent-rows-staged-inputs."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""How many KV cache blocks a rank allocates: a memory budget, as vLLM sizes it.
-
-Order (vLLM's): ``--num-gpu-blocks-override`` when given; else ``--kv-cache-memory-bytes`` (vLLM's
-flag); else, on a device whose platform reports its memory (``Platform.device_memory``: a GPU),
-``--gpu-memory-utilization`` of its total memory minus what is in use after a profile step at the
-largest batch (``device_memory_budget``, vLLM's ``determine_available_memory``); else, on the
-host, vLLM's CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` in GiB when set; else
-``DEFAULT_KV_CACHE_MEMORY_BYTES``. A budget buys ``budget // block_bytes`` blocks, never more than
-``--max-num-seqs`` full-length requests can use, and must hold one request of ``max_model_len``
-tokens.
-
-Why a fixed default on the host rather than vLLM 0.32's (``--gpu-memory-utilization`` 0.92 of
-the NUMA node's memory minus the worker's RSS, ``vllm/v1/worker/cpu_worker.py``): our DP ranks
-are processes on one host, and each would claim 92 % of the machine. The default is the 4 GiB
-that vLLM's CPU backend documented for ``VLLM_CPU_KVCACHE_SPACE`` (``vllm/envs.py``); before it
-the engine allocated max-num-seqs full-length requests, 18-34 GB per rank on the medium
-checkpoint. On a GPU, a fixed 4 GiB would leave most of a 140 GiB device idle.
-
-``size_engine_kv_cache`` and ``size_kv_cache_from_memory`` apply these rules to an engine's model
-and flags (``EngineArgs``).
-"""
+"""How many KV cache blocks a rank allocates: a memory budget, as vLLM sizes it (the override, the
+flag, a device's free memory after a profile step, or the host's default), capped and checked
+against the engine's limits. The order of the rules: docs/models.md#kv-cache-sizing-the-order;
+why the host's default is fixed: docs/models.md#kv-cache-size."""
 
 from __future__ import annotations
 

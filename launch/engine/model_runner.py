@@ -1,24 +1,6 @@
-"""Model runner: one engine step from a SchedulerOutput to sampled tokens, with DBO when agreed.
-
-Per step (after vLLM's GPUModelRunner, see ``shared/seeds/dual-batch-overlap.md``):
-1. every DP rank votes whether to microbatch (token count against the decode or prefill
-   threshold) and the votes are gathered over the DP group; microbatching happens only if all
-   agree, and then every rank pads to the max token count (``dbo.coordinate_batch_across_dp``).
-   With a threshold ``auto`` the same vote carries this rank's time of its previous step, and
-   ``dbo.AdaptiveDBOPolicy`` (one copy per rank, fed the same combined table) chooses;
-2. flat inputs and the common attention metadata are built from the persistent per-request rows
-   of the ``InputBatch`` by array arithmetic (padding rows have slot -1);
-3. the model runs inside the batch's ``ForwardContext`` (``dbo.forward_context``: its attention
-   metadata and every DP rank's row count). With microbatching the token range is cut into the
-   agreed number of ``UBatchSlice`` s (``--ubatch-size``, default two), the attention metadata is
-   sliced to them, and ``UBatchWrapper`` runs the model on one thread per ubatch, each inside its
-   own forward context, passing the baton in a ring inside the MoE layers; otherwise the model
-   runs once;
-4. the hidden state of each request whose known tokens are all computed is turned into logits and
-   the ``Sampler`` picks every row's token at once (greedy argmax, or seeded Gumbel-max).
-A rank with nothing scheduled still runs a one-token dummy batch while any other rank has work,
-because the expert all-to-all is a collective over all EP ranks.
-"""
+"""Model runner: one engine step from a ``SchedulerOutput`` to sampled tokens (``ModelRunner``,
+after vLLM's ``GPUModelRunner``): the DP vote, the step's inputs, the forward (with DBO's ubatches
+when every rank agreed) and sampling. The step in order: docs/dbo.md#model-runner-one-step."""
 
 from __future__ import annotations
 
@@ -129,14 +111,6 @@ class ModelRunner:
         self.adaptive_policy = AdaptiveDBOPolicy(prior=engine_args.adaptive_prior())
         self.clock_ns = time.perf_counter_ns  # step timer of the adaptive policy (tests fake it)
         self._prev_step_us = 0  # this rank's time of its previous step, sent in the next vote
-
-    def set_enable_dbo(self, enable_dbo: bool) -> None:
-        """Switch DBO on or off for the following steps (the benchmark interleaves both).
-
-        Raises:
-            ValueError: if ``enable_dbo`` and the engine args cannot run DBO (see EngineArgs).
-        """
-        self.set_dbo(enable_dbo=enable_dbo)
 
     def set_dbo(self, *, enable_dbo: bool, **settings: int | str | None) -> None:
         """Switch DBO and its settings (``dbo_decode_token_threshold=…``, ``…prefill…``: an int or

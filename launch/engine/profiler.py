@@ -1,23 +1,7 @@
-"""Step profiling of every rank, vLLM's ``--profiler-config``: torch's profiler or a device range.
-
-``--profiler-config '{"profiler": "torch", "torch_profiler_dir": DIR}'`` (vLLM's keys, a subset;
-checked when ``EngineArgs`` is built, before any work) arms a profiler on every rank; nothing is
-recorded until ``start_profile`` (``LLM.start_profile()``, the server's ``POST /start_profile``,
-``launch.bench_throughput --profile``, or the whole run of ``launch.generate`` / ``launch.bench``)
-and up to ``stop_profile``. ``delay_iterations`` engine steps pass before it records and it stops
-by itself after ``max_iterations`` recorded steps (0: no limit); steps are counted where some DP
-rank had work, so every rank's window covers the same steps.
-
-- ``"torch"``: ``torch.profiler`` over the platform's activities (``Platform.profiler_activities``:
-  the host, plus CUDA kernels on a GPU); on stop each rank writes a Chrome trace
-  ``DIR/rank<r>.<ms>.pt.trace.json[.gz]`` (Perfetto opens it; the timeline's span names are
-  ``record_function`` ranges in it) and its op table ``DIR/profiler_out_<r>.txt``.
-- ``"cuda"``: ``cudaProfilerStart`` / ``Stop`` around the window, for ``nsys profile
-  --capture-range=cudaProfilerApi`` (platforms with a device range, ``Platform.profiler_range``).
-
-After vLLM's ``vllm/config/profiler.py`` and ``vllm/profiler/wrapper.py``; docs/profiling.md,
-"torch.profiler traces".
-"""
+"""Step profiling of every rank, vLLM's ``--profiler-config``: the config (``ProfilerConfig``) and
+a window over engine steps recorded by torch's profiler or a device profiler's range
+(``StepProfiler``). How to use it: docs/profiling.md#torchprofiler-traces---profiler-config; the
+design: docs/profiling.md#step-profiler-config-and-windows."""
 
 from __future__ import annotations
 

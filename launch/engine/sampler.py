@@ -1,23 +1,7 @@
-"""Sampling: the next token of every sampled row in a few batched ops, nucleus (top-p)
-filtering, and logprobs of sampled tokens.
-
-Greedy rows (temperature 0) take one ``argmax`` over the batch. Rows with a temperature use the
-Gumbel-max trick (Gumbel 1954; e.g. Maddison et al. 2014, "A* sampling"): ``argmax(logits / T + g)``
-with ``g = -log(-log(u))`` and ``u`` uniform draws a token with probability ``softmax(logits / T)``;
-tokens outside a row's top-p nucleus get score ``-inf`` first, which samples from the renormalised
-nucleus (vLLM's ``apply_top_k_top_p`` semantics).
-
-The uniforms are not drawn from a stateful generator but computed by a counter-based hash of
-(request seed, output position, vocab index) in torch integer ops — the idea of counter-based RNGs
-(Salmon et al., SC 2011 "Parallel random numbers: as easy as 1, 2, 3"); the mixer is Chris
-Wellons' ``lowbias32`` (https://nullprogram.com/blog/2018/07/31/). So a request with a given seed
-samples the same token at the same output position from the same logits whatever batch, step or
-rank it runs in, and after a preemption's recompute; no per-request generator state is kept.
-
-Logprobs are vLLM's default "raw logprobs": ``log_softmax`` of the model's logits before
-temperature or top-p, for the sampled token and the ``num_top`` most likely tokens of its row. They
-are computed only for the rows of requests that asked for them (no cost otherwise).
-"""
+"""Sampling (``Sampler``): the next token of every sampled row in a few batched ops (greedy argmax,
+or Gumbel-max over seeded counter-based noise), nucleus (top-p) filtering, and logprobs of sampled
+tokens. Why a seeded request samples alike in any batch:
+docs/models.md#sampler-gumbel-max-over-counter-based-noise."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""Per-DP-rank scheduler: which requests run this step, and how many tokens each.
-
-Running requests go first (a decode computes one token, an unfinished prompt its next chunk), then
-waiting requests are admitted while ``max_num_seqs`` and the token budget
-``max_num_batched_tokens`` allow; a prompt longer than the remaining budget is chunked (chunked
-prefill, as vLLM's scheduler does).
-
-KV blocks are allocated as tokens are scheduled, not reserved up front. When a running request
-needs a block and none is free, the most recently admitted running request is preempted: its
-blocks are freed, its computed-token count is reset, and it goes back to the front of the waiting
-queue, to be recomputed (prompt + the tokens generated so far) when blocks free up. This is vLLM's
-recompute preemption policy (vLLM v1 ``Scheduler.schedule``; Kwon et al., SOSP 2023, section 4.5).
-A request is accepted only if its prompt plus ``max_tokens`` (capped at ``max_model_len``) fits the
-whole cache, so a request running alone can always finish.
-"""
+"""Per-DP-rank scheduler (``Scheduler``): which requests run this step and how many tokens each,
+with chunked prefill and vLLM's recompute preemption when KV blocks run out.
+docs/serving.md#scheduler-chunked-prefill-recompute-preemption."""
 
 from __future__ import annotations
 
