@@ -163,12 +163,6 @@ def decide_from_gathered(
     )
 
 
-def _collective_device(dp_comm: Communicator) -> torch.device:
-    if not dp_comm.is_host_transport:  # NCCL: the table lives on this rank's CUDA device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def coordinate_batch_across_dp(
     *,
     num_tokens: int,
@@ -219,7 +213,7 @@ def coordinate_batch_across_dp(
         comm = as_communicator(dp_group)
         if comm.size != dp_size:
             raise ValueError(f"dp_group has {comm.size} ranks, expected dp_size={dp_size}")
-        device = _collective_device(comm)
+        device = comm.tensor_device
         mine = rows[dp_rank].to(device).expand(dp_size, NUM_VOTE_COLUMNS).contiguous()
         rows = torch.empty(dp_size, NUM_VOTE_COLUMNS, dtype=torch.int64, device=device)
         work, after = comm.all_to_all_single(

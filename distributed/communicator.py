@@ -42,6 +42,14 @@ class Communicator:
         is_host_transport: whether the transport reads host memory (device tensors are staged).
     """
 
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where tensors built for this transport live: the host, or this rank's current CUDA
+        device for NCCL (which takes nothing else)."""
+        if self.is_host_transport:
+            return HOST_DEVICE
+        return torch.device("cuda", torch.cuda.current_device())
+
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.rank = group.rank()

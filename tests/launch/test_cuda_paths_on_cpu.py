@@ -35,9 +35,6 @@ def _cuda_ops_on_cpu():
         def describe_device(self, device):
             return str(device)
 
-        def make_ubatch_streams(self, num_ubatches, device):
-            return None
-
         def device_clock(self, device):
             return None
 
