@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from distributed.all2all import deepep_low_latency_protocol as ll
 from distributed.all2all.all_to_all import exchange_counts, issue_combine, issue_rows
+from distributed.all2all.base import debug_checks_enabled
 from distributed.all2all.token_packing import (
     RowLayout,
     pack_sent_rows,
@@ -110,6 +111,7 @@ class TorchDistributedBuffer:
         self.group_size = num_ranks
         self.timeout = timeout
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.debug_checks = debug_checks_enabled()  # read once: the per-call checks of LL
 
     def with_link(self, link: EmulatedLink) -> TorchDistributedBuffer:
         """A copy of this buffer (same group) whose notify completes no earlier than ``link``'s
@@ -300,7 +302,13 @@ class TorchDistributedBuffer:
         capacity, num_ranks = num_max_dispatch_tokens_per_rank, self.group_size
         self._check_capacity(x.shape[0], capacity)
         buf, handle = ll.pack_dispatch(
-            x, topk_idx, capacity, num_experts=num_experts, rank=self.rank, num_ranks=num_ranks
+            x,
+            topk_idx,
+            capacity,
+            num_experts=num_experts,
+            rank=self.rank,
+            num_ranks=num_ranks,
+            debug_checks=self.debug_checks,
         )
         num_bytes = 0 if self.link is None else ll.dispatch_link_bytes(buf, handle, num_ranks)
         num_local = num_experts // num_ranks
@@ -308,7 +316,14 @@ class TorchDistributedBuffer:
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
 
         def finish() -> None:
-            ll.unpack_dispatch(buf[num_ranks - 1 :], handle, recv_rows, recv_count, rank=self.rank)
+            ll.unpack_dispatch(
+                buf[num_ranks - 1 :],
+                handle,
+                recv_rows,
+                recv_count,
+                rank=self.rank,
+                debug_checks=self.debug_checks,
+            )
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distributed.all2all.base import accumulation_dtype, debug_checks_enabled
+from distributed.all2all.base import accumulation_dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,20 +144,28 @@ class BlockLayout:
 
 
 def pack_dispatch(
-    x: Tensor, topk_idx: Tensor, capacity: int, *, num_experts: int, rank: int, num_ranks: int
+    x: Tensor,
+    topk_idx: Tensor,
+    capacity: int,
+    *,
+    num_experts: int,
+    rank: int,
+    num_ranks: int,
+    debug_checks: bool,
 ) -> tuple[Tensor, LowLatencyHandle]:
     """``(buf [2R - 1, rows_per_block, H] x's dtype, handle)``: ``buf[:R]`` one block per
     destination (``slot_order`` send side), ``buf[R:]`` for the peers' blocks.
 
     Raises:
-        ValueError: under ``MOE_DBO_DEBUG_CHECKS=1``, more than B rows for one rank (only
-            possible with repeated expert ids; without the check the excess rows are dropped).
+        ValueError: with ``debug_checks`` (``MOE_DBO_DEBUG_CHECKS=1``), more than B rows for one
+            rank (only possible with repeated expert ids; without the check the excess rows are
+            dropped).
     """
     hidden, num_local, device = x.shape[1], num_experts // num_ranks, x.device
     block = BlockLayout.of(capacity, topk_idx.shape[1], num_local, hidden, x.element_size())
     per_expert, position = expert_positions(topk_idx, num_experts)
     sent = per_expert.view(num_ranks, num_local)
-    if debug_checks_enabled():
+    if debug_checks:
         _check_sent_rows(sent, block.num_rows, rank)
     buf, rows = block_buffer(2 * num_ranks - 1, block.rows_per_block, x)
     send_slot = slot_order(rank, num_ranks, own_first=False, device=device)
@@ -209,15 +217,22 @@ def dispatch_link_bytes(buf: Tensor, handle: LowLatencyHandle, num_ranks: int) -
 
 
 def unpack_dispatch(
-    blocks: Tensor, handle: LowLatencyHandle, recv_rows: Tensor, recv_count: Tensor, *, rank: int
+    blocks: Tensor,
+    handle: LowLatencyHandle,
+    recv_rows: Tensor,
+    recv_count: Tensor,
+    *,
+    rank: int,
+    debug_checks: bool,
 ) -> None:
     """The hook's work: ``blocks [R, rows_per_block, H]`` (``slot_order`` receive side: own block
     first) into DeepEP's layout, ``recv_rows`` (``block_buffer``'s rows of ``recv_x [L, R * C,
     H]``) and ``recv_count [L]``; fills ``handle``'s combine rows and marks it received.
 
     Raises:
-        RuntimeError: under ``MOE_DBO_DEBUG_CHECKS=1``, a received count outside [0, C] (the
-            ranks disagree on C, H or dtype, or a token names one expert twice).
+        RuntimeError: with ``debug_checks`` (``MOE_DBO_DEBUG_CHECKS=1``), a received count
+            outside [0, C] (the ranks disagree on C, H or dtype, or a token names one expert
+            twice).
     """
     num_ranks, hidden = blocks.shape[0], handle.hidden
     capacity, num_local = handle.num_max_dispatch_tokens_per_rank, handle.num_experts // num_ranks
@@ -226,7 +241,7 @@ def unpack_dispatch(
     )
     recv_slot = slot_order(rank, num_ranks, own_first=True, device=recv_rows.device)
     layout = block.counts(blocks)[recv_slot]  # source-rank order
-    if debug_checks_enabled() and bool(((layout < 0) | (layout > capacity)).any()):  # host sync
+    if debug_checks and bool(((layout < 0) | (layout > capacity)).any()):  # host sync
         raise RuntimeError(
             f"low_latency_dispatch on rank {rank}: received row counts {layout.tolist()} "
             f"outside [0, {capacity}]: the ranks disagree on num_max_dispatch_tokens_per_rank, "

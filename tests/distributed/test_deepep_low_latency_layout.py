@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.all2all.base import DEBUG_CHECKS_ENV
+from distributed.all2all.base import DEBUG_CHECKS_ENV, debug_checks_enabled
 from distributed.all2all.deepep_low_latency_protocol import (
     BlockLayout,
     block_buffer,
@@ -66,11 +66,22 @@ def test_block_layout_holds_the_counts_aligned(hidden, itemsize):
 
 
 def _dispatch_one_rank(x, topk_idx, capacity, num_experts):
-    """``pack_dispatch`` then ``unpack_dispatch`` on one rank: ``(recv_x, recv_count)``."""
-    buf, handle = pack_dispatch(x, topk_idx, capacity, num_experts=num_experts, rank=0, num_ranks=1)
+    """``pack_dispatch`` then ``unpack_dispatch`` on one rank, with the checks that
+    ``MOE_DBO_DEBUG_CHECKS`` asks for (read as the emulated buffer reads it):
+    ``(recv_x, recv_count)``."""
+    debug_checks = debug_checks_enabled()
+    buf, handle = pack_dispatch(
+        x,
+        topk_idx,
+        capacity,
+        num_experts=num_experts,
+        rank=0,
+        num_ranks=1,
+        debug_checks=debug_checks,
+    )
     recv_x, recv_rows = block_buffer(num_experts, capacity, x)
     recv_count = torch.zeros(num_experts, dtype=torch.int32)
-    unpack_dispatch(buf, handle, recv_rows, recv_count, rank=0)
+    unpack_dispatch(buf, handle, recv_rows, recv_count, rank=0, debug_checks=debug_checks)
     return recv_x, recv_count
 
 
