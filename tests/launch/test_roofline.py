@@ -56,7 +56,9 @@ def test_experts_touched_and_bytes_follow_the_balanced_routing_expectation(engin
     assert traffic.attention_flops_per_context_token == per_token
 
 
-def test_an_engines_steps_are_summed_per_kind_into_one_line_each(engine):
+def _run_two_requests(engine) -> StepRoofline:
+    """A roofline attached to ``engine``, which then runs two requests (prompts of 3 and 2
+    tokens, 3 output tokens each) to the end."""
     from launch.engine.request import Request, SamplingParams
 
     roofline = StepRoofline(
@@ -70,6 +72,12 @@ def test_an_engines_steps_are_summed_per_kind_into_one_line_each(engine):
             )
         )
     engine.run_until_done()
+    return roofline
+
+
+def test_an_engines_steps_are_summed_per_kind_into_one_line_each(engine):
+
+    roofline = _run_two_requests(engine)
     assert {k: t.num_steps for k, t in roofline.totals.items()} == {"prefill": 1, "decode": 2}
     prefill = roofline.totals["prefill"]
     # one prefill step of 5 tokens, both requests sampled: causal attention over 3 and 2 rows
@@ -105,7 +113,6 @@ def test_a_step_is_timed_whole_scheduling_and_the_update_included(tiny_mixtral_d
     """Time spent in the scheduler (schedule, update_from_output) counts into the step: the
     roofline compares what a user waits for per token, not the forward alone."""
     from launch.benchmarks import roofline as roofline_module
-    from launch.engine.request import Request, SamplingParams
 
     engine = single_rank_engine(tiny_mixtral_dir, enforce_eager=True)
     clock = _FakeClock()
@@ -123,17 +130,7 @@ def test_a_step_is_timed_whole_scheduling_and_the_update_included(tiny_mixtral_d
 
     monkeypatch.setattr(scheduler, "schedule", slow_schedule)
     monkeypatch.setattr(scheduler, "update_from_output", slow_update)
-    roofline = StepRoofline(
-        traffic=ModelTraffic.of(engine.model, torch.float32), bandwidth=1e10, peak=1e11
-    )
-    roofline.attach(engine, lambda: None)
-    for i, prompt in enumerate(([3, 4, 5], [6, 7])):
-        engine.add_request(
-            Request(
-                request_id=i, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=3)
-            )
-        )
-    engine.run_until_done()
+    roofline = _run_two_requests(engine)
     totals = roofline.totals
     assert {k: t.num_steps for k, t in totals.items()} == {"prefill": 1, "decode": 2}
     # each step: 1 s scheduling + 2 s applying its tokens (the fake clock moves nowhere else)
