@@ -4,7 +4,6 @@ threads issuing at once, a peer that dies mid-exchange, and no segment left in `
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.cpu_kernels import needs_compiler
-from tests.helpers.distributed import _rank_main, find_free_port, run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = needs_compiler
 
@@ -227,38 +226,12 @@ def _dies_rank(rank: int, world: int):
     return left, job_id, str(info.value), elapsed
 
 
-def _run_survivors(fn, world: int, num_survivors: int, timeout_s: float) -> list:
-    """``run_distributed`` for ranks that may die: the results of the ranks that report."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = find_free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world, port, (), {}, results), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    collected = []
-    try:
-        while len(collected) < num_survivors:
-            rank, ok, value = results.get(timeout=timeout_s)  # blocking wait (timeout_s)
-            assert ok, f"rank {rank} failed:\n{value}"
-            collected.append(value)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return collected
-
-
 def test_peer_killed_mid_exchange_fails_every_rank_and_leaves_no_segment():
     """A SIGKILLed rank: both survivors raise naming it, well within the 20 s timeout, and no
     segment of the job is in /dev/shm, neither while it runs (unlinked once every rank had
     mapped it) nor after the kill."""
     world = 3
-    survivors = _run_survivors(_dies_rank, world, world - 1, timeout_s=60)
+    survivors = run_distributed(_dies_rank, world, timeout_s=60, num_results=world - 1)
     assert len(survivors) == world - 1
     for left, job_id, message, elapsed in survivors:
         assert left == [], left

@@ -100,12 +100,14 @@ def run_distributed(
     *args: Any,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    num_results: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
-    ``fn`` and ``args`` must be picklable (a module-level function). Raises ``RuntimeError`` naming
-    the first rank that failed (with its traceback), or ``TimeoutError`` if the ranks do not all
-    finish within ``timeout_s`` seconds.
+    ``fn`` and ``args`` must be picklable (a module-level function). ``num_results``: return once
+    that many ranks have reported (ranks that may die), their results in rank order; None: all.
+    Raises ``RuntimeError`` naming the first rank that failed (with its traceback), or
+    ``TimeoutError`` if the ranks do not report within ``timeout_s`` seconds.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -122,7 +124,7 @@ def run_distributed(
         proc.start()
     collected: dict[int, Any] = {}
     try:
-        while len(collected) < world_size:
+        while len(collected) < (world_size if num_results is None else num_results):
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
@@ -139,4 +141,4 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-    return [collected[rank] for rank in range(world_size)]
+    return [collected[rank] for rank in sorted(collected)]
