@@ -102,16 +102,7 @@ struct SegmentHeader {
   char message[1024];
 };
 
-struct SlotHeader {
-  Word ready;                    // the last round published in this slot
-  Word ack[kShmMaxLocalRanks];   // ack[p]: the last round local rank p read from this slot
-  alignas(64) uint32_t kind;     // ShmOpKind
-  int32_t dtype;                 // c10::ScalarType (sums)
-  int64_t chunk;                 // bytes of each destination's block per round
-  int64_t shared;                // 1: every destination reads one block, packed once at 0
-  int64_t send_lengths[kShmMaxLocalRanks];  // bytes of the block for each local rank
-};
-static_assert(sizeof(SegmentHeader) <= kPage && sizeof(SlotHeader) <= kPage, "headers");
+static_assert(sizeof(SegmentHeader) <= kPage, "segment header");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock free");
 
 int64_t slot_stride(int64_t capacity) { return kPage + (capacity + kPage - 1) / kPage * kPage; }
@@ -182,6 +173,18 @@ void sum_bytes(at::ScalarType dtype, char* dst, const std::vector<const char*>& 
 }
 
 }  // namespace
+
+struct SlotHeader {
+  Word ready;                    // the last round published in this slot
+  Word ack[kShmMaxLocalRanks];   // ack[p]: the last round local rank p read from this slot
+  alignas(64) uint32_t kind;     // ShmOpKind
+  int32_t dtype;                 // c10::ScalarType (sums)
+  int64_t chunk;                 // bytes of each destination's block per round
+  int64_t shared;                // 1: every destination reads one block, packed once at 0
+  int64_t send_lengths[kShmMaxLocalRanks];  // bytes of the block for each local rank
+};
+static_assert(sizeof(SlotHeader) <= kPage, "slot header");
+
 
 struct ShmComm::Channel {
   int64_t index = 0;
@@ -337,15 +340,37 @@ std::shared_ptr<ShmWork> ShmComm::issue(int64_t channel_index, int64_t kind, at:
   op->issued_ns = now_ns();
   op->deadline_ns = op->issued_ns + int64_t(timeout_s * 1e9);
   Channel& channel = *channels_[channel_index];
-  bool wake = false;
+  // Holding run_mutex, nobody runs this channel: an op that lands first in the queue stays its
+  // next until the lock is released, so its first round may be published here.
+  std::unique_lock<std::mutex> run(channel.run_mutex, std::try_to_lock);
+  bool wake = false, first = false;
   {
     std::lock_guard<std::mutex> lock(channel.mutex);
+    first = channel.queue.empty() && channel.fatal.empty() && !channel.stop;
     channel.queue.push_back(op);
     wake = channel.idle;
     channel.idle = false;
   }
+  if (run.owns_lock() && first) try_publish_at_issue(&channel, *op);
+  if (run.owns_lock()) run.unlock();
   if (wake) channel.cv.notify_one();
   return std::make_shared<ShmWork>(op, shared_from_this(), channel_index);
+}
+
+void ShmComm::try_publish_at_issue(Channel* channel, ShmOp& op) {
+  if (num_local_ == 1) return;
+  auto* header = static_cast<SegmentHeader*>(base_);
+  if (header->abort.value.load() != 0) return;
+  SlotHeader* mine = slot_header(channel->index, local_rank_);
+  const uint32_t t = channel->round + 1;
+  for (int64_t p = 0; p < num_local_; ++p) {  // a peer still reading: the runner publishes
+    if (p != local_rank_ && !reached(mine->ack[p].value.load(std::memory_order_acquire), t - 1)) {
+      return;
+    }
+  }
+  channel->round = t;
+  publish(channel, op, layout(op), 0, t);
+  op.published = t;
 }
 
 void ShmComm::run_channel(Channel* channel) {
@@ -449,12 +474,55 @@ std::string ShmComm::wait_word(std::atomic<uint32_t>* word, std::atomic<uint32_t
   return std::string();
 }
 
+ShmComm::Layout ShmComm::layout(const ShmOp& op) const {
+  // One block for every destination (all_gather, all_reduce): written once per round.
+  const int64_t n = num_local_, me = local_rank_;
+  bool shared = true;
+  for (int64_t p = 0; p < n; ++p) {
+    for (int64_t q = 0; q < n; ++q) {
+      if (p != me && q != me && q != p &&
+          (op.send_offsets[p] != op.send_offsets[q] || op.send_lengths[p] != op.send_lengths[q])) {
+        shared = false;
+      }
+    }
+  }
+  return Layout{shared, shared ? capacity_ : capacity_ / n / 64 * 64};
+}
+
+SlotHeader* ShmComm::slot_header(int64_t channel, int64_t p) const {
+  return reinterpret_cast<SlotHeader*>(static_cast<char*>(base_) + kPage +
+                                       (channel * num_local_ + p) * slot_stride(capacity_));
+}
+
+void ShmComm::publish(Channel* channel, const ShmOp& op, const Layout& layout, int64_t k,
+                      uint32_t t) {
+  const int64_t n = num_local_, me = local_rank_;
+  SlotHeader* mine = slot_header(channel->index, me);
+  char* data = reinterpret_cast<char*>(mine) + kPage;
+  const char* in = static_cast<const char*>(op.input.data_ptr());
+  if (k == 0) {
+    mine->kind = uint32_t(op.kind);
+    mine->dtype = int32_t(op.input.scalar_type());
+    mine->chunk = layout.chunk;
+    mine->shared = layout.shared;
+    for (int64_t p = 0; p < n; ++p) mine->send_lengths[p] = op.send_lengths[p];
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    if (p == me || (layout.shared && p != (me + 1) % n)) continue;
+    const int64_t begin = k * layout.chunk;
+    const int64_t len = std::min(op.send_lengths[p], begin + layout.chunk) - begin;
+    if (len > 0) {
+      std::memcpy(data + (layout.shared ? 0 : p * layout.chunk), in + op.send_offsets[p] + begin,
+                  len);
+    }
+  }
+  mine->ready.value.store(t, std::memory_order_seq_cst);
+  if (mine->ready.waiters.load(std::memory_order_seq_cst) > 0) futex_wake(&mine->ready.value, true);
+}
+
 void ShmComm::run_op(Channel* channel, ShmOp& op) {
   const int64_t n = num_local_, me = local_rank_;
-  auto slot = [&](int64_t p) {
-    return reinterpret_cast<SlotHeader*>(static_cast<char*>(base_) + kPage +
-                                         (channel->index * n + p) * slot_stride(capacity_));
-  };
+  auto slot = [&](int64_t p) { return slot_header(channel->index, p); };
   auto data = [&](int64_t p) { return reinterpret_cast<char*>(slot(p)) + kPage; };
   auto check = [](const std::string& error) {
     if (!error.empty()) throw std::runtime_error(error);
@@ -475,48 +543,23 @@ void ShmComm::run_op(Channel* channel, ShmOp& op) {
     if (is_sum) std::memmove(out + op.recv_offsets[0], in + op.send_offsets[0], op.send_lengths[0]);
     return;
   }
-  // One block for every destination (all_gather, all_reduce): written once per round.
-  bool shared = true;
-  int64_t max_len = 0;
-  for (int64_t p = 0; p < n; ++p) {
-    if (p == me) continue;
-    for (int64_t q = 0; q < n; ++q) {
-      if (q != me && q != p &&
-          (op.send_offsets[p] != op.send_offsets[q] || op.send_lengths[p] != op.send_lengths[q])) {
-        shared = false;
-      }
-    }
-    max_len = std::max(max_len, op.send_lengths[p]);
-  }
-  if (is_sum) max_len = std::max(max_len, op.send_lengths[me]);
-  const int64_t chunk = shared ? capacity_ : capacity_ / n / 64 * 64;
-  SlotHeader* mine = slot(me);
+  const Layout plan = layout(op);
+  const int64_t chunk = plan.chunk;
   int64_t num_rounds = 1;
   std::vector<int64_t> recv_chunk(n, chunk), recv_at(n, 0);
   for (int64_t k = 0; k < num_rounds; ++k) {
-    const uint32_t t = ++channel->round;
-    for (int64_t p = 0; p < n; ++p) {  // peers are done reading the previous round
-      if (p != me) {
-        check(wait_word(&mine->ack[p].value, &mine->ack[p].waiters, t - 1, p, op.deadline_ns,
-                        "read the previous round"));
+    const bool at_issue = k == 0 && op.published != 0;  // published by issue already
+    const uint32_t t = at_issue ? op.published : ++channel->round;
+    if (!at_issue) {
+      SlotHeader* mine = slot(me);
+      for (int64_t p = 0; p < n; ++p) {  // peers are done reading the previous round
+        if (p != me) {
+          check(wait_word(&mine->ack[p].value, &mine->ack[p].waiters, t - 1, p, op.deadline_ns,
+                          "read the previous round"));
+        }
       }
+      publish(channel, op, plan, k, t);
     }
-    if (k == 0) {
-      mine->kind = uint32_t(op.kind);
-      mine->dtype = int32_t(op.input.scalar_type());
-      mine->chunk = chunk;
-      mine->shared = shared;
-      for (int64_t p = 0; p < n; ++p) mine->send_lengths[p] = op.send_lengths[p];
-    }
-    for (int64_t p = 0; p < n; ++p) {
-      if (p == me || (shared && p != (me + 1) % n)) continue;
-      const int64_t begin = k * chunk, len = std::min(op.send_lengths[p], begin + chunk) - begin;
-      if (len > 0) {
-        std::memcpy(data(me) + (shared ? 0 : p * chunk), in + op.send_offsets[p] + begin, len);
-      }
-    }
-    mine->ready.value.store(t, std::memory_order_seq_cst);
-    if (mine->ready.waiters.load(std::memory_order_seq_cst) > 0) futex_wake(&mine->ready.value, true);
     for (int64_t p = 0; p < n; ++p) {
       if (p == me) continue;
       SlotHeader* theirs = slot(p);

@@ -3,7 +3,9 @@
 // owns one slot per channel, writes what it sends there once and publishes a round number; its
 // peers poll for it with acquire loads, copy (or sum) their part out and acknowledge. Per channel
 // a worker thread runs the operations in issue order, so a caller issues and later waits, as on a
-// gloo Work. A caller that waits for an operation the worker has not started runs the channel's
+// gloo Work. An operation that is its channel's next when issued, with the slot free, writes and
+// publishes its bytes at issue: a peer that waits for it first (DBO's other rank) finds them
+// there, whatever this rank does meanwhile. A caller that waits for an operation the worker has not started runs the channel's
 // queue itself, up to its operation, and saves the two thread hand-offs (caller to worker, worker
 // back to caller); the worker runs an operation nobody waited for within a grace period of its
 // issue (DBO: while the other ubatch computes), or at once when a caller waits behind it. Waits spin briefly, then sleep on a futex (the other processes wake it), so
@@ -39,6 +41,9 @@ struct ShmOp {
   std::vector<int64_t> send_offsets, send_lengths, recv_offsets, recv_lengths;
   int64_t issued_ns = 0;    // CLOCK_MONOTONIC
   int64_t deadline_ns = 0;  // CLOCK_MONOTONIC
+  // the round this op published at issue (its first round's bytes are in this rank's slot
+  // already), or 0: the thread that runs it publishes
+  uint32_t published = 0;
   std::atomic<bool> awaited{false};  // a caller waits for it: the worker runs it at once
   std::atomic<uint32_t> state{0};  // 0 pending, 1 done, 2 failed (futex word)
   std::atomic<uint32_t> waiters{0};
@@ -46,6 +51,7 @@ struct ShmOp {
 };
 
 class ShmComm;
+struct SlotHeader;  // one rank's slot of a channel (shm_comm.cpp)
 
 // One operation in flight: what Python's Work-like handle wraps.
 class ShmWork {
@@ -94,6 +100,20 @@ class ShmComm : public std::enable_shared_from_this<ShmComm> {
   // awaited; false when none did. The caller holds channel->run_mutex.
   bool run_next(Channel* channel, int64_t issued_before);
   void run_op(Channel* channel, ShmOp& op);
+  // How ``op`` cuts its bytes into rounds (see run_op).
+  struct Layout {
+    bool shared;
+    int64_t chunk;
+  };
+  Layout layout(const ShmOp& op) const;
+  SlotHeader* slot_header(int64_t channel, int64_t local_rank) const;
+  // Writes round ``t``'s header and blocks of ``op`` (its first round, ``k`` 0) into this rank's
+  // slot and publishes ``t``; the caller has seen every peer acknowledge round ``t - 1``.
+  void publish(Channel* channel, const ShmOp& op, const Layout& layout, int64_t k, uint32_t t);
+  // At issue, when ``op`` is its channel's next and the slot is free (every peer has read the
+  // previous round): publishes its first round at once, so a peer that waits for it first finds
+  // it without this rank's wait or worker.
+  void try_publish_at_issue(Channel* channel, ShmOp& op);
   std::string wait_word(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters,
                         uint32_t target, int64_t peer, int64_t deadline_ns, const char* what);
   void fail_all(const std::string& message);
