@@ -21,10 +21,9 @@ from launch.engine.dp_load_balancer import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BAL
 
 # --all2all-backend choices: the registry's names (one list of backends)
 ALL2ALL_BACKENDS = tuple(BACKENDS)
-# --all2all-backend when not given: under --enable-dbo one that never blocks inside the overlapped
-# window (measured: README, "Expert all-to-all backends"), else the plain uneven all-to-all.
+# --all2all-backend when not given: under --enable-dbo the platform's
+# (``Platform.dbo_all2all_backend``), else the plain uneven all-to-all.
 DEFAULT_ALL2ALL_BACKEND = "all_to_all"
-DEFAULT_DBO_ALL2ALL_BACKEND = "deepep_low_latency"
 # float64 is for exactness tests (transformers builds the same checkpoint in float64), not serving.
 DTYPES = ("float32", "bfloat16", "float64")
 # --load-format (vLLM's names): "dummy" runs a checkpoint's config.json with seeded random weights
@@ -146,7 +145,7 @@ class EngineArgs:
     dbo_adaptive_prior: str | None = None
     ubatch_size: int | None = None  # ubatches per microbatched step; None: DEFAULT_UBATCH_SIZE
     all2all_backend: str | None = (
-        None  # None: DEFAULT_DBO_ALL2ALL_BACKEND under DBO, else all_to_all
+        None  # None: the platform's dbo_all2all_backend under DBO, else all_to_all
     )
     distributed_timeout_s: float = 120.0
     load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD  # see launch.engine.dp_load_balancer
@@ -206,7 +205,13 @@ class EngineArgs:
 
         parse_custom_ops(self.custom_ops)
         if self.all2all_backend is None:
-            default = DEFAULT_DBO_ALL2ALL_BACKEND if self.enable_dbo else DEFAULT_ALL2ALL_BACKEND
+            from moe.platforms import current_platform
+
+            default = (
+                current_platform().dbo_all2all_backend
+                if self.enable_dbo
+                else DEFAULT_ALL2ALL_BACKEND
+            )
             object.__setattr__(self, "all2all_backend", default)  # frozen: resolve the default
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(
@@ -612,8 +617,8 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--all2all-backend",
         default=None,
         choices=ALL2ALL_BACKENDS,
-        help=f"expert all-to-all (default: {DEFAULT_DBO_ALL2ALL_BACKEND} with --enable-dbo, "
-        f"else {DEFAULT_ALL2ALL_BACKEND})",
+        help="expert all-to-all (default with --enable-dbo: the platform's, all_to_all on CPUs "
+        f"and deepep_low_latency on CUDA; else {DEFAULT_ALL2ALL_BACKEND})",
     )
     add(
         "--load-balance-method",

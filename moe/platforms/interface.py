@@ -110,6 +110,9 @@ class Platform:
     graph_modes: tuple[str, ...] = ("NONE",)  # cudagraph_mode values, the graphs' choice first
     graphs_by_default: bool = False
     full_graph_attention_backends: tuple[str, ...] = ()
+    # --all2all-backend under --enable-dbo when none is given: DeepEP's low-latency protocol reads
+    # nothing on the host inside DBO's overlapped window (a host read is a device sync)
+    dbo_all2all_backend: str = "deepep_low_latency"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, dispatch_key={self.dispatch_key!r})"
@@ -290,6 +293,10 @@ class CpuPlatform(Platform):
     # inductor compiles pieces; the CPU attention plans read the metadata on the host. Off by
     # default: it did not pay end to end on CPUs (docs/benchmarks.md, "What was tried")
     graph_modes = ("PIECEWISE", "NONE")
+    # host reads cost no sync here, and the plain all-to-all moves only the valid rows: it ran
+    # the README's DBO job and the emulated-link benchmark faster than the low-latency emulation
+    # (docs/backends.md, "The default under DBO")
+    dbo_all2all_backend = "all_to_all"
 
     def graph_backend(self) -> type | None:
         from moe.compilation.backends import InductorGraph

@@ -52,12 +52,16 @@ def test_bad_engine_args(kwargs, pattern):
         EngineArgs(**kwargs)
 
 
-def test_default_all2all_backend_never_blocks_under_dbo():
+def test_default_all2all_backend_under_dbo_is_the_platforms():
     from distributed import BACKENDS
+    from moe.platforms import current_platform
+    from moe.platforms.interface import CpuPlatform, CudaPlatform
 
     dbo = {"enable_dbo": True, "enable_expert_parallel": True, "data_parallel_size": 2}
-    assert EngineArgs(**dbo).all2all_backend == "deepep_low_latency"
-    assert not BACKENDS[EngineArgs(**dbo).all2all_backend].blocks_under_dbo
+    assert EngineArgs(**dbo).all2all_backend == current_platform().dbo_all2all_backend
+    # a GPU reads counts on the host only through a sync: its default never does inside the window
+    assert not BACKENDS[CudaPlatform.dbo_all2all_backend].blocks_under_dbo
+    assert CpuPlatform.dbo_all2all_backend == "all_to_all"  # host reads are free on the host
     assert EngineArgs().all2all_backend == "all_to_all"
     for name in BACKENDS:  # an explicit choice is kept, DBO or not
         assert EngineArgs(**dbo, all2all_backend=name).all2all_backend == name
