@@ -301,9 +301,13 @@ class GQAAttention(nn.Module):
         c = config
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = Linear(h, nh * hd, bias=c.qkv_bias, **kw)
-        self.k_proj = Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
-        self.v_proj = Linear(h, nkv * hd, bias=c.qkv_bias, **kw)
+        # q, k and v in one GEMM (vLLM's QKVParallelLinear): the checkpoint's q_proj, k_proj and
+        # v_proj load into its row blocks, in that order (``checkpoint_shards``, the loader's)
+        self.qkv_sizes = (nh * hd, nkv * hd, nkv * hd)
+        self.qkv_proj = Linear(h, sum(self.qkv_sizes), bias=c.qkv_bias, **kw)
+        self.checkpoint_shards = {
+            "qkv_proj": tuple(zip(("q_proj", "k_proj", "v_proj"), self.qkv_sizes, strict=True))
+        }
         self.o_proj = Linear(nh * hd, h, bias=c.o_bias, **kw)
         if c.qk_norm:
             per_head = c.qk_norm_per_head
@@ -323,7 +327,7 @@ class GQAAttention(nn.Module):
         self, positions: Tensor, hidden_states: Tensor, attn_metadata: CommonAttentionMetadata
     ) -> Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
         if hasattr(self, "q_norm"):  # over the norm's width: the whole projection or each head
             q = self.q_norm(q.view(num_tokens, -1, self.q_norm.weight.shape[0])).flatten(1)
             k = self.k_norm(k.view(num_tokens, -1, self.k_norm.weight.shape[0])).flatten(1)

@@ -44,16 +44,41 @@ class LoadStats:
         return len(self.tensor_names)
 
 
+def _shard_targets(model: nn.Module) -> dict[str, list[tuple[str, Tensor]]]:
+    """Parameters merged from several checkpoint tensors: a module's ``checkpoint_shards``
+    ``{child: ((checkpoint child, rows), ...)}`` says that each parameter of ``child`` (weight,
+    bias) stacks, along dim 0 and in that order, the same-named parameters of those checkpoint
+    children (e.g. ``qkv_proj.weight`` <- ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``).
+    Returns {parameter name: [(checkpoint name, row-block view), ...]}."""
+    targets: dict[str, list[tuple[str, Tensor]]] = {}
+    for prefix, module in model.named_modules():
+        for child, parts in getattr(module, "checkpoint_shards", {}).items():
+            base = f"{prefix}.{child}" if prefix else child
+            for param_name, param in getattr(module, child).named_parameters(recurse=False):
+                start, views = 0, []
+                for source, rows in parts:
+                    where = f"{prefix}.{source}" if prefix else source
+                    views.append((f"{where}.{param_name}", param[start : start + rows]))
+                    start += rows
+                targets[f"{base}.{param_name}"] = views
+    return targets
+
+
 def checkpoint_targets(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Yield (checkpoint tensor name, destination tensor) for every parameter of ``model``.
 
     Stacked expert weights expand to one entry per GLOBAL expert this rank holds:
     ``...experts.w1[l]`` <- ``...experts.{offset + l}.w1.weight`` (Mixtral) or
     ``...experts.{offset + l}.gate_proj.weight`` (others; ``TorchExperts.checkpoint_names``).
-    Tied parameters appear once.
+    Merged projections expand to their row blocks (``_shard_targets``). Tied parameters appear
+    once.
     """
     expert_modules = {name: m for name, m in model.named_modules() if isinstance(m, TorchExperts)}
+    shards = _shard_targets(model)
     for name, param in model.named_parameters():
+        if name in shards:
+            yield from shards[name]
+            continue
         match = _EXPERT_PARAM.match(name)
         experts = expert_modules.get(match["prefix"]) if match else None
         if experts is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -104,10 +105,17 @@ def test_loads_every_tensor(which, request):
     stats = load_checkpoint(model, path)
     assert set(stats.tensor_names) == set(tensors)
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     for name, tensor in tensors.items():
+        qkv = re.fullmatch(r"(?P<attn>.*self_attn)\.(?P<which>[qkv])_proj\.(?P<p>weight|bias)", name)
         if ".experts." in name:
             prefix, e, w = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
             torch.testing.assert_close(params[f"{prefix}.{w}"][e], tensor, rtol=0, atol=0)
+        elif qkv:  # q, k, v stacked in this order along the rows of one qkv_proj
+            q_size, kv_size, _ = modules[qkv["attn"]].qkv_sizes
+            start = {"q": 0, "k": q_size, "v": q_size + kv_size}[qkv["which"]]
+            merged = params[f"{qkv['attn']}.qkv_proj.{qkv['p']}"]
+            torch.testing.assert_close(merged[start : start + len(tensor)], tensor, rtol=0, atol=0)
         else:
             torch.testing.assert_close(params[name], tensor, rtol=0, atol=0)
 
