@@ -107,7 +107,10 @@ def test_loads_every_tensor(which, request):
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for name, tensor in tensors.items():
-        qkv = re.fullmatch(r"(?P<attn>.*self_attn)\.(?P<which>[qkv])_proj\.(?P<p>weight|bias)", name)
+        qkv = re.fullmatch(
+            r"(?P<attn>.*self_attn)\.(?P<which>[qkv])_proj\.(?P<p>weight|bias)",
+            name,
+        )
         if ".experts." in name:
             prefix, e, w = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
             torch.testing.assert_close(params[f"{prefix}.{w}"][e], tensor, rtol=0, atol=0)
