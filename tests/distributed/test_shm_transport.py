@@ -209,6 +209,26 @@ def test_waits_in_crossed_orders_and_unwaited_exchanges_complete():
     assert run_distributed(_crossed_waits_rank, 2, timeout_s=120) == [(True, True)] * 2
 
 
+def _published_at_issue_rank(rank: int, world: int) -> tuple[bool, bool]:
+    """On an idle channel an exchange writes and publishes its bytes when issued (a peer that
+    waits first finds them there); the ones queued behind it publish when run, and all complete
+    with the sums."""
+    _, shm, _ = _communicators(20.0)
+    tensors = [torch.full((8,), float(rank + 10 * i)) for i in range(3)]
+    works = [shm.all_reduce_sum(t)[0] for t in tensors]
+    first_published = works[0]._native.published_at_issue()
+    for work in works:
+        work.wait()
+    expect = [float(sum(r + 10 * i for r in range(world))) for i in range(3)]
+    sums_ok = [t.tolist() for t in tensors] == [[e] * 8 for e in expect]
+    shm.close()
+    return first_published, sums_ok
+
+
+def test_an_exchange_on_an_idle_channel_is_published_at_issue():
+    assert run_distributed(_published_at_issue_rank, 2, timeout_s=120) == [(True, True)] * 2
+
+
 def _dies_rank(rank: int, world: int):
     from distributed import TorchrunEnv
 

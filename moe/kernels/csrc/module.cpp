@@ -22,12 +22,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_batched", &moe_dbo_cpu::fused_moe_batched,
         py::call_guard<py::gil_scoped_release>(),
         "SwiGLU experts over the [E, M, H] batched layout, unweighted (CPU, packed weights)");
-  // Same-host collectives (shm_comm.h; distributed/shm_transport.py drives them).
-  py::class_<moe_dbo_cpu::ShmWork, std::shared_ptr<moe_dbo_cpu::ShmWork>>(m, "ShmWork")
+  // Same-host collectives (shm_comm.h; distributed/shm_transport.py drives them). Module-local
+  // types: one process may load the builds of two ISAs (the tests do), each registering them.
+  py::class_<moe_dbo_cpu::ShmWork, std::shared_ptr<moe_dbo_cpu::ShmWork>>(m, "ShmWork",
+                                                                        py::module_local())
       .def("wait", &moe_dbo_cpu::ShmWork::wait, py::call_guard<py::gil_scoped_release>(),
            "Block until done or timeout_s; '' when done, else the error")
-      .def("is_completed", &moe_dbo_cpu::ShmWork::is_completed);
-  py::class_<moe_dbo_cpu::ShmComm, std::shared_ptr<moe_dbo_cpu::ShmComm>>(m, "ShmComm")
+      .def("is_completed", &moe_dbo_cpu::ShmWork::is_completed)
+      .def("published_at_issue", &moe_dbo_cpu::ShmWork::published_at_issue,
+           "Whether issue published the first round (idle channel, free slot)");
+  py::class_<moe_dbo_cpu::ShmComm, std::shared_ptr<moe_dbo_cpu::ShmComm>>(m, "ShmComm",
+                                                                        py::module_local())
       .def(py::init<const std::string&, bool, int64_t, int64_t, int64_t, int64_t,
                     std::vector<int64_t>, std::vector<int64_t>>(),
            py::call_guard<py::gil_scoped_release>())

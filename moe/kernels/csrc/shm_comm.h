@@ -63,6 +63,8 @@ class ShmWork {
   // the channel's worker has not started it.
   std::string wait(double timeout_s);
   bool is_completed() const;
+  // Whether issue wrote and published its first round (the channel was idle and its slot free).
+  bool published_at_issue() const { return op_->published != 0; }
 
  private:
   std::shared_ptr<ShmOp> op_;
