@@ -232,7 +232,10 @@ TORCHRUN_LIKE = (
     "c = subprocess.Popen([sys.executable, '-c', rank], start_new_session=True)\n"
     "print(c.pid, flush=True); time.sleep(120)\n"
 )
+# the driver restores Python's SIGINT handler: a suite started as a shell's background job
+# inherits SIGINT ignored, and Python installs its handler only where SIGINT is not ignored
 SWEEP_DRIVER = (
+    "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
     "import sys\nfrom pathlib import Path\nfrom launch import plan_sweep\n"
     "plan_sweep.STOP_GRACE_S = 1.0\n"
     "plan_sweep.run_bench([sys.executable, '-c', sys.argv[2]], Path(sys.argv[1]), 600)\n"
