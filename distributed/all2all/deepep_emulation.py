@@ -315,30 +315,35 @@ class TorchDistributedBuffer:
         recv_x, recv_rows = ll.block_buffer(num_local, num_ranks * capacity, x)
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=x.device)
 
-        def finish() -> None:
-            ll.unpack_dispatch(
-                buf[num_ranks - 1 :],
-                handle,
-                recv_rows,
-                recv_count,
-                rank=self.rank,
-                debug_checks=self.debug_checks,
-            )
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(recv_count)
-
         peers = ll.peer_splits([1] * num_ranks, self.rank)
         transfer = self._issue_blocks(
             "deepep_low_latency dispatch",
             buf[num_ranks:],
             buf[: num_ranks - 1],
             (peers, peers),
-            finish,
+            lambda: self._finish_ll_dispatch(
+                buf[num_ranks - 1 :],
+                handle,
+                recv_rows,
+                recv_count,
+                cumulative_local_expert_recv_stats,
+            ),
             num_bytes,
             wait=not return_recv_hook,
         )
         hook = transfer if return_recv_hook else None
         return recv_x, recv_count, handle, transfer, hook
+
+    def _finish_ll_dispatch(
+        self, received: Tensor, handle, recv_rows: Tensor, recv_count: Tensor, stats: Tensor | None
+    ) -> None:
+        """Unpack an LL dispatch's ``received`` blocks into ``recv_rows`` / ``recv_count`` and add
+        the counts to DeepEP's ``cumulative_local_expert_recv_stats`` (``stats``) if given."""
+        ll.unpack_dispatch(
+            received, handle, recv_rows, recv_count, rank=self.rank, debug_checks=self.debug_checks
+        )
+        if stats is not None:
+            stats.add_(recv_count)
 
     def low_latency_combine(
         self,
