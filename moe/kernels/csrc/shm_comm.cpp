@@ -185,7 +185,6 @@ struct SlotHeader {
 };
 static_assert(sizeof(SlotHeader) <= kPage, "slot header");
 
-
 struct ShmComm::Channel {
   int64_t index = 0;
   std::thread thread;
