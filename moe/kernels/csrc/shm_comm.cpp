@@ -345,12 +345,13 @@ std::shared_ptr<ShmWork> ShmComm::issue(int64_t channel_index, int64_t kind, at:
   bool wake = false, first = false;
   {
     std::lock_guard<std::mutex> lock(channel.mutex);
-    first = channel.queue.empty() && channel.fatal.empty() && !channel.stop;
+    // channel.fatal is written under run_mutex: read it only when holding that
+    first = run.owns_lock() && channel.queue.empty() && channel.fatal.empty() && !channel.stop;
     channel.queue.push_back(op);
     wake = channel.idle;
     channel.idle = false;
   }
-  if (run.owns_lock() && first) try_publish_at_issue(&channel, *op);
+  if (first) try_publish_at_issue(&channel, *op);
   if (run.owns_lock()) run.unlock();
   if (wake) channel.cv.notify_one();
   return std::make_shared<ShmWork>(op, shared_from_this(), channel_index);

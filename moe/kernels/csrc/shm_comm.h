@@ -1,14 +1,15 @@
 // Same-host collectives through one shared-memory segment (shm_comm.cpp; the Python side is
-// distributed/shm_transport.py). After vLLM's CPU backend (csrc/cpu/shm.cpp): every local rank
-// owns one slot per channel, writes what it sends there once and publishes a round number; its
-// peers poll for it with acquire loads, copy (or sum) their part out and acknowledge. Per channel
-// a worker thread runs the operations in issue order, so a caller issues and later waits, as on a
+// distributed/shm_transport.py). After vLLM's CPU backend (csrc/cpu/shm.cpp): every local rank owns
+// one slot per channel, writes what it sends there once and publishes a round number; its peers
+// poll for it with acquire loads, copy (or sum) their part out and acknowledge. Per channel a
+// worker thread runs the operations in issue order, so a caller issues and later waits, as on a
 // gloo Work. An operation that is its channel's next when issued, with the slot free, writes and
-// publishes its bytes at issue: a peer that waits for it first (DBO's other rank) finds them
-// there, whatever this rank does meanwhile. A caller that waits for an operation the worker has not started runs the channel's
-// queue itself, up to its operation, and saves the two thread hand-offs (caller to worker, worker
-// back to caller); the worker runs an operation nobody waited for within a grace period of its
-// issue (DBO: while the other ubatch computes), or at once when a caller waits behind it. Waits spin briefly, then sleep on a futex (the other processes wake it), so
+// publishes its bytes at issue: a peer that waits for it first (DBO's other rank) finds them there,
+// whatever this rank does meanwhile. A caller that waits for an operation the worker has not
+// started runs the channel's queue itself, up to its operation, and saves the two thread hand-offs
+// (caller to worker, worker back to caller); the worker runs an operation nobody waited for within
+// a grace period of its issue (DBO: while the other ubatch computes), or at once when a caller
+// waits behind it. Waits spin briefly, then sleep on a futex (the other processes wake it), so
 // polling does not starve compute on a machine with few cores.
 
 #pragma once
