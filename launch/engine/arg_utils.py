@@ -602,6 +602,8 @@ def _add_dbo_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
 
 def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
     """DP, EP, DBO, the expert all-to-all and the distributed timeout."""
+    from moe.platforms.interface import CpuPlatform, CudaPlatform
+
     add = group.add_argument
     add("--data-parallel-size", type=int, default=d.data_parallel_size, help="DP ranks")
     add(
@@ -617,8 +619,9 @@ def _add_parallel_args(group: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--all2all-backend",
         default=None,
         choices=ALL2ALL_BACKENDS,
-        help="expert all-to-all (default with --enable-dbo: the platform's, all_to_all on CPUs "
-        f"and deepep_low_latency on CUDA; else {DEFAULT_ALL2ALL_BACKEND})",
+        help="expert all-to-all (default with --enable-dbo: the platform's, "
+        f"{CpuPlatform.dbo_all2all_backend} on CPUs and {CudaPlatform.dbo_all2all_backend} on "
+        f"CUDA; else {DEFAULT_ALL2ALL_BACKEND})",
     )
     add(
         "--load-balance-method",
