@@ -28,7 +28,6 @@ from distributed.all2all.base import (
 from distributed.all2all.token_packing import (
     RowLayout,
     pack_sent_rows,
-    token_rank_mask,
     unpack_rows,
 )
 from distributed.collectives import Pending, all_to_all_single
@@ -167,14 +166,12 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
 
     def prepare(self, request: DispatchRequest) -> CommHandle[DispatchResult]:
         layout, counts = request.layout, request.num_tokens_across_ep
-        mask = token_rank_mask(
-            request.topk_ids, num_local_experts=self.num_local_experts, ep_size=self.ep_size
-        )
         padded_bytes = self.ep_size * (1 + max(counts or [0])) * layout.row_bytes
         if counts is not None and padded_bytes <= PADDED_DISPATCH_MAX_BYTES:
-            return self._prepare_padded(request, mask)
+            return self._prepare_padded(request)
+        packed, send_counts, send_token_idx = self._pack(request)
         send_counts, recv_counts, notify_ns = exchange_counts(
-            mask.sum(dim=0).unsqueeze(1),
+            send_counts.unsqueeze(1),
             layout,
             op="all_to_all dispatch count exchange",
             group=self.ep_group,
@@ -182,7 +179,6 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
             timeout=self.timeout,
             link=self.link,
         )
-        packed, _, send_token_idx = self._pack(request, mask)
         send_counts, recv_counts = send_counts[:, 0].tolist(), recv_counts[:, 0].tolist()
         recv, pending, timing = issue_rows(
             packed,
@@ -214,14 +210,15 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         )
         return self._handle(pending, sum_rows, op="all_to_all combine", timing=timing)
 
-    def _pack(self, request: DispatchRequest, mask: Tensor):
+    def _pack(self, request: DispatchRequest, *, block: int | None = None):
         return pack_sent_rows(
             request.hidden_states,
             request.topk_ids,
             request.topk_weights,
-            mask,
             request.layout,
             num_local_experts=self.num_local_experts,
+            ep_size=self.ep_size,
+            block=block,
         )
 
     def _routing(self, request, send_counts, recv_counts, send_token_idx):
@@ -234,12 +231,16 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
             send_token_idx=send_token_idx,
         )
 
-    def _prepare_padded(self, request: DispatchRequest, mask: Tensor) -> CommHandle[DispatchResult]:
-        """The dispatch without count exchange (module docstring)."""
-        packed, send_rank, send_token_idx = self._pack(request, mask)
-        send_counts = mask.sum(dim=0)  # [ep_size] rows for each peer
+    def _prepare_padded(self, request: DispatchRequest) -> CommHandle[DispatchResult]:
+        """The dispatch without count exchange (module docstring): per peer a block of a header
+        row (row count and row format, int64) and its packed rows, zero-padded to ``block``."""
         block = 1 + request.num_tokens  # rows this rank sends each peer
-        send = self._padded_blocks(packed, send_rank, send_counts, block, request.layout)
+        send, send_counts, send_token_idx = self._pack(request, block=block)
+        signature = torch.tensor(request.layout.signature(), dtype=torch.int64)
+        header = torch.cat(  # on the device: no host read of the counts before the issue
+            [send_counts[:, None], signature.to(send.device).expand(self.ep_size, -1)], dim=1
+        )
+        send.view(self.ep_size, block, -1)[:, 0, : 8 * _HEADER_INTS] = header.view(torch.uint8)
         recv_blocks = [1 + n for n in request.num_tokens_across_ep]
         recv, pending, timing = issue_rows(
             send, [block] * self.ep_size, recv_blocks, group=self.ep_group, rank=self.ep_rank
@@ -251,25 +252,6 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
             return unpacked_result(rows, request.layout, metadata)
 
         return self._handle(pending, finalize, op="all_to_all dispatch", timing=timing)
-
-    def _padded_blocks(
-        self, packed: Tensor, send_rank: Tensor, send_counts: Tensor, block: int, layout
-    ) -> Tensor:
-        """``[ep_size * block, row_bytes]`` uint8: per peer a header row (row count and row format,
-        int64) and its packed rows, zero-padded to ``block`` rows."""
-        device = packed.device
-        header = torch.zeros(self.ep_size, _HEADER_INTS, dtype=torch.int64, device=device)
-        header[:, 0] = send_counts
-        header[:, 1:] = torch.tensor(layout.signature(), dtype=torch.int64, device=device)
-        # a packed row's place: its peer's block, after the header, at its index among the
-        # peer's rows (pairs are sorted by peer)
-        first_of_peer = torch.cumsum(send_counts, 0) - send_counts
-        pair = torch.arange(send_rank.shape[0], device=device)
-        rows = send_rank * block + 1 + pair - first_of_peer[send_rank]
-        send = torch.zeros(self.ep_size * block, layout.row_bytes, dtype=torch.uint8, device=device)
-        send.index_copy_(0, rows, packed)
-        send.view(self.ep_size, block, -1)[:, 0, : 8 * _HEADER_INTS] = header.view(torch.uint8)
-        return send
 
     def _unpad(self, recv: Tensor, recv_blocks: list[int], layout) -> tuple[Tensor, list[int]]:
         """The valid rows of the received blocks (rank order) and each rank's row count."""

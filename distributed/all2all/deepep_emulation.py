@@ -210,9 +210,10 @@ class TorchDistributedBuffer:
             x,
             topk_idx,
             topk_weights,
-            is_token_in_rank,
             layout,
             num_local_experts=counts.shape[1] - 1,
+            ep_size=self.group_size,
+            is_token_in_rank=is_token_in_rank,
         )
         handle = HighThroughputHandle(
             send_counts=tuple(send_counts[:, 0].tolist()),

@@ -142,18 +142,78 @@ def pack_sent_rows(
     hidden_states: Tensor,
     topk_ids: Tensor,
     topk_weights: Tensor,
-    is_token_in_rank: Tensor,
     layout: RowLayout,
     *,
     num_local_experts: int,
+    ep_size: int,
+    is_token_in_rank: Tensor | None = None,
+    block: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The rows a rank sends: each (destination rank, token) pair of ``is_token_in_rank``, sorted
-    by rank then token, with the token's top-k ids made local to the destination.
+    """The rows a rank sends: each (destination rank, token) pair of ``is_token_in_rank``
+    (``[num_tokens, ep_size]`` bool; None: ``token_rank_mask`` of ``topk_ids``), sorted by rank
+    then token, with the token's top-k ids made local to the destination (``localize_topk``). Our
+    compiled CPU kernel packs host tensors in one call (``moe.kernels``, where built), byte for
+    byte ``pack_sent_rows_native``'s rows.
+
+    Args:
+        block: None: the rows back to back. Else rank r's rows start at row ``r * block + 1`` of
+            ``[ep_size * block, row_bytes]`` zeros (row ``r * block`` is left for the caller's
+            header), ``block >= 1 + num_tokens``.
 
     Returns:
-        ``(packed [num_pairs, row_bytes] uint8, send_rank [num_pairs] int64,
-        send_token_idx [num_pairs] int64)``.
+        ``(packed [num_pairs or ep_size * block, row_bytes] uint8, send_counts [ep_size] int64
+        (rows for each rank), send_token_idx [num_pairs] int64)``.
+
+    Raises:
+        ValueError: a ``block`` without room; (kernel) an expert id past the experts.
     """
+    kernel = _packing_kernel(hidden_states)
+    if kernel is None:
+        return pack_sent_rows_native(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            layout,
+            num_local_experts=num_local_experts,
+            ep_size=ep_size,
+            is_token_in_rank=is_token_in_rank,
+            block=block,
+        )
+    return kernel(
+        hidden_states.contiguous(),
+        topk_ids.contiguous(),
+        topk_weights.float().contiguous(),
+        is_token_in_rank,
+        ep_size,
+        num_local_experts,
+        layout.weights_offset,
+        layout.hidden_offset,
+        layout.row_bytes,
+        0 if block is None else block,
+    )
+
+
+def pack_sent_rows_native(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    layout: RowLayout,
+    *,
+    num_local_experts: int,
+    ep_size: int,
+    is_token_in_rank: Tensor | None = None,
+    block: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``pack_sent_rows`` in torch ops (any device, traceable): the reference of the kernel."""
+    num_tokens = topk_ids.shape[0]
+    if block is not None and block < 1 + num_tokens:
+        raise ValueError(
+            f"block must hold a header row and every token: got {block} for {num_tokens} tokens"
+        )
+    if is_token_in_rank is None:
+        is_token_in_rank = token_rank_mask(
+            topk_ids, num_local_experts=num_local_experts, ep_size=ep_size
+        )
     # nonzero of the transposed mask lists (rank, token) pairs sorted by rank, then token
     send_rank, send_token_idx = is_token_in_rank.t().nonzero(as_tuple=True)
     local_ids, local_weights = localize_topk(
@@ -163,4 +223,29 @@ def pack_sent_rows(
         num_local_experts=num_local_experts,
     )
     packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
-    return packed, send_rank, send_token_idx
+    send_counts = is_token_in_rank.sum(dim=0)
+    if block is None:
+        return packed, send_counts, send_token_idx
+    # a pair's row: its rank's block, after the header, at its index among the rank's pairs
+    device = packed.device
+    first_of_rank = torch.cumsum(send_counts, 0) - send_counts
+    pair = torch.arange(send_rank.shape[0], device=device)
+    rows = send_rank * block + 1 + pair - first_of_rank[send_rank]
+    padded = torch.zeros(ep_size * block, layout.row_bytes, dtype=torch.uint8, device=device)
+    padded.index_copy_(0, rows, packed)
+    return padded, send_counts, send_token_idx
+
+
+def _packing_kernel(hidden_states: Tensor):
+    """Our compiled ``pack_sent_rows`` for host tensors outside a trace, else None (the torch
+    path runs): the kernels built for this CPU's ISA (``moe.kernels``)."""
+    # imported here: moe imports this package (its prepare/finalize classes)
+    from moe.kernels import cpu_kernels
+    from moe.platforms.custom_op import is_tracing
+    from moe.platforms.device_probes import is_host
+    from moe.platforms.plugins import current_platform
+
+    if not is_host(hidden_states.device) or is_tracing():
+        return None
+    kernels = cpu_kernels(current_platform().cpu_capability().isa)
+    return None if kernels is None else kernels.pack_sent_rows

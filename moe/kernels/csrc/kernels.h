@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace moe_dbo_cpu {
@@ -22,5 +24,11 @@ void fused_moe(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor
                const at::Tensor& w2, const at::Tensor& topk_ids, const at::Tensor& topk_weights);
 void fused_moe_batched(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor& w13,
                        const at::Tensor& w2, const std::vector<int64_t>& expert_num_tokens);
+
+// token_packing_cpu.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_sent_rows(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const std::optional<at::Tensor>& is_token_in_rank, int64_t ep_size, int64_t num_local_experts,
+    int64_t weights_offset, int64_t hidden_offset, int64_t row_bytes, int64_t block);
 
 }  // namespace moe_dbo_cpu

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_batched", &moe_dbo_cpu::fused_moe_batched,
         py::call_guard<py::gil_scoped_release>(),
         "SwiGLU experts over the [E, M, H] batched layout, unweighted (CPU, packed weights)");
+  m.def("pack_sent_rows", &moe_dbo_cpu::pack_sent_rows, py::call_guard<py::gil_scoped_release>(),
+        "A dispatch's packed rows by destination rank: (packed, send_counts, send_token_idx)");
   // Same-host collectives (shm_comm.h; distributed/shm_transport.py drives them). Module-local
   // types: one process may load the builds of two ISAs (the tests do), each registering them.
   py::class_<moe_dbo_cpu::ShmWork, std::shared_ptr<moe_dbo_cpu::ShmWork>>(m, "ShmWork",
