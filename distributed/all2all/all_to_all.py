@@ -28,7 +28,7 @@ from distributed.all2all.base import (
 from distributed.all2all.token_packing import (
     RowLayout,
     pack_sent_rows,
-    unpack_rows,
+    unpack_row_ranges,
 )
 from distributed.collectives import Pending, all_to_all_single
 from distributed.comm_handle import CommHandle, CommTiming
@@ -135,14 +135,16 @@ def issue_combine(
     return pending, timing, sum_rows
 
 
-def unpacked_result(rows: Tensor, layout: RowLayout, metadata) -> DispatchResult:
-    """Received packed rows ``[num_recv, row_bytes]`` uint8 as a ``DispatchResult``."""
-    ids, weights, hidden = unpack_rows(rows, layout)
+def unpacked_result(
+    rows: Tensor, layout: RowLayout, metadata, ranges: Sequence[tuple[int, int]] | None = None
+) -> DispatchResult:
+    """Received packed rows ``[num_recv, row_bytes]`` uint8 (those of ``ranges``, default all) as
+    a ``DispatchResult``."""
+    ids, weights, hidden = unpack_row_ranges(
+        rows, layout, [(0, rows.shape[0])] if ranges is None else ranges
+    )
     return DispatchResult(
-        hidden_states=hidden.contiguous(),
-        topk_ids=ids.contiguous(),
-        topk_weights=weights.contiguous(),
-        metadata=metadata,
+        hidden_states=hidden, topk_ids=ids, topk_weights=weights, metadata=metadata
     )
 
 
@@ -247,22 +249,23 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         )
 
         def finalize() -> DispatchResult:
-            rows, recv_counts = self._unpad(recv, recv_blocks, request.layout)
+            ranges = self._valid_rows(recv, recv_blocks, request.layout)
+            recv_counts = [n for _, n in ranges]
             metadata = self._routing(request, send_counts.tolist(), recv_counts, send_token_idx)
-            return unpacked_result(rows, request.layout, metadata)
+            return unpacked_result(recv, request.layout, metadata, ranges)
 
         return self._handle(pending, finalize, op="all_to_all dispatch", timing=timing)
 
-    def _unpad(self, recv: Tensor, recv_blocks: list[int], layout) -> tuple[Tensor, list[int]]:
-        """The valid rows of the received blocks (rank order) and each rank's row count."""
+    def _valid_rows(self, recv: Tensor, recv_blocks: list[int], layout) -> list[tuple[int, int]]:
+        """``(first row, row count)`` of each received block's packed rows (rank order), read
+        from its header row (ValueError for another row format)."""
         starts = [sum(recv_blocks[:r]) for r in range(self.ep_size)]  # loop over ranks
         headers = recv[starts, : 8 * _HEADER_INTS].contiguous().view(torch.int64).tolist()
         layout.check_signatures([h[1:] for h in headers], "all_to_all dispatch", self.ep_rank)
-        recv_counts = [h[0] for h in headers]  # host sync above
-        valid = torch.cat(
-            [
-                torch.arange(start + 1, start + 1 + n, device=recv.device)
-                for start, n in zip(starts, recv_counts, strict=True)
-            ]
-        )
-        return recv[valid], recv_counts
+        for rank, (h, block) in enumerate(zip(headers, recv_blocks, strict=True)):
+            if not 0 <= h[0] < block:
+                raise ValueError(
+                    f"all_to_all dispatch on ep_rank {self.ep_rank}: ep_rank {rank}'s block "
+                    f"header says {h[0]} rows, its block holds {block - 1}"
+                )
+        return [(start + 1, h[0]) for start, h in zip(starts, headers, strict=True)]  # host sync

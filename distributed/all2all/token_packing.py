@@ -6,6 +6,7 @@ docs/backends.md#token-packing-one-payload-row."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -236,16 +237,62 @@ def pack_sent_rows_native(
     return padded, send_counts, send_token_idx
 
 
-def _packing_kernel(hidden_states: Tensor):
-    """Our compiled ``pack_sent_rows`` for host tensors outside a trace, else None (the torch
-    path runs): the kernels built for this CPU's ISA (``moe.kernels``)."""
+def unpack_row_ranges(
+    packed: Tensor, layout: RowLayout, ranges: Sequence[tuple[int, int]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows ``[first, first + n)`` of each ``(first, n)`` of ``ranges``, in order, of
+    ``packed [num_rows, row_bytes]`` uint8, as contiguous ``(topk_ids [m, num_topk] int64,
+    topk_weights float32, hidden_states [m, hidden_size] layout.dtype)``: ``unpack_rows`` of those
+    rows, copied out. Our compiled CPU kernel copies each field once (``moe.kernels``, where
+    built).
+
+    Raises:
+        ValueError: a range outside ``packed``'s rows.
+    """
+    for first, n in ranges:
+        if first < 0 or n < 0 or first + n > packed.shape[0]:
+            raise ValueError(f"rows [{first}, {first + n}) lie outside the {packed.shape[0]} rows")
+    kernel = _unpacking_kernel(packed)
+    if kernel is None:
+        device = packed.device
+        idx = [torch.arange(first, first + n, device=device) for first, n in ranges]
+        rows = packed[torch.cat(idx)] if idx else packed[:0]
+        return tuple(t.contiguous() for t in unpack_rows(rows, layout))  # type: ignore[return-value]
+    if packed.dim() != 2 or packed.shape[1] != layout.row_bytes or packed.dtype != torch.uint8:
+        unpack_rows(packed, layout)  # raises its ValueError
+    ids, weights, hidden = kernel(
+        packed.contiguous(),
+        [first for first, _ in ranges],
+        [n for _, n in ranges],
+        layout.num_topk,
+        layout.weights_offset,
+        layout.hidden_offset,
+        layout.hidden_bytes,
+    )
+    return ids, weights, hidden.view(layout.dtype)
+
+
+def _host_kernels(t: Tensor):
+    """Our compiled CPU kernels (``moe.kernels``, built for this CPU's ISA) for a host tensor
+    outside a trace, else None (the torch paths run)."""
     # imported here: moe imports this package (its prepare/finalize classes)
     from moe.kernels import cpu_kernels
     from moe.platforms.custom_op import is_tracing
     from moe.platforms.device_probes import is_host
     from moe.platforms.plugins import current_platform
 
-    if not is_host(hidden_states.device) or is_tracing():
+    if not is_host(t.device) or is_tracing():
         return None
-    kernels = cpu_kernels(current_platform().cpu_capability().isa)
+    return cpu_kernels(current_platform().cpu_capability().isa)
+
+
+def _unpacking_kernel(packed: Tensor):
+    """Our compiled ``unpack_row_ranges`` where ``_host_kernels`` has it, else None."""
+    kernels = _host_kernels(packed)
+    return None if kernels is None else kernels.unpack_row_ranges
+
+
+def _packing_kernel(hidden_states: Tensor):
+    """Our compiled ``pack_sent_rows`` where ``_host_kernels`` has it, else None."""
+    kernels = _host_kernels(hidden_states)
     return None if kernels is None else kernels.pack_sent_rows

@@ -1,7 +1,8 @@
 """Our compiled ``pack_sent_rows`` (``moe/kernels/csrc/token_packing_cpu.cpp``) against its torch
 reference ``pack_sent_rows_native``, byte for byte, on each ISA's build: back-to-back rows and
-padded blocks, every row dtype, tokens routed nowhere, ``-1`` slots; and that
-``pack_sent_rows`` runs the kernel on host tensors and the reference where kernels are off."""
+padded blocks, every row dtype, tokens routed nowhere, ``-1`` slots; that ``pack_sent_rows`` runs
+the kernel on host tensors and the reference where kernels are off; and ``unpack_row_ranges``'
+kernel against its torch path."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 from distributed.all2all import token_packing
 from distributed.all2all.token_packing import (
     RowLayout,
+    pack_rows,
     pack_sent_rows,
     pack_sent_rows_native,
     token_rank_mask,
+    unpack_row_ranges,
 )
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
 
@@ -114,3 +117,29 @@ def test_pack_sent_rows_takes_the_kernel_on_host_tensors_and_the_reference_when_
     assert token_packing._packing_kernel(x) is None
     got = pack_sent_rows(x, ids, weights, layout, **kw)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "ranges", [[], [(0, 0)], [(0, 9)], [(1, 3), (5, 0), (6, 3)], [(4, 2), (0, 1)]]
+)
+def test_unpack_row_ranges_kernel_equals_the_torch_path(monkeypatch, dtype, ranges):
+    x, ids, weights = _inputs(9, 3, 7, 8, dtype, seed=len(ranges))
+    layout = RowLayout(hidden_size=7, num_topk=3, dtype=dtype)
+    packed = pack_rows(x, ids, weights, layout)
+    got = unpack_row_ranges(packed, layout, ranges)
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
+    want = unpack_row_ranges(packed, layout, ranges)
+    rows = [i for first, n in ranges for i in range(first, first + n)]
+    for g, w, source in zip(got, want, (ids, weights, x), strict=True):
+        assert g.dtype == w.dtype and g.is_contiguous() and w.is_contiguous()
+        assert torch.equal(g, w) and torch.equal(g, source[rows])
+
+
+def test_unpack_row_ranges_refuses_rows_outside_the_buffer():
+    layout = RowLayout(hidden_size=4, num_topk=2, dtype=torch.float32)
+    packed = torch.zeros(5, layout.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"rows \[3, 6\) lie outside the 5 rows"):
+        unpack_row_ranges(packed, layout, [(0, 1), (3, 3)])
+    with pytest.raises(ValueError, match="packed rows must be"):
+        unpack_row_ranges(packed[:, :8], layout, [(0, 1)])

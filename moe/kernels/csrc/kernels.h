@@ -30,5 +30,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_sent_rows(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const std::optional<at::Tensor>& is_token_in_rank, int64_t ep_size, int64_t num_local_experts,
     int64_t weights_offset, int64_t hidden_offset, int64_t row_bytes, int64_t block);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_row_ranges(
+    const at::Tensor& packed, const std::vector<int64_t>& first_rows,
+    const std::vector<int64_t>& num_rows, int64_t num_topk, int64_t weights_offset,
+    int64_t hidden_offset, int64_t hidden_bytes);
 
 }  // namespace moe_dbo_cpu

@@ -24,6 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SwiGLU experts over the [E, M, H] batched layout, unweighted (CPU, packed weights)");
   m.def("pack_sent_rows", &moe_dbo_cpu::pack_sent_rows, py::call_guard<py::gil_scoped_release>(),
         "A dispatch's packed rows by destination rank: (packed, send_counts, send_token_idx)");
+  m.def("unpack_row_ranges", &moe_dbo_cpu::unpack_row_ranges,
+        py::call_guard<py::gil_scoped_release>(),
+        "The packed rows of some row ranges as contiguous (topk_ids, topk_weights, hidden bytes)");
   // Same-host collectives (shm_comm.h; distributed/shm_transport.py drives them). Module-local
   // types: one process may load the builds of two ISAs (the tests do), each registering them.
   py::class_<moe_dbo_cpu::ShmWork, std::shared_ptr<moe_dbo_cpu::ShmWork>>(m, "ShmWork",

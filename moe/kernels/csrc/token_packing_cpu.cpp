@@ -7,6 +7,10 @@
 // fixed cost that DBO pays once per ubatch and layer; this kernel does it in one call, byte for
 // byte the same rows (tests/distributed/test_token_packing_kernel.py compares both).
 //
+// unpack_row_ranges is the receiving side: the rows of some ranges of a received buffer (the
+// valid rows of a padded dispatch's blocks) as three contiguous tensors, one copy of each field,
+// where torch ops index the rows, then copy each field out of them.
+//
 // Row layout (token_packing.RowLayout): topk_ids int64 [k] at byte 0, topk_weights float32 [k]
 // at weights_offset, the hidden state (any dtype, copied as bytes) at hidden_offset, zero padding
 // to row_bytes. Pairs are ordered by destination rank, then token (DeepEP's order).
@@ -111,6 +115,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_sent_rows(
     }
   }
   return {packed, send_counts, send_token_idx};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_row_ranges(
+    const at::Tensor& packed, const std::vector<int64_t>& first_rows,
+    const std::vector<int64_t>& num_rows, int64_t num_topk, int64_t weights_offset,
+    int64_t hidden_offset, int64_t hidden_bytes) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.device().is_cpu(),
+              "packed must be a contiguous CPU [num_rows, row_bytes] uint8 tensor");
+  const int64_t total_rows = packed.size(0), row_bytes = packed.size(1);
+  TORCH_CHECK_VALUE(num_topk >= 1 && weights_offset >= 8 * num_topk &&
+                        hidden_offset >= weights_offset + 4 * num_topk && hidden_bytes >= 0 &&
+                        row_bytes >= hidden_offset + hidden_bytes,
+                    "the row layout does not fit rows of ", row_bytes, " bytes");
+  TORCH_CHECK_VALUE(first_rows.size() == num_rows.size(),
+                    "first_rows and num_rows differ in length");
+  int64_t m = 0;
+  for (size_t b = 0; b < first_rows.size(); ++b) {
+    TORCH_CHECK_VALUE(first_rows[b] >= 0 && num_rows[b] >= 0 &&
+                          first_rows[b] + num_rows[b] <= total_rows,
+                      "rows [", first_rows[b], ", ", first_rows[b] + num_rows[b],
+                      ") lie outside the ", total_rows, " rows");
+    m += num_rows[b];
+  }
+  at::Tensor ids = at::empty({m, num_topk}, at::kLong);
+  at::Tensor weights = at::empty({m, num_topk}, at::kFloat);
+  at::Tensor hidden = at::empty({m, hidden_bytes}, at::kByte);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  auto* ids_out = reinterpret_cast<uint8_t*>(ids.data_ptr<int64_t>());
+  auto* weights_out = reinterpret_cast<uint8_t*>(weights.data_ptr<float>());
+  uint8_t* hidden_out = hidden.data_ptr<uint8_t>();
+  int64_t i = 0;
+  for (size_t b = 0; b < first_rows.size(); ++b) {
+    for (int64_t row = first_rows[b]; row < first_rows[b] + num_rows[b]; ++row, ++i) {
+      const uint8_t* r = src + row * row_bytes;
+      std::memcpy(ids_out + i * 8 * num_topk, r, 8 * num_topk);
+      std::memcpy(weights_out + i * 4 * num_topk, r + weights_offset, 4 * num_topk);
+      std::memcpy(hidden_out + i * hidden_bytes, r + hidden_offset, hidden_bytes);
+    }
+  }
+  return {ids, weights, hidden};
 }
 
 }  // namespace moe_dbo_cpu
