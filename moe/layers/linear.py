@@ -22,9 +22,8 @@ logger = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-# Where float32 GEMMs use the pack: the platform answers per CPU vendor
-# (``Platform.float32_pack_limits``: on Intel MKL's sgemm is as fast above 256 rows and oneDNN's
-# per-call cost dominates small weights; elsewhere MKL's generic path is slower at every size).
+# Where float32 GEMMs use the pack: the platform answers per CPU vendor and ISA
+# (``Platform.float32_pack_limits``; docs/hardware.md, "Linear layers").
 # None: the platform's value; a number overrides it (tests set them). Read at call time.
 FLOAT32_MAX_PACKED_ROWS: int | None = None
 FLOAT32_MIN_PACKED_ELEMENTS: int | None = None

@@ -339,10 +339,15 @@ class CpuPlatform(Platform):
     @functools.cached_property
     def _float32_pack_limits(self) -> Float32PackLimits:
         # On Intel CPUs MKL's sgemm is as fast as the pack above 256 rows and oneDNN's per-call
-        # cost dominates weights below 2^20 elements; elsewhere MKL takes a generic code path at
-        # about half oneDNN's speed, so the pack wins at every batch size from 2^17 elements.
-        if self.cpu_capability().vendor in ("GenuineIntel", "unknown"):
+        # cost dominates weights below 2^20 elements. Elsewhere MKL runs no AVX-512: on an
+        # AVX-512 CPU it is about half oneDNN's speed, so the pack wins at every batch size from
+        # 2^17 elements; on an AVX2-only one both run AVX2 and MKL is as fast or faster except for
+        # large weights at a few dozen rows (docs/hardware.md, "Linear layers").
+        capability = self.cpu_capability()
+        if capability.vendor in ("GenuineIntel", "unknown"):
             return Float32PackLimits(max_rows=256, min_elements=1 << 20)
+        if not capability.isa.startswith("avx512"):
+            return Float32PackLimits(max_rows=64, min_elements=1 << 20)
         return Float32PackLimits(max_rows=sys.maxsize, min_elements=1 << 17)
 
     def float32_pack_limits(self) -> Float32PackLimits:

@@ -180,11 +180,11 @@ def test_bfloat16_runs_as_float32_exactly_where_the_probe_fails(monkeypatch):
     assert forced.dtype == torch.float32 and "(test)" in forced.reason
 
 
-def test_float32_pack_limits_follow_the_vendor(monkeypatch):
-    def with_vendor(vendor):
+def test_float32_pack_limits_follow_the_vendor_and_isa(monkeypatch):
+    def with_vendor(vendor, isa="avx512"):
         capability = CpuCapability(
-            isa="avx512",
-            torch_capability="AVX512",
+            isa=isa,
+            torch_capability=isa.upper()[:6],
             vendor=vendor,
             model_name="x",
             flags=frozenset(),
@@ -195,6 +195,8 @@ def test_float32_pack_limits_follow_the_vendor(monkeypatch):
     intel, amd = with_vendor("GenuineIntel"), with_vendor("AuthenticAMD")
     assert (intel.max_rows, intel.min_elements) == (256, 1 << 20)
     assert amd.max_rows == sys.maxsize and amd.min_elements == 1 << 17
+    zen3 = with_vendor("AuthenticAMD", isa="avx2")
+    assert (zen3.max_rows, zen3.min_elements) == (64, 1 << 20)
 
 
 class _NoGraphsPlatform(Platform):
