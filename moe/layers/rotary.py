@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moe.kernels import cpu_kernels
 from moe.platforms.custom_op import CustomOp, is_tracing
+from moe.platforms.device_probes import is_host
+from moe.platforms.plugins import current_platform
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -144,6 +147,17 @@ class RotaryEmbedding(CustomOp):
         return cache
 
     def forward_cpu(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """Our compiled kernel where it applies (``moe.kernels``' ``rotary_embedding``: host
+        tensors of one dtype, [num_tokens, heads, rotary_dim] with a contiguous last dim; it checks
+        the positions' bound without a host read op and equals ``forward_table`` bit for bit),
+        else ``forward_table``; ``forward_native`` for positions past the table."""
+        kernel = _rotary_kernel(query, key)
+        if kernel is not None:
+            table = self._rotation_table(positions.device, query.dtype)
+            in_range, q, k = kernel(
+                positions.long().contiguous(), query, key, table, self.is_neox_style
+            )
+            return (q, k) if in_range else self.forward_native(positions, query, key)
         cache = self._table(positions.device)
         # host sync: bound check (a trace has no values to check: graph mode, see forward_table)
         if positions.numel() and not is_tracing() and int(positions.max()) >= cache.shape[0]:
@@ -195,3 +209,23 @@ class RotaryEmbedding(CustomOp):
         if self.is_neox_style:  # pairs (i, i + half)
             return torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return torch.stack((x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)  # pairs (2i, 2i + 1)
+
+
+def _rotary_kernel(query: Tensor, key: Tensor):
+    """Our compiled ``rotary_embedding`` (``moe.kernels``, built for this CPU's ISA) for host
+    ``query`` / ``key`` of one floating dtype, 3-D with a contiguous last dim, outside a trace;
+    else None."""
+    if (
+        not is_host(query.device)
+        or not is_host(key.device)
+        or query.dtype != key.dtype
+        or query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        or query.dim() != 3
+        or key.dim() != 3
+        or query.stride(-1) != 1
+        or key.stride(-1) != 1
+        or is_tracing()
+    ):
+        return None
+    kernels = cpu_kernels(current_platform().cpu_capability().isa)
+    return None if kernels is None else kernels.rotary_embedding

@@ -25,6 +25,12 @@ void fused_moe(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor
 void fused_moe_batched(at::Tensor out, const at::Tensor& hidden_states, const at::Tensor& w13,
                        const at::Tensor& w2, const std::vector<int64_t>& expert_num_tokens);
 
+// rotary_cpu.cpp
+std::tuple<bool, at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                          const at::Tensor& query,
+                                                          const at::Tensor& key,
+                                                          const at::Tensor& table, bool is_neox);
+
 // token_packing_cpu.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_sent_rows(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,

@@ -22,6 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_batched", &moe_dbo_cpu::fused_moe_batched,
         py::call_guard<py::gil_scoped_release>(),
         "SwiGLU experts over the [E, M, H] batched layout, unweighted (CPU, packed weights)");
+  m.def("rotary_embedding", &moe_dbo_cpu::rotary_embedding,
+        py::call_guard<py::gil_scoped_release>(),
+        "Rotary embedding of query and key rows from a per-dtype factor table: (in_range, q, k)");
   m.def("pack_sent_rows", &moe_dbo_cpu::pack_sent_rows, py::call_guard<py::gil_scoped_release>(),
         "A dispatch's packed rows by destination rank: (packed, send_counts, send_token_idx)");
   m.def("unpack_row_ranges", &moe_dbo_cpu::unpack_row_ranges,
