@@ -152,9 +152,9 @@ def pack_sent_rows(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The rows a rank sends: each (destination rank, token) pair of ``is_token_in_rank``
     (``[num_tokens, ep_size]`` bool; None: ``token_rank_mask`` of ``topk_ids``), sorted by rank
-    then token, with the token's top-k ids made local to the destination (``localize_topk``). Our
-    compiled CPU kernel packs host tensors in one call (``moe.kernels``, where built), byte for
-    byte ``pack_sent_rows_native``'s rows.
+    then token, with the token's top-k ids made local to the destination (``localize_topk``).
+    Host tensors are packed by our compiled CPU kernel in one call (``moe.kernels``, where built;
+    the torch ops below, which run elsewhere, are its reference: the same bytes).
 
     Args:
         block: None: the rows back to back. Else rank r's rows start at row ``r * block + 1`` of
@@ -168,49 +168,17 @@ def pack_sent_rows(
     Raises:
         ValueError: a ``block`` without room; (kernel) an expert id past the experts.
     """
-    kernel = _packing_kernel(hidden_states)
-    if kernel is None:
-        return pack_sent_rows_native(
-            hidden_states,
-            topk_ids,
-            topk_weights,
-            layout,
-            num_local_experts=num_local_experts,
-            ep_size=ep_size,
-            is_token_in_rank=is_token_in_rank,
-            block=block,
-        )
-    return kernel(
-        hidden_states.contiguous(),
-        topk_ids.contiguous(),
-        topk_weights.float().contiguous(),
-        is_token_in_rank,
-        ep_size,
-        num_local_experts,
-        layout.weights_offset,
-        layout.hidden_offset,
-        layout.row_bytes,
-        0 if block is None else block,
-    )
-
-
-def pack_sent_rows_native(
-    hidden_states: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    layout: RowLayout,
-    *,
-    num_local_experts: int,
-    ep_size: int,
-    is_token_in_rank: Tensor | None = None,
-    block: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``pack_sent_rows`` in torch ops (any device, traceable): the reference of the kernel."""
     num_tokens = topk_ids.shape[0]
     if block is not None and block < 1 + num_tokens:
         raise ValueError(
             f"block must hold a header row and every token: got {block} for {num_tokens} tokens"
         )
+    kernel = _packing_kernel(hidden_states)
+    if kernel is not None:
+        offsets = (layout.weights_offset, layout.hidden_offset, layout.row_bytes)
+        ids, weights = topk_ids.contiguous(), topk_weights.float().contiguous()
+        args = (is_token_in_rank, ep_size, num_local_experts, *offsets, block or 0)
+        return kernel(hidden_states.contiguous(), ids, weights, *args)
     if is_token_in_rank is None:
         is_token_in_rank = token_rank_mask(
             topk_ids, num_local_experts=num_local_experts, ep_size=ep_size
@@ -225,16 +193,21 @@ def pack_sent_rows_native(
     )
     packed = pack_rows(hidden_states[send_token_idx], local_ids, local_weights, layout)
     send_counts = is_token_in_rank.sum(dim=0)
-    if block is None:
-        return packed, send_counts, send_token_idx
+    if block is not None:
+        packed = _into_blocks(packed, send_rank, send_counts, block)
+    return packed, send_counts, send_token_idx
+
+
+def _into_blocks(packed: Tensor, send_rank: Tensor, send_counts: Tensor, block: int) -> Tensor:
+    """``pack_sent_rows``' padded layout of its back-to-back rows (``send_rank``: each row's)."""
     # a pair's row: its rank's block, after the header, at its index among the rank's pairs
-    device = packed.device
+    device, ep_size = packed.device, send_counts.shape[0]
     first_of_rank = torch.cumsum(send_counts, 0) - send_counts
     pair = torch.arange(send_rank.shape[0], device=device)
     rows = send_rank * block + 1 + pair - first_of_rank[send_rank]
-    padded = torch.zeros(ep_size * block, layout.row_bytes, dtype=torch.uint8, device=device)
+    padded = torch.zeros(ep_size * block, packed.shape[1], dtype=torch.uint8, device=device)
     padded.index_copy_(0, rows, packed)
-    return padded, send_counts, send_token_idx
+    return padded
 
 
 def unpack_row_ranges(

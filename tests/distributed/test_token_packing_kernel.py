@@ -1,8 +1,8 @@
-"""Our compiled ``pack_sent_rows`` (``moe/kernels/csrc/token_packing_cpu.cpp``) against its torch
-reference ``pack_sent_rows_native``, byte for byte, on each ISA's build: back-to-back rows and
-padded blocks, every row dtype, tokens routed nowhere, ``-1`` slots; that ``pack_sent_rows`` runs
-the kernel on host tensors and the reference where kernels are off; and ``unpack_row_ranges``'
-kernel against its torch path."""
+"""Our compiled ``pack_sent_rows`` (``moe/kernels/csrc/token_packing_cpu.cpp``) against the torch
+ops of ``token_packing.pack_sent_rows`` (the kernels turned off), byte for byte, on each ISA's
+build: back-to-back rows and padded blocks, every row dtype, tokens routed nowhere, ``-1`` slots;
+that ``pack_sent_rows`` runs the kernel on host tensors and the torch ops where kernels are off;
+and ``unpack_row_ranges``' kernel against its torch path."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from distributed.all2all.token_packing import (
     RowLayout,
     pack_rows,
     pack_sent_rows,
-    pack_sent_rows_native,
     token_rank_mask,
     unpack_row_ranges,
 )
@@ -54,7 +53,7 @@ def _kernel_pack(module, x, ids, weights, mask, layout, num_local_experts, block
 @pytest.mark.parametrize("spare_rows", [None, 0, 3])  # None: back to back; else padded blocks
 @pytest.mark.parametrize("mask_given", [True, False])
 def test_kernel_packs_the_reference_bytes(
-    isa, dtype, num_tokens, ep_size, num_topk, spare_rows, mask_given
+    monkeypatch, isa, dtype, num_tokens, ep_size, num_topk, spare_rows, mask_given
 ):
     module = kernel_module_for(isa)
     num_local_experts = 4 if num_topk <= 4 else 8
@@ -67,7 +66,8 @@ def test_kernel_packs_the_reference_bytes(
     block = None if spare_rows is None else 1 + num_tokens + spare_rows
     given = mask if mask_given else None
     got = _kernel_pack(module, x, ids, weights, given, layout, num_local_experts, block, ep_size)
-    want = pack_sent_rows_native(
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")  # the torch ops
+    want = pack_sent_rows(
         x,
         ids,
         weights,
@@ -91,7 +91,7 @@ def test_kernel_refuses_a_block_without_room(isa):
     with pytest.raises(ValueError, match="block must hold a header row and every token"):
         _kernel_pack(module, x, ids, weights, mask, layout, 2, 4)
     with pytest.raises(ValueError, match="block must hold a header row and every token"):
-        pack_sent_rows_native(x, ids, weights, layout, num_local_experts=2, ep_size=2, block=4)
+        pack_sent_rows(x, ids, weights, layout, num_local_experts=2, ep_size=2, block=4)
     with pytest.raises(RuntimeError, match="topk_ids must be contiguous int64"):
         _kernel_pack(module, x, ids.int(), weights, mask, layout, 2, None)
     with pytest.raises(ValueError, match="topk_ids holds expert id 4, past the 4 experts"):
@@ -102,7 +102,9 @@ def test_pack_sent_rows_takes_the_kernel_on_host_tensors_and_the_reference_when_
     x, ids, weights = _inputs(9, 2, 8, 8, torch.bfloat16, seed=3)
     layout = RowLayout(hidden_size=8, num_topk=2, dtype=torch.bfloat16)
     kw = {"num_local_experts": 4, "ep_size": 2, "block": 10}
-    want = pack_sent_rows_native(x, ids, weights, layout, **kw)
+    monkeypatch.setenv("MOE_DBO_CPU_KERNELS", "0")
+    want = pack_sent_rows(x, ids, weights, layout, **kw)
+    monkeypatch.undo()
     calls = []
     kernel = token_packing._packing_kernel(x)
     if kernel is not None:  # the kernels built here: pack_sent_rows must call them
