@@ -227,9 +227,12 @@ def unpack_row_ranges(
             raise ValueError(f"rows [{first}, {first + n}) lie outside the {packed.shape[0]} rows")
     kernel = _unpacking_kernel(packed)
     if kernel is None:
-        device = packed.device
-        idx = [torch.arange(first, first + n, device=device) for first, n in ranges]
-        rows = packed[torch.cat(idx)] if idx else packed[:0]
+        if len(ranges) == 1:  # one range: a view, the fields' copies are the only ones
+            rows = packed[ranges[0][0] : ranges[0][0] + ranges[0][1]]
+        else:
+            device = packed.device
+            idx = [torch.arange(first, first + n, device=device) for first, n in ranges]
+            rows = packed[torch.cat(idx)] if idx else packed[:0]
         return tuple(t.contiguous() for t in unpack_rows(rows, layout))  # type: ignore[return-value]
     if packed.dim() != 2 or packed.shape[1] != layout.row_bytes or packed.dtype != torch.uint8:
         unpack_rows(packed, layout)  # raises its ValueError
