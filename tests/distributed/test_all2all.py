@@ -340,11 +340,15 @@ def _cases(world_size: int) -> list[dict]:
     return cases
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dispatch_experts_combine_matches_reference(world_size):
+@pytest.mark.parametrize(
+    ("world_size", "cpu_kernels"),
+    # kernels off: the rows packed and unpacked by the torch ops, the path on other devices
+    [(2, "1"), (4, "1"), (2, "0")],
+)
+def test_dispatch_experts_combine_matches_reference(world_size, cpu_kernels):
     cases = _cases(world_size)
     # the debug checks on: every dispatch's result is checked on arrival, a wrong count refused
-    env = {DEBUG_CHECKS_ENV: "1"}
+    env = {DEBUG_CHECKS_ENV: "1", "MOE_DBO_CPU_KERNELS": cpu_kernels}
     results = run_distributed(_all2all_rank, world_size, cases, timeout_s=240, env=env)
     for rank, summaries in enumerate(results):
         assert len(summaries) == len(cases) + 3 * (world_size == 2)
