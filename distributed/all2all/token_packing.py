@@ -249,17 +249,11 @@ def unpack_row_ranges(
 
 
 def _host_kernels(t: Tensor):
-    """Our compiled CPU kernels (``moe.kernels``, built for this CPU's ISA) for a host tensor
-    outside a trace, else None (the torch paths run)."""
-    # imported here: moe imports this package (its prepare/finalize classes)
-    from moe.kernels import cpu_kernels
-    from moe.platforms.custom_op import is_tracing
-    from moe.platforms.device_probes import is_host
-    from moe.platforms.plugins import current_platform
+    """``moe.kernels.host.host_kernels(t)``: our compiled CPU kernels for a host tensor outside a
+    trace, else None (the torch paths run)."""
+    from moe.kernels.host import host_kernels  # imported here: moe imports this package
 
-    if not is_host(t.device) or is_tracing():
-        return None
-    return cpu_kernels(current_platform().cpu_capability().isa)
+    return host_kernels(t)
 
 
 def _unpacking_kernel(packed: Tensor):

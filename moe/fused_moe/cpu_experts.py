@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe.fused_moe.grouped_experts import grouped_mm_runs
-from moe.kernels import cpu_kernels
+from moe.kernels.host import host_kernels
 from moe.kernels.tuning import MEASURE_MAX_MACS, best_seconds, measure_max_rows, tuned_max_rows
 from moe.layers import linear
 from moe.layers.linear import (
@@ -34,8 +34,6 @@ from moe.layers.linear import (
     upcast_wins,
 )
 from moe.platforms.custom_op import is_tracing
-from moe.platforms.device_probes import is_host
-from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from moe.fused_moe.experts import TorchExperts
@@ -54,14 +52,12 @@ def fused_moe_kernels(
     not a multiple of ``PACK_BLOCK``, a trace running, or no kernel build for this CPU (or
     ``MOE_DBO_CPU_KERNELS=0``)."""
     if (
-        not is_host(weight.device)
-        or weight.dtype not in KERNEL_DTYPES
+        weight.dtype not in KERNEL_DTYPES
         or hidden_size % PACK_BLOCK
         or (2 * intermediate_size) % PACK_BLOCK
-        or is_tracing()
     ):
         return None
-    return cpu_kernels(current_platform().cpu_capability().isa)
+    return host_kernels(weight)
 
 
 def k_group(kernels: ModuleType, dtype: torch.dtype) -> int:

@@ -1,7 +1,8 @@
 """Our C++ CPU kernels (``csrc/``), compiled on first use for the ISA the platform names:
 ``cpu_kernels(isa)`` returns the loaded module (``paged_attention``, ``fused_moe``,
 ``fused_moe_batched``, ``rotary_embedding``, ``pack_sent_rows``, ``unpack_row_ranges``, the
-shared-memory transport's ``ShmComm``, ``isa``) or None (the callers keep their plain torch path);
+shared-memory transport's ``ShmComm``, ``isa``) or None (the callers keep their plain torch path;
+the layers ask ``moe.kernels.host.host_kernels`` of their tensors);
 ``MOE_DBO_CPU_KERNELS=0`` turns them off. The build, its cache and each kernel's tensors:
 docs/hardware.md, "CPU kernels: build and API"."""
 

@@ -15,10 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.kernels import cpu_kernels
-from moe.platforms.custom_op import is_tracing
+from moe.kernels.host import host_kernels
 from moe.platforms.device_probes import is_host
-from moe.platforms.plugins import current_platform
 
 if TYPE_CHECKING:
     from moe.layers.attention_metadata import CommonAttentionMetadata
@@ -334,14 +332,12 @@ def attention_kernels(dtype: torch.dtype, kv_cache: Tensor) -> ModuleType | None
     tracer running and the kernels built for this CPU's vector ISA (AVX2 or AVX-512, the
     platform's ``cpu_capability().isa``; a CPU with neither builds nothing); else None."""
     if (
-        not is_host(kv_cache.device)
-        or dtype != kv_cache.dtype
+        dtype != kv_cache.dtype
         or dtype not in (torch.float32, torch.float64, torch.bfloat16)
         or not kv_cache.is_contiguous()
-        or is_tracing()
     ):
         return None
-    return cpu_kernels(current_platform().cpu_capability().isa)
+    return host_kernels(kv_cache)
 
 
 def paged_attention_kernel(query: Tensor, kv_cache: Tensor) -> Callable[..., None] | None:

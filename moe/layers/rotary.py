@@ -10,10 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe.kernels import cpu_kernels
+from moe.kernels.host import host_kernels
 from moe.platforms.custom_op import CustomOp, is_tracing
-from moe.platforms.device_probes import is_host
-from moe.platforms.plugins import current_platform
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -212,20 +210,16 @@ class RotaryEmbedding(CustomOp):
 
 
 def _rotary_kernel(query: Tensor, key: Tensor):
-    """Our compiled ``rotary_embedding`` (``moe.kernels``, built for this CPU's ISA) for host
-    ``query`` / ``key`` of one floating dtype, 3-D with a contiguous last dim, outside a trace;
-    else None."""
+    """Our compiled ``rotary_embedding`` (``moe.kernels.host.host_kernels``: host tensors, no trace)
+    for ``query`` / ``key`` of one floating dtype, 3-D with a contiguous last dim; else None."""
     if (
-        not is_host(query.device)
-        or not is_host(key.device)
-        or query.dtype != key.dtype
+        query.dtype != key.dtype
         or query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         or query.dim() != 3
         or key.dim() != 3
         or query.stride(-1) != 1
         or key.stride(-1) != 1
-        or is_tracing()
     ):
         return None
-    kernels = cpu_kernels(current_platform().cpu_capability().isa)
+    kernels = host_kernels(query, key)
     return None if kernels is None else kernels.rotary_embedding

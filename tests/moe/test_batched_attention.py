@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dbo import make_ubatch_slices
+from moe.kernels import host as kernels_host
 from moe.layers import batched_attention
 from moe.layers.attention import PagedAttention
 from moe.layers.attention_metadata import CommonAttentionMetadata, split_attn_metadata
@@ -47,7 +48,7 @@ def attention_path(request, monkeypatch):
         platform = CpuPlatform()
         capability = dataclasses.replace(platform.cpu_capability(), isa=request.param)
         monkeypatch.setattr(platform, "cpu_capability", lambda: capability)
-        monkeypatch.setattr(batched_attention, "current_platform", lambda: platform)
+        monkeypatch.setattr(kernels_host, "current_platform", lambda: platform)
     return request.param
 
 

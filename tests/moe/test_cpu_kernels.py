@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import kernels
+from moe.kernels import host as kernels_host
 from moe.layers import attention, attention_tuning, batched_attention, mla
 from moe.layers.attention import PagedAttention
 from moe.layers.batched_attention import KERNEL_EVERYWHERE, KernelCut
@@ -75,7 +76,7 @@ def kernel_calls(monkeypatch, isa):
             calls.append(args[7].numel())  # requests with query rows
             return module.paged_attention(*args)
 
-    monkeypatch.setattr(batched_attention, "cpu_kernels", lambda _isa: Counting())
+    monkeypatch.setattr(kernels_host, "cpu_kernels", lambda _isa: Counting())
     return calls
 
 

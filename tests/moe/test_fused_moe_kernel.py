@@ -24,6 +24,7 @@ import torch
 
 from moe import TorchExperts
 from moe.fused_moe import cpu_experts
+from moe.kernels import host as kernels_host
 from moe.kernels import tuning
 from moe.layers.linear import process_weights_after_loading
 from tests.helpers.cpu_kernels import ISAS, kernel_module_for
@@ -50,7 +51,7 @@ def kernel_calls(request, monkeypatch):
             calls.append("fused_moe_batched")
             return module.fused_moe_batched(*args)
 
-    monkeypatch.setattr(cpu_experts, "cpu_kernels", lambda _isa: Counting())
+    monkeypatch.setattr(kernels_host, "cpu_kernels", lambda _isa: Counting())
     monkeypatch.setattr(cpu_experts, "tuned_max_rows", lambda *_: math.inf)
     return calls
 
@@ -184,7 +185,7 @@ def test_kernel_refuses_a_local_id_beyond_the_experts(kernel_calls):
 
 def test_kernel_refuses_weights_not_packed_for_it(kernel_calls):
     experts, _ = make_experts(torch.float32)
-    module = cpu_experts.cpu_kernels("any")
+    module = kernels_host.cpu_kernels("any")
     x, out = torch.randn(2, 32), torch.empty(2, 32)
     ids, weights = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     w13 = cpu_experts.pack_weights(torch.cat([experts.w1, experts.w3], 1), module)
